@@ -1,0 +1,42 @@
+# mlm developer tasks. `just setup` is idempotent; every other recipe runs it first.
+# On a CPU machine torch is pinned to the CPU wheel (TORCH_SPEC); a machine that already has
+# a torch in .venv keeps it.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+python := env_var_or_default("PYTHON", "python3")
+torch_spec := env_var_or_default("TORCH_SPEC", "torch==2.13.0")
+venv := ".venv"
+bin := venv / "bin"
+
+# Create .venv and install mlm with its test tools (fast when already done).
+setup:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if [ ! -x {{bin}}/python ]; then {{python}} -m venv {{venv}}; fi
+    if ! {{bin}}/python -c "import torch" 2>/dev/null; then
+        {{bin}}/pip install -q "{{torch_spec}}"
+    fi
+    stamp={{venv}}/.mlm-installed
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+        {{bin}}/pip install -q -e ".[dev]"
+        touch "$stamp"
+    fi
+
+# End-to-end demo on the embedded default (the tiny pipeline, CPU).
+demo: setup
+    PATH="$PWD/{{bin}}:$PATH" bash pipelines/tiny/run.sh
+
+# The whole test suite (CPU; GPU tests skip without CUDA).
+test *ARGS: setup
+    {{bin}}/python -m pytest -q {{ARGS}}
+
+# Lint and format check.
+lint: setup
+    {{bin}}/ruff check .
+    {{bin}}/ruff format --check .
+
+# Benchmarks recorded in bench/RESULTS.md.
+bench: setup
+    {{bin}}/python bench/data_build.py
+    {{bin}}/python bench/sample_index.py

@@ -1,0 +1,1 @@
+"""The `mlm` command line: thin typer commands over the library (one call each)."""

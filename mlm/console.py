@@ -1,0 +1,49 @@
+"""Console output shared by the stages: one rich console and a throughput progress bar."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
+
+console = Console(stderr=True)
+
+
+def human(n: float, unit: str = "") -> str:
+    """1234567 -> '1.23M'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}" if float(n).is_integer() else f"{n:.2f}{unit}"
+
+
+class RatesColumn(ProgressColumn):
+    """docs/s, MB/s and tokens/s from the task's fields `docs` and `tokens` and its bytes."""
+
+    def render(self, task) -> Text:
+        t = task.elapsed or 0.0
+        if t <= 0:
+            return Text("")
+        f = task.fields
+        return Text(
+            f"{human(f.get('docs', 0) / t)} docs/s  {task.completed / t / 1e6:.1f} MB/s  "
+            f"{human(f.get('tokens', 0) / t)} tok/s",
+            style="cyan",
+        )
+
+
+def throughput_progress(enabled: bool = True) -> Progress:
+    """A progress bar over input bytes that also shows docs/s, MB/s and tokens/s."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>5.1f}%"),
+        RatesColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled or not sys.stderr.isatty() and not console.is_terminal,
+        transient=False,
+    )

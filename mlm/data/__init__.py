@@ -1,0 +1,1 @@
+"""The data stage: raw text → tokenizer → Megatron indexed dataset (+ merge, inspect, index)."""

@@ -1,0 +1,79 @@
+"""Train/valid/test datasets from a blend of indexed datasets (Megatron's `--data-path`).
+
+A blend is `[(weight, prefix), ...]`; one prefix alone needs no weight. Each split is a
+GPTDataset of one prefix, or a BlendedDataset over one GPTDataset per prefix, each asked for
+exactly the samples the blend takes from it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlm.datasets.blended import BlendedDataset, samples_per_dataset
+from mlm.datasets.gpt import SPLIT_NAMES, GPTDataset, GPTDatasetConfig
+from mlm.datasets.indexed import IndexedDataset
+from mlm.datasets.meta import read_meta
+from mlm.errors import MlmError
+
+
+def parse_blend(items: list[str]) -> list[tuple[float, str]]:
+    """["0.3", "a", "0.7", "b"] or ["a"] → [(0.3, "a"), (0.7, "b")]."""
+    if len(items) == 1:
+        return [(1.0, items[0])]
+    if len(items) % 2:
+        raise MlmError(f"data paths {items}: give one prefix, or weight-prefix pairs such as '0.3 a 0.7 b'")
+    blend = []
+    for w, p in zip(items[::2], items[1::2], strict=True):
+        try:
+            blend.append((float(w), p))
+        except ValueError:
+            raise MlmError(f"data paths: {w!r} should be a weight before prefix {p!r} (e.g. '0.3 {p}')") from None
+    return blend
+
+
+def check_same_tokenizer(prefixes: list[str]) -> dict | None:
+    """The tokenizer the datasets share (from their PREFIX.json), or None when none records one."""
+    seen: dict | None = None
+    first = None
+    for p in prefixes:
+        meta = read_meta(p)
+        if meta is None:
+            continue
+        tok = meta["tokenizer"]
+        if seen is None:
+            seen, first = tok, p
+        elif tok["sha256"] != seen["sha256"]:
+            raise MlmError(
+                f"{p} was tokenized with {tok['path']} (sha256 {tok['sha256'][:12]}) but {first} with "
+                f"{seen['path']} (sha256 {seen['sha256'][:12]}); rebuild one so that all share a tokenizer"
+            )
+    return seen
+
+
+def build_split_datasets(
+    blend: list[tuple[float, str]],
+    config: GPTDatasetConfig,
+    num_samples: dict[str, int],
+    build: bool = True,
+) -> dict:
+    """{split: dataset} for each split with a positive sample count in `num_samples`."""
+    prefixes = [p for _, p in blend]
+    check_same_tokenizer(prefixes)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    cache_dir = config.cache_dir or str(Path(prefixes[0]).parent / "cache")
+    config = GPTDatasetConfig(config.seq_length, config.seed, config.split, cache_dir)
+    out = {}
+    for split in SPLIT_NAMES:
+        n = num_samples.get(split, 0)
+        if n <= 0:
+            continue
+        if len(blend) == 1:
+            out[split] = GPTDataset(indexed[0], split, n, config, build=build)
+            continue
+        weights = [w for w, _ in blend]
+        counts = samples_per_dataset(weights, n)
+        parts = [GPTDataset(ds, split, max(c, 1), config, build=build) for ds, c in zip(indexed, counts, strict=True)]
+        description = {"split": split, "datasets": [d.description for d in parts]}
+        out[split] = BlendedDataset(parts, weights, n, cache_dir, description, build=build)
+    return out
+

@@ -1,0 +1,42 @@
+"""`PREFIX.json`: what built a dataset (tokenizer, counts, sources), beside Megatron's .bin/.idx.
+
+Megatron-made datasets have no such file; readers treat it as optional. A file with another
+`format_version` is refused with the versions this mlm reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from mlm.errors import MlmError
+
+META_FORMAT = "mlm-indexed-dataset"
+META_VERSION = 1
+
+
+def meta_path(prefix: str | os.PathLike) -> Path:
+    return Path(str(prefix) + ".json")
+
+
+def read_meta(prefix: str | os.PathLike) -> dict | None:
+    """The sidecar of `prefix`, or None when the dataset has none (e.g. made by Megatron)."""
+    p = meta_path(prefix)
+    if not p.is_file():
+        return None
+    try:
+        meta = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MlmError(f"{p}: not valid JSON ({e}); rebuild the dataset or delete the file") from None
+    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
+        raise MlmError(f"{p}: not an mlm dataset description (format {meta.get('format')!r}, expected {META_FORMAT!r})")
+    if meta.get("format_version") != META_VERSION:
+        raise MlmError(f"{p}: format_version {meta.get('format_version')!r}; this mlm reads {[META_VERSION]}")
+    return meta
+
+
+def new_meta(**fields) -> dict:
+    import mlm
+
+    return {"format": META_FORMAT, "format_version": META_VERSION, "mlm_version": mlm.__version__, **fields}

@@ -1,0 +1,55 @@
+"""Write artifacts without ever leaving a half-written file under the real name.
+
+`atomic_outputs` hands out temporary paths beside the final ones and renames them into place
+only when the block finishes without an exception; on any error (Ctrl-C included) the
+temporaries are removed. A SIGKILL can leave `*.tmp-PID` files, never a partial real file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from mlm.errors import MlmError
+
+
+def check_writable(paths: Sequence[Path], overwrite: bool) -> None:
+    """Refuse to replace existing outputs unless `overwrite`; make sure the folder exists."""
+    if not overwrite:
+        existing = [str(p) for p in paths if p.exists()]
+        if existing:
+            raise MlmError(f"output already exists: {', '.join(existing)}. Pass --overwrite to replace it.")
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_outputs(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
+    """Yield temporary paths for `paths`; rename them into place (in order) on success."""
+    finals = [Path(p) for p in paths]
+    temps = [p.with_name(f"{p.name}.tmp-{os.getpid()}") for p in finals]
+    try:
+        yield temps
+    except BaseException:
+        for t in temps:
+            t.unlink(missing_ok=True)
+        raise
+    for t, f in zip(temps, finals, strict=True):
+        os.replace(t, f)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a small text file atomically."""
+    with atomic_outputs([path]) as (tmp,):
+        tmp.write_text(text)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
