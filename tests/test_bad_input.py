@@ -1,0 +1,117 @@
+"""Bad input: one clear message naming file and line, exit code 2, and no output left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mlm(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True, cwd=cwd or ROOT,
+        env={"PYTHONPATH": str(ROOT), "COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+    )
+
+
+def build(tmp_path, tokenizer, *extra, name="in.jsonl"):
+    return mlm("data", "build", "-i", tmp_path / name, "-o", tmp_path / "out", "-t", tokenizer, "--no-progress", *extra)
+
+
+def assert_error(r, *fragments):
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = " ".join(r.stderr.split())  # unwrap the console's line breaks
+    assert "error:" in err and "Traceback" not in err, err
+    for f in fragments:
+        assert f in err, err
+
+
+def assert_no_output(tmp_path):
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
+
+
+def test_malformed_json_line(tmp_path, sp_model):
+    (tmp_path / "in.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c",,}\n')
+    r = build(tmp_path, sp_model)
+    assert_error(r, "in.jsonl:3: not valid JSON", "--skip-bad-lines")
+    assert_no_output(tmp_path)
+
+
+def test_missing_key(tmp_path, sp_model):
+    (tmp_path / "in.jsonl").write_text('{"text": "a"}\n{"content": "b"}\n')
+    assert_error(build(tmp_path, sp_model), "in.jsonl:2: no key 'text' (keys: content)", "--json-key")
+    assert_no_output(tmp_path)
+
+
+def test_non_utf8_bytes(tmp_path, sp_model):
+    (tmp_path / "in.jsonl").write_bytes(b'{"text": "a"}\n{"text": "caf\xe9"}\n')
+    assert_error(build(tmp_path, sp_model), "in.jsonl:2: not valid UTF-8 (byte 0xe9")
+    assert_no_output(tmp_path)
+
+
+def test_skip_bad_lines_counts_and_reports(tmp_path, sp_model):
+    (tmp_path / "in.jsonl").write_bytes(b'{"text": "a"}\n{"text": \n{"x": 1}\n{"text": "\xff"}\n{"text": "ok"}\n')
+    r = build(tmp_path, sp_model, "--skip-bad-lines")
+    assert r.returncode == 0, r.stderr
+    err = " ".join(r.stderr.split())
+    for reason in ("skipped: bad JSON │ 1", "skipped: missing key │ 1", "skipped: not UTF-8 │ 1"):
+        assert reason in err, err
+    from mlm.datasets.indexed import IndexedDataset
+
+    assert IndexedDataset(tmp_path / "out").num_documents == 2
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("tok.model", b"this is not a model", "tok.model: not a SentencePiece model"),
+    ("tokenizer.json", b'{"not": "a tokenizer"}', "tokenizer.json: not a Hugging Face tokenizer.json"),
+])
+def test_tokenizer_file_that_is_not_one(tmp_path, name, content, message):
+    (tmp_path / "in.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / name).write_bytes(content)
+    assert_error(build(tmp_path, tmp_path / name), message)
+    assert_no_output(tmp_path)
+
+
+def test_output_exists_needs_overwrite(tmp_path, sp_model):
+    (tmp_path / "in.jsonl").write_text('{"text": "a"}\n')
+    assert build(tmp_path, sp_model).returncode == 0
+    before = (tmp_path / "out.bin").read_bytes()
+    assert_error(build(tmp_path, sp_model), "output already exists", "--overwrite")
+    assert (tmp_path / "out.bin").read_bytes() == before
+    assert build(tmp_path, sp_model, "--overwrite").returncode == 0
+
+
+def test_vocab_too_large_for_dtype(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(70_000)}
+    vocab["[UNK]"] = 70_000
+    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "in.jsonl").write_text('{"text": "w1"}\n')
+    assert_error(build(tmp_path, tmp_path / "tokenizer.json", "--dtype", "uint16"),
+                 "vocab size 70001 does not fit dtype uint16", "--dtype int32")
+    assert_no_output(tmp_path)
+    # left to choose, the dtype is int32 (Megatron: uint16 only below 65500)
+    assert build(tmp_path, tmp_path / "tokenizer.json").returncode == 0
+    from mlm.datasets.indexed import IndexedDataset
+
+    assert IndexedDataset(tmp_path / "out").dtype.name == "int32"
+
+
+def test_missing_input_and_tokenizer(tmp_path, sp_model):
+    assert_error(build(tmp_path, sp_model, name="nope.jsonl"), "input not found")
+    (tmp_path / "in.jsonl").write_text('{"text": "a"}\n')
+    assert_error(build(tmp_path, tmp_path / "none.model"), "tokenizer not found")
+
+
+def test_truncated_compressed_input(tmp_path, sp_model):
+    import gzip
+
+    data = gzip.compress(b'{"text": "a"}\n' * 1000)
+    (tmp_path / "in.jsonl.gz").write_bytes(data[: len(data) // 2])
+    assert_error(build(tmp_path, sp_model, name="in.jsonl.gz"), "in.jsonl.gz: cannot read")
+    assert_no_output(tmp_path)
