@@ -6,7 +6,9 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(help="Raw text → tokenizer → Megatron indexed dataset (.bin/.idx + .json).", no_args_is_help=True)
+app = typer.Typer(
+    help="Raw text → tokenizer → Megatron indexed dataset (.bin/.idx + .json).", no_args_is_help=True
+)
 corpus_app = typer.Typer(help="Make a corpus to train on.", no_args_is_help=True)
 tokenizer_app = typer.Typer(help="Train a tokenizer.", no_args_is_help=True)
 app.add_typer(corpus_app, name="corpus")
@@ -42,7 +44,10 @@ def corpus_stdlib(
     from mlm.data.corpus import write_stdlib_corpus
 
     s = write_stdlib_corpus(output, overwrite=overwrite, repeat=repeat)
-    _print_table(f"wrote {s.path}", [("documents", s.documents), ("bytes", s.bytes), ("skipped (not UTF-8)", s.skipped_not_utf8)])
+    _print_table(
+        f"wrote {s.path}",
+        [("documents", s.documents), ("bytes", s.bytes), ("skipped (not UTF-8)", s.skipped_not_utf8)],
+    )
 
 
 @tokenizer_app.command("train")
@@ -52,7 +57,9 @@ def tokenizer_train(
     vocab_size: int = typer.Option(8000, help="Vocabulary size, special tokens included."),
     model_type: str = typer.Option("bpe", help="bpe or unigram."),
     byte_fallback: bool = typer.Option(True, help="Spell unknown characters as UTF-8 bytes."),
-    special_tokens: list[str] = typer.Option(["<|eod|>"], "--special-token", help="User-defined special tokens."),
+    special_tokens: list[str] = typer.Option(
+        ["<|eod|>"], "--special-token", help="User-defined special tokens."
+    ),
     json_key: str = JsonKey,
     input_format: str = InputFormat,
     text_unit: str = TextUnit,
@@ -66,29 +73,52 @@ def tokenizer_train(
     from mlm.data.tokenizer_train import TokenizerTrainOptions, train_tokenizer
 
     opts = TokenizerTrainOptions(
-        [str(i) for i in inputs], str(output), vocab_size, model_type, byte_fallback, special_tokens, json_key,
-        input_format, text_unit, max_sentences, threads=threads, seed=seed, overwrite=overwrite,
+        [str(i) for i in inputs],
+        str(output),
+        vocab_size,
+        model_type,
+        byte_fallback,
+        special_tokens,
+        json_key,
+        input_format,
+        text_unit,
+        max_sentences,
+        threads=threads,
+        seed=seed,
+        overwrite=overwrite,
         progress=not no_progress,
     )
     r = train_tokenizer(opts)
-    _print_table(f"wrote {r['output']}", [("vocab size", r["vocab_size"]), ("documents", r["documents"]),
-                                          ("text chunks", r["chunks"])])
+    _print_table(
+        f"wrote {r['output']}",
+        [("vocab size", r["vocab_size"]), ("documents", r["documents"]), ("text chunks", r["chunks"])],
+    )
 
 
 @app.command("build")
 def build(
-    inputs: list[Path] = typer.Option(..., "--input", "-i", help="JSONL (.jsonl, .gz, .zst) or text files, or folders."),
-    output_prefix: str = typer.Option(..., "--output-prefix", "-o", help="Writes PREFIX.bin, PREFIX.idx, PREFIX.json."),
-    tokenizer: Path = typer.Option(..., "--tokenizer", "-t", help=".model, tokenizer.json, vocab.json or a folder."),
+    inputs: list[Path] = typer.Option(
+        ..., "--input", "-i", help="JSONL (.jsonl, .gz, .zst) or text files, or folders."
+    ),
+    output_prefix: str = typer.Option(
+        ..., "--output-prefix", "-o", help="Writes PREFIX.bin, PREFIX.idx, PREFIX.json."
+    ),
+    tokenizer: Path = typer.Option(
+        ..., "--tokenizer", "-t", help=".model, tokenizer.json, vocab.json or a folder."
+    ),
     merges: Path | None = typer.Option(None, help="GPT-2 merges.txt (default: beside vocab.json)."),
     eod_token: str | None = typer.Option(None, help="Use this token as eod instead of the tokenizer's own."),
-    append_eod: bool = typer.Option(False, "--append-eod", help="Add the eod token after every non-empty document."),
+    append_eod: bool = typer.Option(
+        False, "--append-eod", help="Add the eod token after every non-empty document."
+    ),
     json_key: str = JsonKey,
     input_format: str = InputFormat,
     text_unit: str = TextUnit,
     workers: int = typer.Option(2, help="Tokenizer threads."),
     dtype: str | None = typer.Option(None, help="uint16 or int32 (default: uint16 when vocab < 65500)."),
-    skip_bad_lines: bool = typer.Option(False, "--skip-bad-lines", help="Skip and count bad lines instead of stopping."),
+    skip_bad_lines: bool = typer.Option(
+        False, "--skip-bad-lines", help="Skip and count bad lines instead of stopping."
+    ),
     overwrite: bool = Overwrite,
     no_progress: bool = NoProgress,
 ) -> None:
@@ -97,15 +127,33 @@ def build(
     from mlm.data.build import BuildOptions, build_dataset
 
     opts = BuildOptions(
-        [str(i) for i in inputs], output_prefix, str(tokenizer), str(merges) if merges else None, eod_token,
-        json_key, input_format, text_unit, append_eod, workers, dtype=dtype, overwrite=overwrite,
-        skip_bad_lines=skip_bad_lines, progress=not no_progress,
+        [str(i) for i in inputs],
+        output_prefix,
+        str(tokenizer),
+        str(merges) if merges else None,
+        eod_token,
+        json_key,
+        input_format,
+        text_unit,
+        append_eod,
+        workers,
+        dtype=dtype,
+        overwrite=overwrite,
+        skip_bad_lines=skip_bad_lines,
+        progress=not no_progress,
     )
     s = build_dataset(opts)
     rows: list[tuple[str, object]] = [
-        ("documents", s.documents), ("empty documents", s.empty_documents), ("tokens", s.tokens),
-        ("dtype", s.dtype), ("input", human(s.input_bytes, "B")), ("time", f"{s.seconds:.1f} s"),
-        ("throughput", f"{human(s.tokens / max(s.seconds, 1e-9))} tok/s, {s.input_bytes / max(s.seconds, 1e-9) / 1e6:.1f} MB/s"),
+        ("documents", s.documents),
+        ("empty documents", s.empty_documents),
+        ("tokens", s.tokens),
+        ("dtype", s.dtype),
+        ("input", human(s.input_bytes, "B")),
+        ("time", f"{s.seconds:.1f} s"),
+        (
+            "throughput",
+            f"{human(s.tokens / max(s.seconds, 1e-9))} tok/s, {s.input_bytes / max(s.seconds, 1e-9) / 1e6:.1f} MB/s",
+        ),
     ]
     rows += [(f"skipped: {reason}", n) for reason, n in sorted(s.skipped.items())]
     _print_table(f"wrote {s.prefix}.bin/.idx/.json", rows)
@@ -115,7 +163,9 @@ def build(
 def inspect(
     prefix: str = typer.Argument(..., help="Dataset prefix (PREFIX.bin/.idx)."),
     docs: int = typer.Option(3, help="Documents to decode and show."),
-    tokenizer: Path | None = typer.Option(None, help="Tokenizer to decode with (default: the one in PREFIX.json)."),
+    tokenizer: Path | None = typer.Option(
+        None, help="Tokenizer to decode with (default: the one in PREFIX.json)."
+    ),
 ) -> None:
     """Counts, document lengths, frequent tokens and the first documents."""
     from rich.panel import Panel
@@ -125,14 +175,22 @@ def inspect(
 
     r = inspect_dataset(prefix, docs, str(tokenizer) if tokenizer else None)
     rows: list[tuple[str, object]] = [
-        ("documents", r.documents), ("empty documents", r.empty_documents), ("sequences", r.sequences),
-        ("tokens", r.tokens), ("dtype", r.dtype), ("distinct token ids", r.distinct_tokens),
+        ("documents", r.documents),
+        ("empty documents", r.empty_documents),
+        ("sequences", r.sequences),
+        ("tokens", r.tokens),
+        ("dtype", r.dtype),
+        ("distinct token ids", r.distinct_tokens),
         ("largest token id", r.max_token_id),
     ]
     rows += [(f"tokens/doc {k}", v) for k, v in r.length_percentiles.items()]
     if r.meta:
         t = r.meta["tokenizer"]
-        rows += [("tokenizer", f"{t['kind']} {t['path']}"), ("vocab size", t["vocab_size"]), ("eod id", t["eod_id"])]
+        rows += [
+            ("tokenizer", f"{t['kind']} {t['path']}"),
+            ("vocab size", t["vocab_size"]),
+            ("eod id", t["eod_id"]),
+        ]
     _print_table(f"{prefix}", rows)
     top = ", ".join(f"{tid} {piece!r} ×{n:,}" for tid, n, piece in r.top_tokens)
     console.print(f"[bold]most frequent tokens:[/] {top}", highlight=False)
@@ -142,7 +200,9 @@ def inspect(
 
 @app.command("merge")
 def merge(
-    inputs: list[str] = typer.Option(..., "--input", "-i", help="Dataset prefixes, in order (repeat the option)."),
+    inputs: list[str] = typer.Option(
+        ..., "--input", "-i", help="Dataset prefixes, in order (repeat the option)."
+    ),
     output_prefix: str = typer.Option(..., "--output-prefix", "-o"),
     overwrite: bool = Overwrite,
 ) -> None:
@@ -162,7 +222,9 @@ def index(
     test_samples: int = typer.Option(0, help="Test samples."),
     split: str = typer.Option("969,30,1", help="Shares of documents for train, valid, test."),
     seed: int = typer.Option(1234, help="Shuffle seed (the trainer's data seed)."),
-    cache_dir: str | None = typer.Option(None, help="Index cache folder (default: cache/ beside the first dataset)."),
+    cache_dir: str | None = typer.Option(
+        None, help="Index cache folder (default: cache/ beside the first dataset)."
+    ),
 ) -> None:
     """Prebuild the sample and shuffle indices offline, so training nodes only load them."""
     import time

@@ -74,7 +74,13 @@ class Tokenizer(ABC):
         for f in self._files():
             h.update(f.read_bytes())
         return TokenizerInfo(
-            self.kind, str(self.path.resolve()), h.hexdigest(), self.vocab_size, self.eod_id, self.bos_id, self.pad_id
+            self.kind,
+            str(self.path.resolve()),
+            h.hexdigest(),
+            self.vocab_size,
+            self.eod_id,
+            self.bos_id,
+            self.pad_id,
         )
 
     def _set_eod(self, eod_token: str | None) -> None:
@@ -82,7 +88,9 @@ class Tokenizer(ABC):
             return
         tid = self.token_to_id(eod_token)
         if tid is None:
-            raise MlmError(f"{self.path}: eod token {eod_token!r} is not in the vocabulary; pick a token it has")
+            raise MlmError(
+                f"{self.path}: eod token {eod_token!r} is not in the vocabulary; pick a token it has"
+            )
         self.eod_id = tid
 
 
@@ -162,7 +170,9 @@ class HFTokenizer(_TokenizersLibTokenizer):
         try:
             tok = HFTok.from_file(str(path))
         except Exception as e:  # the library raises a plain Exception on a bad file
-            raise MlmError(f"{path}: not a Hugging Face tokenizer.json ({e}); mlm reads {KNOWN_FORMATS}") from None
+            raise MlmError(
+                f"{path}: not a Hugging Face tokenizer.json ({e}); mlm reads {KNOWN_FORMATS}"
+            ) from None
         self._setup(tok)
         cfg = _read_tokenizer_config(path.parent / "tokenizer_config.json")
         for field, attr in (("eos_token", "eod_id"), ("bos_token", "bos_id"), ("pad_token", "pad_id")):
@@ -220,7 +230,9 @@ def load_tokenizer(
     """Load a tokenizer from a file or folder; the kind is told from what is there."""
     p = Path(path)
     if not p.exists():
-        raise MlmError(f"tokenizer not found: {p}. Train one with `mlm data tokenizer train` or give {KNOWN_FORMATS}")
+        raise MlmError(
+            f"tokenizer not found: {p}. Train one with `mlm data tokenizer train` or give {KNOWN_FORMATS}"
+        )
     if p.is_dir():
         if (p / "tokenizer.json").is_file():
             return HFTokenizer(p / "tokenizer.json", eod_token)

@@ -13,13 +13,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def mlm(*args, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", *map(str, args)], capture_output=True, text=True, cwd=cwd or ROOT,
+        [sys.executable, "-m", "cli.main", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
         env={"PYTHONPATH": str(ROOT), "COLUMNS": "200", "PATH": "/usr/bin:/bin"},
     )
 
 
 def build(tmp_path, tokenizer, *extra, name="in.jsonl"):
-    return mlm("data", "build", "-i", tmp_path / name, "-o", tmp_path / "out", "-t", tokenizer, "--no-progress", *extra)
+    return mlm(
+        "data",
+        "build",
+        "-i",
+        tmp_path / name,
+        "-o",
+        tmp_path / "out",
+        "-t",
+        tokenizer,
+        "--no-progress",
+        *extra,
+    )
 
 
 def assert_error(r, *fragments):
@@ -54,7 +68,9 @@ def test_non_utf8_bytes(tmp_path, sp_model):
 
 
 def test_skip_bad_lines_counts_and_reports(tmp_path, sp_model):
-    (tmp_path / "in.jsonl").write_bytes(b'{"text": "a"}\n{"text": \n{"x": 1}\n{"text": "\xff"}\n{"text": "ok"}\n')
+    (tmp_path / "in.jsonl").write_bytes(
+        b'{"text": "a"}\n{"text": \n{"x": 1}\n{"text": "\xff"}\n{"text": "ok"}\n'
+    )
     r = build(tmp_path, sp_model, "--skip-bad-lines")
     assert r.returncode == 0, r.stderr
     err = " ".join(r.stderr.split())
@@ -65,10 +81,13 @@ def test_skip_bad_lines_counts_and_reports(tmp_path, sp_model):
     assert IndexedDataset(tmp_path / "out").num_documents == 2
 
 
-@pytest.mark.parametrize("name,content,message", [
-    ("tok.model", b"this is not a model", "tok.model: not a SentencePiece model"),
-    ("tokenizer.json", b'{"not": "a tokenizer"}', "tokenizer.json: not a Hugging Face tokenizer.json"),
-])
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("tok.model", b"this is not a model", "tok.model: not a SentencePiece model"),
+        ("tokenizer.json", b'{"not": "a tokenizer"}', "tokenizer.json: not a Hugging Face tokenizer.json"),
+    ],
+)
 def test_tokenizer_file_that_is_not_one(tmp_path, name, content, message):
     (tmp_path / "in.jsonl").write_text('{"text": "a"}\n')
     (tmp_path / name).write_bytes(content)
@@ -92,8 +111,11 @@ def test_vocab_too_large_for_dtype(tmp_path):
     vocab["[UNK]"] = 70_000
     Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "in.jsonl").write_text('{"text": "w1"}\n')
-    assert_error(build(tmp_path, tmp_path / "tokenizer.json", "--dtype", "uint16"),
-                 "vocab size 70001 does not fit dtype uint16", "--dtype int32")
+    assert_error(
+        build(tmp_path, tmp_path / "tokenizer.json", "--dtype", "uint16"),
+        "vocab size 70001 does not fit dtype uint16",
+        "--dtype int32",
+    )
     assert_no_output(tmp_path)
     # left to choose, the dtype is int32 (Megatron: uint16 only below 65500)
     assert build(tmp_path, tmp_path / "tokenizer.json").returncode == 0

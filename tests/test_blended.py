@@ -10,6 +10,7 @@ from mlm.datasets.builder import build_split_datasets, parse_blend
 from mlm.datasets.gpt import GPTDatasetConfig
 from mlm.datasets.sampler import PretrainingSampler
 from mlm.errors import MlmError
+
 from test_gpt_dataset import make_dataset
 
 

@@ -11,18 +11,20 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import write_jsonl
 from mlm.data.build import BuildOptions, build_dataset
 from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.meta import read_meta
 from mlm.tokenizer import load_tokenizer
 
+from conftest import write_jsonl
+
 text_st = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=300)
 
 
 def build(tmp_path, inputs, tokenizer, name="out", **kw):
-    opts = BuildOptions([str(i) for i in inputs], str(tmp_path / name), str(tokenizer), progress=False,
-                        overwrite=True, **kw)
+    opts = BuildOptions(
+        [str(i) for i in inputs], str(tmp_path / name), str(tokenizer), progress=False, overwrite=True, **kw
+    )
     return build_dataset(opts), IndexedDataset(tmp_path / name)
 
 
@@ -45,7 +47,9 @@ def any_tokenizer(request, sp_model, hf_tokenizer_json, gpt2_files):
 def test_round_trip_random_documents(tmp_path, any_tokenizer, texts, append_eod):
     write_jsonl(tmp_path / "in.jsonl", texts)
     tok = load_tokenizer(any_tokenizer)
-    summary, ds = build(tmp_path, [tmp_path / "in.jsonl"], any_tokenizer, append_eod=append_eod, batch_bytes=200)
+    summary, ds = build(
+        tmp_path, [tmp_path / "in.jsonl"], any_tokenizer, append_eod=append_eod, batch_bytes=200
+    )
     assert_round_trip(ds, tok, texts, append_eod)
     assert summary.empty_documents == sum(1 for t in texts if not tok.encode(t))
 

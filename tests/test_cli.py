@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from mlm.datasets.indexed import IndexedDataset
+
 from test_bad_input import ROOT, mlm
 
 
@@ -44,11 +45,33 @@ def test_data_stage_end_to_end(tmp_path):
     assert paths == sorted(paths) and len(paths) > 100
     assert not any("/test/" in p or p.startswith(("test/", "site-packages")) for p in paths)
 
-    r = mlm("data", "tokenizer", "train", "-i", tmp_path / "corpus.jsonl", "-o", tmp_path / "tok.model",
-            "--vocab-size", "1000", "--max-sentences", "20000", "--no-progress")
+    r = mlm(
+        "data",
+        "tokenizer",
+        "train",
+        "-i",
+        tmp_path / "corpus.jsonl",
+        "-o",
+        tmp_path / "tok.model",
+        "--vocab-size",
+        "1000",
+        "--max-sentences",
+        "20000",
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr
-    r = mlm("data", "build", "-i", tmp_path / "corpus.jsonl", "-o", tmp_path / "ds", "-t", tmp_path / "tok.model",
-            "--append-eod", "--no-progress")
+    r = mlm(
+        "data",
+        "build",
+        "-i",
+        tmp_path / "corpus.jsonl",
+        "-o",
+        tmp_path / "ds",
+        "-t",
+        tmp_path / "tok.model",
+        "--append-eod",
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr
     ds = IndexedDataset(tmp_path / "ds")
     assert ds.num_documents == len(lines)
@@ -63,8 +86,22 @@ def test_data_stage_end_to_end(tmp_path):
     assert twice.num_documents == 2 * ds.num_documents and twice.num_tokens == 2 * ds.num_tokens
     np.testing.assert_array_equal(twice.document(ds.num_documents + 5), ds.document(5))
 
-    r = mlm("data", "index", "0.4", tmp_path / "ds", "0.6", tmp_path / "twice", "--seq-length", "128",
-            "--train-samples", "2000", "--valid-samples", "10", "--split", "95,5,0")
+    r = mlm(
+        "data",
+        "index",
+        "0.4",
+        tmp_path / "ds",
+        "0.6",
+        tmp_path / "twice",
+        "--seq-length",
+        "128",
+        "--train-samples",
+        "2000",
+        "--valid-samples",
+        "10",
+        "--split",
+        "95,5,0",
+    )
     assert r.returncode == 0, r.stderr
     cached = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert sum(n.endswith("-description.json") for n in cached) == 6  # per split: 2 GPTDatasets + 1 blend
@@ -72,6 +109,18 @@ def test_data_stage_end_to_end(tmp_path):
 
 def test_merge_refuses_other_tokenizer(tmp_path, sp_model, hf_tokenizer_json, corpus_jsonl):
     for name, tok in (("a", sp_model), ("b", hf_tokenizer_json)):
-        mlm("data", "build", "-i", corpus_jsonl, "-o", tmp_path / name, "-t", tok, "--no-progress", "--dtype", "uint16")
+        mlm(
+            "data",
+            "build",
+            "-i",
+            corpus_jsonl,
+            "-o",
+            tmp_path / name,
+            "-t",
+            tok,
+            "--no-progress",
+            "--dtype",
+            "uint16",
+        )
     r = mlm("data", "merge", "-i", tmp_path / "a", "-i", tmp_path / "b", "-o", tmp_path / "ab")
     assert r.returncode == 2 and "share a tokenizer" in " ".join(r.stderr.split())

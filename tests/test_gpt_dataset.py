@@ -107,7 +107,9 @@ def test_same_seed_same_order_and_cache_reloads(tmp_path):
     for name in ("document_index", "sample_index", "shuffle_index"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
     assert isinstance(b.shuffle_index, np.memmap)
-    other = GPTDataset(ds, "train", 500, GPTDatasetConfig(16, seed=10, split="1", cache_dir=str(tmp_path / "cache")))
+    other = GPTDataset(
+        ds, "train", 500, GPTDatasetConfig(16, seed=10, split="1", cache_dir=str(tmp_path / "cache"))
+    )
     assert [a[i].tolist() for i in range(5)] != [other[i].tolist() for i in range(5)]
     with pytest.raises(MlmError, match="not found in .*mlm data index"):
         GPTDataset(ds, "train", 501, cfg, build=False)

@@ -116,7 +116,9 @@ def _read_batches(sources, opts: BuildOptions, out: _Pipe) -> None:
             fmt = input_format(path, opts.input_format)
             texts: list[str] = []
             size, last = 0, 0
-            for text, pos in iter_documents(path, fmt, opts.json_key, opts.text_unit, opts.skip_bad_lines, stats):
+            for text, pos in iter_documents(
+                path, fmt, opts.json_key, opts.text_unit, opts.skip_bad_lines, stats
+            ):
                 texts.append(text)
                 size += len(text)
                 if size >= opts.batch_bytes:

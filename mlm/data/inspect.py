@@ -27,7 +27,9 @@ class Inspection:
     samples: list[str] = field(default_factory=list)
 
 
-def inspect_dataset(prefix: str, num_docs: int = 3, tokenizer: str | None = None, max_chars: int = 400) -> Inspection:
+def inspect_dataset(
+    prefix: str, num_docs: int = 3, tokenizer: str | None = None, max_chars: int = 400
+) -> Inspection:
     ds = IndexedDataset(prefix)
     meta = read_meta(prefix)
     lengths = np.asarray(ds.sequence_lengths)
@@ -35,9 +37,13 @@ def inspect_dataset(prefix: str, num_docs: int = 3, tokenizer: str | None = None
     qs = (0, 50, 90, 99, 100)
     pct = {}
     if len(lengths):
-        pct = dict(zip(("min", "p50", "p90", "p99", "max"), (int(x) for x in np.percentile(lengths, qs)), strict=True))
+        pct = dict(
+            zip(
+                ("min", "p50", "p90", "p99", "max"), (int(x) for x in np.percentile(lengths, qs)), strict=True
+            )
+        )
     # Token-id histogram over (at most) the first 50M tokens: enough for a summary, bounded in time.
-    tokens = np.asarray(ds._bin[: 50_000_000])
+    tokens = np.asarray(ds._bin[:50_000_000])
     counts = np.bincount(tokens.astype(np.int64)) if len(tokens) else np.zeros(0, np.int64)
     top = np.argsort(counts)[::-1][:10]
     tok_path = tokenizer or (meta["tokenizer"]["path"] if meta else None)

@@ -18,7 +18,9 @@ def merge_datasets(inputs: list[str], output_prefix: str, overwrite: bool = Fals
     dtypes = {d.dtype.name for d in datasets}
     if len(dtypes) > 1:
         found = ", ".join(f"{d.path_prefix}={d.dtype.name}" for d in datasets)
-        raise MlmError(f"cannot merge datasets of different dtypes ({found}); rebuild them with the same --dtype")
+        raise MlmError(
+            f"cannot merge datasets of different dtypes ({found}); rebuild them with the same --dtype"
+        )
     tokenizer = check_same_tokenizer(inputs)
     bin_path, idx_path = data_paths(output_prefix)
     finals = [bin_path, idx_path, meta_path(output_prefix)]

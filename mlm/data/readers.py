@@ -34,7 +34,12 @@ class SourceStats:
     skipped: Counter = field(default_factory=Counter)
 
     def as_json(self) -> dict:
-        return {"path": self.path, "bytes": self.bytes, "documents": self.documents, "skipped": dict(self.skipped)}
+        return {
+            "path": self.path,
+            "bytes": self.bytes,
+            "documents": self.documents,
+            "skipped": dict(self.skipped),
+        }
 
 
 def input_format(path: Path, requested: str) -> str:
@@ -87,7 +92,9 @@ def _decode(data: bytes, where: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadInput(
-            where, "not UTF-8", f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {e.start + 1})",
+            where,
+            "not UTF-8",
+            f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {e.start + 1})",
             "Re-encode the file as UTF-8, or pass --skip-bad-lines to skip such lines",
         ) from None
 
@@ -98,20 +105,34 @@ def _jsonl_doc(line: bytes, where: str, key: str) -> str:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise BadInput(
-            where, "bad JSON", f"not valid JSON ({e.msg} at column {e.colno})",
+            where,
+            "bad JSON",
+            f"not valid JSON ({e.msg} at column {e.colno})",
             "Fix the line, or pass --skip-bad-lines to skip such lines",
         ) from None
     if not isinstance(obj, dict):
-        raise BadInput(where, "not an object", f"a JSON {type(obj).__name__}, not an object",
-                       "Each line must be an object such as {\"text\": \"...\"}")
+        raise BadInput(
+            where,
+            "not an object",
+            f"a JSON {type(obj).__name__}, not an object",
+            'Each line must be an object such as {"text": "..."}',
+        )
     if key not in obj:
         keys = ", ".join(list(obj)[:8]) or "none"
-        raise BadInput(where, "missing key", f"no key {key!r} (keys: {keys})",
-                       "Choose the key with --json-key, or pass --skip-bad-lines to skip such lines")
+        raise BadInput(
+            where,
+            "missing key",
+            f"no key {key!r} (keys: {keys})",
+            "Choose the key with --json-key, or pass --skip-bad-lines to skip such lines",
+        )
     value = obj[key]
     if not isinstance(value, str):
-        raise BadInput(where, "not a string", f"{key!r} is a {type(value).__name__}, not a string",
-                       "Choose another key with --json-key, or pass --skip-bad-lines")
+        raise BadInput(
+            where,
+            "not a string",
+            f"{key!r} is a {type(value).__name__}, not a string",
+            "Choose another key with --json-key, or pass --skip-bad-lines",
+        )
     return value
 
 
@@ -130,8 +151,12 @@ def iter_documents(
                     text = data.decode("utf-8")
                 except UnicodeDecodeError as e:
                     line = data.count(b"\n", 0, e.start) + 1
-                    err = BadInput(f"{path}:{line}", "not UTF-8", f"not valid UTF-8 (byte 0x{data[e.start]:02x})",
-                                   "Re-encode the file as UTF-8, or pass --skip-bad-lines to skip such files")
+                    err = BadInput(
+                        f"{path}:{line}",
+                        "not UTF-8",
+                        f"not valid UTF-8 (byte 0x{data[e.start]:02x})",
+                        "Re-encode the file as UTF-8, or pass --skip-bad-lines to skip such files",
+                    )
                     if not skip_bad_lines:
                         raise err from None
                     stats.skipped[err.reason] += 1

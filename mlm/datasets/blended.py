@@ -61,7 +61,9 @@ class BlendedDataset:
         build: bool = True,
     ):
         if len(datasets) != len(weights):
-            raise MlmError(f"{len(datasets)} datasets but {len(weights)} weights; give one weight per dataset")
+            raise MlmError(
+                f"{len(datasets)} datasets but {len(weights)} weights; give one weight per dataset"
+            )
         self.datasets = list(datasets)
         self.weights = normalize_weights(weights)
         self.size = size
@@ -71,7 +73,13 @@ class BlendedDataset:
             "BlendedDataset",
             desc,
             ["dataset_index", "dataset_sample_index"],
-            lambda: dict(zip(("dataset_index", "dataset_sample_index"), build_blending_indices(weights, size))),
+            lambda: dict(
+                zip(
+                    ("dataset_index", "dataset_sample_index"),
+                    build_blending_indices(weights, size),
+                    strict=True,
+                )
+            ),
             build=build,
         )
         self.dataset_index = arrays["dataset_index"]

@@ -27,7 +27,9 @@ def parse_blend(items: list[str]) -> list[tuple[float, str]]:
         try:
             blend.append((float(w), p))
         except ValueError:
-            raise MlmError(f"data paths: {w!r} should be a weight before prefix {p!r} (e.g. '0.3 {p}')") from None
+            raise MlmError(
+                f"data paths: {w!r} should be a weight before prefix {p!r} (e.g. '0.3 {p}')"
+            ) from None
     return blend
 
 
@@ -72,8 +74,10 @@ def build_split_datasets(
             continue
         weights = [w for w, _ in blend]
         counts = samples_per_dataset(weights, n)
-        parts = [GPTDataset(ds, split, max(c, 1), config, build=build) for ds, c in zip(indexed, counts, strict=True)]
+        parts = [
+            GPTDataset(ds, split, max(c, 1), config, build=build)
+            for ds, c in zip(indexed, counts, strict=True)
+        ]
         description = {"split": split, "datasets": [d.description for d in parts]}
         out[split] = BlendedDataset(parts, weights, n, cache_dir, description, build=build)
     return out
-

@@ -27,13 +27,15 @@ INDEX_VERSION = 1  # bump when the construction below changes: old caches are th
 
 
 def parse_split(split: str) -> list[float]:
-    """"969,30,1" → normalised weights for train, valid, test (missing ones are 0)."""
+    """ "969,30,1" → normalised weights for train, valid, test (missing ones are 0)."""
     try:
         parts = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
         raise MlmError(f"split={split!r}: must be up to three numbers such as '969,30,1'") from None
     if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise MlmError(f"split={split!r}: must be up to three non-negative numbers with a positive sum, e.g. '969,30,1'")
+        raise MlmError(
+            f"split={split!r}: must be up to three non-negative numbers with a positive sum, e.g. '969,30,1'"
+        )
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
     return [p / total for p in parts]
@@ -49,7 +51,9 @@ def split_ranges(weights: list[float], num_documents: int) -> list[tuple[int, in
     return [(bounds[i], bounds[i + 1]) for i in range(len(weights))]
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool):
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
+):
     if not separate_final_epoch or num_epochs == 1:
         index = np.tile(documents.astype(np.int32), num_epochs)
         rng.shuffle(index)
@@ -68,7 +72,9 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     doc = np.searchsorted(ends, positions, side="right")
     offset = positions - (ends[doc] - lengths[doc])
-    dtype = np.int32 if max(len(document_index), int(sizes.max(initial=0))) < np.iinfo(np.int32).max else np.int64
+    dtype = (
+        np.int32 if max(len(document_index), int(sizes.max(initial=0))) < np.iinfo(np.int32).max else np.int64
+    )
     out = np.stack([doc, offset], axis=1).astype(dtype)
     out[0] = 0  # Megatron starts at (0, 0) even when the first document is empty
     return out
@@ -177,7 +183,11 @@ class GPTDataset:
             description,
             ["document_index", "sample_index", "shuffle_index"],
             lambda: build_gpt_indices(
-                np.asarray(sizes), np.arange(begin, end, dtype=np.int32), config.seq_length, num_samples, config.seed
+                np.asarray(sizes),
+                np.arange(begin, end, dtype=np.int32),
+                config.seq_length,
+                num_samples,
+                config.seed,
             ),
             build=build,
         )

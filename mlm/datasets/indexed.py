@@ -123,7 +123,9 @@ class IndexedDatasetWriter:
         pointers *= self.dtype.itemsize
         doc_indices = np.concatenate(self._doc_starts)
         with open(self.idx_path, "wb") as f:
-            f.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF[self.dtype], len(lengths), len(doc_indices)))
+            f.write(
+                _HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF[self.dtype], len(lengths), len(doc_indices))
+            )
             f.write(lengths.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(doc_indices.tobytes(order="C"))
@@ -143,7 +145,9 @@ class IndexedDataset:
         self.bin_path, self.idx_path = data_paths(path_prefix)
         for p in (self.idx_path, self.bin_path):
             if not p.is_file():
-                raise MlmError(f"dataset file not found: {p}. Build it with `mlm data build ... --output-prefix {path_prefix}`")
+                raise MlmError(
+                    f"dataset file not found: {p}. Build it with `mlm data build ... --output-prefix {path_prefix}`"
+                )
         idx_size = self.idx_path.stat().st_size
         with open(self.idx_path, "rb") as f:
             head = f.read(_HEADER.size)
@@ -153,13 +157,17 @@ class IndexedDataset:
             )
         _, version, code, n_seq, n_doc = _HEADER.unpack(head)
         if version != INDEX_VERSION:
-            raise MlmError(f"{self.idx_path}: index version {version}; this mlm reads version {INDEX_VERSION}")
+            raise MlmError(
+                f"{self.idx_path}: index version {version}; this mlm reads version {INDEX_VERSION}"
+            )
         if code not in DTYPE_CODES:
             raise MlmError(f"{self.idx_path}: unknown dtype code {code}; known codes {sorted(DTYPE_CODES)}")
         self.dtype = np.dtype(DTYPE_CODES[code])
         need = _HEADER.size + n_seq * (4 + 8) + n_doc * 8
         if idx_size < need:
-            raise MlmError(f"{self.idx_path}: truncated ({idx_size} bytes, header promises {need}); rebuild the dataset")
+            raise MlmError(
+                f"{self.idx_path}: truncated ({idx_size} bytes, header promises {need}); rebuild the dataset"
+            )
         idx = np.memmap(self.idx_path, mode="r", dtype=np.uint8)
         off = _HEADER.size
         self.sequence_lengths = idx[off : off + 4 * n_seq].view(np.int32)
@@ -168,13 +176,19 @@ class IndexedDataset:
         off += 8 * n_seq
         self.document_indices = idx[off : off + 8 * n_doc].view(np.int64)
         bin_size = self.bin_path.stat().st_size
-        expect = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if n_seq else 0
+        expect = (
+            int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            if n_seq
+            else 0
+        )
         if bin_size < expect:
             raise MlmError(
                 f"{self.bin_path}: {bin_size} bytes but {self.idx_path} points to {expect}; "
                 "the .bin and .idx do not belong together (rebuild the dataset)"
             )
-        self._bin = np.memmap(self.bin_path, mode="r", dtype=self.dtype) if bin_size else np.zeros(0, self.dtype)
+        self._bin = (
+            np.memmap(self.bin_path, mode="r", dtype=self.dtype) if bin_size else np.zeros(0, self.dtype)
+        )
 
     def __len__(self) -> int:
         """Number of sequences (documents that are not empty)."""

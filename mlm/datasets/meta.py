@@ -30,7 +30,9 @@ def read_meta(prefix: str | os.PathLike) -> dict | None:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MlmError(f"{p}: not valid JSON ({e}); rebuild the dataset or delete the file") from None
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
-        raise MlmError(f"{p}: not an mlm dataset description (format {meta.get('format')!r}, expected {META_FORMAT!r})")
+        raise MlmError(
+            f"{p}: not an mlm dataset description (format {meta.get('format')!r}, expected {META_FORMAT!r})"
+        )
     if meta.get("format_version") != META_VERSION:
         raise MlmError(f"{p}: format_version {meta.get('format_version')!r}; this mlm reads {[META_VERSION]}")
     return meta

@@ -30,7 +30,9 @@ class PretrainingSampler:
                 "need micro_batch_size >= 1 and 0 <= dp_rank < dp_size"
             )
         if not 0 <= self.consumed_samples <= self.total_samples:
-            raise MlmError(f"consumed_samples={self.consumed_samples}: must be within [0, {self.total_samples}]")
+            raise MlmError(
+                f"consumed_samples={self.consumed_samples}: must be within [0, {self.total_samples}]"
+            )
 
     def __iter__(self) -> Iterator[np.ndarray]:
         """This rank's micro batches from `consumed_samples` on (a last partial step is dropped).
