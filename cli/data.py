@@ -26,7 +26,8 @@ def _print_table(title: str, rows: list[tuple[str, object]]) -> None:
 
     from mlm.console import console
 
-    table = Table(title=title, show_header=False, title_justify="left")
+    console.print(f"[bold]{title}[/]", highlight=False)
+    table = Table(show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     for k, v in rows:

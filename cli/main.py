@@ -11,7 +11,9 @@ import sys
 import typer
 
 import mlm
+from cli.config import app as config_app
 from cli.data import app as data_app
+from cli.train import train
 from mlm.errors import MlmError
 
 app = typer.Typer(
@@ -23,6 +25,8 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(data_app, name="data")
+app.command("train")(train)
+app.add_typer(config_app, name="config")
 
 
 def _version(value: bool) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlm.console import console, throughput_progress
+from mlm.console import throughput_progress
 from mlm.data.readers import SourceStats, expand_inputs, input_format, iter_documents
 from mlm.errors import MlmError
 from mlm.fileio import atomic_outputs, check_writable
@@ -120,5 +120,4 @@ def train_tokenizer(opts: TokenizerTrainOptions) -> dict:
     with atomic_outputs([out]) as (tmp,):
         tmp.write_bytes(model.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    console.print(f"wrote {out}: vocab {sp.vocab_size()}, eos (eod) id {sp.eos_id()}")
     return {"output": str(out), "vocab_size": sp.vocab_size(), **counts}

@@ -1,0 +1,57 @@
+"""`mlm config ...`: list presets, show a resolved config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Model presets and resolved run configs.", no_args_is_help=True)
+
+
+@app.command("list")
+def list_presets() -> None:
+    """Presets with their parameter counts and sources."""
+    from rich.table import Table
+
+    from mlm.config import load_config
+    from mlm.console import console, human
+    from mlm.model import flops_per_token, parameter_count
+    from mlm.presets import PRESETS
+
+    table = Table(
+        "preset", "parameters", "layers", "hidden", "heads/groups", "seq", "train GFLOP/token", "source"
+    )
+    for name, (source, _, _) in PRESETS.items():
+        cfg = load_config(overrides=[f"preset={name}"])
+        m = cfg.model
+        table.add_row(
+            name,
+            human(parameter_count(m)),
+            str(m.num_layers),
+            str(m.hidden_size),
+            f"{m.num_attention_heads}/{m.query_groups}",
+            str(cfg.data.seq_length),
+            f"{flops_per_token(m, cfg.data.seq_length) / 1e9:.2f}",
+            source,
+        )
+    console.print(table)
+
+
+@app.command("show")
+def show(
+    preset: str | None = typer.Argument(None, help="A preset name (see `mlm config list`)."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="A run config TOML file."),
+    overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),
+) -> None:
+    """Print the resolved config as TOML, with parameter count and FLOPs per token."""
+    from mlm.config import load_config, to_toml
+    from mlm.model import flops_per_token, parameter_count
+
+    sets = ([f"preset={preset}"] if preset else []) + list(overrides)
+    cfg = load_config(config, sets)
+    n = parameter_count(cfg.model)
+    f = flops_per_token(cfg.model, cfg.data.seq_length)
+    print(f"# parameters: {n:,} ({n / 1e9:.3f} B)")
+    print(f"# training FLOPs per token at seq {cfg.data.seq_length}: {f:.4g}")
+    print(to_toml(cfg), end="")

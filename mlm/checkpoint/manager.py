@@ -1,0 +1,276 @@
+"""Checkpoint directories: save and load sharded tensors, the manifest, `latest` and keep-last.
+
+`DIR/iter_NNNNNNN/` holds one zarr group per state group (`model/`, `optim/`) and
+`manifest.json`. Each tensor is one array in its global shape; every rank writes its own slice,
+and a load reads whatever slices the loading ranks hold, so a checkpoint loads under any split.
+A checkpoint counts only once `manifest.json` exists (written last), and `DIR/latest` is replaced
+only after that, so a save killed at any point leaves `latest` naming a complete checkpoint.
+The layout is documented in docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import zarr
+
+from mlm import __version__
+from mlm.checkpoint import store
+from mlm.errors import MlmError
+from mlm.fileio import atomic_outputs
+
+FORMAT = "mlm-checkpoint"
+FORMAT_VERSIONS = [1]
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_ITER_RE = re.compile(r"iter_(\d+)")
+_RESERVED = {"format", "format_version", "mlm_version", "iteration", "tensors"}
+
+
+@dataclass
+class ShardedTensor:
+    """This rank's slice of a tensor that is stored whole, in its global shape, under `key`."""
+
+    key: str
+    """Tensor name inside its group, e.g. "layers.0.attn.qkv.weight"."""
+    local: torch.Tensor
+    """This rank's slice, on any device; written from a CPU copy, loaded into in place."""
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    """Where `local` starts in the global tensor."""
+    writer: bool = True
+    """False on replicas of a slice another rank writes; exactly one writer per slice."""
+    chunk: tuple[int, ...] | None = None
+    """Chunk shape of the stored array (default `local.shape`); only the shard at offset 0's counts."""
+
+    def __post_init__(self) -> None:
+        self.global_shape, self.global_offset = tuple(self.global_shape), tuple(self.global_offset)
+        spans = zip(self.global_offset, self.local.shape, self.global_shape, strict=False)
+        ranks_match = len(self.global_shape) == len(self.global_offset) == self.local.dim()
+        if not ranks_match or not all(0 <= o and o + s <= n for o, s, n in spans):
+            raise ValueError(
+                f"ShardedTensor {self.key}: slice of shape {tuple(self.local.shape)} at offset "
+                f"{self.global_offset} does not fit in global shape {self.global_shape}"
+            )
+
+    @classmethod
+    def full(cls, key: str, tensor: torch.Tensor) -> ShardedTensor:
+        """An unsharded tensor: this rank holds (and writes) all of it."""
+        return cls(key, tensor, tuple(tensor.shape), (0,) * tensor.dim())
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _is_complete(d: Path) -> bool:
+    return (d / MANIFEST).is_file()
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints under `root`, oldest iteration first."""
+    dirs = [d for d in Path(root).glob("iter_*") if _ITER_RE.fullmatch(d.name) and _is_complete(d)]
+    return sorted(dirs, key=lambda d: int(d.name[5:]))
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, text: str) -> None:
+    """Replace `path` atomically with `text`, fsynced, so a crash leaves the old or the new file."""
+    with atomic_outputs([path]) as (tmp,):
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    _fsync_dir(path.parent)
+
+
+def _remove(d: Path) -> None:
+    """Delete a checkpoint dir, manifest first: a crash midway leaves an incomplete (ignored) dir."""
+    (d / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(d)
+
+
+def _prepare(root: Path, it_dir: Path, group_names: list[str]) -> None:
+    """Rank 0: clear a dir left by an earlier save of this iteration; create the zarr groups."""
+    if it_dir.exists():
+        latest = root / LATEST
+        if latest.is_file() and latest.read_text().strip() == it_dir.name:
+            others = [d for d in list_checkpoints(root) if d != it_dir]
+            if others:  # `latest` must never name a dir being rewritten
+                _write_durable(latest, others[-1].name + "\n")
+            else:
+                latest.unlink()
+        _remove(it_dir)
+    it_dir.mkdir(parents=True)
+    for name in group_names:
+        zarr.open_group(str(it_dir / name), mode="w")
+
+
+def _open_array(path: Path, mode: str) -> zarr.Array:
+    if not (path / "zarr.json").is_file():
+        raise MlmError(
+            f"{path}: array not created; the shard of this tensor at offset 0 must have writer=True "
+            "on exactly one rank (and every rank must pass the same group names)"
+        )
+    return zarr.open_array(str(path), mode=mode)
+
+
+def _finish(root: Path, it_dir: Path, iteration: int, group_names: list[str], extra_json: str) -> None:
+    """Rank 0, after every slice is written: manifest, then `latest`."""
+    tensors = {f"{g}/{k}": info for g in group_names for k, info in store.array_infos(it_dir / g).items()}
+    head = {"format": FORMAT, "format_version": 1, "mlm_version": __version__, "iteration": iteration}
+    manifest = {**head, "tensors": tensors, **json.loads(extra_json)}
+    _write_durable(it_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    _write_durable(root / LATEST, it_dir.name + "\n")
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    iteration: int,
+    groups: dict[str, list[ShardedTensor]],
+    extra: dict,
+    *,
+    rank: int = 0,
+    barrier: Callable[[], None] = lambda: None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save this rank's slices of `groups` as `root/iter_NNNNNNN`; every rank calls it, same args.
+
+    `extra` (JSON-able: config, mesh, consumed samples, scheduler, RNG...) goes into the manifest.
+    `keep_last` keeps that many complete checkpoints, the new one included. Returns the iter dir.
+    """
+    root, it_dir = Path(root), Path(root) / iter_dir_name(iteration)
+    if _RESERVED & extra.keys():
+        raise ValueError(f"extra keys {sorted(_RESERVED & extra.keys())} are reserved for the manifest")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}: must be at least 1 (or None to keep all)")
+    extra_json = json.dumps(extra)  # fails here, on every rank, before anything is written
+    if rank == 0:
+        _prepare(root, it_dir, list(groups))
+    barrier()
+    for name, tensors in groups.items():  # the writer of each tensor's first slice creates it
+        for st in tensors:
+            if st.writer and not any(st.global_offset):
+                chunk = st.chunk or tuple(st.local.shape)
+                store.create_array(it_dir / name / st.key, st.global_shape, chunk, st.local.dtype)
+    barrier()
+    for name, tensors in groups.items():
+        for st in (st for st in tensors if st.writer):
+            arr = _open_array(it_dir / name / st.key, "r+")
+            store.check_aligned(arr, st.global_offset, tuple(st.local.shape), f"{it_dir}/{name}/{st.key}")
+            store.write_slice(arr, st.local, st.global_offset)
+    barrier()
+    if rank == 0:
+        _finish(root, it_dir, iteration, list(groups), extra_json)
+        if keep_last is not None:
+            others = [d for d in list_checkpoints(root) if d != it_dir]
+            for d in others[: max(0, len(others) - (keep_last - 1))]:
+                _remove(d)
+    barrier()
+    return it_dir
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The complete iter dir that `path` (DIR, following DIR/latest, or DIR/iter_N) names."""
+    path = Path(path)
+    if _ITER_RE.fullmatch(path.name) or (path / MANIFEST).exists():
+        if not path.is_dir():
+            raise MlmError(f"{path}: no such checkpoint directory; found {_found(path.parent)}")
+        if not _is_complete(path):
+            raise MlmError(
+                f"{path}: incomplete checkpoint (a save was interrupted); use {path.parent}/latest "
+                f"or an earlier iter_* ({_found(path.parent)})"
+            )
+        return path
+    if not path.is_dir():
+        raise MlmError(f"{path}: no such checkpoint directory; pass DIR or DIR/iter_NNNNNNN")
+    latest = path / LATEST
+    if not latest.is_file():
+        raise MlmError(f"{path}: no `latest` file; found {_found(path)}; pass DIR/iter_NNNNNNN directly")
+    target = path / latest.read_text().strip()
+    if not _is_complete(target):
+        raise MlmError(
+            f"{latest} names {target.name}, which is missing or incomplete; pass an earlier complete "
+            f"checkpoint directly ({_found(path)})"
+        )
+    return target
+
+
+def _found(root: Path) -> str:
+    names = [d.name for d in list_checkpoints(root)] if root.is_dir() else []
+    return f"complete checkpoints: {', '.join(names)}" if names else "no complete iter_* checkpoint"
+
+
+def read_manifest(iter_dir: str | os.PathLike) -> dict:
+    path = Path(iter_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MlmError(f"{path}: not found; {iter_dir} is not a complete checkpoint") from None
+    except json.JSONDecodeError as e:
+        raise MlmError(f"{path}: not valid JSON ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise MlmError(f"{path}: format {manifest.get('format')!r}, not {FORMAT!r}; not an mlm checkpoint")
+    if manifest.get("format_version") not in FORMAT_VERSIONS:
+        raise MlmError(
+            f"{path}: checkpoint format_version {manifest.get('format_version')}; "
+            f"this mlm reads {FORMAT_VERSIONS}"
+        )
+    return manifest
+
+
+def load_checkpoint(
+    path: str | os.PathLike, groups: dict[str, list[ShardedTensor]], *, strict: bool = True
+) -> dict:
+    """Copy each target's slice from the checkpoint into its `local`, in place; return the manifest.
+
+    Values are cast to each `local`'s dtype. `strict`: every stored tensor of a requested group
+    must have a target. Groups not requested (e.g. `optim` for evaluation) are not read.
+    """
+    it_dir = resolve_checkpoint(path)
+    manifest = read_manifest(it_dir)
+    for name, targets in groups.items():
+        stored = {k.split("/", 1)[1]: v for k, v in manifest["tensors"].items() if k.startswith(f"{name}/")}
+        for st in targets:
+            if st.key not in stored:
+                raise MlmError(
+                    f"{it_dir}: tensor {name}/{st.key} is not in the checkpoint; {_near(st.key, stored)}"
+                )
+        unexpected = sorted(stored.keys() - {st.key for st in targets})
+        if strict and unexpected:
+            raise MlmError(
+                f"{it_dir}: {len(unexpected)} tensor(s) in {name}/ that the model does not have: "
+                f"{', '.join(unexpected[:10])}; check the config, or load with strict=False"
+            )
+        for st in targets:
+            where = f"{it_dir}: tensor {name}/{st.key}"
+            shape = tuple(stored[st.key]["shape"])
+            if shape != st.global_shape:
+                raise MlmError(f"{where}: checkpoint has shape {shape}, the model expects {st.global_shape}")
+            arr = _open_array(it_dir / name / st.key, "r")
+            value = store.read_slice(arr, st.global_offset, tuple(st.local.shape), where)
+            with torch.no_grad():
+                st.local.copy_(value)
+    return manifest
+
+
+def _near(key: str, stored: dict) -> str:
+    if not stored:
+        return "the checkpoint has no tensors in this group"
+    close = difflib.get_close_matches(key, list(stored), n=3) or sorted(stored)[:3]
+    return f"it has {len(stored)} here, e.g. {', '.join(close)}"

@@ -1,0 +1,466 @@
+"""Run configuration: nested dataclasses, TOML files and `--set section.key=value` overrides.
+
+A run config is a TOML file whose tables are the sections below; `preset = "NAME"` fills the
+model (and the seq length) from `mlm.presets`. Each config validates itself in `__post_init__`
+and names the field, the value and the rule. Field docstrings are read back by `field_docs`,
+so `mlm config show` prints each value with its meaning.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlm.errors import MlmError
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise MlmError(msg)
+
+
+def _choice(section: str, name: str, value, choices) -> None:
+    _check(value in choices, f"{section}.{name}={value!r}: must be one of {', '.join(map(str, choices))}")
+
+
+@dataclass
+class ModelConfig:
+    """The transformer: GPT-2 or Llama style, from the same fields."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width (d_model)."""
+    num_attention_heads: int = 4
+    """Attention heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for GQA/MQA; unset means one per attention head (MHA)."""
+    ffn_hidden_size: int | None = None
+    """MLP width; unset means 4 × hidden_size."""
+    vocab_size: int = 256
+    """Tokenizer vocabulary size (the embedding is padded up, see make_vocab_size_divisible_by)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the embedding rows to a multiple of this (Megatron's padding, times tp)."""
+    max_position_embeddings: int = 256
+    """Longest sequence the model supports (learned positions, RoPE tables)."""
+    normalization: str = "rmsnorm"
+    """layernorm (GPT-2) or rmsnorm (Llama)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    position_embedding: str = "rope"
+    """learned (GPT-2) or rope (Llama)."""
+    rope_base: float = 10000.0
+    """RoPE base frequency (theta)."""
+    rope_scaling_factor: float | None = None
+    """Llama-3.1 RoPE frequency scaling factor (e.g. 8.0); unset means none."""
+    rope_low_freq_factor: float = 1.0
+    """Llama-3.1 scaling: low-frequency factor."""
+    rope_high_freq_factor: float = 4.0
+    """Llama-3.1 scaling: high-frequency factor."""
+    rope_original_max_position_embeddings: int = 8192
+    """Llama-3.1 scaling: the context length the model was pretrained with."""
+    activation: str = "swiglu"
+    """swiglu (Llama), gelu_tanh (GPT-2) or gelu."""
+    add_bias: bool = False
+    """Biases in linear layers (GPT-2: true)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP, and on embeddings."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    init_std: float = 0.02
+    """Std of the normal init; output projections use init_std / sqrt(2 × num_layers)."""
+    attention_backend: str = "auto"
+    """auto, sdpa, flash (flash-attn) or te (Transformer Engine); auto picks the fastest available."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (attention core) or full (each layer)."""
+
+    def __post_init__(self):
+        s = "model"
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            _check(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
+        _check(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"model.hidden_size={self.hidden_size} is not divisible by "
+            f"model.num_attention_heads={self.num_attention_heads}",
+        )
+        _check(
+            self.num_attention_heads % self.query_groups == 0,
+            f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+            f"model.num_query_groups={self.query_groups}",
+        )
+        _check(
+            self.head_dim % 2 == 0 or self.position_embedding != "rope",
+            f"model.hidden_size / num_attention_heads = {self.head_dim}: RoPE needs an even head dim",
+        )
+        _choice(s, "normalization", self.normalization, ("layernorm", "rmsnorm"))
+        _choice(s, "position_embedding", self.position_embedding, ("learned", "rope"))
+        _choice(s, "activation", self.activation, ("swiglu", "gelu_tanh", "gelu"))
+        _choice(s, "attention_backend", self.attention_backend, ("auto", "sdpa", "flash", "te"))
+        _choice(s, "recompute", self.recompute, ("none", "selective", "full"))
+        for name in ("hidden_dropout", "attention_dropout"):
+            _check(0.0 <= getattr(self, name) < 1.0, f"{s}.{name}={getattr(self, name)}: must be in [0, 1)")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from (datasets made by `mlm data build`)."""
+
+    data_path: list[str] = field(default_factory=list)
+    """A dataset prefix, or weight-prefix pairs as strings: ["0.3", "a", "0.7", "b"]."""
+    split: str = "969,30,1"
+    """Shares of documents for train, valid, test."""
+    seq_length: int = 256
+    """Tokens per sample."""
+    tokenizer: str = ""
+    """Tokenizer for generated samples; default: the one recorded in the dataset's PREFIX.json."""
+    cache_dir: str = ""
+    """Sample-index cache; default: cache/ beside the first dataset."""
+
+    def __post_init__(self):
+        _check(self.seq_length > 0, f"data.seq_length={self.seq_length}: must be positive")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    no_decay_norms_biases_embeddings: bool = True
+    """Exempt norms, biases and embeddings from weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables."""
+    warmup_iters: int = 0
+    """Linear warm-up iterations."""
+    decay_style: str = "cosine"
+    """cosine, linear, constant or wsd (warmup-stable-decay)."""
+    decay_iters: int | None = None
+    """Iterations over which the LR decays; unset means the whole run."""
+    wsd_decay_iters: int = 0
+    """wsd: iterations of the final decay (linear to min_lr)."""
+
+    def __post_init__(self):
+        _choice("optimizer", "decay_style", self.decay_style, ("cosine", "linear", "constant", "wsd"))
+        _check(self.lr > 0, f"optimizer.lr={self.lr}: must be positive")
+        _check(
+            0 <= self.min_lr <= self.lr, f"optimizer.min_lr={self.min_lr}: must be within [0, lr={self.lr}]"
+        )
+        _check(self.warmup_iters >= 0, f"optimizer.warmup_iters={self.warmup_iters}: must be >= 0")
+
+
+@dataclass
+class ParallelConfig:
+    """The mesh. dp is inferred from the world size."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    cp: int = 1
+    """Context-parallel size."""
+    ep: int = 1
+    """Expert-parallel size."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "cp", "ep"):
+            _check(getattr(self, name) >= 1, f"parallel.{name}={getattr(self, name)}: must be at least 1")
+
+
+@dataclass
+class TrainConfig:
+    """The loop: batch sizes, length, precision, evaluation."""
+
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step: micro × accumulation × dp."""
+    train_iters: int | None = 100
+    """Optimizer steps; give this or train_tokens."""
+    train_tokens: int | None = None
+    """Tokens to train on (steps = tokens / (global batch × seq length)); replaces train_iters."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling)."""
+    initial_loss_scale: float = 2.0**16
+    """fp16: starting loss scale."""
+    loss_scale_window: int = 1000
+    """fp16: steps without overflow before the scale doubles."""
+    eval_interval: int = 0
+    """Evaluate on the validation split every this many steps; 0 disables."""
+    eval_iters: int = 4
+    """Micro batches per evaluation."""
+    seed: int = 1234
+    """Seed of initialisation, dropout and data order."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+
+    def __post_init__(self):
+        _choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
+        _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+        _check(self.micro_batch_size > 0, f"train.micro_batch_size={self.micro_batch_size}: must be positive")
+        _check(
+            self.global_batch_size % self.micro_batch_size == 0,
+            f"train.global_batch_size={self.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={self.micro_batch_size}",
+        )
+        _check(
+            (self.train_iters is None) != (self.train_tokens is None),
+            "train.train_iters and train.train_tokens: give exactly one (set the other to none with --set)",
+        )
+
+
+@dataclass
+class LoggingConfig:
+    """Where and how often metrics go."""
+
+    log_interval: int = 10
+    """Print and record metrics every this many steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to RUN_DIR/tensorboard."""
+    hardware: str = "cpu"
+    """Peak-FLOP/s profile for MFU: cpu, a100, h100, h200 or b200."""
+    sample_prompt: str = ""
+    """Print a greedy sample from this prompt after each evaluation and at the end; empty: none."""
+    sample_tokens: int = 48
+    """Tokens to generate for the sample."""
+
+    def __post_init__(self):
+        _choice("logging", "hardware", self.hardware, ("cpu", "a100", "h100", "h200", "b200"))
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: str = ""
+    """Checkpoint directory (DIR/iter_NNNNNNN, DIR/latest); empty disables saving."""
+    save_interval: int = 0
+    """Save every this many steps (and at the end); 0 saves only at the end."""
+    keep_last: int | None = None
+    """Keep only the newest K checkpoints; unset keeps all."""
+    load: str = ""
+    """Resume from this checkpoint directory (its latest) or iter_ directory."""
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    preset: str = ""
+    """Model preset the [model] table starts from (see `mlm config list`)."""
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl, TensorBoard files and the resolved config go."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        _check(
+            self.data.seq_length <= self.model.max_position_embeddings,
+            f"data.seq_length={self.data.seq_length} exceeds "
+            f"model.max_position_embeddings={self.model.max_position_embeddings}",
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- building from dicts / TOML / --set
+
+
+def _field_types(cls) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(where: str, value, tp):
+    """Check `value` against the annotation `tp`, converting ints to floats where asked."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(where, value, a)
+            except MlmError as e:
+                errors.append(str(e))
+        raise MlmError(errors[0])
+    if origin is list:
+        if not isinstance(value, list):
+            raise MlmError(f"{where}={value!r}: expected a list")
+        (item,) = typing.get_args(tp)
+        return [_convert(where, v, item) for v in value]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise MlmError(f"{where}={value!r}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls, data: dict, where: str):
+    hints = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {where}{close[0]}?)" if close else f"; valid keys: {', '.join(names)}"
+            raise MlmError(f"unknown config key {where}{key}{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise MlmError(f"{where}{key}: expected a table")
+            kwargs[key] = _build(tp, value, f"{where}{key}.")
+        else:
+            kwargs[key] = _convert(f"{where}{key}", value, tp)
+    return cls(**kwargs)
+
+
+def parse_override(item: str) -> tuple[list[str], object]:
+    """ "train.lr=3e-4" → (["train", "lr"], 3e-4); values are TOML (bare words become strings)."""
+    if "=" not in item:
+        raise MlmError(f"--set {item!r}: expected section.key=value, e.g. --set train.micro_batch_size=8")
+    key, raw = item.split("=", 1)
+    raw = raw.strip()
+    if raw.lower() in ("none", "null"):
+        value = None
+    else:
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+    return key.strip().split("."), value
+
+
+def _merge(base: dict, path: list[str], value) -> None:
+    node = base
+    for p in path[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise MlmError(f"--set {'.'.join(path)}: {p} is not a section")
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """TOML file (optional) → preset → overrides → validated Config."""
+    from mlm.presets import preset_tables
+
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise MlmError(f"config file not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise MlmError(f"{p}: not valid TOML ({e})") from None
+    for item in overrides:
+        keys, value = parse_override(item)
+        _merge(data, keys, value)
+    preset = data.get("preset") or ""
+    if preset:
+        base = preset_tables(preset)
+        for section, table in base.items():
+            merged = {**table, **data.get(section, {})}
+            data[section] = merged
+    return _build(Config, data, "")
+
+
+def config_from_dict(data: dict) -> Config:
+    """A Config from `Config.to_dict()` output (e.g. a checkpoint manifest)."""
+    return _build(Config, data, "")
+
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: {field: one line}."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:], strict=False):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = str(b.value.value).strip()
+    return docs
+
+
+def to_toml(cfg: Config, comments: bool = True) -> str:
+    """The resolved config as TOML, each value followed by its meaning."""
+    lines = []
+
+    def fmt(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return repr(v)
+
+    def emit(obj, prefix: str) -> None:
+        docs = field_docs(type(obj))
+        nested = []
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                nested.append((f.name, v))
+                continue
+            text = f"{f.name} = {fmt(v)}" if v is not None else f"# {f.name} = (unset)"
+            if comments and f.name in docs:
+                text = f"{text:<44} # {docs[f.name]}"
+            lines.append(text)
+        for name, v in nested:
+            lines.append("")
+            lines.append(f"[{prefix}{name}]")
+            emit(v, f"{prefix}{name}.")
+
+    emit(cfg, "")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,69 @@
+"""The attention core behind one switch: torch SDPA everywhere; flash-attn and Transformer
+Engine on CUDA when importable. `auto` picks flash-attn, then TE, then SDPA (which itself
+uses flash/cuDNN kernels on recent GPUs)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from mlm.errors import MlmError
+
+
+@functools.cache
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """The backend that will run: `requested`, or the best available for `auto`."""
+    cuda = device.type == "cuda"
+    if requested == "auto":
+        if cuda and _importable("flash_attn"):
+            return "flash"
+        if cuda and _importable("transformer_engine"):
+            return "te"
+        return "sdpa"
+    if requested in ("flash", "te"):
+        module = "flash_attn" if requested == "flash" else "transformer_engine"
+        if not cuda or not _importable(module):
+            raise MlmError(
+                f"model.attention_backend={requested!r} needs CUDA and the {module} package "
+                f"(pip install -e .[gpu]); use 'auto' or 'sdpa' here"
+            )
+    return requested
+
+
+def attention(q_BTHD, k_BTGD, v_BTGD, backend: str, dropout: float, training: bool):
+    """Causal attention; q has H heads, k/v have G ≤ H heads (GQA). Returns [B, T, H, D]."""
+    p = dropout if training else 0.0
+    if backend == "flash":
+        from flash_attn import flash_attn_func
+
+        return flash_attn_func(q_BTHD, k_BTGD, v_BTGD, dropout_p=p, causal=True)
+    if backend == "te":
+        return _te_attention(q_BTHD.shape[2], k_BTGD.shape[2], q_BTHD.shape[3], p)(q_BTHD, k_BTGD, v_BTGD)
+    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTGD, v_BTGD))
+    out = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+    )
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _te_attention(heads: int, groups: int, head_dim: int, dropout: float):
+    import transformer_engine.pytorch as te
+
+    core = te.DotProductAttention(
+        heads,
+        head_dim,
+        num_gqa_groups=groups,
+        attention_dropout=dropout,
+        qkv_format="bshd",
+        attn_mask_type="causal",
+    )
+    return lambda q, k, v: core(q, k, v).view(q.shape)

@@ -1,0 +1,170 @@
+"""A plain decoder-only transformer, GPT-2 or Llama style from the same config.
+
+Parallelism is applied from outside (a parallelize step swaps the linear and embedding
+layers named in `TP_PLAN`); this file knows nothing of ranks.
+
+Shape legend: B batch, T sequence, D hidden, H attention heads, G key/value groups,
+K head dim, F ffn hidden, V (padded) vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mlm.config import ModelConfig
+from mlm.model.attention import attention, resolve_backend
+from mlm.model.rope import apply_rope, rope_tables
+
+# name → Megatron-style parallel layer, used by the tensor-parallel step (q/k/v split by heads
+# and groups, gate/up by columns, so GQA and SwiGLU shard with no layout changes).
+TP_PLAN = {
+    "embed": "vocab",
+    "attn.q": "column",
+    "attn.k": "column",
+    "attn.v": "column",
+    "attn.out": "row",
+    "mlp.gate": "column",
+    "mlp.up": "column",
+    "mlp.down": "row",
+    "output": "column",
+}
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.normalization == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        K, H, G = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
+        self.q = nn.Linear(cfg.hidden_size, H * K, bias=cfg.add_bias)
+        self.k = nn.Linear(cfg.hidden_size, G * K, bias=cfg.add_bias)
+        self.v = nn.Linear(cfg.hidden_size, G * K, bias=cfg.add_bias)
+        self.out = nn.Linear(H * K, cfg.hidden_size, bias=cfg.add_bias)
+        self.backend = "sdpa"
+
+    def core(self, q, k, v):
+        return attention(q, k, v, self.backend, self.cfg.attention_dropout, self.training)
+
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        K = self.cfg.head_dim
+        q_BTHK = self.q(x_BTD).view(B, T, -1, K)
+        k_BTGK = self.k(x_BTD).view(B, T, -1, K)
+        v_BTGK = self.v(x_BTD).view(B, T, -1, K)
+        if rope is not None:
+            q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
+        if self.cfg.recompute == "selective" and self.training:
+            o_BTHK = checkpoint(self.core, q_BTHK, k_BTGK, v_BTGK, use_reentrant=False)
+        else:
+            o_BTHK = self.core(q_BTHK, k_BTGK, v_BTGK)
+        return self.out(o_BTHK.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.activation == "swiglu"
+        D, F_ = cfg.hidden_size, cfg.ffn_size
+        self.gate = nn.Linear(D, F_, bias=cfg.add_bias) if self.gated else None
+        self.up = nn.Linear(D, F_, bias=cfg.add_bias)
+        self.down = nn.Linear(F_, D, bias=cfg.add_bias)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            h_BTF = F.silu(self.gate(x_BTD)) * self.up(x_BTD)
+        else:
+            h_BTF = F.gelu(self.up(x_BTD), approximate=self.approximate)
+        return self.down(h_BTF)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x_BTD, rope):
+        x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), rope))
+        return x_BTD + self.dropout(self.mlp(self.mlp_norm(x_BTD)))
+
+
+class GPT(nn.Module):
+    """tokens [B, T] → logits [B, T, V] (V = padded vocabulary)."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        V = padded_vocab or cfg.padded_vocab_size()
+        self.embed = nn.Embedding(V, cfg.hidden_size)
+        self.pos_embed = (
+            nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+            if cfg.position_embedding == "learned"
+            else None
+        )
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = make_norm(cfg)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, V, bias=False)
+
+    def set_attention_backend(self, requested: str, device: torch.device) -> str:
+        backend = resolve_backend(requested, device)
+        for layer in self.layers:
+            layer.attn.backend = backend
+        return backend
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Megatron's init: normal(0, σ); output projections σ / √(2 · layers); norms 1, biases 0."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:  # norm weights and biases
+                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+                continue
+            s = out_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else std
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=gen))
+        for m in self.modules():  # LayerNorm bias
+            if isinstance(m, nn.LayerNorm) and m.bias is not None:
+                m.bias.zero_()
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        T = tokens_BT.shape[1]
+        x_BTD = self.embed(tokens_BT)
+        rope = None
+        if self.pos_embed is not None:
+            x_BTD = x_BTD + self.pos_embed(torch.arange(T, device=tokens_BT.device))
+        else:
+            rope = rope_tables(self.cfg, T, tokens_BT.device)
+        x_BTD = self.dropout(x_BTD)
+        for layer in self.layers:
+            if self.cfg.recompute == "full" and self.training:
+                x_BTD = checkpoint(layer, x_BTD, rope, use_reentrant=False)
+            else:
+                x_BTD = layer(x_BTD, rope)
+        x_BTD = self.final_norm(x_BTD)
+        weight = self.embed.weight if self.output is None else self.output.weight
+        return F.linear(x_BTD, weight)
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 1234) -> GPT:
+    """Build on the meta device, materialise on `device`, initialise (torchtitan's order)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model

@@ -1,0 +1,1 @@
+"""The training stage: `mlm train` (one process in this version; the mesh slots in later)."""

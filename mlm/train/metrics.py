@@ -1,0 +1,86 @@
+"""Training metrics: a fixed-width console line, `metrics.jsonl` and TensorBoard.
+
+MFU is model FLOPs (Megatron's count, `mlm.model.flops_per_token`) per second over the
+hardware profile's peak: dense bf16 tensor-core peaks for GPUs, and for `cpu` the fp32 matmul
+throughput measured on this machine at start-up (a CPU has no published "peak" to compare to).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from mlm.console import console, human
+
+PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12, "b200": 2250e12}
+
+
+def measured_cpu_flops(n: int = 1024, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def peak_flops(hardware: str) -> float:
+    return PEAK_FLOPS[hardware] if hardware in PEAK_FLOPS else measured_cpu_flops()
+
+
+def memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class MetricsLogger:
+    """Writes each record to the console, JSONL and TensorBoard (rank 0 only)."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool, enabled: bool = True):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.jsonl = None
+        self.tb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, step: int, record: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, "split": prefix, **record}) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, int | float):
+                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+            self.tb.flush()
+
+    def train_line(self, step: int, total: int, r: dict) -> None:
+        if not self.enabled:
+            return
+        eta = r["eta_s"]
+        line = (
+            f"step {step:>{len(str(total))}}/{total}  loss {r['loss']:8.4f}  lr {r['lr']:.3e}  "
+            f"grad {r['grad_norm']:7.3f}  {human(r['tokens_per_s']):>7} tok/s  MFU {100 * r['mfu']:5.1f}%  "
+            f"mem {r['memory_gib']:6.2f} GiB  ETA {int(eta // 60):>3}m{int(eta % 60):02d}s"
+        )
+        if r.get("skipped"):
+            line += f"  skipped {r['skipped']}"
+        console.print(line, highlight=False)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()

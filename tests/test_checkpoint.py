@@ -1,0 +1,236 @@
+"""Checkpoints: round trips per dtype, sharded saves from real gloo ranks, `latest`, keep-last,
+crash safety (a save killed with SIGKILL), error messages and the RNG state as JSON."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import zarr
+
+from mlm.checkpoint import (
+    ShardedTensor,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    resolve_checkpoint,
+    rng_state_from_json,
+    rng_state_to_json,
+    save_checkpoint,
+)
+from mlm.errors import MlmError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def full(tensors: dict[str, torch.Tensor]) -> list[ShardedTensor]:
+    return [ShardedTensor.full(k, v) for k, v in tensors.items()]
+
+
+def save(root: Path, iteration: int, tensors: dict[str, torch.Tensor], **kw) -> Path:
+    return save_checkpoint(root, iteration, {"model": full(tensors)}, {"consumed_samples": iteration}, **kw)
+
+
+def load(path: Path, like: dict[str, torch.Tensor], **kw) -> dict[str, torch.Tensor]:
+    out = {k: torch.full_like(v, -1) for k, v in like.items()}
+    load_checkpoint(path, {"model": full(out)}, **kw)
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def test_round_trip_each_dtype(tmp_path):
+    model = {
+        "w32": torch.randn(5, 3),
+        "wbf": torch.randn(4, 7).bfloat16(),
+        "w16": torch.randn(3).half(),
+        "ids": torch.arange(10),
+        "step": torch.tensor(7),
+        "scale": torch.tensor(1.5, dtype=torch.bfloat16),
+        "wt": torch.randn(3, 5).t(),  # not contiguous
+    }
+    optim = {"exp_avg.w32": torch.randn(5, 3)}
+    it_dir = save_checkpoint(tmp_path, 100, {"model": full(model), "optim": full(optim)}, {"seed": 1234})
+    assert it_dir == tmp_path / "iter_0000100"
+
+    got, got_optim = {k: torch.zeros_like(v) for k, v in model.items()}, {"exp_avg.w32": torch.zeros(5, 3)}
+    manifest = load_checkpoint(tmp_path, {"model": full(got), "optim": full(got_optim)})
+    for k, v in model.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(bits(got[k]), bits(v)), k  # bitwise, bf16 included
+    assert torch.equal(got_optim["exp_avg.w32"], optim["exp_avg.w32"])
+
+    assert (manifest["format"], manifest["format_version"], manifest["iteration"]) == (
+        "mlm-checkpoint",
+        1,
+        100,
+    )
+    assert manifest["seed"] == 1234
+    assert manifest["tensors"]["model/wbf"] == {"shape": [4, 7], "dtype": "bfloat16"}
+    assert manifest["tensors"]["model/step"] == {"shape": [], "dtype": "int64"}
+    assert manifest["tensors"]["optim/exp_avg.w32"] == {"shape": [5, 3], "dtype": "float32"}
+    arr = zarr.open_array(str(it_dir / "model" / "wbf"), mode="r")
+    assert (arr.dtype, arr.attrs["dtype"], arr.chunks, arr.compressors) == (np.uint16, "bfloat16", (4, 7), ())
+    assert zarr.open_array(str(it_dir / "model" / "w32"), mode="r").attrs["dtype"] == "float32"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, root: str, port: int) -> None:
+    """One of 2 gloo ranks: each holds half of `w` (rows), `b` and `step` are replicated."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    w = torch.arange(48.0).reshape(8, 6)[4 * rank : 4 * rank + 4].clone()
+    model = [
+        ShardedTensor("w", w, (8, 6), (4 * rank, 0)),
+        ShardedTensor("b", torch.ones(6), (6,), (0,), writer=rank == 0),
+        ShardedTensor("step", torch.tensor(3), (), (), writer=rank == 0),
+    ]
+    save_checkpoint(root, 3, {"model": model}, {"world_size": 2}, rank=rank, barrier=dist.barrier)
+    dist.destroy_process_group()
+
+
+def test_sharded_save_by_two_ranks_loads_under_any_split(tmp_path):
+    mp.spawn(_rank_main, args=(str(tmp_path), _free_port()), nprocs=2)
+    expected = torch.arange(48.0).reshape(8, 6)
+    assert zarr.open_array(str(tmp_path / "iter_0000003" / "model" / "w"), mode="r").chunks == (4, 6)
+
+    got = load(tmp_path, {"w": torch.zeros(8, 6), "b": torch.zeros(6), "step": torch.tensor(0)})
+    assert torch.equal(got["w"], expected) and torch.equal(got["b"], torch.ones(6)) and got["step"] == 3
+
+    rows, cols = torch.zeros(4, 6), torch.zeros(8, 3)  # other splits read from the global layout
+    load_checkpoint(tmp_path, {"model": [ShardedTensor("w", rows, (8, 6), (2, 0))]}, strict=False)
+    load_checkpoint(tmp_path, {"model": [ShardedTensor("w", cols, (8, 6), (0, 3))]}, strict=False)
+    assert torch.equal(rows, expected[2:6]) and torch.equal(cols, expected[:, 3:])
+
+
+def test_uneven_shards_and_misaligned_chunks(tmp_path):
+    x = torch.randn(8, 6)
+    shards = [ShardedTensor("w", x[:5], (8, 6), (0, 0)), ShardedTensor("w", x[5:], (8, 6), (5, 0))]
+    save_checkpoint(tmp_path, 1, {"model": shards}, {})
+    assert torch.equal(load(tmp_path, {"w": x})["w"], x)
+
+    shards = [ShardedTensor("w", x[a:b], (8, 6), (a, 0)) for a, b in [(0, 4), (4, 6), (6, 8)]]
+    with pytest.raises(MlmError, match="slice 4:6 of dim 0 does not align with the chunk size 4"):
+        save_checkpoint(tmp_path, 2, {"model": shards}, {})
+    shards[0].chunk = (2, 6)  # a chunk that divides every shard boundary
+    save_checkpoint(tmp_path, 2, {"model": shards}, {})
+    assert torch.equal(load(tmp_path, {"w": x})["w"], x)
+
+
+def test_latest_keep_last_and_resolve(tmp_path):
+    for it in range(1, 5):
+        save(tmp_path, it, {"w": torch.full((2,), float(it))}, keep_last=2)
+    assert [d.name for d in list_checkpoints(tmp_path)] == ["iter_0000003", "iter_0000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "iter_0000004", "latest"]
+    assert (tmp_path / "latest").read_text() == "iter_0000004\n"
+    assert resolve_checkpoint(tmp_path) == tmp_path / "iter_0000004"
+    assert resolve_checkpoint(tmp_path / "iter_0000003") == tmp_path / "iter_0000003"
+    assert load(tmp_path / "iter_0000003", {"w": torch.zeros(2)})["w"].tolist() == [3.0, 3.0]
+
+    save(tmp_path, 4, {"w": torch.full((2,), 40.0)})  # re-saving the latest iteration replaces it
+    assert load(tmp_path, {"w": torch.zeros(2)})["w"].tolist() == [40.0, 40.0]
+    assert read_manifest(resolve_checkpoint(tmp_path))["consumed_samples"] == 4
+
+
+def test_incomplete_checkpoints(tmp_path):
+    with pytest.raises(MlmError, match="no `latest` file; found no complete iter_\\* checkpoint"):
+        resolve_checkpoint(tmp_path)
+    save(tmp_path, 1, {"w": torch.ones(3)})
+    (tmp_path / "iter_0000002" / "model").mkdir(parents=True)  # a save that died before its manifest
+    assert resolve_checkpoint(tmp_path) == tmp_path / "iter_0000001"
+    assert list_checkpoints(tmp_path) == [tmp_path / "iter_0000001"]
+    with pytest.raises(
+        MlmError, match="iter_0000002: incomplete checkpoint \\(a save was interrupted\\); use"
+    ):
+        load(tmp_path / "iter_0000002", {"w": torch.zeros(3)})
+
+    (tmp_path / "latest").write_text("iter_0000002\n")
+    with pytest.raises(MlmError, match="names iter_0000002, which is missing or incomplete.*iter_0000001"):
+        resolve_checkpoint(tmp_path)
+    save(tmp_path, 2, {"w": torch.full((3,), 2.0)})
+    assert load(tmp_path, {"w": torch.zeros(3)})["w"].tolist() == [2.0] * 3
+
+
+KILLED_SAVE = """
+import sys, time, torch
+from mlm.checkpoint import ShardedTensor, save_checkpoint, store
+
+def model(value):
+    return {"model": [ShardedTensor.full(f"w{i}", torch.full((64, 64), value)) for i in range(4)]}
+
+save_checkpoint(sys.argv[1], 1, model(1.0), {})
+real_write = store.write_slice
+
+def write_then_hang(arr, local, offset):
+    real_write(arr, local, offset)  # one tensor reaches the disk, then the save is killed
+    print("writing", flush=True)
+    time.sleep(60)
+
+store.write_slice = write_then_hang
+save_checkpoint(sys.argv[1], 2, model(2.0), {})
+"""
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline() == "writing\n"
+    finally:
+        child.kill()  # SIGKILL
+        child.wait(timeout=30)
+    assert (tmp_path / "latest").read_text() == "iter_0000001\n"
+    assert (tmp_path / "iter_0000002" / "model" / "w0").is_dir()
+    assert resolve_checkpoint(tmp_path) == tmp_path / "iter_0000001"
+    like = {f"w{i}": torch.zeros(64, 64) for i in range(4)}
+    assert all(bool((v == 1.0).all()) for v in load(tmp_path, like).values())
+
+    save(tmp_path, 2, {k: torch.full((64, 64), 2.0) for k in like})
+    assert all(bool((v == 2.0).all()) for v in load(tmp_path, like).values())
+
+
+def test_errors(tmp_path):
+    it_dir = save(tmp_path, 5, {"w": torch.zeros(5, 3), "b": torch.zeros(3)})
+    with pytest.raises(
+        MlmError, match=r"tensor model/w: checkpoint has shape \(5, 3\), the model expects \(5, 4\)"
+    ):
+        load(tmp_path, {"w": torch.zeros(5, 4), "b": torch.zeros(3)})
+    with pytest.raises(MlmError, match="tensor model/nope is not in the checkpoint; it has 2 here"):
+        load(tmp_path, {"w": torch.zeros(5, 3), "b": torch.zeros(3), "nope": torch.zeros(1)})
+    with pytest.raises(MlmError, match="1 tensor\\(s\\) in model/ that the model does not have: b"):
+        load(tmp_path, {"w": torch.zeros(5, 3)})
+    load(tmp_path, {"w": torch.zeros(5, 3)}, strict=False)
+
+    manifest = json.loads((it_dir / "manifest.json").read_text())
+    (it_dir / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(MlmError, match=r"manifest.json: checkpoint format_version 99; this mlm reads \[1\]"):
+        load(tmp_path, {"w": torch.zeros(5, 3), "b": torch.zeros(3)})
+    with pytest.raises(ValueError, match="does not fit in global shape"):
+        ShardedTensor("w", torch.zeros(4, 3), (8, 3), (6, 0))
+
+
+def test_rng_state_json_round_trip():
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.gauss(0, 1), np.random.standard_normal()  # leave cached gaussians in both
+    state = json.loads(json.dumps(rng_state_to_json()))
+    first = random.random(), np.random.rand(), torch.rand(3)
+    random.random(), np.random.rand(5), torch.rand(7)
+    rng_state_from_json(state)
+    again = random.random(), np.random.rand(), torch.rand(3)
+    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
