@@ -19,7 +19,8 @@ PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12, "b200": 2250e12}
 
 
 def measured_cpu_flops(n: int = 1024, reps: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    g = torch.Generator().manual_seed(0)  # never the global RNG: a resumed run must not see a shifted stream
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     a @ b
     t0 = time.perf_counter()
     for _ in range(reps):

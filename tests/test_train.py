@@ -1,0 +1,226 @@
+"""`mlm train` on one process: determinism, exact resume, crash-safe checkpoints, schedules,
+loss scaling, metrics and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mlm.config import OptimizerConfig, load_config
+from mlm.data.build import BuildOptions, build_dataset
+from mlm.errors import MlmError
+from mlm.train.schedule import lr_at
+from mlm.train.trainer import Trainer
+
+from test_bad_input import ROOT, mlm
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory, corpus_jsonl, sp_model) -> str:
+    prefix = tmp_path_factory.mktemp("train_data") / "corpus"
+    build_dataset(
+        BuildOptions([str(corpus_jsonl)], str(prefix), str(sp_model), append_eod=True, progress=False)
+    )
+    return str(prefix)
+
+
+def tiny_sets(run_dir, data, **extra) -> list[str]:
+    sets = {
+        "preset": "tiny-llama",
+        "run_dir": f"'{run_dir}'",
+        "model.vocab_size": 512,
+        "model.num_layers": 2,
+        "model.hidden_size": 64,
+        "model.ffn_hidden_size": 128,
+        "model.max_position_embeddings": 64,
+        "model.hidden_dropout": 0.1,  # so that a resume must restore the RNG too
+        "data.data_path": f"['{data}']",
+        "data.seq_length": 32,
+        "data.split": "'90,10,0'",
+        "optimizer.lr": 1e-2,
+        "optimizer.warmup_iters": 2,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 4,
+        "train.train_iters": 6,
+        "logging.log_interval": 1,
+        "logging.tensorboard": "false",
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def tiny_config(tmp_path, data, **extra):
+    return load_config(None, tiny_sets(tmp_path / "run", data, **extra))
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_same_seed_same_losses_bitwise(tmp_path, tiny_data):
+    a = Trainer(tiny_config(tmp_path, tiny_data)).train()
+    b = Trainer(tiny_config(tmp_path, tiny_data)).train()
+    assert a == b and len(a) == 6
+    c = Trainer(tiny_config(tmp_path, tiny_data, **{"train.seed": 7})).train()
+    assert c != a
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_exact(tmp_path, tiny_data, precision):
+    ckpt = tmp_path / "ckpt"
+    sets = {"train.precision": precision, "checkpoint.save": f"'{ckpt}'", "checkpoint.save_interval": 3}
+    straight = Trainer(tiny_config(tmp_path, tiny_data, **sets))
+    losses = straight.train()
+    resumed = Trainer(tiny_config(tmp_path, tiny_data, **sets), load=str(ckpt / "iter_0000003"))
+    assert resumed.iteration == 3 and resumed.consumed_samples == 12
+    assert resumed.train() == losses[3:]  # bitwise: float equality
+    for k, v in weights(straight).items():
+        assert torch.equal(v, weights(resumed)[k]), k
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, tiny_data):
+    ckpt = tmp_path / "ckpt"
+    sets = tiny_sets(
+        tmp_path / "run", tiny_data, **{"checkpoint.save": f"'{ckpt}'", "checkpoint.save_interval": 2}
+    )
+    child = f"""
+import sys, time
+import mlm.checkpoint.store as store
+from mlm.config import load_config
+from mlm.train.trainer import Trainer
+original = Trainer.save
+def save(self, root):
+    if self.iteration == 4:  # the second save hangs half-way through writing tensors
+        write = store.write_slice
+        state = {{"n": 0}}
+        def slow(*a, **k):
+            state["n"] += 1
+            if state["n"] == 5:
+                print("KILL ME", flush=True)
+                time.sleep(120)
+            return write(*a, **k)
+        store.write_slice = slow
+    return original(self, root)
+Trainer.save = save
+Trainer(load_config(None, {sets!r})).train()
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 120
+    for line in proc.stdout:
+        if "KILL ME" in line or time.time() > deadline:
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (ckpt / "latest").read_text().strip() == "iter_0000002"
+    assert (ckpt / "iter_0000004").exists() and not (ckpt / "iter_0000004" / "manifest.json").exists()
+    cfg = load_config(None, sets)
+    resumed = Trainer(cfg, load=str(ckpt))
+    assert resumed.iteration == 2
+    tail = resumed.train()
+    straight = Trainer(load_config(None, tiny_sets(tmp_path / "run2", tiny_data))).train()
+    assert tail == straight[2:]
+    assert (ckpt / "latest").read_text().strip() == "iter_0000006"
+
+
+def test_metrics_jsonl_tensorboard_and_sample(tmp_path, tiny_data):
+    cfg = tiny_config(
+        tmp_path,
+        tiny_data,
+        **{
+            "logging.tensorboard": "true",
+            "train.eval_interval": 3,
+            "logging.log_interval": 2,
+            "logging.sample_prompt": "'def '",
+            "logging.sample_tokens": 5,
+        },
+    )
+    Trainer(cfg).train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_gib", "eta_s"):
+        assert all(math.isfinite(r[key]) for r in train), key
+    assert [r["step"] for r in records if r["split"] == "valid"] == [3, 6]
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert "[data]" in (tmp_path / "run" / "config.toml").read_text()
+
+
+def test_fp16_overflow_skips_the_step(tmp_path, tiny_data):
+    cfg = tiny_config(tmp_path, tiny_data, **{"train.precision": "fp16", "train.initial_loss_scale": 1e38})
+    trainer = Trainer(cfg)
+    before = weights(trainer)
+    r = trainer.train_step([range(0, 2), range(2, 4)])
+    assert r["skipped"] and trainer.scaler.skipped == 1 and trainer.scaler.scale == 5e37
+    assert all(torch.equal(v, weights(trainer)[k]) for k, v in before.items())
+
+
+def test_grad_accumulation_matches_one_big_micro_batch(tmp_path, tiny_data):
+    small = Trainer(tiny_config(tmp_path, tiny_data, **{"model.hidden_dropout": 0.0}))
+    big = Trainer(
+        tiny_config(tmp_path, tiny_data, **{"model.hidden_dropout": 0.0, "train.micro_batch_size": 4})
+    )
+    a = small.train_step([range(0, 2), range(2, 4)])
+    b = big.train_step([range(0, 4)])
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    # fp32, summation order differs; Adam's g/sqrt(v) turns a 1e-9 gradient difference on a
+    # near-zero gradient into up to ~1e-3 of the step size (lr 5e-3 here), hence atol 1e-5.
+    for k, v in weights(small).items():
+        torch.testing.assert_close(v, weights(big)[k], rtol=1e-5, atol=1e-5)
+
+
+def test_lr_schedules():
+    cos = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_iters=10, decay_style="cosine")
+    assert lr_at(0, cos, 110) == pytest.approx(0.1) and lr_at(9, cos, 110) == pytest.approx(1.0)
+    assert lr_at(60, cos, 110) == pytest.approx(0.55) and lr_at(110, cos, 110) == pytest.approx(0.1)
+    lin = OptimizerConfig(lr=1.0, min_lr=0.0, decay_style="linear")
+    assert lr_at(50, lin, 100) == pytest.approx(0.5)
+    wsd = OptimizerConfig(lr=1.0, min_lr=0.0, decay_style="wsd", wsd_decay_iters=20)
+    assert lr_at(79, wsd, 100) == 1.0 and lr_at(90, wsd, 100) == pytest.approx(0.5)
+    assert lr_at(5, OptimizerConfig(lr=2.0, min_lr=0.0, decay_style="constant"), 100) == 2.0
+
+
+def test_bad_input(tmp_path, tiny_data):
+    def err(*sets):
+        with pytest.raises(MlmError) as e:
+            Trainer(load_config(None, tiny_sets(tmp_path / "run", tiny_data) + list(sets)))
+        return str(e.value)
+
+    assert "unknown preset 'llama9'" in err("preset=llama9")
+    assert "did you mean optimizer.lr?" in err("optimizer.lrr=1")
+    assert "train.micro_batch_size='four': expected int" in err("train.micro_batch_size='four'")
+    assert "dataset file not found" in err(f"data.data_path=['{tmp_path}/none']")
+    assert "vocabulary of 512 but model.vocab_size=256" in err("model.vocab_size=256")
+    assert "is not divisible by model.num_query_groups=3" in err("model.num_query_groups=3")
+    ckpt = tmp_path / "ckpt"
+    Trainer(
+        tiny_config(tmp_path, tiny_data, **{"checkpoint.save": f"'{ckpt}'", "train.train_iters": 1})
+    ).train()
+    with pytest.raises(
+        MlmError, match="saved from another model: model.hidden_size: 64 in the checkpoint, 32 here"
+    ):
+        Trainer(tiny_config(tmp_path, tiny_data, **{"model.hidden_size": 32}), load=str(ckpt))
+
+
+def test_cli_train_and_errors(tmp_path, tiny_data):
+    r = mlm(
+        "train",
+        *[
+            a
+            for s in tiny_sets(tmp_path / "run", tiny_data, **{"train.train_iters": 2})
+            for a in ("--set", s)
+        ],
+    )
+    assert r.returncode == 0, r.stderr
+    assert "step 2/2" in r.stderr
+    r = mlm("train", "--set", "preset=nope")
+    assert r.returncode == 2 and "unknown preset 'nope'" in r.stderr
