@@ -32,8 +32,9 @@ def test_help_and_version_do_not_import_torch():
 
 def test_only_built_stages_appear():
     out = mlm("--help").stdout
-    assert "data" in out
-    for later in ("train", "plan", "convert", "export", "serve"):
+    for built in ("data", "train", "config"):
+        assert f"  {built} " in out
+    for later in ("plan", "convert", "export", "serve"):
         assert f" {later} " not in out
 
 
