@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mlm.config import ModelConfig
+from mlm.errors import MlmError
 from mlm.model.attention import attention, resolve_backend
 from mlm.model.rope import apply_rope, rope_tables
 
@@ -144,6 +145,11 @@ class GPT(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         T = tokens_BT.shape[1]
+        if T > self.cfg.max_position_embeddings:
+            raise MlmError(
+                f"sequence of {T} tokens is longer than model.max_position_embeddings="
+                f"{self.cfg.max_position_embeddings}; shorten it or raise the limit"
+            )
         x_BTD = self.embed(tokens_BT)
         rope = None
         if self.pos_embed is not None:

@@ -25,7 +25,7 @@ def make_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device)
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
-        fused=device.type == "cuda",
+        fused=device.type in ("cuda", "cpu"),
     )
 
 
