@@ -224,3 +224,10 @@ def test_cli_train_and_errors(tmp_path, tiny_data):
     assert "step 2/2" in r.stderr
     r = mlm("train", "--set", "preset=nope")
     assert r.returncode == 2 and "unknown preset 'nope'" in r.stderr
+
+
+def test_train_tokens_sets_the_number_of_steps(tmp_path, tiny_data):
+    trainer = Trainer(
+        tiny_config(tmp_path, tiny_data, **{"train.train_iters": "none", "train.train_tokens": 300})
+    )
+    assert trainer.total_iters == 3  # ceil(300 / (global batch 4 × seq 32))
