@@ -117,6 +117,10 @@ class GPT(nn.Module):
             else None
         )
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        # Hooks for tensor/sequence parallelism (identity here): into the layers (scatter the
+        # sequence over tp ranks) and into the output projection (enter the tp region).
+        self.enter_layers: nn.Module = nn.Identity()
+        self.enter_output: nn.Module = nn.Identity()
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_norm = make_norm(cfg)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, V, bias=False)
@@ -129,19 +133,23 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Megatron's init: normal(0, σ); output projections σ / √(2 · layers); norms 1, biases 0."""
+        """Megatron's init: normal(0, σ); output projections σ / √(2 · layers); norms 1, biases 0.
+
+        A sharded parameter (one with `global_shape` and `global_offset` attributes, set by the
+        parallel layers) gets its slice of the full tensor drawn from the same stream, so any
+        mesh starts from the same weights as one process."""
         gen = torch.Generator().manual_seed(seed)
         std = self.cfg.init_std
         out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
         for name, p in self.named_parameters():
-            if p.ndim == 1:  # norm weights and biases
+            if p.ndim == 1 and name.endswith(("norm.weight", "bias")):  # norm weights and biases
                 p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
                 continue
             s = out_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else std
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=gen))
-        for m in self.modules():  # LayerNorm bias
-            if isinstance(m, nn.LayerNorm) and m.bias is not None:
-                m.bias.zero_()
+            shape = getattr(p, "global_shape", p.shape)
+            full = torch.empty(shape, dtype=torch.float32).normal_(0.0, s, generator=gen)
+            offset = getattr(p, "global_offset", (0,) * p.ndim)
+            p.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, p.shape, strict=True))])
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         T = tokens_BT.shape[1]
@@ -156,13 +164,13 @@ class GPT(nn.Module):
             x_BTD = x_BTD + self.pos_embed(torch.arange(T, device=tokens_BT.device))
         else:
             rope = rope_tables(self.cfg, T, tokens_BT.device)
-        x_BTD = self.dropout(x_BTD)
+        x_BTD = self.enter_layers(self.dropout(x_BTD))
         for layer in self.layers:
             if self.cfg.recompute == "full" and self.training:
                 x_BTD = checkpoint(layer, x_BTD, rope, use_reentrant=False)
             else:
                 x_BTD = layer(x_BTD, rope)
-        x_BTD = self.final_norm(x_BTD)
+        x_BTD = self.enter_output(self.final_norm(x_BTD))
         weight = self.embed.weight if self.output is None else self.output.weight
         return F.linear(x_BTD, weight)
 

@@ -1,0 +1,69 @@
+"""A small harness for multi-rank tests: real processes on gloo, results handed back.
+
+    results = run_ranks(2, fn, arg)   # fn(rank, world_size, arg) runs in each of 2 processes
+
+pytest itself never runs under torchrun; each rank is a spawned process with the default
+process group initialised on localhost. `fn` must be a module-level function.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, fn(rank, world_size, *args), None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 300):
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, value, err = queue.get(timeout=timeout)
+            results[rank] = value
+            if err:
+                errors.append(f"rank {rank}:\n{err}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else timeout)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
