@@ -13,10 +13,18 @@ def train(
     load: str | None = typer.Option(
         None, "--load", help="Resume from a checkpoint dir (its latest) or iter_ dir."
     ),
+    auto_resume: bool = typer.Option(
+        False, "--auto-resume", help="Resume from checkpoint.save's latest when there is one (requeued jobs)."
+    ),
 ) -> None:
     """Train a model on datasets from `mlm data build`; checkpoints, metrics.jsonl, TensorBoard."""
     from mlm.config import load_config
-    from mlm.train.trainer import Trainer
+    from mlm.console import console
+    from mlm.train.trainer import PREEMPTED_EXIT_CODE, Preempted, Trainer, resume_path
 
     cfg = load_config(config, overrides)
-    Trainer(cfg, load=load or cfg.checkpoint.load or None).train()
+    try:
+        Trainer(cfg, load=resume_path(cfg, load, auto_resume)).train()
+    except Preempted as e:
+        console.print(f"[bold yellow]{e}[/]; exit code {PREEMPTED_EXIT_CODE}", highlight=False)
+        raise typer.Exit(PREEMPTED_EXIT_CODE) from None

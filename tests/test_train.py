@@ -231,3 +231,31 @@ def test_train_tokens_sets_the_number_of_steps(tmp_path, tiny_data):
         tiny_config(tmp_path, tiny_data, **{"train.train_iters": "none", "train.train_tokens": 300})
     )
     assert trainer.total_iters == 3  # ceil(300 / (global batch 4 × seq 32))
+
+
+def test_sigterm_saves_and_auto_resume_finishes_the_same_run(tmp_path, tiny_data):
+    ckpt = tmp_path / "ckpt"
+    sets = tiny_sets(tmp_path / "run", tiny_data, **{"train.train_iters": 40, "checkpoint.save": f"'{ckpt}'"})
+    args = [sys.executable, "-m", "cli.main", "train", *[a for s in sets for a in ("--set", s)]]
+    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        args, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+    for line in proc.stderr:
+        if line.startswith("step  3/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 3, rest
+    assert "stopped by SIGTERM after step" in rest
+    stopped_at = int((ckpt / "latest").read_text().strip().removeprefix("iter_"))
+    assert 3 <= stopped_at < 40
+    r = subprocess.run([*args, "--auto-resume"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"iter_{stopped_at:07d} at step {stopped_at}" in r.stderr
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    resumed = {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+    straight = Trainer(
+        load_config(None, tiny_sets(tmp_path / "run2", tiny_data, **{"train.train_iters": 40}))
+    ).train()
+    assert resumed[40] == straight[39] and resumed[stopped_at + 1] == straight[stopped_at]

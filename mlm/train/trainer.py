@@ -10,8 +10,9 @@ CPU; a resumed run continues that sequence exactly.
 from __future__ import annotations
 
 import math
-import os
 import random
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.sampler import PretrainingSampler
 from mlm.errors import MlmError
 from mlm.model import build_model, flops_per_token
+from mlm.parallel import Mesh
+from mlm.parallel.launch import init_distributed
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optim import adam_state_tensors, make_optimizer, set_adam_step
 from mlm.train.scaler import LossScaler
@@ -45,22 +48,44 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def check_single_process(cfg: Config) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    p = cfg.parallel
-    if world != 1 or (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):
+PREEMPTED_EXIT_CODE = 3  # SIGTERM/SIGUSR1: the step finished, a checkpoint was saved, exit to be requeued
+
+
+class Preempted(Exception):
+    """Training stopped on a signal after saving a checkpoint."""
+
+    def __init__(self, signum: int, iteration: int, checkpoint: Path | None):
+        name = signal.Signals(signum).name
+        where = f"saved {checkpoint}" if checkpoint else "nothing saved (checkpoint.save is empty)"
+        super().__init__(f"stopped by {name} after step {iteration}; {where}")
+
+
+def resume_path(cfg: Config, load: str | None, auto_resume: bool) -> str | None:
+    """What to load: --load, else checkpoint.load, else (with --auto-resume) checkpoint.save's latest."""
+    if load or cfg.checkpoint.load:
+        return load or cfg.checkpoint.load
+    if auto_resume and cfg.checkpoint.save and (Path(cfg.checkpoint.save) / "latest").is_file():
+        return cfg.checkpoint.save
+    return None
+
+
+def check_single_process(mesh) -> None:
+    if mesh.world_size != 1:
         raise MlmError(
-            f"this mlm trains in one process (world size {world}, tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}); "
-            "parallel training comes with the mesh. Run `mlm train` without torchrun and with parallel.* = 1"
+            f"this mlm trains in one process, but the launcher started {mesh.world_size} ({mesh}); "
+            "run `mlm train` without torchrun/srun"
         )
 
 
 class Trainer:
     def __init__(self, cfg: Config, load: str | None = None):
-        check_single_process(cfg)
         self.cfg = cfg
         t = cfg.train
         self.device = pick_device(t.device)
+        self.launch = init_distributed(self.device)
+        self.mesh = Mesh.build(cfg.parallel, self.device.type)
+        check_single_process(self.mesh)
+        self._stop_signal: int | None = None
         self.dp_rank, self.dp_size = 0, 1
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         tokens_per_step = t.global_batch_size * cfg.data.seq_length
@@ -179,11 +204,13 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def train(self) -> list[float]:
+        """Train to `total_iters`; return the loss of every step run. Raises `Preempted` when a
+        SIGTERM/SIGUSR1 arrived (after finishing the step and saving a checkpoint)."""
         cfg = self.cfg
         log = MetricsLogger(cfg.run_dir, cfg.logging.tensorboard)
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run_dir) / "config.toml").write_text(to_toml(cfg))
-        peak = peak_flops(cfg.logging.hardware)
+        self._peak = peak_flops(cfg.logging.hardware)
         sampler = PretrainingSampler(
             self.total_iters * cfg.train.global_batch_size,
             self.consumed_samples,
@@ -198,55 +225,75 @@ class Trainer:
             f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters",
             highlight=False,
         )
+        self._install_signal_handlers()
         losses: list[float] = []
-        window: list[float] = []
+        window: list[dict] = []
         t_start = t_log = time.perf_counter()
-        steps_since_log = 0
         saved_at = -1
-        while self.iteration < self.total_iters:
-            r = self.train_step([next(micro_batches) for _ in range(self.num_micro)])
-            self.iteration += 1
-            self.consumed_samples = sampler.consumed_samples
-            losses.append(r["loss"])
-            window.append(r["loss"])
-            steps_since_log += 1
-            if self.iteration % cfg.logging.log_interval == 0 or self.iteration == self.total_iters:
-                now = time.perf_counter()
-                dt = (now - t_log) / steps_since_log
-                rec = {
-                    "loss": sum(window) / len(window),
-                    "lr": r["lr"],
-                    "grad_norm": r["grad_norm"],
-                    "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_length / dt,
-                    "mfu": self.flops_per_step / dt / peak,
-                    "step_time_s": dt,
-                    "memory_gib": memory_gib(self.device),
-                    "skipped": self.scaler.skipped if self.scaler else 0,
-                    "consumed_samples": self.consumed_samples,
-                    "eta_s": (self.total_iters - self.iteration) * (now - t_start) / max(1, len(losses)),
-                }
-                if self.scaler:
-                    rec["loss_scale"] = self.scaler.scale
-                log.train_line(self.iteration, self.total_iters, rec)
-                log.log(self.iteration, rec)
-                window, steps_since_log, t_log = [], 0, now
-            if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval == 0:
+        try:
+            while self.iteration < self.total_iters:
+                r = self.train_step([next(micro_batches) for _ in range(self.num_micro)])
+                self.iteration += 1
+                self.consumed_samples = sampler.consumed_samples
+                losses.append(r["loss"])
+                window.append(r)
+                if self.iteration % cfg.logging.log_interval == 0 or self.iteration == self.total_iters:
+                    now = time.perf_counter()
+                    self._log_train(log, window, now - t_log, (now - t_start) / len(losses))
+                    window, t_log = [], now
+                if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval == 0:
+                    self._evaluate_and_sample(log)
+                interval = cfg.checkpoint.save_interval
+                if cfg.checkpoint.save and interval and self.iteration % interval == 0:
+                    self.save(cfg.checkpoint.save)
+                    saved_at = self.iteration
+                if self._stop_signal is not None:
+                    raise Preempted(self._stop_signal, self.iteration, self._final_save(saved_at))
+            if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval != 0:
                 self._evaluate_and_sample(log)
-            if (
-                cfg.checkpoint.save
-                and cfg.checkpoint.save_interval
-                and self.iteration % cfg.checkpoint.save_interval == 0
-            ):
-                self.save(cfg.checkpoint.save)
-                saved_at = self.iteration
-        if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval != 0:
-            self._evaluate_and_sample(log)
-        elif not cfg.train.eval_interval:
-            self._print_sample()
-        if cfg.checkpoint.save and saved_at != self.iteration:
-            self.save(cfg.checkpoint.save)
-        log.close()
+            elif not cfg.train.eval_interval:
+                self._print_sample()
+            self._final_save(saved_at)
+        finally:
+            log.close()
         return losses
+
+    def _final_save(self, saved_at: int) -> Path | None:
+        root = self.cfg.checkpoint.save
+        if not root:
+            return None
+        return resolve_checkpoint(root) if saved_at == self.iteration else self.save(root)
+
+    def _log_train(self, log: MetricsLogger, window: list[dict], seconds: float, s_per_step: float) -> None:
+        cfg = self.cfg
+        dt = seconds / len(window)
+        rec = {
+            "loss": sum(r["loss"] for r in window) / len(window),
+            "lr": window[-1]["lr"],
+            "grad_norm": window[-1]["grad_norm"],
+            "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_length / dt,
+            "mfu": self.flops_per_step / dt / self._peak,
+            "step_time_s": dt,
+            "memory_gib": memory_gib(self.device),
+            "skipped": self.scaler.skipped if self.scaler else 0,
+            "consumed_samples": self.consumed_samples,
+            "eta_s": (self.total_iters - self.iteration) * s_per_step,
+        }
+        if self.scaler:
+            rec["loss_scale"] = self.scaler.scale
+        log.train_line(self.iteration, self.total_iters, rec)
+        log.log(self.iteration, rec)
+
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM and SIGUSR1 (SLURM's warning before the time limit) stop after the current step."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def request_stop(signum, frame):
+            self._stop_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, request_stop)
 
     def _evaluate_and_sample(self, log: MetricsLogger) -> None:
         loss = self.evaluate()
