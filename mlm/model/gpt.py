@@ -136,8 +136,9 @@ class GPT(nn.Module):
         """Megatron's init: normal(0, σ); output projections σ / √(2 · layers); norms 1, biases 0.
 
         A sharded parameter (one with `global_shape` and `global_offset` attributes, set by the
-        parallel layers) gets its slice of the full tensor drawn from the same stream, so any
-        mesh starts from the same weights as one process."""
+        parallel layers) gets its slice of the full tensor drawn from the same stream, and the
+        vocabulary's padding rows (whose number depends on tp) are zeros drawn from no stream, so
+        every mesh starts from the same weights as one process."""
         gen = torch.Generator().manual_seed(seed)
         std = self.cfg.init_std
         out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
@@ -147,7 +148,9 @@ class GPT(nn.Module):
                 continue
             s = out_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else std
             shape = getattr(p, "global_shape", p.shape)
-            full = torch.empty(shape, dtype=torch.float32).normal_(0.0, s, generator=gen)
+            full = torch.zeros(shape, dtype=torch.float32)
+            rows = self.cfg.vocab_size if name in ("embed.weight", "output.weight") else shape[0]
+            full[:rows].normal_(0.0, s, generator=gen)
             offset = getattr(p, "global_offset", (0,) * p.ndim)
             p.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, p.shape, strict=True))])
 
