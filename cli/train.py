@@ -28,3 +28,35 @@ def train(
     except Preempted as e:
         console.print(f"[bold yellow]{e}[/]; exit code {PREEMPTED_EXIT_CODE}", highlight=False)
         raise typer.Exit(PREEMPTED_EXIT_CODE) from None
+
+
+def slurm(
+    config: Path | None = typer.Option(None, "--config", "-c", help="Run config TOML."),
+    overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),
+    nodes: int = typer.Option(1, help="Nodes."),
+    gpus_per_node: int = typer.Option(8, help="GPUs (= tasks) per node."),
+    time: str = typer.Option("24:00:00", help="Time limit (HH:MM:SS)."),
+    job_name: str = typer.Option("mlm", help="SLURM job name."),
+    partition: str | None = typer.Option(None, help="SLURM partition."),
+    account: str | None = typer.Option(None, help="SLURM account."),
+) -> None:
+    """Print an sbatch script that runs `mlm train` under srun, requeued on preemption."""
+    from mlm.config import load_config
+    from mlm.parallel import Mesh
+    from mlm.train.slurm import sbatch_script
+
+    cfg = load_config(config, overrides)  # fail here, not in the queue, on a bad config or mesh
+    Mesh.shape_for(cfg.parallel, nodes * gpus_per_node)
+    print(
+        sbatch_script(
+            str(config) if config else None,
+            overrides,
+            nodes,
+            gpus_per_node,
+            time,
+            job_name,
+            partition,
+            account,
+        ),
+        end="",
+    )

@@ -25,3 +25,34 @@ def test_detect_torchrun_slurm_single():
     assert env["MASTER_ADDR"] == "n3" and env["MASTER_PORT"] == str(20000 + 123456 % 20000)
     assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8" and env["LOCAL_RANK"] == "1"
     assert detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).launcher == "single"
+
+
+def test_sbatch_script_is_valid_bash_with_requeue(tmp_path):
+    import subprocess
+
+    from mlm.train.slurm import sbatch_script
+
+    script = sbatch_script(
+        "run.toml", ["train.train_iters=10"], nodes=2, gpus_per_node=4, time="01:00:00", partition="gpu"
+    )
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=USR1@",
+        "#SBATCH --partition=gpu",
+        "mlm train --config run.toml --set train.train_iters=10 --auto-resume",
+        "if [ $rc -eq 3 ]; then",
+        'scontrol requeue "$SLURM_JOB_ID"',
+    ):
+        assert line in script, line
+    (tmp_path / "job.sh").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
+
+
+def test_slurm_command_checks_the_mesh():
+    from test_bad_input import mlm
+
+    r = mlm("slurm", "--nodes", "3", "--gpus-per-node", "2", "--set", "parallel.tp=4")
+    assert r.returncode == 2 and "does not divide world size 6" in r.stderr
+    assert mlm("slurm", "--nodes", "1", "--gpus-per-node", "2").returncode == 0
