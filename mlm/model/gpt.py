@@ -9,6 +9,7 @@ K head dim, F ffn hidden, V (padded) vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -52,9 +53,14 @@ class Attention(nn.Module):
         self.v = nn.Linear(cfg.hidden_size, G * K, bias=cfg.add_bias)
         self.out = nn.Linear(H * K, cfg.hidden_size, bias=cfg.add_bias)
         self.backend = "sdpa"
+        # Where attention dropout draws its randomness: tensor parallelism sets this to
+        # TensorParallelRNG.fork, so that tp ranks (holding different heads) drop differently.
+        self.rng_region = contextlib.nullcontext
 
     def core(self, q, k, v):
-        return attention(q, k, v, self.backend, self.cfg.attention_dropout, self.training)
+        dropping = self.training and self.cfg.attention_dropout > 0
+        with self.rng_region(q.device) if dropping else contextlib.nullcontext():
+            return attention(q, k, v, self.backend, self.cfg.attention_dropout, self.training)
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x_BTD.shape

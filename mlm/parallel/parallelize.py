@@ -1,0 +1,201 @@
+"""Apply tensor (and sequence) parallelism to a plain GPT from outside, following its `TP_PLAN`.
+
+    with torch.device("meta"):
+        model = GPT(cfg, padded_vocab=cfg.padded_vocab_size(mesh.tp))
+    parallelize(model, mesh, sequence_parallel)   # swap layers for their shards; nothing allocated
+    model.to_empty(device=device)
+    model.init_weights(seed)                      # every rank: its slice of the one-process init
+    ...
+    loss = vocab_parallel_cross_entropy(model(x_BT), y_BT, mesh, cfg.vocab_size).mean()
+    loss.backward()
+    allreduce_sequence_parallel_grads(model, mesh)  # norms saw one sequence shard each
+
+What changes, in order: every `nn.Linear` / `nn.Embedding` named in `TP_PLAN` becomes the parallel
+layer holding only its shard (a materialised model gives each its slice of the weights); the
+attention and MLP inputs enter the tp region once each (q/k/v and gate/up share it, as Megatron's
+fused QKV does), by a forward pre-hook calling the `enter_tp` module put beside them; attention
+dropout draws from a per-tp-rank stream (`TensorParallelRNG`); `enter_output` enters the tp region
+so that the (tied or untied) output projection yields vocabulary-sharded logits [B, T, V/tp]; under
+sequence parallelism `enter_layers` scatters the sequence, and norms, residuals and hidden dropout
+run on [B, T/tp, D] shards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from mlm.config import ModelConfig
+from mlm.errors import MlmError
+from mlm.model.gpt import GPT, TP_PLAN
+from mlm.parallel.mesh import Mesh
+from mlm.parallel.tensor import (
+    ColumnParallelLinear,
+    CopyToTP,
+    GatherFromSP,
+    RowParallelLinear,
+    ScatterToSP,
+    TensorParallelRNG,
+    VocabParallelEmbedding,
+    local_slice,
+)
+
+
+def check_tensor_parallel(cfg: ModelConfig, padded_vocab: int, tp: int) -> None:
+    """MlmError unless every tensor-parallel layer of `cfg` splits evenly over `tp` ranks."""
+    H, G = cfg.num_attention_heads, cfg.query_groups
+    if H % tp:
+        raise MlmError(
+            f"model.num_attention_heads={H} is not divisible by parallel.tp={tp}: each tp rank "
+            f"holds whole attention heads; choose a tp that divides {H}"
+        )
+    if G % tp:
+        raise MlmError(
+            f"model.num_query_groups={G} is not divisible by parallel.tp={tp}: each tp rank holds "
+            f"whole key/value groups; choose a tp that divides {G}, or more query groups"
+        )
+    if cfg.ffn_size % tp:
+        given = "" if cfg.ffn_hidden_size else " (unset: 4 × hidden_size)"
+        raise MlmError(
+            f"model.ffn_hidden_size={cfg.ffn_size}{given} is not divisible by parallel.tp={tp}; "
+            f"choose a tp that divides it, or an ffn_hidden_size that is a multiple of {tp}"
+        )
+    if padded_vocab % tp:
+        raise MlmError(
+            f"padded vocabulary {padded_vocab} (model.vocab_size={cfg.vocab_size}) is not divisible "
+            f"by parallel.tp={tp}; build the model as GPT(cfg, padded_vocab=cfg.padded_vocab_size({tp})) "
+            f"= {cfg.padded_vocab_size(tp)} rows"
+        )
+
+
+def _style(name: str) -> str | None:
+    """The TP_PLAN style of module `name` ("layers.3.attn.q" → "column"), or None."""
+    for key, style in TP_PLAN.items():
+        if name == key or name.endswith("." + key):
+            return style
+    return None
+
+
+def _parallel_layer(module: nn.Module, style: str, mesh: Mesh, sequence_parallel: bool) -> nn.Module:
+    """The parallel layer of `style` for `module`, on its device, holding its slice if it has weights."""
+    w = module.weight
+    kw = dict(device=w.device, dtype=w.dtype)
+    if style == "vocab":
+        assert isinstance(module, nn.Embedding), module
+        new = VocabParallelEmbedding(
+            module.num_embeddings, module.embedding_dim, mesh, sequence_parallel, **kw
+        )
+    else:
+        assert isinstance(module, nn.Linear), module
+        bias = module.bias is not None
+        if style == "column":  # the region is entered once per input (pre-hooks, enter_output)
+            new = ColumnParallelLinear(
+                module.in_features,
+                module.out_features,
+                bias,
+                mesh,
+                sequence_parallel,
+                enter_region=False,
+                **kw,
+            )
+        else:
+            assert style == "row", style
+            new = RowParallelLinear(
+                module.in_features, module.out_features, bias, mesh, sequence_parallel, **kw
+            )
+    if w.device.type != "meta":
+        with torch.no_grad():
+            for name, p in new.named_parameters():
+                p.copy_(local_slice(getattr(module, name), p))
+    return new
+
+
+def _enter_tp_hook(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook: the module's first input enters the tp region through `module.enter_tp`."""
+    assert args, f"{type(module).__name__} must get its input positionally"
+    return (module.enter_tp(args[0]), *args[1:])
+
+
+def parallelize(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> GPT:
+    """Apply tensor parallelism over `mesh.tp` (and sequence parallelism if asked) to `model`, in
+    place; return it. At tp = 1 the model is returned untouched. All checks run before any change."""
+    if mesh.tp == 1:
+        return model
+    if isinstance(model.embed, VocabParallelEmbedding):
+        raise MlmError("the model is already tensor-parallel: call parallelize once per model")
+    check_tensor_parallel(model.cfg, model.embed.num_embeddings, mesh.tp)
+
+    # 1. Swap the layers of TP_PLAN for their shards (names and parameter order unchanged).
+    for name, module in list(model.named_modules()):
+        style = _style(name)
+        if style is not None:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, attr, _parallel_layer(module, style, mesh, sequence_parallel))
+
+    # 2. Enter the tp region once per attention / MLP input; per-rank attention dropout.
+    enter = GatherFromSP if sequence_parallel else CopyToTP
+    rng = TensorParallelRNG(mesh)
+    for block in model.layers:
+        for sub in (block.attn, block.mlp):
+            sub.enter_tp = enter(mesh)
+            sub.register_forward_pre_hook(_enter_tp_hook)
+        block.attn.rng_region = rng.fork  # read by Attention.core around the attention dropout
+    model.tp_rng = rng
+
+    # 3. Output projection on vocabulary shards; under SP the layers run on sequence shards.
+    model.enter_output = enter(mesh)
+    if sequence_parallel:
+        model.enter_layers = ScatterToSP(mesh)
+        for p in sequence_parallel_params(model):
+            p.sequence_parallel = True
+    return model
+
+
+def sequence_parallel_params(model: GPT) -> list[nn.Parameter]:
+    """Replicated parameters inside the sequence-parallel region (norms; row-parallel biases), whose
+    gradients each tp rank computes from its sequence shard only. Found by place, not by tag, since
+    `to_empty` drops tags set on the meta model. Empty unless `enter_layers` scatters the sequence."""
+    if not isinstance(model.enter_layers, ScatterToSP):
+        return []
+    region = [model.layers, model.final_norm]
+    return [p for m in region for p in m.parameters() if not getattr(p, "tensor_parallel", False)]
+
+
+def allreduce_sequence_parallel_grads(model: nn.Module, mesh: Mesh) -> None:
+    """Sum over tp the gradients of the replicated parameters in the sequence-parallel region (call
+    after backward, before clipping and the optimizer step; it commutes with the data-parallel
+    reduction). Works on a GPT (every such parameter) or on any module (those tagged
+    `sequence_parallel`). A no-op at tp = 1 and without sequence parallelism."""
+    if mesh.tp == 1:
+        return
+    if isinstance(model, GPT):
+        params = sequence_parallel_params(model)
+    else:
+        params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        p.sequence_parallel = True
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=mesh.tp_group)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(reduced)
+
+
+def param_layout(model: nn.Module, mesh: Mesh) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
+    """name → (global_shape, global_offset, writer) of every parameter, for `ShardedTensor`s.
+
+    Sharded parameters: their slice, written by their rank. Replicated ones: the whole tensor,
+    written only by tp rank 0 (replicas over dp are the checkpoint code's to exclude)."""
+    layout = {}
+    for name, p in model.named_parameters():
+        if getattr(p, "tensor_parallel", False):
+            layout[name] = (tuple(p.global_shape), tuple(p.global_offset), True)
+        else:
+            layout[name] = (tuple(p.shape), (0,) * p.ndim, mesh.tp_rank == 0)
+    return layout

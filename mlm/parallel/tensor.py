@@ -1,0 +1,472 @@
+"""Megatron-style tensor- and sequence-parallel layers over torch.distributed collectives.
+
+Tensor parallelism splits each linear layer over the `tp` ranks of `mesh.tp_group`: a column-parallel
+layer holds a slice of the output features, a row-parallel layer a slice of the input features, so a
+column layer followed by a row layer needs one all-reduce forward and one backward (Megatron-LM,
+Shoeybi et al. 2019). Sequence parallelism (Korthikanti et al. 2022) also splits the activations
+outside that region (norms, dropout, residuals) along the sequence: the all-reduce becomes a
+reduce-scatter followed by an all-gather, moving the same bytes while each rank stores 1/tp of them.
+
+Each region boundary is a small autograd function whose forward and backward are a pair of
+collectives (table below); at tp = 1 every one of them is the identity. mlm is batch-first, so the
+sequence dim is 1 (Megatron's is 0); collectives run on dim-0-contiguous buffers.
+
+    function              forward              backward
+    copy_to_tp            identity             all-reduce
+    reduce_from_tp        all-reduce           identity
+    gather_from_tp        all-gather last dim  split last dim
+    scatter_to_tp         split last dim       all-gather last dim
+    scatter_to_sp         split T              all-gather T
+    gather_from_sp        all-gather T         reduce-scatter T
+    reduce_scatter_to_sp  reduce-scatter T     all-gather T
+
+Every sharded parameter carries `global_shape`, `global_offset`, `partition_dim` and
+`tensor_parallel = True`, so that `GPT.init_weights` draws the full tensor and keeps this rank's
+slice, and checkpoints store it in its global layout.
+
+Shape legend: B batch, T sequence (t: this rank's T / tp), D hidden, v this rank's vocabulary shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mlm.errors import MlmError
+from mlm.parallel.mesh import Mesh
+
+# ---------------------------------------------------------------- collectives on one dim
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (now deprecated); same calls.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce into a fresh contiguous tensor (never into a tensor the caller may hold)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((size * x0.shape[0], *x0.shape[1:]))
+    _all_gather_single(out, x0, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    x0 = x.movedim(dim, 0).contiguous()
+    assert x0.shape[0] % size == 0, f"reduce-scatter of {x0.shape[0]} rows over {size} ranks"
+    out = x0.new_empty((x0.shape[0] // size, *x0.shape[1:]))
+    _reduce_scatter_single(out, x0, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split(x: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    n = x.shape[dim]
+    assert n % size == 0, f"cannot split {n} along dim {dim} over {size} ranks"
+    return x.narrow(dim, rank * (n // size), n // size).contiguous()
+
+
+_OPS = {
+    "identity": lambda x, group, size, rank: x,
+    "all_reduce": lambda x, group, size, rank: _all_reduce(x, group),
+    "gather_last": lambda x, group, size, rank: _all_gather(x, -1, group, size),
+    "split_last": lambda x, group, size, rank: _split(x, -1, size, rank),
+    "gather_seq": lambda x, group, size, rank: _all_gather(x, 1, group, size),
+    "split_seq": lambda x, group, size, rank: _split(x, 1, size, rank),
+    "reduce_scatter_seq": lambda x, group, size, rank: _reduce_scatter(x, 1, group, size),
+}
+
+
+class _Region(torch.autograd.Function):
+    """One region boundary: collective `fwd` forward, collective `bwd` on the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, fwd: str, bwd: str, group, size: int, rank: int):
+        ctx.args = (bwd, group, size, rank)
+        return _OPS[fwd](x, group, size, rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        bwd, group, size, rank = ctx.args
+        return _OPS[bwd](grad, group, size, rank), None, None, None, None, None
+
+
+def _region(x: torch.Tensor, mesh: Mesh, fwd: str, bwd: str) -> torch.Tensor:
+    if mesh.tp == 1:
+        return x
+    group = mesh.tp_group
+    assert group is not None, f"tp={mesh.tp} needs the mesh's tp process group"
+    return _Region.apply(x, fwd, bwd, group, mesh.tp, mesh.tp_rank)
+
+
+def copy_to_tp(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Enter the tp region: forward identity, backward all-reduce."""
+    return _region(x, mesh, "identity", "all_reduce")
+
+
+def reduce_from_tp(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Leave the tp region by summing the ranks' partial results: forward all-reduce, backward identity."""
+    return _region(x, mesh, "all_reduce", "identity")
+
+
+def gather_from_tp(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """[..., n/tp] → [..., n]: forward all-gather the last dim, backward keep this rank's slice."""
+    return _region(x, mesh, "gather_last", "split_last")
+
+
+def scatter_to_tp(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """[..., n] → [..., n/tp]: forward keep this rank's slice of the last dim, backward all-gather."""
+    return _region(x, mesh, "split_last", "gather_last")
+
+
+def scatter_to_sp(x_BTD: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """[B, T, D] → [B, t, D]: forward keep this rank's sequence slice, backward all-gather T."""
+    return _region(x_BTD, mesh, "split_seq", "gather_seq")
+
+
+def gather_from_sp(x_BtD: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """[B, t, D] → [B, T, D]: forward all-gather T, backward reduce-scatter T (the sum over ranks)."""
+    return _region(x_BtD, mesh, "gather_seq", "reduce_scatter_seq")
+
+
+def reduce_scatter_to_sp(x_BTD: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Partial [B, T, D] → summed [B, t, D]: forward reduce-scatter T, backward all-gather T."""
+    return _region(x_BTD, mesh, "reduce_scatter_seq", "gather_seq")
+
+
+class _RegionModule(nn.Module):
+    def __init__(self, mesh: Mesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def extra_repr(self) -> str:
+        return f"tp={self.mesh.tp}"
+
+
+class CopyToTP(_RegionModule):
+    """`copy_to_tp` as a module (for the model's hooks)."""
+
+    def forward(self, x):
+        return copy_to_tp(x, self.mesh)
+
+
+class GatherFromSP(_RegionModule):
+    """`gather_from_sp` as a module (for the model's hooks)."""
+
+    def forward(self, x_BtD):
+        return gather_from_sp(x_BtD, self.mesh)
+
+
+class ScatterToSP(_RegionModule):
+    """`scatter_to_sp` as a module: the model's `enter_layers` under sequence parallelism."""
+
+    def forward(self, x_BTD):
+        T, tp = x_BTD.shape[1], self.mesh.tp
+        if T % tp:
+            raise MlmError(
+                f"sequence length {T} is not divisible by parallel.tp={tp}: sequence parallelism "
+                f"splits the sequence over the tp ranks; set data.seq_length to a multiple of {tp}"
+            )
+        return scatter_to_sp(x_BTD, self.mesh)
+
+
+# ---------------------------------------------------------------- layers
+
+
+def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of `full` (a tensor in the global shape) for `param`, by its `global_offset`."""
+    offset = getattr(param, "global_offset", (0,) * param.ndim)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, param.shape, strict=True))]
+
+
+class _Sharded(nn.Module):
+    """Holds parameters tagged with their place in the global tensor.
+
+    Moving a meta module to a device (`to_empty`) creates new Parameter objects without the
+    tags, so the tags are kept here and put back after every `_apply`."""
+
+    def __init__(self, mesh: Mesh):
+        super().__init__()
+        self.mesh = mesh
+        self._tags: dict[str, dict[str, object]] = {}
+
+    def _param(self, name: str, local_shape, device, dtype, **tags) -> None:
+        self.register_parameter(name, nn.Parameter(torch.empty(local_shape, device=device, dtype=dtype)))
+        self._tags[name] = tags
+        self._retag()
+
+    def _shard(self, name: str, global_shape: tuple[int, ...], dim: int, device, dtype) -> None:
+        """Register `name` as this rank's 1/tp slice of `global_shape` along `dim`."""
+        tp, rank = self.mesh.tp, self.mesh.tp_rank
+        assert global_shape[dim] % tp == 0, f"{name}: {global_shape}[{dim}] over {tp} ranks"
+        local = list(global_shape)
+        local[dim] //= tp
+        offset = [0] * len(global_shape)
+        offset[dim] = rank * local[dim]
+        self._param(
+            name,
+            local,
+            device,
+            dtype,
+            global_shape=tuple(global_shape),
+            global_offset=tuple(offset),
+            partition_dim=dim,
+            tensor_parallel=True,
+        )
+
+    def _retag(self) -> None:
+        for name, tags in self._tags.items():
+            for key, value in tags.items():
+                setattr(getattr(self, name), key, value)
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._retag()
+        return module
+
+
+def _check_divisible(layer: str, field: str, n: int, tp: int) -> None:
+    if n % tp:
+        raise MlmError(f"{layer}: {field}={n} is not divisible by tp={tp}; choose a tp that divides {n}")
+
+
+class ColumnParallelLinear(_Sharded):
+    """y = x Wᵀ + b with W's output rows split over tp: weight [out/tp, in], bias [out/tp].
+
+    The input enters the tp region here (copy_to_tp, or gather_from_sp under sequence
+    parallelism) unless `enter_region=False`, where the caller has already entered it once for
+    several layers reading the same input (q, k, v); the output stays sharded on the last dim."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        mesh: Mesh,
+        sequence_parallel: bool = False,
+        *,
+        enter_region: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(mesh)
+        _check_divisible("ColumnParallelLinear", "out_features", out_features, mesh.tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.enter_region = sequence_parallel, enter_region
+        self._shard("weight", (out_features, in_features), 0, device, dtype)
+        if bias:
+            self._shard("bias", (out_features,), 0, device, dtype)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.enter_region:
+            x_BTD = (
+                gather_from_sp(x_BTD, self.mesh) if self.sequence_parallel else copy_to_tp(x_BTD, self.mesh)
+            )
+        return F.linear(x_BTD, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), bias={self.bias is not None}, tp={self.mesh.tp}, "
+            f"sequence_parallel={self.sequence_parallel}, enter_region={self.enter_region}"
+        )
+
+
+class RowParallelLinear(_Sharded):
+    """y = x Wᵀ + b with W's input columns split over tp: weight [out, in/tp], bias [out] replicated.
+
+    The input is already sharded on its last dim (a column layer's output); the partial products
+    are all-reduced (reduce_from_tp) or, under sequence parallelism, reduce-scattered along T; the
+    bias is added after the reduction. Under sequence parallelism the bias then sees one sequence
+    shard, so it is tagged `sequence_parallel` (its gradient needs an all-reduce over tp)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        mesh: Mesh,
+        sequence_parallel: bool = False,
+        *,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(mesh)
+        _check_divisible("RowParallelLinear", "in_features", in_features, mesh.tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel
+        self._shard("weight", (out_features, in_features), 1, device, dtype)
+        if bias:
+            tags = {"sequence_parallel": True} if sequence_parallel else {}
+            self._param("bias", (out_features,), device, dtype, **tags)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x_BTf: torch.Tensor) -> torch.Tensor:
+        y_BTD = F.linear(x_BTf, self.weight)
+        if self.sequence_parallel:
+            y_BTD = reduce_scatter_to_sp(y_BTD, self.mesh)
+        else:
+            y_BTD = reduce_from_tp(y_BTD, self.mesh)
+        return y_BTD if self.bias is None else y_BTD + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), "
+            f"out_features={self.out_features}, bias={self.bias is not None}, tp={self.mesh.tp}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class VocabParallelEmbedding(_Sharded):
+    """Embedding with its rows split over tp: weight [V/tp, D], rows from tp_rank · V/tp.
+
+    Ids outside this rank's rows look up a zero vector and the ranks' results are all-reduced, so
+    the output is the complete [B, T, D] on every rank, with or without sequence parallelism (the
+    model's `enter_layers` hook scatters the sequence afterwards, past position embeddings and
+    dropout)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        mesh: Mesh,
+        sequence_parallel: bool = False,
+        *,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(mesh)
+        _check_divisible("VocabParallelEmbedding", "num_embeddings", num_embeddings, mesh.tp)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sequence_parallel = sequence_parallel
+        self.vocab_start = mesh.tp_rank * (num_embeddings // mesh.tp)
+        self.vocab_end = self.vocab_start + num_embeddings // mesh.tp
+        self._shard("weight", (num_embeddings, embedding_dim), 0, device, dtype)
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        if self.mesh.tp == 1:
+            return F.embedding(tokens_BT, self.weight)
+        outside_BT = (tokens_BT < self.vocab_start) | (tokens_BT >= self.vocab_end)
+        local_BT = (tokens_BT - self.vocab_start).masked_fill(outside_BT, 0)
+        x_BTD = F.embedding(local_BT, self.weight).masked_fill(outside_BT.unsqueeze(-1), 0.0)
+        return reduce_from_tp(x_BTD, self.mesh)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim} (rows {self.vocab_start}:{self.vocab_end}), "
+            f"tp={self.mesh.tp}"
+        )
+
+
+# ---------------------------------------------------------------- loss
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_BTv, labels_BT, vocab_size: int, group, size: int, rank: int):
+        v = logits_BTv.shape[-1]
+        start = rank * v
+        x_BTv = logits_BTv.float()
+        if start + v > vocab_size:  # Megatron's padding columns: never a prediction
+            pad_v = torch.arange(start, start + v, device=x_BTv.device) >= vocab_size
+            x_BTv = x_BTv.masked_fill(pad_v, float("-inf"))
+        max_BT = x_BTv.amax(dim=-1)
+        if group is not None:
+            dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=group)
+        x_BTv = x_BTv - max_BT.unsqueeze(-1)  # a new fp32 tensor, ours to change in place
+
+        inside_BT = (labels_BT >= start) & (labels_BT < start + v)
+        local_BT = (labels_BT - start).masked_fill(~inside_BT, 0)
+        target_BT = x_BTv.gather(-1, local_BT.unsqueeze(-1)).squeeze(-1).masked_fill(~inside_BT, 0.0)
+        exp_BTv = x_BTv.exp_()
+        stats_2BT = torch.stack([target_BT, exp_BTv.sum(dim=-1)])  # one all-reduce for both sums
+        if group is not None:
+            dist.all_reduce(stats_2BT, group=group)
+        target_BT, sum_exp_BT = stats_2BT
+        loss_BT = sum_exp_BT.log() - target_BT
+
+        softmax_BTv = exp_BTv.div_(sum_exp_BT.unsqueeze(-1))
+        ctx.save_for_backward(softmax_BTv, inside_BT, local_BT)
+        ctx.dtype = logits_BTv.dtype
+        return loss_BT
+
+    @staticmethod
+    def backward(ctx, grad_BT):
+        # softmax − onehot on this rank's columns, written over the saved softmax (a second
+        # backward through the same graph is refused by autograd's version check).
+        grad_BTv, inside_BT, local_BT = ctx.saved_tensors
+        grad_BTv.scatter_add_(-1, local_BT.unsqueeze(-1), -inside_BT.unsqueeze(-1).to(grad_BTv.dtype))
+        grad_BTv.mul_(grad_BT.unsqueeze(-1))
+        return grad_BTv.to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_BTv: torch.Tensor, labels_BT: torch.Tensor, mesh: Mesh, vocab_size: int
+) -> torch.Tensor:
+    """Per-token cross-entropy [B, T] in fp32 from this rank's logit columns [B, T, V/tp].
+
+    The full vocabulary is never gathered: a max, then the target logit and the sum of
+    exponentials are all-reduced over tp. Columns at or past `vocab_size` (padding) count as
+    −inf, so the result equals `F.cross_entropy(full_logits[..., :vocab_size], labels)` of one
+    process. Labels must lie in [0, vocab_size); mask unwanted tokens on the returned loss."""
+    V = logits_BTv.shape[-1] * mesh.tp
+    if not 0 < vocab_size <= V:
+        raise MlmError(
+            f"vocab_size={vocab_size} must be within [1, {V}] (the padded vocabulary of the logits, "
+            f"{logits_BTv.shape[-1]} columns × tp={mesh.tp}); pass model.vocab_size"
+        )
+    group = mesh.tp_group if mesh.tp > 1 else None
+    assert mesh.tp == 1 or group is not None, f"tp={mesh.tp} needs the mesh's tp process group"
+    return _VocabParallelCrossEntropy.apply(logits_BTv, labels_BT, vocab_size, group, mesh.tp, mesh.tp_rank)
+
+
+# ---------------------------------------------------------------- randomness in the tp region
+
+
+class TensorParallelRNG:
+    """Randomness inside the tp region (attention dropout): different on each tp rank, whose heads
+    differ, while randomness outside it (hidden dropout) stays identical across tp ranks.
+
+    Megatron keeps a second CUDA generator seeded `seed + 2718 + tp_rank` and must checkpoint it
+    and restore it around activation recompute. Here `fork()` instead draws one number from the
+    default CPU generator (the same on every tp rank, and restored by torch.utils.checkpoint before
+    a recompute), then runs its body with the default CPU and device generators seeded
+    `draw + 2718 + tp_rank`; afterwards the default streams go on as if only that number had been
+    drawn. So recompute reproduces the same masks and there is no extra state to save."""
+
+    OFFSET = 2718
+
+    def __init__(self, mesh: Mesh):
+        self.tp_rank = mesh.tp_rank
+
+    @contextlib.contextmanager
+    def fork(self, device: torch.device | str | None = None):
+        device = torch.device(device or "cpu")
+        draw = int(torch.randint(0, 2**62, (1,)).item())
+        seed = draw + self.OFFSET + self.tp_rank
+        if device.type == "cpu":
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(seed)
+                yield
+            return
+        module = torch.get_device_module(device.type)
+        index = device.index if device.index is not None else module.current_device()
+        with torch.random.fork_rng(devices=[index], device_type=device.type):
+            torch.default_generator.manual_seed(seed)
+            with module.device(index):
+                module.manual_seed(seed)
+            yield
+
+    def __repr__(self) -> str:
+        return f"TensorParallelRNG(tp_rank={self.tp_rank})"
