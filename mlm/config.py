@@ -203,10 +203,20 @@ class ParallelConfig:
     """Context-parallel size."""
     ep: int = 1
     """Expert-parallel size."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout over the sequence across tp ranks (all-gather/reduce-scatter around tp layers)."""
+    distributed_optimizer: bool = False
+    """Shard fp32 master weights and Adam state over dp (ZeRO-1, Megatron's --use-distributed-optimizer)."""
+    bucket_size_mb: float = 25.0
+    """Gradient bucket size for the overlapped data-parallel reduction."""
+    grad_reduce_dtype: str = "fp32"
+    """Data-parallel gradient reduction in fp32 or bf16."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "cp", "ep"):
             _check(getattr(self, name) >= 1, f"parallel.{name}={getattr(self, name)}: must be at least 1")
+        _choice("parallel", "grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
+        _check(self.bucket_size_mb > 0, f"parallel.bucket_size_mb={self.bucket_size_mb}: must be positive")
 
 
 @dataclass

@@ -1,0 +1,330 @@
+"""The distributed optimizer (ZeRO-1, Megatron's `--use-distributed-optimizer`): AdamW state sharded over dp.
+
+Built on a `GradBuckets(..., reduce_scatter=True)`: after `finish()` rank r holds the reduced
+gradient of its r-th contiguous 1/dp of every bucket. The parameters become views into one flat
+fp32 buffer with the same layout as the gradient buffer, so rank r's slice of that buffer is its
+fp32 master copy; Adam's moments are two flat tensors of the shard's size. `step()` runs AdamW
+(torch's own kernel, with the caller's parameter groups and per-group weight decay) over the
+shard, cut at parameter boundaries into 1-D segments, then all-gathers every bucket of the
+parameter buffer, so each rank again holds the whole updated model.
+
+Per rank this keeps 2/dp of the Adam state (8 bytes per parameter / dp) instead of all of it, for
+one reduce-scatter and one all-gather per bucket — the same bytes as one all-reduce.
+
+Per step:
+
+    for i, batch in enumerate(micro_batches):
+        grads.set_last_microbatch(i == n - 1)
+        (loss_fn(model, batch) / n).backward()
+    grads.finish()                        # reduce-scatter done: this rank's gradient shard is ready
+    grad_norm = opt.clip_grad_norm(clip)  # the norm of the full gradient, from the shards
+    opt.set_lr(lr)
+    opt.step()                            # AdamW on the shard, then all-gather the parameters
+    opt.zero_grad()
+
+Checkpoints keep one process's layout (`exp_avg.NAME`, `exp_avg_sq.NAME` in each parameter's
+global shape, as `mlm.train.optim.adam_state_tensors`), so they load under any dp and with the
+optimizer sharded or not: `checkpoint_save_tensors()` gathers each parameter's state onto one dp
+rank (round robin) which writes it whole; `checkpoint_load_targets()` reads, for each parameter,
+the rows covering this rank's flat range, and `finish_load()` copies that range into the shard.
+The fp32 master weights are the parameters themselves (stored in the model group).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mlm.checkpoint import ShardedTensor
+from mlm.parallel.data import GradBuckets, all_gather
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Segment:
+    """This rank's part of one parameter: a flat range that is also a range of the shard."""
+
+    index: int
+    """The parameter's index in `GradBuckets.params`."""
+    name: str
+    offset: int
+    """Where the range starts in the flattened parameter."""
+    numel: int
+    start: int
+    """Where it starts in the flat parameter and gradient buffers."""
+    local: int
+    """Where it starts in this rank's flat moments."""
+
+
+@dataclass
+class StateShard:
+    """The Adam state this rank owns of one parameter: a 1-D range of the flattened tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    """Start in the flattened parameter (its global flat offset when the parameter is not tp-sharded)."""
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+def owned_range(grads: GradBuckets, index: int, rank: int) -> tuple[int, int]:
+    """The flat range [a, b) of parameter `index` that dp rank `rank` owns (a == b: none)."""
+    s, e = grads.ranges[index]
+    lo, hi = grads.shard_range(grads.buckets[grads.bucket_of[index]], rank)
+    a, b = max(s, lo), min(e, hi)
+    return (a - s, b - s) if a < b else (0, 0)
+
+
+class DistributedOptimizer:
+    """AdamW whose fp32 master weights and moments are sharded over dp.
+
+    `param_groups` as for `torch.optim.AdamW` (`{"params": [...], "weight_decay": wd}`), covering
+    exactly the parameters of `grads`; `from_adamw` takes them from `mlm.train.optim.make_optimizer`.
+    """
+
+    def __init__(
+        self,
+        grads: GradBuckets,
+        param_groups: list[dict],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        fused: bool | None = None,
+    ):
+        assert grads.reduce_scatter, "the distributed optimizer needs GradBuckets(..., reduce_scatter=True)"
+        self.grads = grads
+        wd_of = {}
+        for g in param_groups:
+            for p in g["params"]:
+                assert id(p) not in wd_of, "a parameter is in two param groups"
+                wd_of[id(p)] = float(g.get("weight_decay", 0.0))
+        missing = [n for n, p in zip(grads.names, grads.params, strict=True) if id(p) not in wd_of]
+        assert not missing and len(wd_of) == len(grads.params), (
+            f"param groups and gradient buffer differ (missing from the groups: {missing[:3]})"
+        )
+
+        # The parameters become views of one flat buffer laid out like the gradient buffer.
+        self.buffer = torch.zeros_like(grads.buffer)
+        with torch.no_grad():
+            for p, (s, e) in zip(grads.params, grads.ranges, strict=True):
+                self.buffer[s:e].copy_(p.detach().flatten())
+                p.data = self.buffer[s:e].view_as(p)
+
+        # This rank's shard: its 1/dp of every bucket, concatenated; cut into per-parameter segments.
+        self.shards = [grads.shard_range(b) for b in grads.buckets]
+        self.segments: list[Segment] = []
+        local = 0
+        for b, (lo, hi) in zip(grads.buckets, self.shards, strict=True):
+            for i in b.params:
+                a, z = owned_range(grads, i, grads.dp_rank)
+                if z > a:
+                    start = grads.ranges[i][0] + a
+                    self.segments.append(Segment(i, grads.names[i], a, z - a, start, local + start - lo))
+            local += hi - lo
+        self.exp_avg = torch.zeros(local, dtype=torch.float32, device=grads.device)
+        self.exp_avg_sq = torch.zeros(local, dtype=torch.float32, device=grads.device)
+
+        # torch's AdamW over the segments (1-D views of the master shard), with the moments as
+        # views of the flat tensors: the exact update rule of the single-process optimizer.
+        groups: dict[float, list[torch.Tensor]] = {}
+        self._masters = []
+        for seg in self.segments:
+            m = self.buffer[seg.start : seg.start + seg.numel]
+            m.grad = grads.buffer[seg.start : seg.start + seg.numel]
+            groups.setdefault(wd_of[id(grads.params[seg.index])], []).append(m)
+            self._masters.append(m)
+        if fused is None:
+            fused = grads.device.type in ("cuda", "cpu")
+        self._adam = None
+        if self.segments:  # a rank may own only padding (a tiny model over many ranks)
+            self._adam = torch.optim.AdamW(
+                [{"params": ps, "weight_decay": wd} for wd, ps in groups.items()],
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                fused=fused,
+            )
+            step_device = grads.device if fused else torch.device("cpu")
+            for seg, m in zip(self.segments, self._masters, strict=True):
+                self._adam.state[m] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32, device=step_device),
+                    "exp_avg": self.exp_avg[seg.local : seg.local + seg.numel],
+                    "exp_avg_sq": self.exp_avg_sq[seg.local : seg.local + seg.numel],
+                }
+        self.lr = lr
+        self._load_targets: list[tuple[Segment, str, torch.Tensor, int]] = []
+
+    @classmethod
+    def from_adamw(cls, opt: torch.optim.AdamW, grads: GradBuckets) -> DistributedOptimizer:
+        """The same groups and hyper-parameters as an AdamW that has not stepped yet."""
+        assert not opt.state, "wrap the AdamW before its first step (its state would be lost)"
+        g0 = opt.param_groups[0]
+        assert all(g["betas"] == g0["betas"] and g["eps"] == g0["eps"] for g in opt.param_groups)
+        return cls(
+            grads,
+            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups],
+            lr=g0["lr"],
+            betas=g0["betas"],
+            eps=g0["eps"],
+            fused=bool(opt.defaults.get("fused")),
+        )
+
+    # ------------------------------------------------------------------ per step
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient, one 1-D view per bucket (padding included, always zero)."""
+        return [self.grads.buffer[lo:hi] for lo, hi in self.shards]
+
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.grads.dp > 1:
+            dist.all_reduce(t, op=op, group=self.grads.group)
+        return t
+
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the full gradient: each rank's sum of squares, summed over dp, square-rooted."""
+        norms = [torch.linalg.vector_norm(g) for g in self.local_grads()]
+        sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=self.grads.device)
+        return self._all_reduce(sq).sqrt()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale the gradient shards as `torch.nn.utils.clip_grad_norm_` would the full gradient;
+        return the norm before clipping. `max_norm` <= 0 or inf: no clipping."""
+        norm = self.grad_norm()
+        if 0 < max_norm < float("inf"):
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(self.local_grads(), coef)
+        return float(norm)
+
+    def found_inf(self) -> bool:
+        """Whether any rank's gradient shard holds inf or nan (for the fp16 loss scaler)."""
+        bad = [(~torch.isfinite(g)).any() for g in self.local_grads()]
+        flag = torch.stack(bad).any().float() if bad else torch.zeros((), device=self.grads.device)
+        return bool(self._all_reduce(flag, dist.ReduceOp.MAX))
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+        if self._adam is not None:
+            for g in self._adam.param_groups:
+                g["lr"] = lr
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this rank's shard, then all-gather every bucket of the parameter buffer."""
+        if self._adam is not None:
+            self._adam.step()
+        if self.grads.dp == 1:
+            return
+        works = [
+            all_gather(self.buffer[b.start : b.end], self.buffer[lo:hi], self.grads.group, async_op=True)
+            for b, (lo, hi) in zip(self.grads.buckets, self.shards, strict=True)
+        ]
+        for w in works:
+            w.wait()
+
+    def zero_grad(self) -> None:
+        self.grads.zero_grad()
+
+    # ------------------------------------------------------------------ state
+
+    def set_step(self, step: int) -> None:
+        """Adam's step count (bias correction), e.g. after loading a checkpoint."""
+        if self._adam is not None:
+            for state in self._adam.state.values():
+                state["step"].fill_(float(step))
+
+    def state_shards(self) -> list[StateShard]:
+        """For each parameter this rank owns part of: that part of its master weight and moments."""
+        return [
+            StateShard(
+                seg.name,
+                tuple(self.grads.params[seg.index].shape),
+                seg.offset,
+                master,
+                self.exp_avg[seg.local : seg.local + seg.numel],
+                self.exp_avg_sq[seg.local : seg.local + seg.numel],
+            )
+            for seg, master in zip(self.segments, self._masters, strict=True)
+        ]
+
+    def _global(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Global shape and offset of a parameter (a tensor-parallel shard carries them as attributes)."""
+        p = self.grads.params[index]
+        return tuple(getattr(p, "global_shape", p.shape)), tuple(getattr(p, "global_offset", (0,) * p.ndim))
+
+    @torch.no_grad()
+    def checkpoint_save_tensors(self) -> list[ShardedTensor]:
+        """Collective over dp. Each parameter's moments, whole, from the dp rank that writes them
+        (parameter i: dp rank i % dp), on CPU; empty on the other ranks. Keys as one process's:
+        `exp_avg.NAME`, `exp_avg_sq.NAME`."""
+        g, out = self.grads, []
+        mine = {seg.index: seg for seg in self.segments}
+        for i, p in enumerate(g.params):
+            writer = i % g.dp
+            if g.dp_rank == writer:
+                full = torch.zeros(2, p.numel(), dtype=torch.float32, device=g.device)
+                recvs = []
+                for r in range(g.dp):
+                    a, z = owned_range(g, i, r)
+                    if z <= a:
+                        continue
+                    if r == g.dp_rank:
+                        seg = mine[i]
+                        full[0, a:z] = self.exp_avg[seg.local : seg.local + seg.numel]
+                        full[1, a:z] = self.exp_avg_sq[seg.local : seg.local + seg.numel]
+                    else:
+                        buf = torch.empty(2, z - a, dtype=torch.float32, device=g.device)
+                        recvs.append((dist.irecv(buf, dist.get_global_rank(g.group, r), g.group), buf, a, z))
+                for work, buf, a, z in recvs:
+                    work.wait()
+                    full[:, a:z] = buf
+                shape, offset = self._global(i)
+                full = full.cpu()
+                for k, name in enumerate(MOMENTS):
+                    out.append(ShardedTensor(f"{name}.{g.names[i]}", full[k].view_as(p), shape, offset))
+            elif i in mine:
+                seg = mine[i]
+                piece = torch.stack(
+                    [t[seg.local : seg.local + seg.numel] for t in (self.exp_avg, self.exp_avg_sq)]
+                )
+                dist.send(piece, dist.get_global_rank(g.group, writer), g.group)
+        return out
+
+    def checkpoint_load_targets(self) -> list[ShardedTensor]:
+        """Targets for `load_checkpoint` (every moment of every parameter, so strict loading works):
+        the rows covering this rank's flat range of each parameter (none where it owns nothing).
+        Call `finish_load(step)` after loading."""
+        g, out = self.grads, []
+        mine = {seg.index: seg for seg in self.segments}
+        self._load_targets = []
+        for i, p in enumerate(g.params):
+            shape, offset = self._global(i)
+            seg = mine.get(i)
+            for name in MOMENTS:
+                key = f"{name}.{g.names[i]}"
+                if p.ndim == 0:  # a scalar: every rank reads it
+                    rows, at, start = torch.empty(()), offset, 0
+                else:
+                    row = math.prod(p.shape[1:])
+                    r0, r1 = (seg.offset // row, -(-(seg.offset + seg.numel) // row)) if seg else (0, 0)
+                    rows = torch.empty((r1 - r0, *p.shape[1:]), dtype=torch.float32)
+                    at, start = (offset[0] + r0, *offset[1:]), (seg.offset - r0 * row if seg else 0)
+                out.append(ShardedTensor(key, rows, shape, at))
+                if seg:
+                    self._load_targets.append((seg, name, rows, start))
+        return out
+
+    @torch.no_grad()
+    def finish_load(self, step: int) -> None:
+        """Copy the rows read through `checkpoint_load_targets()` into this rank's moments."""
+        for seg, name, rows, start in self._load_targets:
+            flat = getattr(self, name)[seg.local : seg.local + seg.numel]
+            flat.copy_(rows.flatten()[start : start + seg.numel])
+        self._load_targets = []
+        self.set_step(step)
