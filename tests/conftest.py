@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mlm.data.build import BuildOptions, build_dataset
 from mlm.data.corpus import stdlib_files
 
 SPECIAL = "<|endoftext|>"
@@ -68,3 +69,37 @@ def gpt2_files(tmp_path_factory, sample_texts) -> Path:
     out = tmp_path_factory.mktemp("gpt2")
     tok.save_model(str(out))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory, corpus_jsonl, sp_model) -> str:
+    prefix = tmp_path_factory.mktemp("train_data") / "corpus"
+    build_dataset(
+        BuildOptions([str(corpus_jsonl)], str(prefix), str(sp_model), append_eod=True, progress=False)
+    )
+    return str(prefix)
+
+
+def tiny_sets(run_dir, data, **extra) -> list[str]:
+    sets = {
+        "preset": "tiny-llama",
+        "run_dir": f"'{run_dir}'",
+        "model.vocab_size": 512,
+        "model.num_layers": 2,
+        "model.hidden_size": 64,
+        "model.ffn_hidden_size": 128,
+        "model.max_position_embeddings": 64,
+        "model.hidden_dropout": 0.1,  # so that a resume must restore the RNG too
+        "data.data_path": f"['{data}']",
+        "data.seq_length": 32,
+        "data.split": "'90,10,0'",
+        "optimizer.lr": 1e-2,
+        "optimizer.warmup_iters": 2,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 4,
+        "train.train_iters": 6,
+        "logging.log_interval": 1,
+        "logging.tensorboard": "false",
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in sets.items()]

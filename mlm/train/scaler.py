@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
 
 @dataclass
 class LossScaler:
@@ -15,13 +13,6 @@ class LossScaler:
     min_scale: float = 1.0
     clean_steps: int = 0
     skipped: int = 0
-
-    def found_inf(self, params) -> bool:
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return False
-        norms = torch.stack([torch.linalg.vector_norm(g.float(), float("inf")) for g in grads])
-        return not bool(torch.isfinite(norms).all())
 
     def update(self, overflow: bool) -> None:
         if overflow:

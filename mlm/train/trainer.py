@@ -1,10 +1,12 @@
-"""The training loop of `mlm train`.
+"""The training loop of `mlm train`, on one process or a tp × dp mesh.
 
-One process in this version, written for N: the model is built on meta and materialised,
-data is read through the resumable sampler at (dp_rank, dp_size), checkpoints hold every
-tensor in its global shape through `mlm.checkpoint`, and the mesh will slot in where the
-`world` dict is filled. Same seed and config give the same loss sequence, bit for bit, on
-CPU; a resumed run continues that sequence exactly.
+The plain model is built on the meta device, parallelized from outside (tensor and sequence
+parallel layers), materialised and initialised so that every mesh starts from the weights of
+one process. Each dp rank reads its micro batches through the resumable sampler; gradients
+are reduced in buckets during the last backward of a step (optionally into the distributed
+optimizer's shards). Checkpoints hold every tensor once in its global shape, each rank
+writing its slice. Same seed and config give the same loss sequence, bit for bit, on CPU; a
+resumed run continues it exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
@@ -29,11 +32,14 @@ from mlm.datasets.gpt import GPTDatasetConfig
 from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.sampler import PretrainingSampler
 from mlm.errors import MlmError
-from mlm.model import build_model, flops_per_token
+from mlm.model import flops_per_token
+from mlm.model.gpt import GPT
 from mlm.parallel import Mesh
 from mlm.parallel.launch import init_distributed
+from mlm.parallel.parallelize import allreduce_sequence_parallel_grads, parallelize, param_layout
+from mlm.parallel.tensor import gather_from_tp, vocab_parallel_cross_entropy
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
-from mlm.train.optim import adam_state_tensors, make_optimizer, set_adam_step
+from mlm.train.optimizer import TrainOptimizer
 from mlm.train.scaler import LossScaler
 from mlm.train.schedule import lr_at
 
@@ -69,12 +75,28 @@ def resume_path(cfg: Config, load: str | None, auto_resume: bool) -> str | None:
     return None
 
 
-def check_single_process(mesh) -> None:
-    if mesh.world_size != 1:
+def check_supported(mesh: Mesh, cfg: Config) -> None:
+    if mesh.pp > 1 or mesh.cp > 1 or mesh.ep > 1:
         raise MlmError(
-            f"this mlm trains in one process, but the launcher started {mesh.world_size} ({mesh}); "
-            "run `mlm train` without torchrun/srun"
+            f"parallel.pp={mesh.pp}, cp={mesh.cp}, ep={mesh.ep}: this mlm trains with tensor, sequence and "
+            "data parallelism; set pp, cp and ep to 1"
         )
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * mesh.dp):
+        raise MlmError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
+            f"{t.micro_batch_size} × dp={mesh.dp}"
+        )
+
+
+def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> GPT:
+    """Meta → parallelize → materialise → init (every rank gets its slice of one process's init)."""
+    with torch.device("meta"):
+        model = GPT(cfg.model, padded_vocab=cfg.model.padded_vocab_size(mesh.tp))
+    parallelize(model, mesh, cfg.parallel.sequence_parallel)
+    model.to_empty(device=device)
+    model.init_weights(cfg.train.seed)
+    return model
 
 
 class Trainer:
@@ -84,18 +106,19 @@ class Trainer:
         self.device = pick_device(t.device)
         self.launch = init_distributed(self.device)
         self.mesh = Mesh.build(cfg.parallel, self.device.type)
-        check_single_process(self.mesh)
+        check_supported(self.mesh, cfg)
+        self.rank0 = self.mesh.rank == 0
         self._stop_signal: int | None = None
-        self.dp_rank, self.dp_size = 0, 1
+        self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         tokens_per_step = t.global_batch_size * cfg.data.seq_length
         self.total_iters = (
             t.train_iters if t.train_iters is not None else math.ceil(t.train_tokens / tokens_per_step)
         )
         self._seed_everything(t.seed)
-        self.model = build_model(cfg.model, self.device, t.seed)
+        self.model = build_parallel_model(cfg, self.mesh, self.device)
         self.attention_backend = self.model.set_attention_backend(cfg.model.attention_backend, self.device)
-        self.optimizer = make_optimizer(self.model, cfg.optimizer, self.device)
+        self.optimizer = TrainOptimizer(self.model, cfg, self.mesh, self.device)
         self.scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
         self.iteration = 0
         self.consumed_samples = 0
@@ -132,7 +155,12 @@ class Trainer:
         n_train = self.total_iters * t.global_batch_size
         n_valid = t.eval_iters * t.micro_batch_size * self.dp_size if t.eval_interval else 0
         gcfg = GPTDatasetConfig(cfg.data.seq_length, t.seed, cfg.data.split, cfg.data.cache_dir or None)
-        splits = build_split_datasets(blend, gcfg, {"train": n_train, "valid": n_valid})
+        counts = {"train": n_train, "valid": n_valid}
+        if self.rank0:  # rank 0 builds the index cache; the others wait, then load it
+            splits = build_split_datasets(blend, gcfg, counts)
+        self._barrier()
+        if not self.rank0:
+            splits = build_split_datasets(blend, gcfg, counts, build=False)
         self.train_data, self.valid_data = splits["train"], splits.get("valid")
         return tok
 
@@ -142,52 +170,72 @@ class Trainer:
         tokens = np.stack([dataset[int(i)] for i in indices])
         return torch.from_numpy(tokens).to(self.device, non_blocking=True)
 
+    def _print(self, *args, **kw) -> None:
+        if self.rank0:
+            console.print(*args, **kw)
+
+    def _barrier(self) -> None:
+        if self.mesh.world_size > 1:
+            dist.barrier()
+
     def _loss(self, tokens_BT1: torch.Tensor) -> torch.Tensor:
         precision = self.cfg.train.precision
         with torch.autocast(
             self.device.type, dtype=_AMP.get(precision, torch.float32), enabled=precision != "fp32"
         ):
             logits = self.model(tokens_BT1[:, :-1])
+        labels = tokens_BT1[:, 1:]
+        if self.mesh.tp > 1:  # logits are sharded over the vocabulary: never gathered
+            return vocab_parallel_cross_entropy(logits, labels, self.mesh, self.cfg.model.vocab_size).mean()
         logits = logits[..., : self.cfg.model.vocab_size].float()
-        return F.cross_entropy(logits.flatten(0, 1), tokens_BT1[:, 1:].flatten())
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    def _dp_mean(self, t: torch.Tensor) -> float:
+        if self.mesh.dp_group is not None:
+            dist.all_reduce(t, group=self.mesh.dp_group)
+            t = t / self.dp_size
+        return float(t)
 
     def train_step(self, batches) -> dict:
-        """One optimizer step over `num_micro` micro batches (gradient accumulation)."""
+        """One optimizer step over `num_micro` micro batches (gradient accumulation); the
+        gradients are reduced over dp during the last backward."""
         self.model.train()
+        opt = self.optimizer
         scale = self.scaler.scale if self.scaler else 1.0
         total = torch.zeros((), device=self.device)
-        for indices in batches:
+        for i, indices in enumerate(batches):
+            opt.grads.set_last_microbatch(i == len(batches) - 1)
             loss = self._loss(self._batch(self.train_data, indices))
             (loss * (scale / self.num_micro)).backward()
             total += loss.detach()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        overflow = False
-        if self.scaler:
-            overflow = self.scaler.found_inf(params)
-            if not overflow:
-                torch._foreach_mul_([p.grad for p in params], 1.0 / scale)
+        opt.grads.finish()
+        allreduce_sequence_parallel_grads(self.model, self.mesh)
+        overflow = bool(self.scaler) and opt.found_inf()
+        if self.scaler and not overflow:
+            opt.unscale(1.0 / scale)
         lr = lr_at(self.iteration, self.cfg.optimizer, self.total_iters)
         grad_norm = float("nan")
         if not overflow:
-            clip = self.cfg.optimizer.clip_grad
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            self.optimizer.step()
+            grad_norm = opt.clip(self.cfg.optimizer.clip_grad)
+            opt.step(lr)
         if self.scaler:
             self.scaler.update(overflow)
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": float(total) / self.num_micro, "lr": lr, "grad_norm": grad_norm, "skipped": overflow}
+        opt.zero_grad()
+        loss = self._dp_mean(total / self.num_micro)
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": overflow}
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean loss over `eval_iters` micro batches per dp rank of the validation split (the
+        same samples at every evaluation)."""
         self.model.eval()
-        m = self.cfg.train.micro_batch_size
-        losses = [
-            float(self._loss(self._batch(self.valid_data, range(i * m, (i + 1) * m))))
+        m, base = self.cfg.train.micro_batch_size, self.dp_rank * self.cfg.train.micro_batch_size
+        step = m * self.dp_size
+        total = sum(
+            self._loss(self._batch(self.valid_data, range(i * step + base, i * step + base + m)))
             for i in range(self.cfg.train.eval_iters)
-        ]
-        return sum(losses) / len(losses)
+        )
+        return self._dp_mean(total / self.cfg.train.eval_iters)
 
     def sample(self) -> str | None:
         prompt = self.cfg.logging.sample_prompt
@@ -198,7 +246,12 @@ class Trainer:
         from mlm.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tok_path)
-        ids = greedy(self.model, tok.encode(prompt), self.cfg.logging.sample_tokens, stop_id=tok.eod_id)
+        mesh = self.mesh
+
+        def logits_fn(ids):  # every tp rank runs the forward; the logits are gathered over tp
+            return gather_from_tp(self.model(ids), mesh)
+
+        ids = greedy(self.model, tok.encode(prompt), self.cfg.logging.sample_tokens, tok.eod_id, logits_fn)
         return prompt + tok.decode(ids)
 
     # ------------------------------------------------------------------ loop
@@ -207,10 +260,10 @@ class Trainer:
         """Train to `total_iters`; return the loss of every step run. Raises `Preempted` when a
         SIGTERM/SIGUSR1 arrived (after finishing the step and saving a checkpoint)."""
         cfg = self.cfg
-        log = MetricsLogger(cfg.run_dir, cfg.logging.tensorboard)
-        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.run_dir) / "config.toml").write_text(to_toml(cfg))
-        self._peak = peak_flops(cfg.logging.hardware)
+        log = MetricsLogger(cfg.run_dir, cfg.logging.tensorboard, enabled=self.rank0)
+        if self.rank0:
+            (Path(cfg.run_dir) / "config.toml").write_text(to_toml(cfg))
+        self._peak = peak_flops(cfg.logging.hardware) * self.mesh.world_size  # MFU is per GPU
         sampler = PretrainingSampler(
             self.total_iters * cfg.train.global_batch_size,
             self.consumed_samples,
@@ -219,9 +272,9 @@ class Trainer:
             self.dp_size,
         )
         micro_batches = iter(sampler)
-        console.print(
+        self._print(
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
-            f"attention {self.attention_backend}, {cfg.train.precision}, "
+            f"mesh {self.mesh}, attention {self.attention_backend}, {cfg.train.precision}, "
             f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters",
             highlight=False,
         )
@@ -297,7 +350,7 @@ class Trainer:
 
     def _evaluate_and_sample(self, log: MetricsLogger) -> None:
         loss = self.evaluate()
-        console.print(
+        self._print(
             f"[bold]eval[/] step {self.iteration}: loss {loss:.4f}, ppl {math.exp(min(loss, 50)):.2f}"
         )
         log.log(self.iteration, {"loss": loss, "ppl": math.exp(min(loss, 50))}, prefix="valid")
@@ -306,19 +359,28 @@ class Trainer:
     def _print_sample(self) -> None:
         text = self.sample()
         if text is not None:
-            console.print(f"[bold]sample[/] step {self.iteration}: {text!r}", highlight=False)
+            self._print(f"[bold]sample[/] step {self.iteration}: {text!r}", highlight=False)
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _groups(self) -> dict[str, list[ShardedTensor]]:
-        model = [ShardedTensor.full(k, v) for k, v in self.model.state_dict().items()]
-        optim = adam_state_tensors(self.model, self.optimizer, self.iteration)
-        return {"model": model, "optim": [ShardedTensor.full(k, v) for k, v in optim.items()]}
+    def _groups(self, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
+        """Every parameter and its Adam moments as this rank's slices of the global tensors
+        (written by dp rank 0; replicated-over-tp ones by tp rank 0 too)."""
+        layout = param_layout(self.model, self.mesh)
+        model = [
+            ShardedTensor(
+                name, p.data, layout[name][0], layout[name][1], layout[name][2] and self.dp_rank == 0
+            )
+            for name, p in self.model.named_parameters()
+        ]
+        opt = self.optimizer
+        optim = opt.load_targets(self.iteration) if for_load else opt.save_tensors(self.iteration)
+        return {"model": model, "optim": optim}
 
     def save(self, root: str) -> Path:
         extra = {
             "config": self.cfg.to_dict(),
-            "mesh": {"tp": 1, "pp": 1, "dp": self.dp_size, "cp": 1, "ep": 1, "world_size": 1},
+            "mesh": self.mesh.describe(),
             "consumed_samples": self.consumed_samples,
             "optimizer_step": self.iteration,
             "scheduler": {"total_iters": self.total_iters, "decay_style": self.cfg.optimizer.decay_style},
@@ -326,9 +388,15 @@ class Trainer:
             "rng": rng_state_to_json(),
         }
         path = save_checkpoint(
-            root, self.iteration, self._groups(), extra, keep_last=self.cfg.checkpoint.keep_last
+            root,
+            self.iteration,
+            self._groups(),
+            extra,
+            rank=self.mesh.rank,
+            barrier=self._barrier,
+            keep_last=self.cfg.checkpoint.keep_last,
         )
-        console.print(f"[bold]saved[/] {path}", highlight=False)
+        self._print(f"[bold]saved[/] {path}", highlight=False)
         return path
 
     def load(self, path: str) -> None:
@@ -341,11 +409,11 @@ class Trainer:
         ]
         if diffs:
             raise MlmError(f"{iter_dir} was saved from another model: " + "; ".join(diffs))
-        manifest = load_checkpoint(iter_dir, self._groups())
+        manifest = load_checkpoint(iter_dir, self._groups(for_load=True))
         self.iteration = int(manifest["iteration"])
-        set_adam_step(self.optimizer, manifest["optimizer_step"])
+        self.optimizer.finish_load(manifest["optimizer_step"])
         self.consumed_samples = int(manifest["consumed_samples"])
         if self.scaler and manifest.get("loss_scaler"):
             self.scaler.load_state_dict(manifest["loss_scaler"])
         rng_state_from_json(manifest["rng"])
-        console.print(f"[bold]resumed[/] {iter_dir} at step {self.iteration}", highlight=False)
+        self._print(f"[bold]resumed[/] {iter_dir} at step {self.iteration}", highlight=False)

@@ -1,0 +1,54 @@
+"""The global gradient norm over the whole mesh, counting every element once.
+
+A gradient piece is either tensor-parallel (each tp rank holds a different slice: sum over tp)
+or replicated over tp (identical on every tp rank: count once). With the distributed optimizer
+each rank holds only its dp shard of the reduced gradient (sum over dp); otherwise every dp
+rank holds all of it (count once).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mlm.parallel.mesh import Mesh
+
+
+def _sum_sq(grads: list[torch.Tensor], device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
+
+
+def global_grad_norm(
+    pieces: list[tuple[torch.Tensor, bool]], mesh: Mesh, dp_sharded: bool, device
+) -> torch.Tensor:
+    """L2 norm of the full gradient from (gradient piece, is tensor-parallel) pairs."""
+    sq = torch.stack(
+        [_sum_sq([g for g, tp in pieces if tp], device), _sum_sq([g for g, tp in pieces if not tp], device)]
+    )
+    if dp_sharded and mesh.dp_group is not None:
+        dist.all_reduce(sq, group=mesh.dp_group)
+    if mesh.tp_group is not None:
+        tp_sq = sq[0].clone()
+        dist.all_reduce(tp_sq, group=mesh.tp_group)
+        sq = torch.stack([tp_sq, sq[1]])
+    return sq.sum().sqrt()
+
+
+def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale `grads` as torch.nn.utils.clip_grad_norm_ would for a total norm `norm`."""
+    if 0 < max_norm < float("inf") and grads:
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+
+def any_nonfinite(grads: list[torch.Tensor], device) -> bool:
+    """Whether any rank of the job holds an inf/nan gradient (the fp16 loss scaler's test)."""
+    bad = (
+        torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()
+        if grads
+        else torch.zeros((), device=device)
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad)

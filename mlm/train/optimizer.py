@@ -1,0 +1,108 @@
+"""AdamW over the mesh behind one interface: replicated over dp, or the distributed optimizer.
+
+Both keep gradients in `GradBuckets` (one flat buffer, reduced in buckets during the last
+backward of a step). `pieces()` gives the gradient this rank is responsible for, tagged
+tensor-parallel or not, so that unscaling, inf checks and the global norm are written once.
+The checkpoint holds the optimizer as one process would: `exp_avg.NAME`, `exp_avg_sq.NAME` in
+each parameter's global shape, whatever the mesh.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlm.checkpoint import ShardedTensor
+from mlm.config import Config
+from mlm.parallel.data import GradBuckets
+from mlm.parallel.dist_optim import DistributedOptimizer
+from mlm.parallel.grad_norm import any_nonfinite, clip_, global_grad_norm
+from mlm.parallel.mesh import Mesh
+from mlm.parallel.parallelize import param_layout
+from mlm.train.optim import adam_state_tensors, make_optimizer, set_adam_step
+
+
+def _is_tp(p: nn.Parameter) -> bool:
+    return bool(getattr(p, "tensor_parallel", False))
+
+
+class TrainOptimizer:
+    def __init__(self, model: nn.Module, cfg: Config, mesh: Mesh, device: torch.device):
+        p = cfg.parallel
+        self.model, self.mesh, self.device = model, mesh, device
+        self.distributed = p.distributed_optimizer
+        self.grads = GradBuckets(
+            model,
+            mesh.dp_group,
+            bucket_size_bytes=p.bucket_size_mb * 2**20,
+            reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32,
+            reduce_scatter=self.distributed,
+        )
+        self.adamw = make_optimizer(model, cfg.optimizer, device)
+        self.dist = DistributedOptimizer.from_adamw(self.adamw, self.grads) if self.distributed else None
+
+    # ------------------------------------------------------------------ one step
+
+    def pieces(self) -> list[tuple[torch.Tensor, bool]]:
+        """(gradient this rank owns, is tensor-parallel) after `finish()`."""
+        g = self.grads
+        if self.dist is None:
+            return [(p.grad, _is_tp(p)) for p in g.params]
+        return [
+            (g.buffer[s.start : s.start + s.numel], _is_tp(g.params[s.index])) for s in self.dist.segments
+        ]
+
+    def found_inf(self) -> bool:
+        return any_nonfinite([t for t, _ in self.pieces()], self.device)
+
+    def unscale(self, factor: float) -> None:
+        torch._foreach_mul_([t for t, _ in self.pieces()], factor)
+
+    def clip(self, max_norm: float) -> float:
+        pieces = self.pieces()
+        norm = global_grad_norm(pieces, self.mesh, self.distributed, self.device)
+        clip_([t for t, _ in pieces], norm, max_norm)
+        return float(norm)
+
+    def step(self, lr: float) -> None:
+        if self.dist is not None:
+            self.dist.set_lr(lr)
+            self.dist.step()
+            return
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+        self.adamw.step()
+
+    def zero_grad(self) -> None:
+        self.grads.zero_grad()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _writers(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
+        """Replicated-over-tp state is written by tp rank 0 only."""
+        tp_of = {n: _is_tp(p) for n, p in self.model.named_parameters()}
+        for t in tensors:
+            if self.mesh.tp_rank > 0 and not tp_of[t.key.split(".", 1)[1]]:
+                t.writer = False
+        return tensors
+
+    def save_tensors(self, step: int) -> list[ShardedTensor]:
+        if self.dist is not None:
+            return self._writers(self.dist.checkpoint_save_tensors())
+        layout = param_layout(self.model, self.mesh)
+        out = []
+        for key, t in adam_state_tensors(self.model, self.adamw, step).items():
+            shape, offset, writer = layout[key.split(".", 1)[1]]
+            out.append(ShardedTensor(key, t, shape, offset, writer and self.mesh.dp_rank == 0))
+        return out
+
+    def load_targets(self, step: int) -> list[ShardedTensor]:
+        if self.dist is not None:
+            return self.dist.checkpoint_load_targets()
+        return self.save_tensors(step)
+
+    def finish_load(self, step: int) -> None:
+        if self.dist is not None:
+            self.dist.finish_load(step)
+        else:
+            set_adam_step(self.adamw, step)
