@@ -300,8 +300,8 @@ class Trainer:
                 if cfg.checkpoint.save and interval and self.iteration % interval == 0:
                     self.save(cfg.checkpoint.save)
                     saved_at = self.iteration
-                if self._stop_signal is not None:
-                    raise Preempted(self._stop_signal, self.iteration, self._final_save(saved_at))
+                if (signum := self._agreed_stop()) is not None:
+                    raise Preempted(signum, self.iteration, self._final_save(saved_at))
             if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval != 0:
                 self._evaluate_and_sample(log)
             elif not cfg.train.eval_interval:
@@ -336,6 +336,14 @@ class Trainer:
             rec["loss_scale"] = self.scaler.scale
         log.train_line(self.iteration, self.total_iters, rec)
         log.log(self.iteration, rec)
+
+    def _agreed_stop(self) -> int | None:
+        """The stop signal if any rank got one (ranks may receive it a step apart: all stop together)."""
+        if self.mesh.world_size == 1:
+            return self._stop_signal
+        flag = torch.tensor([float(self._stop_signal or 0)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag) or None
 
     def _install_signal_handlers(self) -> None:
         """SIGTERM and SIGUSR1 (SLURM's warning before the time limit) stop after the current step."""
