@@ -290,6 +290,8 @@ class CheckpointConfig:
     """Save every this many steps (and at the end); 0 saves only at the end."""
     keep_last: int | None = None
     """Keep only the newest K checkpoints; unset keeps all."""
+    async_save: bool = False
+    """Write checkpoints from a background thread (tensors are copied to CPU first); training goes on."""
     load: str = ""
     """Resume from this checkpoint directory (its latest) or iter_ directory."""
 

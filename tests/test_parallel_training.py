@@ -96,7 +96,7 @@ def test_tp2_dp2_checkpoint_resumes_exactly_and_loads_on_one_process(tmp_path, t
         "train.train_iters": 6,
         "checkpoint.save_interval": 3,
     }
-    sets_a = _sets(tmp_path, tiny_data, "a", **parallel)
+    sets_a = _sets(tmp_path, tiny_data, "a", **parallel, **{"checkpoint.async_save": "true"})
     sets_b = _sets(tmp_path, tiny_data, "b", **parallel)
     ckpt = tmp_path / "a" / "ckpt" / "iter_0000003"
     straight, resumed = run_ranks(4, _save_then_resume, sets_a, sets_b, str(ckpt))[0]

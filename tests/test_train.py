@@ -39,10 +39,15 @@ def test_same_seed_same_losses_bitwise(tmp_path, tiny_data):
     assert c != a
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_resume_is_exact(tmp_path, tiny_data, precision):
+@pytest.mark.parametrize("precision,async_save", [("fp32", "false"), ("bf16", "false"), ("fp32", "true")])
+def test_resume_is_exact(tmp_path, tiny_data, precision, async_save):
     ckpt = tmp_path / "ckpt"
-    sets = {"train.precision": precision, "checkpoint.save": f"'{ckpt}'", "checkpoint.save_interval": 3}
+    sets = {
+        "train.precision": precision,
+        "checkpoint.save": f"'{ckpt}'",
+        "checkpoint.save_interval": 3,
+        "checkpoint.async_save": async_save,
+    }
     straight = Trainer(tiny_config(tmp_path, tiny_data, **sets))
     losses = straight.train()
     resumed = Trainer(tiny_config(tmp_path, tiny_data, **sets), load=str(ckpt / "iter_0000003"))

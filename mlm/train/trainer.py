@@ -11,6 +11,7 @@ resumed run continues it exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import signal
@@ -109,6 +110,12 @@ class Trainer:
         check_supported(self.mesh, cfg)
         self.rank0 = self.mesh.rank == 0
         self._stop_signal: int | None = None
+        self._pending_save: threading.Thread | None = None
+        self._save_errors: list[BaseException] = []
+        # async saves synchronise on their own group, so their barriers never interleave with training's
+        self._save_group = (
+            dist.new_group(backend="gloo") if cfg.checkpoint.async_save and self.mesh.world_size > 1 else None
+        )
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         tokens_per_step = t.global_batch_size * cfg.data.seq_length
@@ -315,7 +322,10 @@ class Trainer:
         root = self.cfg.checkpoint.save
         if not root:
             return None
-        return resolve_checkpoint(root) if saved_at == self.iteration else self.save(root)
+        if saved_at != self.iteration:
+            self.save(root)
+        self.wait_for_save()
+        return resolve_checkpoint(root)
 
     def _log_train(self, log: MetricsLogger, window: list[dict], seconds: float, s_per_step: float) -> None:
         cfg = self.cfg
@@ -386,6 +396,10 @@ class Trainer:
         return {"model": model, "optim": optim}
 
     def save(self, root: str) -> Path:
+        """Save this step's state (every rank its slices). With `checkpoint.async_save` the
+        tensors are copied to CPU here and written by a background thread; `latest` moves when
+        that is done, and the next save (or the end of training) waits for it."""
+        self.wait_for_save()
         extra = {
             "config": self.cfg.to_dict(),
             "mesh": self.mesh.describe(),
@@ -395,17 +409,50 @@ class Trainer:
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
             "rng": rng_state_to_json(),
         }
+        groups = self._groups()
+        iteration = self.iteration
+        if not self.cfg.checkpoint.async_save:
+            return self._write(root, iteration, groups, extra, barrier=self._barrier)
+        snapshot = {
+            name: [dataclasses.replace(t, local=t.local.detach().to("cpu", copy=True)) for t in tensors]
+            for name, tensors in groups.items()
+        }
+        group = self._save_group
+
+        def barrier() -> None:
+            if group is not None:
+                dist.barrier(group=group)
+
+        def worker() -> None:
+            try:
+                self._write(root, iteration, snapshot, extra, barrier=barrier)
+            except BaseException as e:  # re-raised on the training thread by wait_for_save
+                self._save_errors.append(e)
+
+        self._pending_save = threading.Thread(target=worker, name="mlm-checkpoint", daemon=True)
+        self._pending_save.start()
+        return Path(root) / f"iter_{iteration:07d}"
+
+    def _write(self, root, iteration, groups, extra, barrier) -> Path:
         path = save_checkpoint(
             root,
-            self.iteration,
-            self._groups(),
+            iteration,
+            groups,
             extra,
             rank=self.mesh.rank,
-            barrier=self._barrier,
+            barrier=barrier,
             keep_last=self.cfg.checkpoint.keep_last,
         )
         self._print(f"[bold]saved[/] {path}", highlight=False)
         return path
+
+    def wait_for_save(self) -> None:
+        """Block until a background save has finished (and raise its error, if any)."""
+        if self._pending_save is not None:
+            self._pending_save.join()
+            self._pending_save = None
+        if self._save_errors:
+            raise self._save_errors.pop()
 
     def load(self, path: str) -> None:
         iter_dir = resolve_checkpoint(path)
