@@ -19,14 +19,12 @@ def train(
 ) -> None:
     """Train a model on datasets from `mlm data build`; checkpoints, metrics.jsonl, TensorBoard."""
     from mlm.config import load_config
-    from mlm.console import console
     from mlm.train.trainer import PREEMPTED_EXIT_CODE, Preempted, Trainer, resume_path
 
     cfg = load_config(config, overrides)
     try:
         Trainer(cfg, load=resume_path(cfg, load, auto_resume)).train()
-    except Preempted as e:
-        console.print(f"[bold yellow]{e}[/]; exit code {PREEMPTED_EXIT_CODE}", highlight=False)
+    except Preempted:  # the trainer has said so on rank 0
         raise typer.Exit(PREEMPTED_EXIT_CODE) from None
 
 

@@ -308,7 +308,9 @@ class Trainer:
                     self.save(cfg.checkpoint.save)
                     saved_at = self.iteration
                 if (signum := self._agreed_stop()) is not None:
-                    raise Preempted(signum, self.iteration, self._final_save(saved_at))
+                    stop = Preempted(signum, self.iteration, self._final_save(saved_at))
+                    self._print(f"[bold yellow]{stop}[/]; exit code {PREEMPTED_EXIT_CODE}", highlight=False)
+                    raise stop
             if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval != 0:
                 self._evaluate_and_sample(log)
             elif not cfg.train.eval_interval:
