@@ -37,13 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlm.errors import MlmError
+from mlm.parallel.data import all_gather, reduce_scatter
 from mlm.parallel.mesh import Mesh
 
 # ---------------------------------------------------------------- collectives on one dim
-
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (now deprecated); same calls.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -56,7 +53,7 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((size * x0.shape[0], *x0.shape[1:]))
-    _all_gather_single(out, x0, group=group)
+    all_gather(out, x0, group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -64,7 +61,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor
     x0 = x.movedim(dim, 0).contiguous()
     assert x0.shape[0] % size == 0, f"reduce-scatter of {x0.shape[0]} rows over {size} ranks"
     out = x0.new_empty((x0.shape[0] // size, *x0.shape[1:]))
-    _reduce_scatter_single(out, x0, group=group)
+    reduce_scatter(out, x0, group)
     return out.movedim(0, dim).contiguous()
 
 

@@ -279,10 +279,11 @@ class Trainer:
             self.dp_size,
         )
         micro_batches = iter(sampler)
+        n_params = sum(math.prod(getattr(p, "global_shape", p.shape)) for p in self.model.parameters())
         self._print(
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
             f"mesh {self.mesh}, attention {self.attention_backend}, {cfg.train.precision}, "
-            f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters",
+            f"{n_params / 1e6:.2f}M parameters",
             highlight=False,
         )
         self._install_signal_handlers()
