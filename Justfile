@@ -40,3 +40,5 @@ lint: setup
 bench: setup
     {{bin}}/python bench/data_build.py
     {{bin}}/python bench/sample_index.py
+    {{bin}}/python bench/train_step.py
+    {{bin}}/python bench/parallel_overhead.py
