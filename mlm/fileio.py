@@ -8,7 +8,6 @@ temporaries are removed. A SIGKILL can leave `*.tmp-PID` files, never a partial 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -45,11 +44,3 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a small text file atomically."""
     with atomic_outputs([path]) as (tmp,):
         tmp.write_text(text)
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

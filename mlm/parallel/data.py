@@ -28,7 +28,6 @@ keeps this rank's unreduced gradient and must not be read.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -177,15 +176,6 @@ class GradBuckets:
         """Whether the next backward is the step's last micro-batch (only then do buckets launch)."""
         self._last = is_last
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate locally and communicate nothing."""
-        before, self._last = self._last, False
-        try:
-            yield
-        finally:
-            self._last = before
-
     def finish(self) -> None:
         """Reduce every bucket not yet launched, wait for all, and leave the averaged gradients."""
         while self._next < len(self.buckets):
@@ -203,11 +193,6 @@ class GradBuckets:
         assert not self._inflight, "zero_grad() during a reduction: call finish() first"
         self.buffer.zero_()
         self._attach_grads()
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     # ------------------------------------------------------------------ internals
 
@@ -231,7 +216,7 @@ class GradBuckets:
         b = self.bucket_of[i]
         assert b >= self._next, (
             f"the gradient of {self.names[i]} arrived after its bucket {b} was reduced: call "
-            "set_last_microbatch(False) (or use no_sync()) for all but the last micro-batch, "
+            "set_last_microbatch(False) for all but the last micro-batch, "
             "and finish() once per step"
         )
         self._pending[b].discard(i)

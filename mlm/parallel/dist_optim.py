@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from mlm.checkpoint import ShardedTensor
 from mlm.parallel.data import GradBuckets, all_gather
+from mlm.parallel.grad_norm import clip_, global_grad_norm
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -58,19 +59,6 @@ class Segment:
     """Where it starts in the flat parameter and gradient buffers."""
     local: int
     """Where it starts in this rank's flat moments."""
-
-
-@dataclass
-class StateShard:
-    """The Adam state this rank owns of one parameter: a 1-D range of the flattened tensor."""
-
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-    """Start in the flattened parameter (its global flat offset when the parameter is not tp-sharded)."""
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
 
 
 def owned_range(grads: GradBuckets, index: int, rank: int) -> tuple[int, int]:
@@ -182,31 +170,15 @@ class DistributedOptimizer:
         """This rank's reduced gradient, one 1-D view per bucket (padding included, always zero)."""
         return [self.grads.buffer[lo:hi] for lo, hi in self.shards]
 
-    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.grads.dp > 1:
-            dist.all_reduce(t, op=op, group=self.grads.group)
-        return t
-
-    def grad_norm(self) -> torch.Tensor:
-        """The L2 norm of the full gradient: each rank's sum of squares, summed over dp, square-rooted."""
-        norms = [torch.linalg.vector_norm(g) for g in self.local_grads()]
-        sq = torch.stack(norms).square().sum() if norms else torch.zeros((), device=self.grads.device)
-        return self._all_reduce(sq).sqrt()
-
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradient shards as `torch.nn.utils.clip_grad_norm_` would the full gradient;
-        return the norm before clipping. `max_norm` <= 0 or inf: no clipping."""
-        norm = self.grad_norm()
-        if 0 < max_norm < float("inf"):
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(self.local_grads(), coef)
+        return the norm before clipping (dp only; the trainer's `TrainOptimizer` also sums over tp).
+        `max_norm` <= 0 or inf: no clipping."""
+        grads = self.local_grads()
+        group = self.grads.group if self.grads.dp > 1 else None
+        norm = global_grad_norm([(g, False) for g in grads], None, group, self.grads.device)
+        clip_(grads, norm, max_norm)
         return float(norm)
-
-    def found_inf(self) -> bool:
-        """Whether any rank's gradient shard holds inf or nan (for the fp16 loss scaler)."""
-        bad = [(~torch.isfinite(g)).any() for g in self.local_grads()]
-        flag = torch.stack(bad).any().float() if bad else torch.zeros((), device=self.grads.device)
-        return bool(self._all_reduce(flag, dist.ReduceOp.MAX))
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
@@ -238,20 +210,6 @@ class DistributedOptimizer:
         if self._adam is not None:
             for state in self._adam.state.values():
                 state["step"].fill_(float(step))
-
-    def state_shards(self) -> list[StateShard]:
-        """For each parameter this rank owns part of: that part of its master weight and moments."""
-        return [
-            StateShard(
-                seg.name,
-                tuple(self.grads.params[seg.index].shape),
-                seg.offset,
-                master,
-                self.exp_avg[seg.local : seg.local + seg.numel],
-                self.exp_avg_sq[seg.local : seg.local + seg.numel],
-            )
-            for seg, master in zip(self.segments, self._masters, strict=True)
-        ]
 
     def _global(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Global shape and offset of a parameter (a tensor-parallel shard carries them as attributes)."""

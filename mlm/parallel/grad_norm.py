@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mlm.parallel.mesh import Mesh
-
 
 def _sum_sq(grads: list[torch.Tensor], device) -> torch.Tensor:
     if not grads:
@@ -21,17 +19,19 @@ def _sum_sq(grads: list[torch.Tensor], device) -> torch.Tensor:
 
 
 def global_grad_norm(
-    pieces: list[tuple[torch.Tensor, bool]], mesh: Mesh, dp_sharded: bool, device
+    pieces: list[tuple[torch.Tensor, bool]], tp_group, dp_shard_group, device
 ) -> torch.Tensor:
-    """L2 norm of the full gradient from (gradient piece, is tensor-parallel) pairs."""
+    """L2 norm of the full gradient from (gradient piece, is tensor-parallel) pairs. `dp_shard_group`:
+    the dp group when each rank holds only its dp shard of the gradient (distributed optimizer),
+    else None; `tp_group`: None at tp = 1."""
     sq = torch.stack(
         [_sum_sq([g for g, tp in pieces if tp], device), _sum_sq([g for g, tp in pieces if not tp], device)]
     )
-    if dp_sharded and mesh.dp_group is not None:
-        dist.all_reduce(sq, group=mesh.dp_group)
-    if mesh.tp_group is not None:
+    if dp_shard_group is not None:
+        dist.all_reduce(sq, group=dp_shard_group)
+    if tp_group is not None:
         tp_sq = sq[0].clone()
-        dist.all_reduce(tp_sq, group=mesh.tp_group)
+        dist.all_reduce(tp_sq, group=tp_group)
         sq = torch.stack([tp_sq, sq[1]])
     return sq.sum().sqrt()
 

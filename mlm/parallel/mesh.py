@@ -87,14 +87,6 @@ class Mesh:
     def dp_group(self):
         return self.group("dp")
 
-    @property
-    def pp_group(self):
-        return self.group("pp")
-
-    @property
-    def cp_group(self):
-        return self.group("cp")
-
     def describe(self) -> dict:
         return {
             "tp": self.tp,

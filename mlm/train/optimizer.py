@@ -60,7 +60,8 @@ class TrainOptimizer:
 
     def clip(self, max_norm: float) -> float:
         pieces = self.pieces()
-        norm = global_grad_norm(pieces, self.mesh, self.distributed, self.device)
+        dp_shards = self.mesh.dp_group if self.distributed else None
+        norm = global_grad_norm(pieces, self.mesh.tp_group, dp_shards, self.device)
         clip_([t for t, _ in pieces], norm, max_norm)
         return float(norm)
 
