@@ -198,7 +198,13 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel size."""
     pp: int = 1
-    """Pipeline-parallel size."""
+    """Pipeline-parallel size (stages; 1F1B schedule)."""
+    vpp: int = 1
+    """Virtual pipeline size: model chunks per pipeline rank (interleaved 1F1B when > 1)."""
+    first_stage_layers: int | None = None
+    """Layers on the first (virtual) pipeline stage, which also holds the embedding; unset: an even share."""
+    last_stage_layers: int | None = None
+    """Layers on the last (virtual) pipeline stage, which also holds the output layer; unset: an even share."""
     cp: int = 1
     """Context-parallel size."""
     ep: int = 1
@@ -213,8 +219,16 @@ class ParallelConfig:
     """Data-parallel gradient reduction in fp32 or bf16."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "cp", "ep"):
+        for name in ("tp", "pp", "vpp", "cp", "ep"):
             _check(getattr(self, name) >= 1, f"parallel.{name}={getattr(self, name)}: must be at least 1")
+        _check(
+            self.vpp == 1 or self.pp > 1,
+            f"parallel.vpp={self.vpp} needs pipeline parallelism: set parallel.pp >= 2 or parallel.vpp=1",
+        )
+        for name in ("first_stage_layers", "last_stage_layers"):
+            n = getattr(self, name)
+            _check(n is None or n >= 1, f"parallel.{name}={n}: must be at least 1 (or unset)")
+            _check(n is None or self.pp > 1, f"parallel.{name}={n}: only meaningful with parallel.pp > 1")
         _choice("parallel", "grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
         _check(self.bucket_size_mb > 0, f"parallel.bucket_size_mb={self.bucket_size_mb}: must be positive")
 

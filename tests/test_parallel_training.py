@@ -1,5 +1,7 @@
 """`mlm train` on a mesh equals one process: tp, tp + sequence parallel, dp, dp with the
-distributed optimizer, tp × dp with the distributed optimizer (all with gradient accumulation),
+distributed optimizer, tp × dp with the distributed optimizer (all with gradient accumulation);
+pipelines: pp 2 (uneven stages), pp 4, pp 2 interleaved (vpp 2), pp 2 × tp 2 with sequence
+parallelism, pp 2 × dp 2 with the distributed optimizer and tied embeddings, pp 2 × tp 2 × dp 2;
 and sharded checkpoints that resume on the same mesh and load on another.
 
 Every rank is a real gloo process (`run_ranks`). Tolerance: fp32, 1e-5 relative on losses and
@@ -52,11 +54,35 @@ def weights(ckpt_dir, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_data):
-    tmp = tmp_path_factory.mktemp("reference")
-    trainer = Trainer(load_config(None, _sets(tmp, tiny_data, "one")))
-    losses = trainer.train()
-    return losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+def references(tmp_path_factory, tiny_data):
+    """One process's losses and final weights for a model (given as extra settings), computed once."""
+    cache = {}
+
+    def get(**model):
+        key = tuple(sorted(model.items()))
+        if key not in cache:
+            tmp = tmp_path_factory.mktemp("reference")
+            trainer = Trainer(load_config(None, _sets(tmp, tiny_data, "one", **model)))
+            losses = trainer.train()
+            cache[key] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references()
+
+
+def _assert_matches(tmp_path, per_rank, ref_losses, ref_weights):
+    assert all(losses == per_rank[0] for losses in per_rank)  # every rank logs the same dp-mean loss
+    torch.testing.assert_close(torch.tensor(per_rank[0]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    got = weights(tmp_path / "mesh" / "ckpt", ref_weights)
+    for k, v in ref_weights.items():
+        torch.testing.assert_close(
+            got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
+        )
 
 
 @pytest.mark.parametrize(
@@ -71,16 +97,38 @@ def reference(tmp_path_factory, tiny_data):
     ids=["tp2", "tp2-sp", "dp2", "dp2-distopt", "tp2xdp2-distopt"],
 )
 def test_mesh_matches_one_process(tmp_path, tiny_data, reference, world, parallel):
-    ref_losses, ref_weights = reference
     sets = _sets(tmp_path, tiny_data, "mesh", **parallel)
-    per_rank = run_ranks(world, _train_rank, sets)
-    assert all(losses == per_rank[0] for losses in per_rank)  # every rank logs the same dp-mean loss
-    torch.testing.assert_close(torch.tensor(per_rank[0]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
-    got = weights(tmp_path / "mesh" / "ckpt", ref_weights)
-    for k, v in ref_weights.items():
-        torch.testing.assert_close(
-            got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
-        )
+    _assert_matches(tmp_path, run_ranks(world, _train_rank, sets), *reference)
+
+
+FOUR_LAYERS = {"model.num_layers": 4}
+TIED = {"model.num_layers": 4, "model.tie_embeddings": "true"}
+DISTOPT = {"parallel.distributed_optimizer": "true", "parallel.bucket_size_mb": 0.05}
+
+
+@pytest.mark.parametrize(
+    "world,model,parallel",
+    [
+        (2, FOUR_LAYERS, {"parallel.pp": 2, "parallel.first_stage_layers": 1}),
+        (4, FOUR_LAYERS, {"parallel.pp": 4}),
+        (2, FOUR_LAYERS, {"parallel.pp": 2, "parallel.vpp": 2}),
+        (4, FOUR_LAYERS, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+        (4, TIED, {"parallel.pp": 2, **DISTOPT}),
+        (8, TIED, {"parallel.pp": 2, "parallel.tp": 2, "parallel.vpp": 2, **DISTOPT}),
+    ],
+    ids=[
+        "pp2-uneven",
+        "pp4",
+        "pp2-vpp2",
+        "pp2xtp2-sp",
+        "pp2xdp2-distopt-tied",
+        "pp2xtp2xdp2-vpp2-distopt-tied",
+    ],
+)
+def test_pipeline_matches_one_process(tmp_path, tiny_data, references, world, model, parallel):
+    """Global batch 8 in micro-batches of 2: 4 micro-batches per step (2 at dp 2), 5 steps."""
+    sets = _sets(tmp_path, tiny_data, "mesh", **model, **parallel)
+    _assert_matches(tmp_path, run_ranks(world, _train_rank, sets), *references(**model))
 
 
 def _save_then_resume(rank, world, sets_a, sets_b, resume_from):

@@ -243,7 +243,7 @@ def _gpt_errors(rank: int, world: int, style: dict, seed: int = 7) -> dict[str, 
             assert shape == tuple(ref_params[name].shape), name
             assert writer == (hasattr(p, "global_shape") or r == 0), name
             assert torch.equal(p, local_slice(ref_params[name], p)), f"init of {name}"
-        assert model.layers[0].attn.rng_region.__self__ is model.tp_rng
+        assert model.layers["0"].attn.rng_region.__self__ is model.tp_rng
 
         torch.manual_seed(seed)
         logits = model(x_BT)
@@ -279,7 +279,7 @@ def _attention_dropout_errors(rank: int, world: int, seed: int = 7) -> dict[str,
         model.to_empty(device="cpu")
         model.init_weights(seed)
         if run == "shared masks":  # every tp rank drawing from the same stream (what the fork avoids)
-            for block in model.layers:
+            for block in model.layers.values():
                 block.attn.rng_region = contextlib.nullcontext
         torch.manual_seed(seed)
         loss = vocab_parallel_cross_entropy(model(x_BT), x_BT, mesh, cfg.vocab_size).mean()
@@ -293,7 +293,7 @@ def _attention_dropout_errors(rank: int, world: int, seed: int = 7) -> dict[str,
 
 
 @pytest.mark.skipif(
-    not hasattr(GPT(ModelConfig(num_layers=1)).layers[0].attn, "rng_region"),
+    not hasattr(GPT(ModelConfig(num_layers=1)).layers["0"].attn, "rng_region"),
     reason="mlm/model has no Attention.rng_region hook yet",
 )
 def test_attention_dropout_uses_the_tp_region_rng_and_survives_recompute():
@@ -337,8 +337,8 @@ def test_invalid_splits_are_refused_before_any_change(kw, tp, message):
     model = _meta_gpt(**kw)
     with pytest.raises(MlmError, match=message):
         parallelize(model, Mesh(world_size=tp, rank=0, tp=tp), sequence_parallel=True)
-    assert type(model.embed) is nn.Embedding and type(model.layers[0].attn.q) is nn.Linear
-    assert type(model.enter_layers) is nn.Identity and not hasattr(model.layers[0].attn, "enter_tp")
+    assert type(model.embed) is nn.Embedding and type(model.layers["0"].attn.q) is nn.Linear
+    assert type(model.enter_layers) is nn.Identity and not hasattr(model.layers["0"].attn, "enter_tp")
 
 
 def test_sequence_parallel_needs_a_divisible_sequence():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -109,13 +111,29 @@ class Block(nn.Module):
         return x_BTD + self.dropout(self.mlp(self.mlp_norm(x_BTD)))
 
 
+@dataclass
+class Chunk:
+    """A contiguous run of layers that one forward call runs (a pipeline stage's model chunk)."""
+
+    layers: list[str]
+    """Keys into `GPT.layers` (global layer numbers), in order."""
+    first: bool = True
+    """Starts from tokens: embedding (and positions), dropout, `enter_layers`."""
+    last: bool = True
+    """Ends with the final norm and the output projection (logits)."""
+
+
 class GPT(nn.Module):
-    """tokens [B, T] → logits [B, T, V] (V = padded vocabulary)."""
+    """tokens [B, T] → logits [B, T, V] (V = padded vocabulary).
+
+    `layers` is keyed by global layer number, so a pipeline stage that keeps only some layers (see
+    `mlm.parallel.pipeline`) names its parameters as the whole model does. `chunks` lists what a
+    `forward(x, chunk=c)` call runs; the whole model is one chunk."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab: int | None = None):
         super().__init__()
         self.cfg = cfg
-        V = padded_vocab or cfg.padded_vocab_size()
+        V = self.padded_vocab = padded_vocab or cfg.padded_vocab_size()
         self.embed = nn.Embedding(V, cfg.hidden_size)
         self.pos_embed = (
             nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
@@ -127,13 +145,16 @@ class GPT(nn.Module):
         # sequence over tp ranks) and into the output projection (enter the tp region).
         self.enter_layers: nn.Module = nn.Identity()
         self.enter_output: nn.Module = nn.Identity()
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
         self.final_norm = make_norm(cfg)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, V, bias=False)
+        self.chunks = [Chunk(list(self.layers))]
+        # Hidden states between chunks are [B, T / sequence_shards, D] (tp under sequence parallelism).
+        self.sequence_shards = 1
 
     def set_attention_backend(self, requested: str, device: torch.device) -> str:
         backend = resolve_backend(requested, device)
-        for layer in self.layers:
+        for layer in self.layers.values():
             layer.attn.backend = backend
         return backend
 
@@ -144,14 +165,17 @@ class GPT(nn.Module):
         A sharded parameter (one with `global_shape` and `global_offset` attributes, set by the
         parallel layers) gets its slice of the full tensor drawn from the same stream, and the
         vocabulary's padding rows (whose number depends on tp) are zeros drawn from no stream, so
-        every mesh starts from the same weights as one process."""
-        gen = torch.Generator().manual_seed(seed)
+        every mesh starts from the same weights as one process. Each parameter draws from its own
+        stream, seeded by `seed` and its name, so a pipeline stage gets its layers' weights too."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
         for name, p in self.named_parameters():
             if p.ndim == 1 and name.endswith(("norm.weight", "bias")):  # norm weights and biases
                 p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
                 continue
+            # one stream per parameter name: a pipeline stage holding some layers draws what one
+            # process draws for them
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             s = out_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else std
             shape = getattr(p, "global_shape", p.shape)
             full = torch.zeros(shape, dtype=torch.float32)
@@ -160,25 +184,32 @@ class GPT(nn.Module):
             offset = getattr(p, "global_offset", (0,) * p.ndim)
             p.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, p.shape, strict=True))])
 
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        T = tokens_BT.shape[1]
-        if T > self.cfg.max_position_embeddings:
-            raise MlmError(
-                f"sequence of {T} tokens is longer than model.max_position_embeddings="
-                f"{self.cfg.max_position_embeddings}; shorten it or raise the limit"
-            )
-        x_BTD = self.embed(tokens_BT)
-        rope = None
-        if self.pos_embed is not None:
-            x_BTD = x_BTD + self.pos_embed(torch.arange(T, device=tokens_BT.device))
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """Run chunk `chunk`: tokens [B, T] in if it is first, else hidden states [B, T', D]; logits
+        [B, T, V] out if it is last, else hidden states (T' = T / sequence_shards)."""
+        spec = self.chunks[chunk]
+        if spec.first:
+            T = x.shape[1]
+            if T > self.cfg.max_position_embeddings:
+                raise MlmError(
+                    f"sequence of {T} tokens is longer than model.max_position_embeddings="
+                    f"{self.cfg.max_position_embeddings}; shorten it or raise the limit"
+                )
+            x_BTD = self.embed(x)
+            if self.pos_embed is not None:
+                x_BTD = x_BTD + self.pos_embed(torch.arange(T, device=x.device))
+            x_BTD = self.enter_layers(self.dropout(x_BTD))
         else:
-            rope = rope_tables(self.cfg, T, tokens_BT.device)
-        x_BTD = self.enter_layers(self.dropout(x_BTD))
-        for layer in self.layers:
+            T, x_BTD = x.shape[1] * self.sequence_shards, x
+        rope = None if self.pos_embed is not None or not spec.layers else rope_tables(self.cfg, T, x.device)
+        for key in spec.layers:
+            layer = self.layers[key]
             if self.cfg.recompute == "full" and self.training:
                 x_BTD = checkpoint(layer, x_BTD, rope, use_reentrant=False)
             else:
                 x_BTD = layer(x_BTD, rope)
+        if not spec.last:
+            return x_BTD
         x_BTD = self.enter_output(self.final_norm(x_BTD))
         weight = self.embed.weight if self.output is None else self.output.weight
         return F.linear(x_BTD, weight)

@@ -91,6 +91,7 @@ class GradBuckets:
         reduce_dtype: torch.dtype = torch.float32,
         average: bool = True,
         reduce_scatter: bool = False,
+        held: tuple[nn.Parameter, ...] = (),
     ):
         if reduce_dtype not in REDUCE_DTYPES:
             raise MlmError(
@@ -125,6 +126,7 @@ class GradBuckets:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.device = devices.pop()
+        self.held = {i for i, p in enumerate(self.params) if any(p is h for h in held)}
 
         # Layout: reverse parameter order (backward order); a bucket closes once it reaches the size.
         pad = math.lcm(self.dp, 128) if reduce_scatter else 1
@@ -211,7 +213,7 @@ class GradBuckets:
             f"{self.names[i]}.grad is no longer a view of the gradient buffer (was it set to None by "
             "optimizer.zero_grad()?); zero gradients with GradBuckets.zero_grad()"
         )
-        if not self._last:
+        if not self._last or i in self.held:
             return
         b = self.bucket_of[i]
         assert b >= self._next, (

@@ -3,7 +3,7 @@
 A gradient piece is either tensor-parallel (each tp rank holds a different slice: sum over tp)
 or replicated over tp (identical on every tp rank: count once). With the distributed optimizer
 each rank holds only its dp shard of the reduced gradient (sum over dp); otherwise every dp
-rank holds all of it (count once).
+rank holds all of it (count once). Pipeline stages hold different parameters (sum over pp).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ def _sum_sq(grads: list[torch.Tensor], device) -> torch.Tensor:
 
 
 def global_grad_norm(
-    pieces: list[tuple[torch.Tensor, bool]], tp_group, dp_shard_group, device
+    pieces: list[tuple[torch.Tensor, bool]], tp_group, dp_shard_group, device, pp_group=None
 ) -> torch.Tensor:
     """L2 norm of the full gradient from (gradient piece, is tensor-parallel) pairs. `dp_shard_group`:
     the dp group when each rank holds only its dp shard of the gradient (distributed optimizer),
-    else None; `tp_group`: None at tp = 1."""
+    else None; `tp_group`: None at tp = 1; `pp_group`: None at pp = 1 (each stage holds other
+    parameters; a tied embedding's last-stage copy must not be among the pieces)."""
     sq = torch.stack(
         [_sum_sq([g for g, tp in pieces if tp], device), _sum_sq([g for g, tp in pieces if not tp], device)]
     )
@@ -33,7 +34,10 @@ def global_grad_norm(
         tp_sq = sq[0].clone()
         dist.all_reduce(tp_sq, group=tp_group)
         sq = torch.stack([tp_sq, sq[1]])
-    return sq.sum().sqrt()
+    total = sq.sum()
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
 
 
 def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:

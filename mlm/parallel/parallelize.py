@@ -31,6 +31,7 @@ from mlm.config import ModelConfig
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT, TP_PLAN
 from mlm.parallel.mesh import Mesh
+from mlm.parallel.pipeline import tied_output_copy
 from mlm.parallel.tensor import (
     ColumnParallelLinear,
     CopyToTP,
@@ -123,9 +124,9 @@ def parallelize(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> GPT:
     place; return it. At tp = 1 the model is returned untouched. All checks run before any change."""
     if mesh.tp == 1:
         return model
-    if isinstance(model.embed, VocabParallelEmbedding):
+    if any(isinstance(m, VocabParallelEmbedding | ColumnParallelLinear) for m in model.modules()):
         raise MlmError("the model is already tensor-parallel: call parallelize once per model")
-    check_tensor_parallel(model.cfg, model.embed.num_embeddings, mesh.tp)
+    check_tensor_parallel(model.cfg, model.padded_vocab, mesh.tp)
 
     # 1. Swap the layers of TP_PLAN for their shards (names and parameter order unchanged).
     for name, module in list(model.named_modules()):
@@ -138,7 +139,7 @@ def parallelize(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> GPT:
     # 2. Enter the tp region once per attention / MLP input; per-rank attention dropout.
     enter = GatherFromSP if sequence_parallel else CopyToTP
     rng = TensorParallelRNG(mesh)
-    for block in model.layers:
+    for block in model.layers.values():
         for sub in (block.attn, block.mlp):
             sub.enter_tp = enter(mesh)
             sub.register_forward_pre_hook(_enter_tp_hook)
@@ -149,6 +150,7 @@ def parallelize(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> GPT:
     model.enter_output = enter(mesh)
     if sequence_parallel:
         model.enter_layers = ScatterToSP(mesh)
+        model.sequence_shards = mesh.tp  # pipeline stages pass [B, T/tp, D] shards
         for p in sequence_parallel_params(model):
             p.sequence_parallel = True
     return model
@@ -160,7 +162,7 @@ def sequence_parallel_params(model: GPT) -> list[nn.Parameter]:
     `to_empty` drops tags set on the meta model. Empty unless `enter_layers` scatters the sequence."""
     if not isinstance(model.enter_layers, ScatterToSP):
         return []
-    region = [model.layers, model.final_norm]
+    region = [m for m in (model.layers, model.final_norm) if m is not None]
     return [p for m in region for p in m.parameters() if not getattr(p, "tensor_parallel", False)]
 
 
@@ -191,11 +193,13 @@ def param_layout(model: nn.Module, mesh: Mesh) -> dict[str, tuple[tuple[int, ...
     """name → (global_shape, global_offset, writer) of every parameter, for `ShardedTensor`s.
 
     Sharded parameters: their slice, written by their rank. Replicated ones: the whole tensor,
-    written only by tp rank 0 (replicas over dp are the checkpoint code's to exclude)."""
+    written only by tp rank 0 (replicas over dp are the checkpoint code's to exclude). A tied
+    embedding's last-stage copy is never written (its first stage writes it)."""
+    copy = tied_output_copy(model) if isinstance(model, GPT) else None
     layout = {}
     for name, p in model.named_parameters():
         if getattr(p, "tensor_parallel", False):
-            layout[name] = (tuple(p.global_shape), tuple(p.global_offset), True)
+            layout[name] = (tuple(p.global_shape), tuple(p.global_offset), p is not copy)
         else:
-            layout[name] = (tuple(p.shape), (0,) * p.ndim, mesh.tp_rank == 0)
+            layout[name] = (tuple(p.shape), (0,) * p.ndim, mesh.tp_rank == 0 and p is not copy)
     return layout

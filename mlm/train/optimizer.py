@@ -19,6 +19,7 @@ from mlm.parallel.dist_optim import DistributedOptimizer
 from mlm.parallel.grad_norm import any_nonfinite, clip_, global_grad_norm
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import param_layout
+from mlm.parallel.pipeline import tied_embedding, tied_output_copy
 from mlm.train.optim import adam_state_tensors, make_optimizer, set_adam_step
 
 
@@ -31,25 +32,32 @@ class TrainOptimizer:
         p = cfg.parallel
         self.model, self.mesh, self.device = model, mesh, device
         self.distributed = p.distributed_optimizer
+        tied = tied_embedding(model, mesh)
         self.grads = GradBuckets(
             model,
             mesh.dp_group,
             bucket_size_bytes=p.bucket_size_mb * 2**20,
             reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32,
             reduce_scatter=self.distributed,
+            held=(tied,) if tied is not None else (),  # reduced once both pipeline copies are summed
         )
+        # the last pipeline stage's copy of a tied embedding: updated like the original, counted once
+        self.copy = tied_output_copy(model)
         self.adamw = make_optimizer(model, cfg.optimizer, device)
         self.dist = DistributedOptimizer.from_adamw(self.adamw, self.grads) if self.distributed else None
 
     # ------------------------------------------------------------------ one step
 
-    def pieces(self) -> list[tuple[torch.Tensor, bool]]:
-        """(gradient this rank owns, is tensor-parallel) after `finish()`."""
+    def pieces(self, counted_once: bool = False) -> list[tuple[torch.Tensor, bool]]:
+        """(gradient this rank owns, is tensor-parallel) after `finish()`; `counted_once` leaves out
+        the gradient of a tied embedding's last-stage copy (for the norm)."""
         g = self.grads
         if self.dist is None:
-            return [(p.grad, _is_tp(p)) for p in g.params]
+            return [(p.grad, _is_tp(p)) for p in g.params if not (counted_once and p is self.copy)]
         return [
-            (g.buffer[s.start : s.start + s.numel], _is_tp(g.params[s.index])) for s in self.dist.segments
+            (g.buffer[s.start : s.start + s.numel], _is_tp(g.params[s.index]))
+            for s in self.dist.segments
+            if not (counted_once and g.params[s.index] is self.copy)
         ]
 
     def found_inf(self) -> bool:
@@ -59,10 +67,12 @@ class TrainOptimizer:
         torch._foreach_mul_([t for t, _ in self.pieces()], factor)
 
     def clip(self, max_norm: float) -> float:
-        pieces = self.pieces()
         dp_shards = self.mesh.dp_group if self.distributed else None
-        norm = global_grad_norm(pieces, self.mesh.tp_group, dp_shards, self.device)
-        clip_([t for t, _ in pieces], norm, max_norm)
+        m = self.mesh
+        norm = global_grad_norm(
+            self.pieces(counted_once=True), m.tp_group, dp_shards, self.device, m.group("pp")
+        )
+        clip_([t for t, _ in self.pieces()], norm, max_norm)
         return float(norm)
 
     def step(self, lr: float) -> None:
@@ -80,10 +90,10 @@ class TrainOptimizer:
     # ------------------------------------------------------------------ checkpoints
 
     def _writers(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
-        """Replicated-over-tp state is written by tp rank 0 only."""
-        tp_of = {n: _is_tp(p) for n, p in self.model.named_parameters()}
+        """State replicated over tp is written by tp rank 0 only; a tied embedding by its first stage."""
+        layout = param_layout(self.model, self.mesh)
         for t in tensors:
-            if self.mesh.tp_rank > 0 and not tp_of[t.key.split(".", 1)[1]]:
+            if not layout[t.key.split(".", 1)[1]][2]:
                 t.writer = False
         return tensors
 

@@ -1,10 +1,11 @@
-"""The training loop of `mlm train`, on one process or a tp × dp mesh.
+"""The training loop of `mlm train`, on one process or a pp × dp × tp mesh.
 
-The plain model is built on the meta device, parallelized from outside (tensor and sequence
-parallel layers), materialised and initialised so that every mesh starts from the weights of
-one process. Each dp rank reads its micro batches through the resumable sampler; gradients
-are reduced in buckets during the last backward of a step (optionally into the distributed
-optimizer's shards). Checkpoints hold every tensor once in its global shape, each rank
+The plain model is built on the meta device, cut to this rank's pipeline stage, parallelized
+from outside (tensor and sequence parallel layers), materialised and initialised so that every
+mesh starts from the weights of one process. Each dp rank reads its micro batches through the
+resumable sampler; the pipeline schedule (1F1B, interleaved, or plain accumulation at pp = 1)
+runs them; gradients are reduced in buckets during each chunk's last backward of a step
+(optionally into the distributed optimizer's shards). Checkpoints hold every tensor once in its global shape, each rank
 writing its slice. Same seed and config give the same loss sequence, bit for bit, on CPU; a
 resumed run continues it exactly.
 """
@@ -33,12 +34,14 @@ from mlm.datasets.gpt import GPTDatasetConfig
 from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.sampler import PretrainingSampler
 from mlm.errors import MlmError
-from mlm.model import flops_per_token
+from mlm.model import flops_per_token, parameter_count
 from mlm.model.gpt import GPT
 from mlm.parallel import Mesh
 from mlm.parallel.launch import init_distributed
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads, parallelize, param_layout
-from mlm.parallel.tensor import gather_from_tp, vocab_parallel_cross_entropy
+from mlm.parallel.pipeline import Pipeline, split_for_pipeline
+from mlm.parallel.schedules import check_pipeline
+from mlm.parallel.tensor import vocab_parallel_cross_entropy
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optimizer import TrainOptimizer
 from mlm.train.scaler import LossScaler
@@ -77,10 +80,10 @@ def resume_path(cfg: Config, load: str | None, auto_resume: bool) -> str | None:
 
 
 def check_supported(mesh: Mesh, cfg: Config) -> None:
-    if mesh.pp > 1 or mesh.cp > 1 or mesh.ep > 1:
+    if mesh.cp > 1 or mesh.ep > 1:
         raise MlmError(
-            f"parallel.pp={mesh.pp}, cp={mesh.cp}, ep={mesh.ep}: this mlm trains with tensor, sequence and "
-            "data parallelism; set pp, cp and ep to 1"
+            f"parallel.cp={mesh.cp}, ep={mesh.ep}: this mlm trains with tensor, sequence, pipeline and "
+            "data parallelism; set cp and ep to 1"
         )
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * mesh.dp):
@@ -88,12 +91,15 @@ def check_supported(mesh: Mesh, cfg: Config) -> None:
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
             f"{t.micro_batch_size} × dp={mesh.dp}"
         )
+    check_pipeline(mesh.pp, cfg.parallel.vpp, t.global_batch_size // (t.micro_batch_size * mesh.dp))
 
 
 def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> GPT:
-    """Meta → parallelize → materialise → init (every rank gets its slice of one process's init)."""
+    """Meta → this rank's pipeline stage → parallelize → materialise → init (every rank gets its
+    slice of one process's init)."""
     with torch.device("meta"):
         model = GPT(cfg.model, padded_vocab=cfg.model.padded_vocab_size(mesh.tp))
+    split_for_pipeline(model, mesh, cfg.parallel)
     parallelize(model, mesh, cfg.parallel.sequence_parallel)
     model.to_empty(device=device)
     model.init_weights(cfg.train.seed)
@@ -126,6 +132,7 @@ class Trainer:
         self.model = build_parallel_model(cfg, self.mesh, self.device)
         self.attention_backend = self.model.set_attention_backend(cfg.model.attention_backend, self.device)
         self.optimizer = TrainOptimizer(self.model, cfg, self.mesh, self.device)
+        self.pipeline = Pipeline(self.model, self.mesh, cfg.parallel.vpp)
         self.scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
         self.iteration = 0
         self.consumed_samples = 0
@@ -185,13 +192,13 @@ class Trainer:
         if self.mesh.world_size > 1:
             dist.barrier()
 
-    def _loss(self, tokens_BT1: torch.Tensor) -> torch.Tensor:
+    def _autocast(self):
         precision = self.cfg.train.precision
-        with torch.autocast(
+        return torch.autocast(
             self.device.type, dtype=_AMP.get(precision, torch.float32), enabled=precision != "fp32"
-        ):
-            logits = self.model(tokens_BT1[:, :-1])
-        labels = tokens_BT1[:, 1:]
+        )
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.mesh.tp > 1:  # logits are sharded over the vocabulary: never gathered
             return vocab_parallel_cross_entropy(logits, labels, self.mesh, self.cfg.model.vocab_size).mean()
         logits = logits[..., : self.cfg.model.vocab_size].float()
@@ -204,17 +211,14 @@ class Trainer:
         return float(t)
 
     def train_step(self, batches) -> dict:
-        """One optimizer step over `num_micro` micro batches (gradient accumulation); the
-        gradients are reduced over dp during the last backward."""
+        """One optimizer step over `num_micro` micro batches through the pipeline schedule; the
+        gradients are reduced over dp during each model chunk's last backward."""
         self.model.train()
         opt = self.optimizer
         scale = self.scaler.scale if self.scaler else 1.0
-        total = torch.zeros((), device=self.device)
-        for i, indices in enumerate(batches):
-            opt.grads.set_last_microbatch(i == len(batches) - 1)
-            loss = self._loss(self._batch(self.train_data, indices))
-            (loss * (scale / self.num_micro)).backward()
-            total += loss.detach()
+        micro = [self._batch(self.train_data, indices) for indices in batches]
+        total = self.pipeline.train_step(micro, self._loss, scale / self.num_micro, opt.grads, self._autocast)
+        self.pipeline.sync_tied_embedding()
         opt.grads.finish()
         allreduce_sequence_parallel_grads(self.model, self.mesh)
         overflow = bool(self.scaler) and opt.found_inf()
@@ -228,7 +232,7 @@ class Trainer:
         if self.scaler:
             self.scaler.update(overflow)
         opt.zero_grad()
-        loss = self._dp_mean(total / self.num_micro)
+        loss = self._dp_mean(self.pipeline.sum_over_stages(total) / self.num_micro)
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": overflow}
 
     @torch.no_grad()
@@ -238,11 +242,12 @@ class Trainer:
         self.model.eval()
         m, base = self.cfg.train.micro_batch_size, self.dp_rank * self.cfg.train.micro_batch_size
         step = m * self.dp_size
-        total = sum(
-            self._loss(self._batch(self.valid_data, range(i * step + base, i * step + base + m)))
+        micro = [
+            self._batch(self.valid_data, range(i * step + base, i * step + base + m))
             for i in range(self.cfg.train.eval_iters)
-        )
-        return self._dp_mean(total / self.cfg.train.eval_iters)
+        ]
+        total = self.pipeline.eval_step(micro, self._loss, self._autocast)
+        return self._dp_mean(self.pipeline.sum_over_stages(total) / self.cfg.train.eval_iters)
 
     def sample(self) -> str | None:
         prompt = self.cfg.logging.sample_prompt
@@ -253,11 +258,9 @@ class Trainer:
         from mlm.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tok_path)
-        mesh = self.mesh
-
-        def logits_fn(ids):  # every tp rank runs the forward; the logits are gathered over tp
-            return gather_from_tp(self.model(ids), mesh)
-
+        # every rank runs the forward of its stage; the logits are gathered over tp and sent from
+        # the last pipeline stage to all
+        logits_fn = self.pipeline.logits
         ids = greedy(self.model, tok.encode(prompt), self.cfg.logging.sample_tokens, tok.eod_id, logits_fn)
         return prompt + tok.decode(ids)
 
@@ -279,7 +282,7 @@ class Trainer:
             self.dp_size,
         )
         micro_batches = iter(sampler)
-        n_params = sum(math.prod(getattr(p, "global_shape", p.shape)) for p in self.model.parameters())
+        n_params = parameter_count(cfg.model)
         self._print(
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
             f"mesh {self.mesh}, attention {self.attention_backend}, {cfg.train.precision}, "

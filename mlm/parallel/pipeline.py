@@ -1,0 +1,344 @@
+"""Pipeline parallelism: stage partitioning, p2p between stages, and the schedule executor.
+
+    with torch.device("meta"):
+        model = GPT(cfg, padded_vocab=...)
+    split_for_pipeline(model, mesh, parallel)   # keep this rank's layers (global numbering)
+    parallelize(model, mesh, sequence_parallel) # then tensor parallelism, as without pipelining
+    ...
+    pipe = Pipeline(model, mesh, parallel.vpp)
+    losses = pipe.train_step(micro_batches, loss_fn, loss_scale, grads)   # one schedule
+    pipe.sync_tied_embedding()                  # before grads.finish(): first + last stage copies
+
+Layers are split into pp × vpp virtual stages of consecutive layers; rank r holds virtual
+stages r, r + pp, … (its model chunks). The first virtual stage also holds the embedding, the
+last the final norm and output layer; with tied embeddings the last stage holds a copy of the
+embedding whose gradient is summed with the first stage's before the data-parallel reduction.
+
+Activations flow forward and gradients backward as tensors of one shape known in advance,
+[micro_batch, seq_length / sequence_shards, hidden] (the sequence shard under sequence
+parallelism), with batched isend/irecv. They travel on two communicators per pipeline (one for
+activations, one for gradients), so that on each link the order messages are sent in is the
+order they are received in (every rank runs its forwards, and its backwards, in the same
+micro-batch order), which NCCL needs and gloo then matches without tags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from mlm.config import ParallelConfig
+from mlm.errors import MlmError
+from mlm.model.gpt import GPT, Chunk
+from mlm.parallel.mesh import Mesh
+from mlm.parallel.schedules import Action, forward_only, schedule
+from mlm.parallel.tensor import gather_from_tp
+
+# ---------------------------------------------------------------- partitioning
+
+
+def stage_layer_counts(
+    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
+) -> list[int]:
+    """Layers on each of the pp × vpp virtual stages (in pipeline order): an even split, or `first`
+    / `last` layers on the first / last stage and an even split of the rest over the others."""
+    S = pp * vpp
+    what = f"pp({pp}) × vpp({vpp}) = {S} stages" if vpp > 1 else f"pp({pp}) stages"
+    if S > num_layers:
+        raise MlmError(
+            f"{what} but model.num_layers={num_layers}: every pipeline stage needs at least one layer; "
+            f"choose pp × vpp <= {num_layers}"
+        )
+    if first is None and last is None:
+        if num_layers % S:
+            raise MlmError(
+                f"model.num_layers={num_layers} is not divisible by {what}; choose sizes that divide it, "
+                "or set parallel.first_stage_layers / parallel.last_stage_layers for an uneven split"
+            )
+        return [num_layers // S] * S
+    ends = [n for n in (first, last) if n is not None]
+    rest, middle = num_layers - sum(ends), S - len(ends)
+    given = ", ".join(
+        f"parallel.{k}_stage_layers={n}" for k, n in (("first", first), ("last", last)) if n is not None
+    )
+    if middle == 0 and rest != 0 or middle > 0 and (rest < middle or rest % middle):
+        raise MlmError(
+            f"{given} leave {rest} of model.num_layers={num_layers} layers for the other {middle} of {what}"
+            + ("" if middle else " (there are none)")
+            + f"; each must get the same whole number (>= 1): change {given.split('=')[0]}"
+        )
+    even = rest // middle if middle else 0
+    counts = [even] * S
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def rank_chunks(counts: list[int], pp: int, rank: int) -> list[Chunk]:
+    """The model chunks (virtual stages rank, rank + pp, …) of pipeline rank `rank`."""
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [
+        Chunk(
+            [str(i) for i in range(starts[s], starts[s] + counts[s])],
+            first=s == 0,
+            last=s == len(counts) - 1,
+        )
+        for s in range(rank, len(counts), pp)
+    ]
+
+
+def split_for_pipeline(model: GPT, mesh: Mesh, parallel: ParallelConfig) -> GPT:
+    """Keep only this pipeline rank's layers (and the embedding / output where they belong), in
+    place, on a meta or materialised model; parameter names stay those of the whole model."""
+    counts = stage_layer_counts(
+        model.cfg.num_layers, mesh.pp, parallel.vpp, parallel.first_stage_layers, parallel.last_stage_layers
+    )
+    if mesh.pp == 1:
+        return model
+    chunks = rank_chunks(counts, mesh.pp, mesh.pp_rank)
+    keep = {k for c in chunks for k in c.layers}
+    for key in [k for k in model.layers if k not in keep]:
+        del model.layers[key]
+    has_first, has_last = any(c.first for c in chunks), any(c.last for c in chunks)
+    if not has_first:
+        model.pos_embed = None
+        if not (has_last and model.cfg.tie_embeddings):  # the last stage keeps the tied weight
+            model.embed = None
+    if not has_last:
+        model.final_norm = None
+        model.output = None
+    model.chunks = chunks
+    return model
+
+
+def tied_embedding(model: GPT, mesh: Mesh) -> torch.nn.Parameter | None:
+    """This rank's copy of an embedding tied across pipeline stages (first or last), or None."""
+    if mesh.pp == 1 or not model.cfg.tie_embeddings or model.embed is None:
+        return None
+    return model.embed.weight
+
+
+def tied_output_copy(model: GPT) -> torch.nn.Parameter | None:
+    """The last stage's copy of the tied embedding (not the first stage's original), or None."""
+    if model.embed is None or any(c.first for c in model.chunks):
+        return None
+    return model.embed.weight
+
+
+def _pipelines(mesh: Mesh) -> list[list[int]]:
+    """The global ranks of every pipeline (pp group), each in stage order, the same list on every rank."""
+    grid = mesh.device_mesh.mesh  # [pp, dp, cp, tp] global ranks
+    return [grid[:, d, c, t].tolist() for d in range(mesh.dp) for c in range(mesh.cp) for t in range(mesh.tp)]
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int):
+    """`dist.new_group` for every list (all ranks call it for all lists); the one holding `rank`."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    if mine is not None:  # NCCL: the first call on a group must involve all of its ranks
+        dist.barrier(group=mine)
+    return mine
+
+
+# ---------------------------------------------------------------- the executor
+
+
+class Pipeline:
+    """Runs the schedule of one pipeline rank: its model chunks, p2p to its neighbours.
+
+    At pp = 1 the same code runs the no-pipelining schedule (gradient accumulation), with no p2p."""
+
+    def __init__(self, model: GPT, mesh: Mesh, vpp: int = 1):
+        self.model, self.mesh, self.vpp = model, mesh, vpp
+        self.pp, self.rank = mesh.pp, mesh.pp_rank
+        self.stages = mesh.pp * vpp
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.hidden = model.cfg.hidden_size
+        self.trace: list[tuple[Action, float, float]] = []
+        """The last step's actions with their start and end (perf_counter seconds)."""
+        self.peak_in_flight = 0
+        """The most micro-batches whose activations this rank held at once during the last step."""
+        self.embedding_group = None
+        if mesh.pp == 1:
+            return
+        pipelines = _pipelines(mesh)
+        ranks = next(p for p in pipelines if mesh.rank in p)
+        self.prev, self.next = ranks[(self.rank - 1) % self.pp], ranks[(self.rank + 1) % self.pp]
+        self.last_rank = ranks[-1]
+        self.act_group = mesh.group("pp")
+        self.grad_group = _new_groups(pipelines, mesh.rank)
+        if model.cfg.tie_embeddings:
+            self.embedding_group = _new_groups([[p[0], p[-1]] for p in pipelines], mesh.rank)
+
+    # ------------------------------------------------------------------ stage roles
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.rank
+
+    def _p2p_shape(self, seq_length: int, batch: int) -> tuple[int, int, int]:
+        return (batch, seq_length // self.model.sequence_shards, self.hidden)
+
+    # ------------------------------------------------------------------ p2p
+
+    def _recv_op(self, a: Action, shape) -> tuple[torch.Tensor, dist.P2POp] | None:
+        """The irecv that action `a` needs (activation from the previous stage for F, gradient
+        from the next for B), or None."""
+        s = self._stage(a.chunk)
+        if self.pp == 1 or (s == 0 if a.kind == "F" else s == self.stages - 1):
+            return None
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if a.kind == "F":
+            return buf, dist.P2POp(dist.irecv, buf, self.prev, self.act_group)
+        return buf, dist.P2POp(dist.irecv, buf, self.next, self.grad_group)
+
+    @staticmethod
+    def _start(ops: list[dist.P2POp], recv: dist.P2POp | None) -> tuple[list, list]:
+        """Batched isend/irecv, one batch per communicator (torch batches within one group); the
+        handles to wait on before using `recv`'s buffer, and those of the sends (waited at the end
+        of the step). A backend that coalesces a batch (NCCL) gives one handle for all of it."""
+        recv_works, send_works = [], []
+        for group in {id(op.group): op.group for op in ops}.values():
+            batch = [op for op in ops if op.group is group]
+            works = dist.batch_isend_irecv(batch)
+            if len(works) == len(batch):
+                for op, w in zip(batch, works, strict=True):
+                    (recv_works if op is recv else send_works).append(w)
+            else:
+                (recv_works if recv in batch else send_works).extend(works)
+        return recv_works, send_works
+
+    # ------------------------------------------------------------------ one step
+
+    def run(
+        self,
+        actions: list[Action],
+        micro_batches: list[torch.Tensor],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_scale: float = 1.0,
+        grads=None,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> torch.Tensor:
+        """Execute `actions` over `micro_batches` (tokens [B, T + 1] each; inputs are [:, :-1], labels
+        [:, 1:]); return the sum of the micro-batch losses on the last stage (zero elsewhere). With
+        backwards, each loss is multiplied by `loss_scale` before its backward, and `grads`
+        (GradBuckets) is told which backward is a chunk's last of the step."""
+        num_micro = len(micro_batches)
+        shape = self._p2p_shape(micro_batches[0].shape[1] - 1, micro_batches[0].shape[0])
+        training = any(a.kind == "B" for a in actions)
+        total = torch.zeros((), device=self.device)
+        stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        sends: list = []
+        self.trace, self.peak_in_flight = [], 0
+
+        def post(ops: list[dist.P2POp], recv_for: Action | None):
+            pending = self._recv_op(recv_for, shape) if recv_for is not None else None
+            recv_works, send_works = self._start(
+                ops + [pending[1]] if pending else ops, pending and pending[1]
+            )
+            sends.extend(send_works)
+            return (pending[0] if pending else None), recv_works
+
+        buf, waits = post([], actions[0] if actions else None)
+        for i, a in enumerate(actions):
+            for w in waits:  # this action's input
+                w.wait()
+            start = time.perf_counter()
+            s = self._stage(a.chunk)
+            first, last = s == 0, s == self.stages - 1
+            tokens = micro_batches[a.micro]
+            ops: list[dist.P2POp] = []
+            if a.kind == "F":
+                x = tokens[:, :-1] if first else buf
+                if training and not first:
+                    x.requires_grad_(True)
+                with autocast(), contextlib.nullcontext() if training else torch.no_grad():
+                    out = self.model(x, a.chunk)
+                    if last:
+                        loss = loss_fn(out, tokens[:, 1:])
+                        total += loss.detach()
+                        out = loss * loss_scale
+                if not last:
+                    if out.dtype != self.dtype or tuple(out.shape) != shape:
+                        raise MlmError(
+                            f"pipeline stage {s} produced {out.dtype} {tuple(out.shape)}, but stages pass "
+                            f"{self.dtype} {shape}; keep the residual stream in the parameters' dtype"
+                        )
+                    ops.append(dist.P2POp(dist.isend, out.detach(), self.next, self.act_group))
+                if training:
+                    stash[(a.chunk, a.micro)] = (x, out)
+                    self.peak_in_flight = max(self.peak_in_flight, len(stash))
+            else:
+                x, out = stash.pop((a.chunk, a.micro))
+                if grads is not None:
+                    grads.set_last_microbatch(a.micro == num_micro - 1)
+                torch.autograd.backward(out, None if last else buf)
+                if not first:
+                    ops.append(dist.P2POp(dist.isend, x.grad, self.prev, self.grad_group))
+            self.trace.append((a, start, time.perf_counter()))
+            buf, waits = post(ops, actions[i + 1] if i + 1 < len(actions) else None)
+        for w in sends + waits:
+            w.wait()
+        assert not stash, f"pipeline schedule left {sorted(stash)} without a backward"
+        return total
+
+    def train_step(self, micro_batches, loss_fn, loss_scale=1.0, grads=None, autocast=contextlib.nullcontext):
+        actions = schedule(self.pp, self.rank, len(micro_batches), self.vpp)
+        return self.run(actions, micro_batches, loss_fn, loss_scale, grads, autocast)
+
+    def eval_step(self, micro_batches, loss_fn, autocast=contextlib.nullcontext):
+        actions = forward_only(len(micro_batches), self.vpp)
+        return self.run(actions, micro_batches, loss_fn, autocast=autocast)
+
+    # ------------------------------------------------------------------ after backward
+
+    def sync_tied_embedding(self) -> None:
+        """Sum the tied embedding's gradient over its first- and last-stage copies (before the
+        data-parallel reduction: the copies are held out of it until `GradBuckets.finish`)."""
+        if self.embedding_group is None:
+            return
+        if self.model.embed is not None:  # middle stages are in no embedding group
+            dist.all_reduce(self.model.embed.weight.grad, group=self.embedding_group)
+
+    def sum_over_stages(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) over the pipeline: e.g. the loss, which only the last stage computes."""
+        if self.pp > 1:
+            dist.all_reduce(t, group=self.act_group)
+        return t
+
+    # ------------------------------------------------------------------ inference
+
+    @torch.no_grad()
+    def logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [B, T, V] of `tokens_BT` on every rank (gathered over tp, sent from
+        the last stage to the others): for sampling during training."""
+        x: torch.Tensor = tokens_BT
+        shape = self._p2p_shape(tokens_BT.shape[1], tokens_BT.shape[0])
+        sends = []
+        for chunk in range(self.vpp):
+            s = self._stage(chunk)
+            if s > 0:
+                x = torch.empty(shape, dtype=self.dtype, device=self.device)
+                dist.recv(x, self.prev, group=self.act_group)
+            x = self.model(x, chunk)
+            if s < self.stages - 1:
+                sends.append(dist.isend(x, self.next, group=self.act_group))
+        for w in sends:
+            w.wait()
+        if self.pp == 1:
+            return gather_from_tp(x, self.mesh)
+        B, T = tokens_BT.shape
+        out = gather_from_tp(x, self.mesh) if self.rank == self.pp - 1 else None
+        if out is None:
+            out = torch.empty((B, T, self.model.padded_vocab), dtype=self.dtype, device=self.device)
+        dist.broadcast(out, self.last_rank, group=self.act_group)
+        return out
