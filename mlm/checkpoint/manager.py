@@ -235,12 +235,18 @@ def read_manifest(iter_dir: str | os.PathLike) -> dict:
 
 
 def load_checkpoint(
-    path: str | os.PathLike, groups: dict[str, list[ShardedTensor]], *, strict: bool = True
+    path: str | os.PathLike,
+    groups: dict[str, list[ShardedTensor]],
+    *,
+    strict: bool = True,
+    job_keys: dict[str, set[str]] | None = None,
 ) -> dict:
     """Copy each target's slice from the checkpoint into its `local`, in place; return the manifest.
 
     Values are cast to each `local`'s dtype. `strict`: every stored tensor of a requested group
-    must have a target. Groups not requested (e.g. `optim` for evaluation) are not read.
+    must have a target, on this rank or (given `job_keys`, group → keys loaded by any rank, as
+    when pipeline stages each hold some layers) on some rank. Groups not requested (e.g. `optim`
+    for evaluation) are not read.
     """
     it_dir = resolve_checkpoint(path)
     manifest = read_manifest(it_dir)
@@ -251,7 +257,8 @@ def load_checkpoint(
                 raise MlmError(
                     f"{it_dir}: tensor {name}/{st.key} is not in the checkpoint; {_near(st.key, stored)}"
                 )
-        unexpected = sorted(stored.keys() - {st.key for st in targets})
+        wanted = job_keys[name] if job_keys is not None else {st.key for st in targets}
+        unexpected = sorted(stored.keys() - wanted)
         if strict and unexpected:
             raise MlmError(
                 f"{it_dir}: {len(unexpected)} tensor(s) in {name}/ that the model does not have: "

@@ -460,6 +460,15 @@ class Trainer:
         if self._save_errors:
             raise self._save_errors.pop()
 
+    def _pipeline_keys(self, groups: dict[str, list[ShardedTensor]]) -> dict[str, set[str]] | None:
+        """Group → the keys every stage of this pipeline loads (each holds some layers); None at pp 1."""
+        if self.mesh.pp == 1:
+            return None
+        mine = {name: [t.key for t in tensors] for name, tensors in groups.items()}
+        stages: list[dict] = [{}] * self.mesh.pp
+        dist.all_gather_object(stages, mine, group=self.mesh.group("pp"))
+        return {name: {k for stage in stages for k in stage[name]} for name in groups}
+
     def load(self, path: str) -> None:
         iter_dir = resolve_checkpoint(path)
         saved = config_from_dict(read_manifest(iter_dir)["config"]).model
@@ -470,7 +479,8 @@ class Trainer:
         ]
         if diffs:
             raise MlmError(f"{iter_dir} was saved from another model: " + "; ".join(diffs))
-        manifest = load_checkpoint(iter_dir, self._groups(for_load=True))
+        groups = self._groups(for_load=True)
+        manifest = load_checkpoint(iter_dir, groups, job_keys=self._pipeline_keys(groups))
         self.iteration = int(manifest["iteration"])
         self.optimizer.finish_load(manifest["optimizer_step"])
         self.consumed_samples = int(manifest["consumed_samples"])
