@@ -16,12 +16,30 @@ def train(
     auto_resume: bool = typer.Option(
         False, "--auto-resume", help="Resume from checkpoint.save's latest when there is one (requeued jobs)."
     ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Check the mesh, model and batch; show stages and the pipeline schedule."
+    ),
+    world_size: int | None = typer.Option(
+        None, "--world-size", help="--dry-run: ranks to check for (default: WORLD_SIZE, else tp × pp × cp)."
+    ),
+    png: Path | None = typer.Option(None, "--png", help="--dry-run: also draw the pipeline schedule here."),
 ) -> None:
     """Train a model on datasets from `mlm data build`; checkpoints, metrics.jsonl, TensorBoard."""
     from mlm.config import load_config
-    from mlm.train.trainer import PREEMPTED_EXIT_CODE, Preempted, Trainer, resume_path
 
     cfg = load_config(config, overrides)
+    if dry_run:
+        import os
+
+        from mlm.console import console
+        from mlm.train.dry_run import dry_run as report
+
+        p = cfg.parallel
+        world = world_size or int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
+        console.print(report(cfg, world, str(png) if png else None))
+        return
+    from mlm.train.trainer import PREEMPTED_EXIT_CODE, Preempted, Trainer, resume_path
+
     try:
         Trainer(cfg, load=resume_path(cfg, load, auto_resume)).train()
     except Preempted:  # the trainer has said so on rank 0

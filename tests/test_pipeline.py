@@ -10,6 +10,7 @@ Equivalence of training under pp with one process is in test_parallel_training.p
 
 from __future__ import annotations
 
+import re
 import time
 from types import SimpleNamespace
 
@@ -27,6 +28,7 @@ from mlm.train.trainer import build_parallel_model
 
 from conftest import tiny_sets
 from distributed import run_ranks
+from test_bad_input import mlm
 
 # 1F1B, pp = 4, m = 6: rank r runs pp − r − 1 forwards, then alternates, then drains.
 ONE_F_ONE_B_PP4_M6 = [
@@ -185,3 +187,32 @@ def test_measured_bubble_matches_the_formula(pp, vpp, m, f):
         assert got == pytest.approx(expected, rel=0.10), (
             f"rank {rank}: idle {got:.3f}, formula {expected:.3f}"
         )
+
+
+# ---------------------------------------------------------------- mlm train --dry-run
+
+
+def test_dry_run_shows_stages_and_schedule(tmp_path):
+    png = tmp_path / "schedule.png"
+    args = ["--set", "preset=tiny-llama", "--set", "parallel.pp=2", "--set", "parallel.vpp=2"]
+    batch = ["--set", "train.global_batch_size=8", "--set", "train.micro_batch_size=2"]
+    r = mlm("train", "--dry-run", *args, *batch, "--png", str(png))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert "0, 2" in out and "1, 3" in out  # rank 0 holds layers 0 and 2, rank 1 layers 1 and 3
+    assert "bubble: measured 11.1% per rank" in out and png.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        (["parallel.pp=3"], r"model.num_layers=4 is not divisible by pp\(3\) stages"),
+        (["parallel.pp=8"], r"pp\(8\) stages but model.num_layers=4: every pipeline stage needs"),
+        (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=12"], r"\(3 = .*multiple of"),
+    ],
+    ids=["layers-not-divisible", "pp-more-than-layers", "interleaved-micro-batches"],
+)
+def test_dry_run_refuses_bad_pipelines(sets, message):
+    args = [x for s in ["preset=tiny-llama", "train.micro_batch_size=4", *sets] for x in ("--set", s)]
+    r = mlm("train", "--dry-run", *args)
+    assert r.returncode == 2 and re.search(message, r.stderr.replace("\n", " ")), r.stderr

@@ -285,7 +285,7 @@ class Trainer:
         n_params = parameter_count(cfg.model)
         self._print(
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
-            f"mesh {self.mesh}, attention {self.attention_backend}, {cfg.train.precision}, "
+            f"mesh {self.mesh}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''}, attention {self.attention_backend}, {cfg.train.precision}, "
             f"{n_params / 1e6:.2f}M parameters",
             highlight=False,
         )

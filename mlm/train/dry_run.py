@@ -1,0 +1,74 @@
+"""`mlm train --dry-run`: check a run's mesh against its model and batch, and show the pipeline.
+
+Nothing is allocated and no data is read: the model is built on the meta device once per
+pipeline rank to count each stage's parameters, and the schedule is simulated (one forward
+of a whole stage = 1, a backward = 2) to draw it and measure its bubble.
+"""
+
+from __future__ import annotations
+
+import torch
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from mlm.config import Config
+from mlm.errors import MlmError
+from mlm.model.gpt import GPT
+from mlm.parallel.mesh import Mesh
+from mlm.parallel.parallelize import check_tensor_parallel
+from mlm.parallel.pipeline import split_for_pipeline, stage_layer_counts
+from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
+from mlm.parallel.schedules import check_pipeline
+
+
+def _layer_range(keys: list[str]) -> str:
+    return f"{keys[0]}–{keys[-1]}" if len(keys) > 1 else keys[0]
+
+
+def _params(n: int, tp: int) -> str:
+    return f"{n / 1e6:,.1f}M" + (f" (≈ {n / tp / 1e6:,.1f}M per tp rank)" if tp > 1 else "")
+
+
+def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
+    """Validate `cfg` on `world_size` ranks (MlmError on the first problem); the report to print."""
+    p, t = cfg.parallel, cfg.train
+    shape = Mesh.shape_for(p, world_size)
+    padded = cfg.model.padded_vocab_size(p.tp)
+    check_tensor_parallel(cfg.model, padded, p.tp)
+    if t.global_batch_size % (t.micro_batch_size * shape["dp"]):
+        raise MlmError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
+            f"{t.micro_batch_size} × dp={shape['dp']}"
+        )
+    num_micro = t.global_batch_size // (t.micro_batch_size * shape["dp"])
+    check_pipeline(p.pp, p.vpp, num_micro)
+    counts = stage_layer_counts(cfg.model.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
+
+    mesh_line = Text(
+        f"mesh tp={p.tp} pp={p.pp}{f' vpp={p.vpp}' if p.vpp > 1 else ''} dp={shape['dp']} cp={p.cp} "
+        f"(world {world_size}); micro-batch {t.micro_batch_size}, global batch {t.global_batch_size}, "
+        f"{num_micro} micro-batches per step per dp rank; layers per virtual stage {counts}"
+    )
+    stages = Table(title="pipeline stages", title_justify="left")
+    for col in ("rank", "chunks: layers", "embedding", "output", "parameters"):
+        stages.add_column(col, justify="right" if col == "parameters" else "left")
+    for r in range(p.pp):
+        with torch.device("meta"):
+            model = GPT(cfg.model, padded_vocab=padded)
+        split_for_pipeline(model, Mesh(world_size=p.pp, rank=r, pp=p.pp, pp_rank=r), p)
+        stages.add_row(
+            str(r),
+            ", ".join(_layer_range(c.layers) for c in model.chunks),
+            "yes" if any(c.first for c in model.chunks) else ("copy (tied)" if model.embed else ""),
+            "yes" if any(c.last for c in model.chunks) else "",
+            _params(sum(q.numel() for q in model.parameters()), p.tp),
+        )
+    parts = [mesh_line, stages, Text(describe_schedule(p.pp, num_micro, p.vpp))]
+    if p.pp > 1:
+        tl = timeline(p.pp, num_micro, p.vpp)
+        parts.append(render_text(tl))
+        if png:
+            save_png(tl, png, title=describe_schedule(p.pp, num_micro, p.vpp))
+            parts.append(Text(f"wrote {png}"))
+    return Group(*parts)
