@@ -42,3 +42,4 @@ bench: setup
     {{bin}}/python bench/sample_index.py
     {{bin}}/python bench/train_step.py
     {{bin}}/python bench/parallel_overhead.py
+    {{bin}}/python bench/pipeline_bubble.py

@@ -11,8 +11,6 @@ Equivalence of training under pp with one process is in test_parallel_training.p
 from __future__ import annotations
 
 import re
-import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +18,6 @@ from torch import nn
 
 from mlm.config import ParallelConfig, load_config
 from mlm.errors import MlmError
-from mlm.model.gpt import Chunk
 from mlm.parallel import Mesh
 from mlm.parallel.pipeline import Pipeline, rank_chunks, stage_layer_counts
 from mlm.parallel.schedules import bubble_fraction, check_pipeline, forward_only, schedule
@@ -28,6 +25,7 @@ from mlm.train.trainer import build_parallel_model
 
 from conftest import tiny_sets
 from distributed import run_ranks
+from fixed_cost import measure_bubble
 from test_bad_input import mlm
 
 # 1F1B, pp = 4, m = 6: rank r runs pp − r − 1 forwards, then alternates, then drains.
@@ -131,58 +129,12 @@ def test_executor_runs_the_canonical_order(tmp_path, world, extra, m, expected):
 # ---------------------------------------------------------------- the bubble, measured
 
 
-class _SleepBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        time.sleep(ctx.seconds)
-        return g, None
-
-
-class SleepStage(nn.Module):
-    """A pipeline stage of fixed cost: each chunk's forward sleeps f / vpp, its backward b / vpp."""
-
-    def __init__(self, chunks: list[Chunk], f: float, b: float, hidden: int = 4):
-        super().__init__()
-        self.cfg = SimpleNamespace(hidden_size=hidden, tie_embeddings=False)
-        self.chunks, self.sequence_shards = chunks, 1
-        self.w = nn.Parameter(torch.ones(()))
-        self.f, self.b = f / len(chunks), b / len(chunks)
-
-    def forward(self, x, chunk=0):
-        if self.chunks[chunk].first:
-            x = torch.ones(*x.shape, self.cfg.hidden_size)
-        time.sleep(self.f)
-        return _SleepBackward.apply(x * self.w, self.b)
-
-
-def _measure_bubble(rank, world, vpp, m, f):
-    import torch.distributed as dist
-
-    mesh = Mesh.build(ParallelConfig(pp=world, vpp=vpp))
-    stage = SleepStage(rank_chunks([1] * (world * vpp), world, rank), f, 2 * f)
-    pipe = Pipeline(stage, mesh, vpp)
-    micro = [torch.zeros(1, 5, dtype=torch.long)] * m
-    pipe.train_step(micro, lambda out, labels: out.mean())  # warm-up: the first backward starts autograd
-    dist.barrier()
-    start = time.perf_counter()
-    pipe.train_step(micro, lambda out, labels: out.mean())
-    dist.barrier()
-    step = time.perf_counter() - start
-    busy = sum(end - begin for _, begin, end in pipe.trace)
-    return 1 - busy / step
-
-
 @pytest.mark.parametrize("pp,vpp,m,f", [(4, 1, 8, 0.05), (2, 2, 4, 0.2)], ids=["1f1b-pp4-m8", "interleaved"])
 def test_measured_bubble_matches_the_formula(pp, vpp, m, f):
     """Stages that only sleep (forward f, backward 2f): every rank's idle fraction of the second step
     is within 10% (relative) of (pp − 1) / (vpp·m + pp − 1). The rest is p2p and Python overhead."""
     expected = bubble_fraction(pp, m, vpp)
-    idle = run_ranks(pp, _measure_bubble, vpp, m, f)
+    idle = run_ranks(pp, measure_bubble, vpp, m, f)
     for rank, got in enumerate(idle):
         assert got == pytest.approx(expected, rel=0.10), (
             f"rank {rank}: idle {got:.3f}, formula {expected:.3f}"
