@@ -23,10 +23,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from mlm.parallel.schedules import bubble_fraction  # noqa: E402
+
 from distributed import run_ranks  # noqa: E402
 from fixed_cost import measure_bubble  # noqa: E402
-
-from mlm.parallel.schedules import bubble_fraction  # noqa: E402
 
 CASES = [(2, 1, 4), (2, 1, 8), (4, 1, 8), (4, 1, 16), (2, 2, 4), (4, 2, 8), (2, 4, 8)]
 
@@ -46,9 +46,7 @@ def main() -> None:
         expected = bubble_fraction(pp, m, vpp)
         worst = max(idle)
         name = "1F1B" if vpp == 1 else "interleaved"
-        print(
-            f"{name:<12} {pp:>3} {vpp:>4} {m:>4} {expected:>9.1%} {worst:>9.1%} {worst / expected:>6.2f}x"
-        )
+        print(f"{name:<12} {pp:>3} {vpp:>4} {m:>4} {expected:>9.1%} {worst:>9.1%} {worst / expected:>6.2f}x")
 
 
 if __name__ == "__main__":
