@@ -102,6 +102,7 @@ def test_mesh_matches_one_process(tmp_path, tiny_data, reference, world, paralle
 
 
 FOUR_LAYERS = {"model.num_layers": 4}
+ONE_PROCESS = {"parallel.pp": 1, "parallel.tp": 1}
 TIED = {"model.num_layers": 4, "model.tie_embeddings": "true"}
 DISTOPT = {"parallel.distributed_optimizer": "true", "parallel.bucket_size_mb": 0.05}
 
@@ -159,24 +160,35 @@ def test_tp2_dp2_checkpoint_resumes_exactly_and_loads_on_one_process(tmp_path, t
 def _resume_and_logits(rank, world, sets_a, sets_b, resume_from, tokens):
     straight = Trainer(load_config(None, sets_a)).train()
     trainer = Trainer(load_config(None, sets_b), load=resume_from)
-    logits = trainer.pipeline.logits(tokens)  # the checkpoint's logits, on every rank
-    return straight, trainer.train(), logits
+    # the checkpoint's logits, validation loss and greedy sample, on every rank
+    seen = trainer.pipeline.logits(tokens), trainer.evaluate(), trainer.sample()
+    return straight, trainer.train(), seen
 
 
 def test_pp2_tp2_checkpoint_resumes_exactly_and_gives_the_same_logits_at_pp1(tmp_path, tiny_data):
     parallel = {
         **FOUR_LAYERS,
+        "model.hidden_dropout": 0.1,  # each stage's dropout RNG must be restored, not rank 0's
         "parallel.pp": 2,
         "parallel.tp": 2,
         "train.train_iters": 6,
         "checkpoint.save_interval": 3,
+        "train.eval_interval": 100,  # builds the validation split; evaluates at the end
+        "logging.sample_prompt": "'def '",
+        "logging.sample_tokens": 8,
     }
     sets_a = _sets(tmp_path, tiny_data, "a", **parallel)
     sets_b = _sets(tmp_path, tiny_data, "b", **parallel)
     ckpt = tmp_path / "a" / "ckpt" / "iter_0000003"
     tokens = torch.arange(40).view(2, 20) * 7 % 500
-    straight, resumed, logits = run_ranks(4, _resume_and_logits, sets_a, sets_b, str(ckpt), tokens)[0]
-    assert resumed == straight[3:]  # same mesh: bitwise
+    got = run_ranks(4, _resume_and_logits, sets_a, sets_b, str(ckpt), tokens)
+    straight, resumed, (logits, eval_loss, sample) = got[0]
+    assert resumed == straight[3:]  # same mesh: bitwise, dropout included
+    assert all(r[2][2] == sample for r in got)  # every rank gets the same sample
     # the layer-numbered global checkpoint in one process (pp 1, tp 1): the same logits
-    one = Trainer(load_config(None, _sets(tmp_path, tiny_data, "c", **FOUR_LAYERS)), load=str(ckpt))
+    one = Trainer(
+        load_config(None, _sets(tmp_path, tiny_data, "c", **{**parallel, **ONE_PROCESS})), load=str(ckpt)
+    )
     torch.testing.assert_close(one.pipeline.logits(tokens), logits, rtol=1e-5, atol=1e-5)
+    assert one.evaluate() == pytest.approx(eval_loss, rel=RTOL)
+    assert one.sample() == sample

@@ -320,7 +320,15 @@ class Pipeline:
     @torch.no_grad()
     def logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [B, T, V] of `tokens_BT` on every rank (gathered over tp, sent from
-        the last stage to the others): for sampling during training."""
+        the last stage to the others), in eval mode (no dropout): for sampling during training."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._logits(tokens_BT)
+        finally:
+            self.model.train(was_training)
+
+    def _logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         x: torch.Tensor = tokens_BT
         shape = self._p2p_shape(tokens_BT.shape[1], tokens_BT.shape[0])
         sends = []

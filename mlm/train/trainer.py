@@ -414,6 +414,7 @@ class Trainer:
             "scheduler": {"total_iters": self.total_iters, "decay_style": self.cfg.optimizer.decay_style},
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
             "rng": rng_state_to_json(),
+            "rng_per_stage": self._stage_rng_states(),
         }
         groups = self._groups()
         iteration = self.iteration
@@ -460,6 +461,15 @@ class Trainer:
         if self._save_errors:
             raise self._save_errors.pop()
 
+    def _stage_rng_states(self) -> list[dict] | None:
+        """Every pipeline stage's RNG state (stages draw dropout masks for different layers, so
+        their generators differ; tp and dp ranks of one stage draw alike); None at pp 1."""
+        if self.mesh.pp == 1:
+            return None
+        states: list[dict] = [{}] * self.mesh.pp
+        dist.all_gather_object(states, rng_state_to_json(), group=self.mesh.group("pp"))
+        return states
+
     def _pipeline_keys(self, groups: dict[str, list[ShardedTensor]]) -> dict[str, set[str]] | None:
         """Group → the keys every stage of this pipeline loads (each holds some layers); None at pp 1."""
         if self.mesh.pp == 1:
@@ -486,5 +496,7 @@ class Trainer:
         self.consumed_samples = int(manifest["consumed_samples"])
         if self.scaler and manifest.get("loss_scaler"):
             self.scaler.load_state_dict(manifest["loss_scaler"])
-        rng_state_from_json(manifest["rng"])
+        per_stage = manifest.get("rng_per_stage")
+        same_pipeline = per_stage is not None and len(per_stage) == self.mesh.pp
+        rng_state_from_json(per_stage[self.mesh.pp_rank] if same_pipeline else manifest["rng"])
         self._print(f"[bold]resumed[/] {iter_dir} at step {self.iteration}", highlight=False)
