@@ -13,6 +13,7 @@ import typer
 import mlm
 from cli.config import app as config_app
 from cli.data import app as data_app
+from cli.parity import parity
 from cli.train import slurm, train
 from mlm.errors import MlmError
 
@@ -27,6 +28,7 @@ app = typer.Typer(
 app.add_typer(data_app, name="data")
 app.command("train")(train)
 app.command("slurm")(slurm)
+app.command("parity")(parity)
 app.add_typer(config_app, name="config")
 
 

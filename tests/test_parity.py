@@ -1,0 +1,184 @@
+"""`mlm parity`: layout parsing, the comparison and its verdict, and a real run of tp1, tp2, pp2
+and tp2 × pp2 from one seed checkpoint (4 torchrun launches, ~10 s each on 2 cores).
+
+The real run is fp32 without dropout, so every layout must pass the fp32 tolerance; a failing
+comparison is tested on numbers made to differ (one loss 1% off, one weight tensor moved).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app
+from mlm.config import load_config
+from mlm.errors import MlmError
+from mlm.train import parity
+from mlm.train.parity import TOLERANCES, Layout, ParityResult, compare, parse_layout, parse_layouts
+
+from conftest import tiny_sets
+
+
+def test_layouts_parse_to_the_parallel_config():
+    lay = parse_layout("tp2pp2vpp2dp2sp")
+    assert (lay.tp, lay.pp, lay.vpp, lay.dp, lay.sp, lay.zero1, lay.world) == (2, 2, 2, 2, True, False, 8)
+    cfg = load_config(None, lay.overrides()).parallel
+    assert (cfg.tp, cfg.pp, cfg.vpp, cfg.sequence_parallel, cfg.distributed_optimizer) == (
+        2,
+        2,
+        2,
+        True,
+        False,
+    )
+    assert parse_layout("dp2zero1") == Layout("dp2zero1", dp=2, zero1=True)
+    assert parse_layout("pp2").pp == 2 and parse_layout("vpp2").vpp == 2  # vpp without pp: the config says no
+    assert [lay.name for lay in parse_layouts("tp1,tp2, dp2")] == ["tp1", "tp2", "dp2"]
+    assert parse_layout("tp1") == Layout("tp1")  # every size 1: one process
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("tp2x", "layout 'tp2x': unknown term 'x'; use tp<N>, pp<N>, vpp<N>, dp<N>, sp, zero1"),
+        ("tp2foodp2", "unknown term 'foo'"),
+        ("tp", "layout 'tp': 'tp' needs a size of at least 1, e.g. tp2"),
+        ("dp0", "'dp0' needs a size of at least 1"),
+        ("tp2tp4", "layout 'tp2tp4': tp is given twice"),
+        ("spsp", "sp is given twice"),
+        ("tp1,,tp2", "empty layout in --layouts"),
+        ("tp1,tp2,tp1", "--layouts lists tp1 more than once"),
+    ],
+)
+def test_bad_layouts_are_named(text, message):
+    with pytest.raises(MlmError) as e:
+        parse_layouts(text)
+    assert message in str(e.value)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(8, 4, generator=g),
+        "layers.0.mlp.up.weight": torch.randn(4, 4, generator=g),
+    }
+
+
+def test_a_loss_one_percent_off_fails_and_the_report_says_where(capsys):
+    tol = TOLERANCES["fp32"]
+    ref_losses, ref_w = [8.0, 7.5, 7.0], _weights(0)
+    ref = compare(Layout("tp1"), ref_losses, ref_w, ref_losses, ref_w, tol)
+    near = compare(Layout("tp2", tp=2), [8.0, 7.5 * (1 + 1e-7), 7.0], _weights(0), ref_losses, ref_w, tol)
+    off = compare(Layout("dp2", dp=2), [8.0, 7.5 * 1.01, 7.0], _weights(0), ref_losses, ref_w, tol)
+    assert ref.passed and near.passed and not off.passed
+    assert off.max_loss_rel == pytest.approx(0.01) and off.worst_step == 2
+    result = ParityResult("fp32", tol, 3, [ref, near, off])
+    assert not result.passed
+    parity.render(result)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FAIL: dp2" in out and "1.00e-02" in out and "tolerance for fp32: |Δloss|/loss ≤ 1e-05" in out
+
+
+def test_the_command_exits_1_when_a_layout_fails(monkeypatch):
+    tol, w = TOLERANCES["fp32"], _weights(0)
+    results = [
+        compare(Layout("tp1"), [8.0], w, [8.0], w, tol),
+        compare(Layout("tp2", tp=2), [8.1], w, [8.0], w, tol),
+    ]
+    monkeypatch.setattr(parity, "run_parity", lambda *a: ParityResult("fp32", tol, 1, results, out="x"))
+    r = CliRunner().invoke(app, ["parity", "--layouts", "tp1,tp2", "--steps", "1"])
+    assert r.exit_code == 1 and "FAIL: tp2" in r.output
+
+
+def test_a_weight_tensor_off_fails_and_is_named():
+    tol = TOLERANCES["fp32"]
+    ref_w = _weights(0)
+    moved = {**ref_w, "layers.0.mlp.up.weight": ref_w["layers.0.mlp.up.weight"] * (1 + 1e-3)}
+    r = compare(Layout("tp2", tp=2), [8.0], moved, [8.0], ref_w, tol)
+    assert not r.passed and r.worst_tensor == "layers.0.mlp.up.weight"
+    assert r.max_weight_rel == pytest.approx(1e-3, rel=1e-4) and r.weight_rel["embed.weight"] == 0.0
+    with pytest.raises(MlmError, match="logged 2 steps, the reference 1"):
+        compare(Layout("tp2", tp=2), [8.0, 7.0], ref_w, [8.0], ref_w, tol)
+
+
+def _sets(tmp_path, data, **extra) -> list[str]:
+    return tiny_sets(
+        tmp_path / "unused", data, **{"model.hidden_dropout": 0.0, "train.device": "cpu", **extra}
+    )
+
+
+def _args(sets: list[str]) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+def test_tp_pp_and_dp_layouts_match_one_process(tmp_path, tiny_data):
+    out = tmp_path / "parity"
+    args = ["parity", *_args(_sets(tmp_path, tiny_data)), "--layouts", "tp1,tp2,pp2,tp2pp2", "--steps", "3"]
+    r = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    report = json.loads((out / "parity.json").read_text())
+    assert report["passed"] and report["precision"] == "fp32" and report["reference"] == "tp1"
+    assert report["tolerance"]["loss_rel"] == TOLERANCES["fp32"].loss_rel
+    assert [x["name"] for x in report["layouts"]] == ["tp1", "tp2", "pp2", "tp2pp2"]
+    assert [x["world_size"] for x in report["layouts"]] == [1, 2, 2, 4]
+    for x in report["layouts"]:
+        assert len(x["losses"]) == 3 and x["passed"], x
+        records = [json.loads(line) for line in open(out / x["name"] / "run" / "metrics.jsonl")]
+        assert [rec["loss"] for rec in records if rec["split"] == "train"] == x["losses"]
+        assert x["max_weight_rel"] <= TOLERANCES["fp32"].weight_rel
+    assert report["layouts"][0]["max_weight_rel"] == 0.0  # the reference against itself
+    assert (out / "seed" / "iter_0000000" / "manifest.json").is_file()
+    text = " ".join(r.output.split())
+    assert "mlm parity: 3 steps, fp32, against tp1" in text and "PASS; details in" in text
+    assert "tp1: 3 steps in" in text and ", reference" in text and ", PASS tp2pp2: 3 steps in" in text
+    assert "warning" not in text
+    # the same OUT again: refused, nothing touched
+    again = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert again.exit_code == 1 and "already exists and is not empty; pass a new --out" in str(
+        again.exception
+    )
+
+
+@pytest.mark.parametrize(
+    "layouts,message",
+    [
+        ("tp1,vpp2", "layout 'vpp2': parallel.vpp=2 needs pipeline parallelism"),
+        ("tp1,dp4", "layout 'dp4': train.global_batch_size=4 is not divisible by"),
+        (
+            "tp1,tp2",  # vocab 1100: 1152 rows at tp1, 1280 at tp2; with 64, 1152 at both
+            "layout 'tp2': the vocabulary pads to 1280 rows at tp=2 but to 1152 in the one-process seed "
+            "checkpoint, so the seed cannot load; use --set model.make_vocab_size_divisible_by=64",
+        ),
+    ],
+)
+def test_a_layout_that_cannot_run_is_refused_before_anything_runs(tmp_path, tiny_data, layouts, message):
+    sets = _sets(tmp_path, tiny_data, **{"model.vocab_size": 1100})
+    with pytest.raises(MlmError) as e:
+        parity.run_parity(None, sets, parse_layouts(layouts), 2, tmp_path / "out")
+    assert message in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failing_layout_reports_its_output_tail(tmp_path, tiny_data, monkeypatch):
+    def failing(*args):
+        return [
+            sys.executable,
+            "-c",
+            "import sys; print('error: rank 1 is unwell', file=sys.stderr); sys.exit(5)",
+        ]
+
+    monkeypatch.setattr(parity, "train_command", failing)
+    with pytest.raises(MlmError) as e:
+        parity.run_parity(None, _sets(tmp_path, tiny_data), parse_layouts("tp1,tp2"), 2, tmp_path / "out")
+    assert "layout 'tp1': `mlm train` under torchrun exited with code 5" in str(e.value)
+    assert "error: rank 1 is unwell" in str(e.value)
+    assert not (tmp_path / "out" / "parity.json").exists()
+
+
+def test_dropout_is_warned_about(tmp_path, tiny_data):
+    cfg = load_config(None, _sets(tmp_path, tiny_data, **{"model.attention_dropout": 0.1}))
+    (warning,) = parity._warnings(cfg)
+    assert warning.startswith("model.attention_dropout=0.1: each layout draws its own dropout masks")
