@@ -126,6 +126,19 @@ def test_executor_runs_the_canonical_order(tmp_path, world, extra, m, expected):
     assert all(g > 0 for _, _, g in got)  # every stage got gradients
 
 
+@pytest.mark.parametrize(
+    "world,vpp,m",
+    [(2, 1, 3), (4, 2, 4), (4, 2, 8)],
+    ids=["1f1b-pp2-m3", "interleaved-m=pp", "interleaved-pp4"],
+)
+def test_executor_follows_the_schedule(tmp_path, world, vpp, m):
+    """More shapes (fewer micro-batches than a multiple of pp; Megatron's all-forwards-first case
+    m = pp; pp 4 × vpp 2): the recorded order is `schedule`'s, pinned above to the written-out ones."""
+    sets = tiny_sets(tmp_path, "unused", **{"model.num_layers": 8, "parallel.pp": world, "parallel.vpp": vpp})
+    got = run_ranks(world, _recorded_order, sets, m)
+    assert [order for order, _, _ in got] == [_order(world, r, m, vpp) for r in range(world)]
+
+
 # ---------------------------------------------------------------- the bubble, measured
 
 
