@@ -245,7 +245,7 @@ class Pipeline:
             recv_works, send_works = self._start(
                 ops + [pending[1]] if pending else ops, pending and pending[1]
             )
-            sends.extend(send_works)
+            sends[:] = [w for w in sends if not w.is_completed()] + send_works  # a handle holds its tensor
             return (pending[0] if pending else None), recv_works
 
         buf, waits = post([], actions[0] if actions else None)
