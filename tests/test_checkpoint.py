@@ -81,7 +81,8 @@ def test_round_trip_each_dtype(tmp_path):
     assert manifest["tensors"]["model/step"] == {"shape": [], "dtype": "int64"}
     assert manifest["tensors"]["optim/exp_avg.w32"] == {"shape": [5, 3], "dtype": "float32"}
     arr = zarr.open_array(str(it_dir / "model" / "wbf"), mode="r")
-    assert (arr.dtype, arr.attrs["dtype"], arr.chunks, arr.compressors) == (np.uint16, "bfloat16", (4, 7), ())
+    assert (arr.dtype, arr.attrs["dtype"], arr.chunks) == (np.uint16, "bfloat16", (4, 7))
+    assert [type(c).__name__ for c in arr.compressors] == ["Crc32cCodec"]  # a checksum, no compression
     assert zarr.open_array(str(it_dir / "model" / "w32"), mode="r").attrs["dtype"] == "float32"
 
 
@@ -223,6 +224,40 @@ def test_errors(tmp_path):
         load(tmp_path, {"w": torch.zeros(5, 3), "b": torch.zeros(3)})
     with pytest.raises(ValueError, match="does not fit in global shape"):
         ShardedTensor("w", torch.zeros(4, 3), (8, 3), (6, 0))
+
+
+def test_padded_rows_load_across_paddings(tmp_path):
+    """The vocabulary padding depends on tp: a tensor marked `padded_rows` loads the rows both
+    paddings have and zeros the others, on every shard."""
+    w = torch.cat([torch.randn(5, 3), torch.zeros(3, 3)])  # 5 real rows padded to 8
+    save(tmp_path, 1, {"embed": w})
+    wider = torch.full((12, 3), -1.0)
+    load_checkpoint(tmp_path, {"model": [ShardedTensor("embed", wider, (12, 3), (0, 0), padded_rows=True)]})
+    torch.testing.assert_close(wider, torch.cat([w, torch.zeros(4, 3)]))
+    lower, upper = torch.full((3, 3), -1.0), torch.full((3, 3), -1.0)  # 6 rows in two shards
+    load_checkpoint(
+        tmp_path,
+        {
+            "model": [
+                ShardedTensor("embed", lower, (6, 3), (0, 0), padded_rows=True),
+                ShardedTensor("embed", upper, (6, 3), (3, 0), padded_rows=True),
+            ]
+        },
+        strict=False,
+    )
+    torch.testing.assert_close(torch.cat([lower, upper]), w[:6])
+    with pytest.raises(MlmError, match=r"checkpoint has shape \(8, 3\), the model expects \(12, 3\)"):
+        load(tmp_path, {"embed": torch.zeros(12, 3)})  # not marked: a real shape mismatch
+
+
+def test_a_corrupt_chunk_is_an_error(tmp_path):
+    it_dir = save(tmp_path, 1, {"w": torch.randn(64, 8)})
+    chunk = next(p for p in (it_dir / "model" / "w").rglob("*") if p.is_file() and p.name != "zarr.json")
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(MlmError, match=r"tensor model/w: a chunk of .* fails its CRC-32C check.*corrupt"):
+        load(tmp_path, {"w": torch.zeros(64, 8)})
 
 
 def test_rng_state_json_round_trip():

@@ -50,6 +50,9 @@ class ShardedTensor:
     """False on replicas of a slice another rank writes; exactly one writer per slice."""
     chunk: tuple[int, ...] | None = None
     """Chunk shape of the stored array (default `local.shape`); only the shard at offset 0's counts."""
+    padded_rows: bool = False
+    """Dim 0 is padded with zero rows (the vocabulary, padded per tp): a stored tensor padded to
+    another size loads its rows in common; rows beyond the stored ones load as zeros."""
 
     def __post_init__(self) -> None:
         self.global_shape, self.global_offset = tuple(self.global_shape), tuple(self.global_offset)
@@ -267,12 +270,21 @@ def load_checkpoint(
         for st in targets:
             where = f"{it_dir}: tensor {name}/{st.key}"
             shape = tuple(stored[st.key]["shape"])
-            if shape != st.global_shape:
+            local = st.local
+            if st.padded_rows and shape[1:] == st.global_shape[1:] and shape[0] != st.global_shape[0]:
+                # another vocabulary padding: read the rows both have, zero the rest
+                rows = max(0, min(st.local.shape[0], shape[0] - st.global_offset[0]))
+                with torch.no_grad():
+                    st.local[rows:].zero_()
+                local = st.local[:rows]
+            elif shape != st.global_shape:
                 raise MlmError(f"{where}: checkpoint has shape {shape}, the model expects {st.global_shape}")
+            if local.numel() == 0:
+                continue
             arr = _open_array(it_dir / name / st.key, "r")
-            value = store.read_slice(arr, st.global_offset, tuple(st.local.shape), where)
+            value = store.read_slice(arr, st.global_offset, tuple(local.shape), where)
             with torch.no_grad():
-                st.local.copy_(value)
+                local.copy_(value)
     return manifest
 
 

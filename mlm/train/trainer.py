@@ -48,6 +48,7 @@ from mlm.train.scaler import LossScaler
 from mlm.train.schedule import lr_at
 
 _AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_VOCAB_ROWS = ("embed.weight", "output.weight")  # rows: the vocabulary, padded to a multiple of 128 × tp
 
 
 def pick_device(requested: str) -> torch.device:
@@ -399,6 +400,8 @@ class Trainer:
         ]
         opt = self.optimizer
         optim = opt.load_targets(self.iteration) if for_load else opt.save_tensors(self.iteration)
+        for t in model + optim:  # rows padded per tp: a checkpoint from another tp loads too
+            t.padded_rows = t.key.removeprefix("exp_avg_sq.").removeprefix("exp_avg.") in _VOCAB_ROWS
         return {"model": model, "optim": optim}
 
     def save(self, root: str) -> Path:
@@ -490,6 +493,11 @@ class Trainer:
         if diffs:
             raise MlmError(f"{iter_dir} was saved from another model: " + "; ".join(diffs))
         groups = self._groups(for_load=True)
+        if not any(k.startswith("optim/") for k in read_manifest(iter_dir)["tensors"]):
+            # weights only (e.g. imported from Hugging Face): a new run starting from them
+            load_checkpoint(iter_dir, {"model": groups["model"]}, job_keys=self._pipeline_keys(groups))
+            self._print(f"[bold]initialised from[/] {iter_dir} (weights only: a new run)", highlight=False)
+            return
         manifest = load_checkpoint(iter_dir, groups, job_keys=self._pipeline_keys(groups))
         self.iteration = int(manifest["iteration"])
         self.optimizer.finish_load(manifest["optimizer_step"])
