@@ -15,7 +15,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +32,7 @@ FORMAT_VERSIONS = [1]
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _ITER_RE = re.compile(r"iter_(\d+)")
-_RESERVED = {"format", "format_version", "mlm_version", "iteration", "tensors"}
+RESERVED = {"format", "format_version", "mlm_version", "iteration", "tensors"}
 
 
 @dataclass
@@ -158,8 +158,8 @@ def save_checkpoint(
     `keep_last` keeps that many complete checkpoints, the new one included. Returns the iter dir.
     """
     root, it_dir = Path(root), Path(root) / iter_dir_name(iteration)
-    if _RESERVED & extra.keys():
-        raise ValueError(f"extra keys {sorted(_RESERVED & extra.keys())} are reserved for the manifest")
+    if RESERVED & extra.keys():
+        raise ValueError(f"extra keys {sorted(RESERVED & extra.keys())} are reserved for the manifest")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: must be at least 1 (or None to keep all)")
     extra_json = json.dumps(extra)  # fails here, on every rank, before anything is written
@@ -185,6 +185,27 @@ def save_checkpoint(
             for d in others[: max(0, len(others) - (keep_last - 1))]:
                 _remove(d)
     barrier()
+    return it_dir
+
+
+def save_streaming(
+    root: str | os.PathLike,
+    iteration: int,
+    tensors: Iterable[tuple[str, str, torch.Tensor, tuple[int, ...]]],
+    extra: dict,
+    group_names: list[str],
+) -> Path:
+    """One process writes a whole checkpoint as `tensors` yields (group, key, global tensor, chunk
+    shape): memory holds one tensor at a time (conversion tools). Same layout as `save_checkpoint`."""
+    root, it_dir = Path(root), Path(root) / iter_dir_name(iteration)
+    if RESERVED & extra.keys():
+        raise ValueError(f"extra keys {sorted(RESERVED & extra.keys())} are reserved for the manifest")
+    extra_json = json.dumps(extra)
+    _prepare(root, it_dir, group_names)
+    for group, key, tensor, chunk in tensors:
+        arr = store.create_array(it_dir / group / key, tuple(tensor.shape), chunk, tensor.dtype)
+        store.write_slice(arr, tensor, (0,) * tensor.dim())
+    _finish(root, it_dir, iteration, group_names, extra_json)
     return it_dir
 
 

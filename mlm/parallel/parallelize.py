@@ -79,6 +79,19 @@ def _style(name: str) -> str | None:
     return None
 
 
+def tp_split_dim(name: str) -> int | None:
+    """The dim along which tensor parallelism splits parameter `name` ("layers.0.attn.q.weight" → 0,
+    "layers.0.attn.out.weight" → 1), or None when it is replicated: column-parallel weights and
+    biases and the vocabulary-parallel embedding by rows, row-parallel weights by columns."""
+    module, _, kind = name.rpartition(".")
+    style = _style(module)
+    if style in ("column", "vocab"):
+        return 0
+    if style == "row" and kind == "weight":
+        return 1
+    return None
+
+
 def _parallel_layer(module: nn.Module, style: str, mesh: Mesh, sequence_parallel: bool) -> nn.Module:
     """The parallel layer of `style` for `module`, on its device, holding its slice if it has weights."""
     w = module.weight

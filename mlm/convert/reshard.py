@@ -1,0 +1,125 @@
+"""Reshard a checkpoint for another mesh: chunking, vocabulary padding, dtype, consolidation.
+
+Checkpoints hold every tensor once in its global shape, so any mesh can load any checkpoint
+directly; what a mesh changes is how the arrays are chunked (each rank writes and reads whole
+chunks of its own slice) and how far the vocabulary rows are padded (to a multiple of
+`make_vocab_size_divisible_by × tp`). `reshard` rewrites a checkpoint for a target tp × pp
+(× vpp): every array chunked by the target's tensor-parallel slices (or whole, `consolidate`),
+the embedding/output rows and their Adam moments re-padded with zeros, the weights optionally
+cast, the manifest's config and mesh updated. Optimizer state and the data position are global
+already (one process's layout; consumed samples), so a run resumed at another dp continues
+the same global sample order.
+
+It streams: one tensor is read, converted and written at a time (memory: the largest tensor),
+into a temporary directory beside OUT that is renamed to OUT only when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import zarr
+
+from mlm.checkpoint import read_manifest, resolve_checkpoint, store
+from mlm.checkpoint.manager import LATEST, RESERVED, save_streaming
+from mlm.config import config_from_dict
+from mlm.errors import MlmError
+from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dim
+from mlm.parallel.pipeline import stage_layer_counts
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_VOCAB_ROWS = ("embed.weight", "output.weight")
+_MOMENTS = ("exp_avg.", "exp_avg_sq.")
+
+
+def _param_name(key: str) -> str:
+    """ "exp_avg.layers.0.attn.q.weight" → "layers.0.attn.q.weight"."""
+    for prefix in _MOMENTS:
+        if key.startswith(prefix):
+            return key.removeprefix(prefix)
+    return key
+
+
+def target_chunk(name: str, shape: tuple[int, ...], tp: int, consolidate: bool) -> tuple[int, ...]:
+    """The chunk shape rank 0 of a tp-way mesh writes for parameter `name` (or the whole tensor)."""
+    dim = None if consolidate else tp_split_dim(name)
+    if dim is None or not shape:
+        return shape
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+
+
+def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate) -> Iterator:
+    for full_key, info in infos.items():
+        group, key = full_key.split("/", 1)
+        where = f"{src}: tensor {full_key}"
+        arr = zarr.open_array(str(src / group / key), mode="r")
+        shape = tuple(info["shape"])
+        t = store.read_slice(arr, (0,) * len(shape), shape, where)
+        name = _param_name(key)
+        if name in _VOCAB_ROWS and t.shape[0] != padded:  # padding rows are zeros: cut or add them
+            rows = torch.zeros((padded, *t.shape[1:]), dtype=t.dtype)
+            n = min(padded, t.shape[0])
+            rows[:n] = t[:n]
+            t = rows
+        if dtype is not None and group == "model" and t.is_floating_point():
+            t = t.to(dtype)
+        yield group, key, t, target_chunk(name, tuple(t.shape), tp, consolidate)
+
+
+def reshard(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    tp: int,
+    pp: int,
+    vpp: int = 1,
+    dtype: str | None = None,
+    consolidate: bool = False,
+    on_tensor=None,
+) -> Path:
+    """Write `src` (a checkpoint dir or iter_ dir) to the new checkpoint dir `out`, laid out for
+    tp × pp (× vpp). `on_tensor(key, nbytes)` is called after each tensor (progress)."""
+    it_dir = resolve_checkpoint(src)
+    out = Path(out)
+    if out.exists():
+        raise MlmError(f"{out} already exists; choose a new output directory (or remove it)")
+    if dtype is not None and dtype not in DTYPES:
+        raise MlmError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    manifest = read_manifest(it_dir)
+    cfg = config_from_dict(manifest["config"])
+    parallel = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=vpp)  # checks vpp against pp
+    padded = cfg.model.padded_vocab_size(tp)
+    check_tensor_parallel(cfg.model, padded, tp)
+    stage_layer_counts(cfg.model.num_layers, pp, vpp, parallel.first_stage_layers, parallel.last_stage_layers)
+    infos = manifest["tensors"]
+    groups = sorted({k.split("/", 1)[0] for k in infos})
+    extra = {k: v for k, v in manifest.items() if k not in RESERVED}
+    extra["config"] = dataclasses.replace(cfg, parallel=parallel).to_dict()
+    dp = manifest.get("mesh", {}).get("dp", 1)
+    extra["mesh"] = {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": 1, "world_size": tp * pp * dp}
+    if pp != manifest.get("mesh", {}).get("pp", 1):
+        extra["rng_per_stage"] = None  # per-stage RNG states belong to the old pipeline
+    cast = DTYPES[dtype] if dtype else None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+
+        def tensors():
+            for group, key, t, chunk in _converted(it_dir, infos, padded, tp, cast, consolidate):
+                yield group, key, t, chunk
+                if on_tensor is not None:
+                    on_tensor(f"{group}/{key}", t.numel() * t.element_size())
+
+        save_streaming(tmp, int(manifest["iteration"]), tensors(), extra, groups)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    assert (out / LATEST).is_file()
+    return out

@@ -1,0 +1,105 @@
+"""Resharding a checkpoint for another mesh (`mlm.convert.reshard`): the global tensors survive a
+chain of meshes bit for bit, arrays are chunked for the target's tensor-parallel slices, the
+vocabulary rows are re-padded, and the logits of every copy are identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zarr
+
+from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint
+from mlm.config import load_config
+from mlm.convert.reshard import reshard
+from mlm.errors import MlmError
+from mlm.train.trainer import Trainer
+
+from conftest import tiny_sets
+
+VOCAB = 512
+MODEL = {  # GQA that splits over tp 4; the vocabulary pads to 600 rows at tp 1, 800 at tp 2 and 4
+    "model.make_vocab_size_divisible_by": 200,
+    "model.num_layers": 4,
+    "model.num_attention_heads": 8,
+    "model.num_query_groups": 4,
+}
+
+
+def _global(ckpt) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whole, with the vocabulary rows cut to the real vocabulary."""
+    it_dir = resolve_checkpoint(ckpt)
+    out = {}
+    for key, info in read_manifest(it_dir)["tensors"].items():
+        group, name = key.split("/", 1)
+        t = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
+        load_checkpoint(it_dir, {group: [ShardedTensor.full(name, t)]}, strict=False)
+        out[key] = t[:VOCAB] if name.endswith(("embed.weight", "output.weight")) else t
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_data):
+    tmp = tmp_path_factory.mktemp("reshard")
+    sets = tiny_sets(
+        tmp, tiny_data, **MODEL, **{"train.train_iters": 2, "checkpoint.save": f"'{tmp / 'ckpt'}'"}
+    )
+    Trainer(load_config(None, sets)).train()
+    return tmp / "ckpt", sets
+
+
+def _logits(sets, ckpt, tmp_path) -> torch.Tensor:
+    trainer = Trainer(load_config(None, [*sets, f"run_dir='{tmp_path / 'run'}'"]), load=str(ckpt))
+    return trainer.pipeline.logits(torch.arange(24).view(2, 12) * 5 % VOCAB)[..., :VOCAB]
+
+
+def test_a_chain_of_meshes_keeps_every_tensor_and_the_logits(trained, tmp_path):
+    ckpt, sets = trained
+    reference, ref_logits = _global(ckpt), _logits(sets, ckpt, tmp_path)
+    src = ckpt
+    for i, (tp, pp) in enumerate([(2, 2), (1, 1), (4, 1), (2, 2)]):
+        out = tmp_path / f"step{i}-tp{tp}pp{pp}"
+        reshard(src, out, tp, pp)
+        got = _global(out)
+        assert got.keys() == reference.keys()
+        for k, v in reference.items():
+            assert torch.equal(got[k], v), k
+        manifest = read_manifest(resolve_checkpoint(out))
+        assert manifest["mesh"]["tp"] == tp and manifest["config"]["parallel"]["pp"] == pp
+        assert manifest["consumed_samples"] == read_manifest(resolve_checkpoint(ckpt))["consumed_samples"]
+        assert torch.equal(_logits(sets, out, tmp_path), ref_logits)
+        src = out
+    # the last copy is laid out for tp 2: q split by rows, out by columns, the vocabulary padded to 800
+    it = resolve_checkpoint(src)
+    assert (
+        zarr.open_array(str(it / "model" / "layers.0.attn.q.weight")).chunks[0] * 2
+        == reference["model/layers.0.attn.q.weight"].shape[0]
+    )
+    out_w = zarr.open_array(str(it / "model" / "layers.0.attn.out.weight"))
+    assert out_w.chunks[1] * 2 == out_w.shape[1] and out_w.chunks[0] == out_w.shape[0]
+    assert zarr.open_array(str(it / "optim" / "exp_avg.embed.weight")).shape[0] == 800
+
+
+def test_dtype_and_consolidate(trained, tmp_path):
+    ckpt, _ = trained
+    out = reshard(ckpt, tmp_path / "bf16", 2, 1, dtype="bf16", consolidate=True)
+    it = resolve_checkpoint(out)
+    manifest = read_manifest(it)
+    assert manifest["tensors"]["model/layers.0.attn.q.weight"]["dtype"] == "bfloat16"
+    assert manifest["tensors"]["optim/exp_avg.layers.0.attn.q.weight"]["dtype"] == "float32"
+    q = zarr.open_array(str(it / "model" / "layers.0.attn.q.weight"))
+    assert q.chunks == q.shape  # one unsharded copy
+    ref = _global(ckpt)["model/layers.0.attn.q.weight"]
+    assert torch.equal(_global(out)["model/layers.0.attn.q.weight"], ref.bfloat16())
+
+
+def test_bad_targets(trained, tmp_path):
+    ckpt, _ = trained
+    with pytest.raises(MlmError, match="already exists; choose a new output directory"):
+        reshard(ckpt, tmp_path, 1, 1)
+    with pytest.raises(MlmError, match=r"num_attention_heads=\d+ is not divisible by parallel.tp=3"):
+        reshard(ckpt, tmp_path / "a", 3, 1)
+    with pytest.raises(MlmError, match=r"pp\(8\) stages but model.num_layers=4"):
+        reshard(ckpt, tmp_path / "b", 1, 8)
+    with pytest.raises(MlmError, match="--dtype fp8: choose one of fp32, bf16, fp16"):
+        reshard(ckpt, tmp_path / "c", 1, 1, dtype="fp8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing left behind
