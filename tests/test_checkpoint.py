@@ -81,8 +81,7 @@ def test_round_trip_each_dtype(tmp_path):
     assert manifest["tensors"]["model/step"] == {"shape": [], "dtype": "int64"}
     assert manifest["tensors"]["optim/exp_avg.w32"] == {"shape": [5, 3], "dtype": "float32"}
     arr = zarr.open_array(str(it_dir / "model" / "wbf"), mode="r")
-    assert (arr.dtype, arr.attrs["dtype"], arr.chunks) == (np.uint16, "bfloat16", (4, 7))
-    assert [type(c).__name__ for c in arr.compressors] == ["Crc32cCodec"]  # a checksum, no compression
+    assert (arr.dtype, arr.attrs["dtype"], arr.chunks, arr.compressors) == (np.uint16, "bfloat16", (4, 7), ())
     assert zarr.open_array(str(it_dir / "model" / "w32"), mode="r").attrs["dtype"] == "float32"
 
 
@@ -248,16 +247,6 @@ def test_padded_rows_load_across_paddings(tmp_path):
     torch.testing.assert_close(torch.cat([lower, upper]), w[:6])
     with pytest.raises(MlmError, match=r"checkpoint has shape \(8, 3\), the model expects \(12, 3\)"):
         load(tmp_path, {"embed": torch.zeros(12, 3)})  # not marked: a real shape mismatch
-
-
-def test_a_corrupt_chunk_is_an_error(tmp_path):
-    it_dir = save(tmp_path, 1, {"w": torch.randn(64, 8)})
-    chunk = next(p for p in (it_dir / "model" / "w").rglob("*") if p.is_file() and p.name != "zarr.json")
-    data = bytearray(chunk.read_bytes())
-    data[10] ^= 0xFF
-    chunk.write_bytes(bytes(data))
-    with pytest.raises(MlmError, match=r"tensor model/w: a chunk of .* fails its CRC-32C check.*corrupt"):
-        load(tmp_path, {"w": torch.zeros(64, 8)})
 
 
 def test_rng_state_json_round_trip():

@@ -3,8 +3,8 @@
 zarr has no bfloat16 (nor float8): such tensors are stored as their unsigned-integer bit pattern
 of the same width, and every array records its logical torch dtype in `attrs["dtype"]`. Arrays
 are uncompressed, and every chunk is written even when it is all zeros, so a write costs one
-`write()` per chunk at disk speed. Each chunk ends with its CRC-32C (zarr's `crc32c` codec),
-which zarr checks on every read: a corrupt or truncated chunk is an error, never wrong weights.
+`write()` per chunk at disk speed. (zarr's `crc32c` codec would checksum every chunk, but
+costs 5× in write throughput here: 0.15 against 0.73 GB/s for a 256 MB tensor.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import zarr
-from zarr.codecs import Crc32cCodec
 
 from mlm.errors import MlmError
 
@@ -50,7 +49,7 @@ def create_array(
         shape=shape,
         chunks=tuple(max(1, c) for c in chunk),
         dtype=_storage_dtype(dtype),
-        compressors=[Crc32cCodec()],
+        compressors=None,
         fill_value=0,
         attributes={"dtype": dtype_name(dtype)},
         config={"write_empty_chunks": True},
@@ -83,15 +82,7 @@ def write_slice(arr: zarr.Array, local: torch.Tensor, offset: tuple[int, ...]) -
 def read_slice(arr: zarr.Array, offset: tuple[int, ...], shape: tuple[int, ...], where: str) -> torch.Tensor:
     """Read the region `offset` + `shape` as a CPU tensor of the array's logical dtype."""
     dtype = dtype_from_name(arr.attrs.get("dtype", ""), where)
-    try:
-        t = torch.from_numpy(np.asarray(arr[_region(offset, shape)]))
-    except ValueError as e:
-        if "checksum" not in str(e):
-            raise
-        raise MlmError(
-            f"{where}: a chunk of {arr.store_path} fails its CRC-32C check ({e}); the file is corrupt: "
-            "load an earlier checkpoint"
-        ) from None
+    t = torch.from_numpy(np.asarray(arr[_region(offset, shape)]))
     return t.view(dtype) if dtype in BIT_PATTERN else t
 
 
