@@ -12,6 +12,7 @@ import typer
 
 import mlm
 from cli.config import app as config_app
+from cli.convert import convert
 from cli.data import app as data_app
 from cli.parity import parity
 from cli.train import slurm, train
@@ -30,6 +31,7 @@ app.command("train")(train)
 app.command("slurm")(slurm)
 app.command("parity")(parity)
 app.add_typer(config_app, name="config")
+app.command("convert")(convert)
 
 
 def _version(value: bool) -> None:

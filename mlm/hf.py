@@ -1,4 +1,5 @@
-"""Hugging Face ⇄ mlm: configs and state dicts of Llama (`LlamaForCausalLM`) and GPT-2 (`GPT2LMHeadModel`).
+"""Hugging Face ⇄ mlm: configs and state dicts of Llama (`LlamaForCausalLM`), Mistral
+(`MistralForCausalLM`, Llama's layout; full attention only) and GPT-2 (`GPT2LMHeadModel`).
 
 One adapter per architecture, in the style of torchtitan's `state_dict_adapter.py` and litgpt's
 `convert_hf_checkpoint.py`: a map from Hugging Face key templates to mlm key templates (`{}` is the
@@ -72,6 +73,10 @@ LLAMA = Adapter(
     },
 )
 
+# Mistral is Llama's network and key names plus sliding-window attention, which mlm does not have:
+# it converts when the window covers every position the model takes (see _mistral_config).
+MISTRAL = Adapter(model_type="mistral", hf_class="MistralForCausalLM", from_hf=LLAMA.from_hf)
+
 _QKV = ("layers.{}.attn.q", "layers.{}.attn.k", "layers.{}.attn.v")
 GPT2 = Adapter(
     model_type="gpt2",
@@ -108,7 +113,7 @@ GPT2 = Adapter(
     prefix="transformer.",
 )
 
-ADAPTERS: dict[str, Adapter] = {a.model_type: a for a in (LLAMA, GPT2)}
+ADAPTERS: dict[str, Adapter] = {a.model_type: a for a in (LLAMA, GPT2, MISTRAL)}
 _ALIASES = {a.hf_class: a.model_type for a in ADAPTERS.values()}
 _VOCAB_KEYS = ("embed.weight", "output.weight")  # mlm keys whose rows are the (padded) vocabulary
 _LAYER = re.compile(r"\.(\d+)\.")
@@ -157,8 +162,8 @@ def _llama_rope(c: dict) -> tuple[float, dict | None]:
     return float(theta), rope
 
 
-def _llama_config(c: dict) -> ModelConfig:
-    g = lambda key: _get(c, key, "llama")  # noqa: E731
+def _llama_config(c: dict, model_type: str = "llama") -> ModelConfig:
+    g = lambda key: _get(c, key, model_type)  # noqa: E731
     for key in ("attention_bias", "mlp_bias"):
         if c.get(key):
             raise MlmError(
@@ -202,6 +207,18 @@ def _llama_config(c: dict) -> ModelConfig:
         attention_dropout=float(c.get("attention_dropout", 0.0)),
         init_std=float(c.get("initializer_range", 0.02)),
     )
+
+
+def _mistral_config(c: dict) -> ModelConfig:
+    window, positions = c.get("sliding_window"), _get(c, "max_position_embeddings", "mistral")
+    if window is not None and window < positions:
+        raise MlmError(
+            f"Hugging Face config sliding_window={window} < max_position_embeddings={positions}: mlm has "
+            f"no sliding-window attention, so positions beyond {window} would attend differently. Set "
+            f"max_position_embeddings to {window} (or less) in config.json to convert it exactly, or "
+            "sliding_window to null if the model uses full attention"
+        )
+    return _llama_config(c, "mistral")
 
 
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -254,6 +271,8 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         raise MlmError(
             f"Hugging Face config model_type={model_type!r} is not supported; supported: {', '.join(ADAPTERS)}"
         )
+    if model_type == "mistral":
+        return _mistral_config(hf_config)
     return _llama_config(hf_config) if model_type == "llama" else _gpt2_config(hf_config)
 
 
@@ -266,10 +285,10 @@ def _require(cfg: ModelConfig, arch: str, rules: dict[str, object]) -> None:
 def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
     """The Hugging Face config.json dict for `cfg` (transformers 4.x keys, which 5.x also reads)."""
     a = adapter(arch)
-    if a is LLAMA:
+    if a in (LLAMA, MISTRAL):
         _require(
             cfg,
-            "llama",
+            a.model_type,
             dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", add_bias=False),
         )
         scaling = None
@@ -297,10 +316,9 @@ def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
             "rope_theta": cfg.rope_base,
             "rope_scaling": scaling,
             "tie_word_embeddings": cfg.tie_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
             "attention_dropout": cfg.attention_dropout,
             "initializer_range": cfg.init_std,
+            **({"sliding_window": None} if a is MISTRAL else {"attention_bias": False, "mlp_bias": False}),
         }
     _require(
         cfg,
@@ -336,7 +354,7 @@ def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
 
 
 def arch_of(cfg: ModelConfig) -> str:
-    """The Hugging Face model_type a config converts to."""
+    """The Hugging Face model_type a config converts to (Llama-style models export as llama)."""
     if cfg.position_embedding == "learned":
         return "gpt2"
     return "llama"

@@ -15,6 +15,7 @@ from mlm.errors import MlmError
 from mlm.train.trainer import Trainer
 
 from conftest import tiny_sets
+from test_bad_input import mlm
 
 VOCAB = 512
 MODEL = {  # GQA that splits over tp 4; the vocabulary pads to 600 rows at tp 1, 800 at tp 2 and 4
@@ -58,7 +59,7 @@ def test_a_chain_of_meshes_keeps_every_tensor_and_the_logits(trained, tmp_path):
     src = ckpt
     for i, (tp, pp) in enumerate([(2, 2), (1, 1), (4, 1), (2, 2)]):
         out = tmp_path / f"step{i}-tp{tp}pp{pp}"
-        reshard(src, out, tp, pp)
+        assert reshard(src, out, tp, pp) == 0.0  # verified: the same logits, bit for bit
         got = _global(out)
         assert got.keys() == reference.keys()
         for k, v in reference.items():
@@ -81,7 +82,8 @@ def test_a_chain_of_meshes_keeps_every_tensor_and_the_logits(trained, tmp_path):
 
 def test_dtype_and_consolidate(trained, tmp_path):
     ckpt, _ = trained
-    out = reshard(ckpt, tmp_path / "bf16", 2, 1, dtype="bf16", consolidate=True)
+    out = tmp_path / "bf16"
+    assert 0 < reshard(ckpt, out, 2, 1, dtype="bf16", consolidate=True) < 5e-2  # verified within bf16's
     it = resolve_checkpoint(out)
     manifest = read_manifest(it)
     assert manifest["tensors"]["model/layers.0.attn.q.weight"]["dtype"] == "bfloat16"
@@ -94,7 +96,7 @@ def test_dtype_and_consolidate(trained, tmp_path):
 
 def test_bad_targets(trained, tmp_path):
     ckpt, _ = trained
-    with pytest.raises(MlmError, match="already exists; choose a new output directory"):
+    with pytest.raises(MlmError, match="already exists; pass a new output path"):
         reshard(ckpt, tmp_path, 1, 1)
     with pytest.raises(MlmError, match=r"num_attention_heads=\d+ is not divisible by parallel.tp=3"):
         reshard(ckpt, tmp_path / "a", 3, 1)
@@ -103,3 +105,19 @@ def test_bad_targets(trained, tmp_path):
     with pytest.raises(MlmError, match="--dtype fp8: choose one of fp32, bf16, fp16"):
         reshard(ckpt, tmp_path / "c", 1, 1, dtype="fp8")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_cli(trained, tmp_path):
+    ckpt, _ = trained
+    r = mlm("convert", ckpt, tmp_path / "tp2pp2", "--tp", "2", "--pp", "2")
+    assert r.returncode == 0, r.stderr
+    assert (
+        "resharded" in r.stderr
+        and "for tp=2 pp=2" in r.stderr
+        and "logits verified: max |diff| 0" in r.stderr
+    )
+    assert read_manifest(resolve_checkpoint(tmp_path / "tp2pp2"))["mesh"]["tp"] == 2
+    r = mlm("convert", ckpt, tmp_path / "nothing")
+    assert r.returncode == 2 and "say what to convert" in r.stderr and not (tmp_path / "nothing").exists()
+    r = mlm("convert", ckpt, tmp_path / "x", "--to-hf", "--tp", "2")
+    assert r.returncode == 2 and "leave out --from-hf/--to-hf" in r.stderr

@@ -11,15 +11,15 @@ already (one process's layout; consumed samples), so a run resumed at another dp
 the same global sample order.
 
 It streams: one tensor is read, converted and written at a time (memory: the largest tensor),
-into a temporary directory beside OUT that is renamed to OUT only when complete.
+into a temporary directory beside OUT that is renamed to OUT only when complete and verified
+(the logits of the old and the new checkpoint on a fixed prompt, in one process).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,13 +27,22 @@ import torch
 import zarr
 
 from mlm.checkpoint import read_manifest, resolve_checkpoint, store
-from mlm.checkpoint.manager import LATEST, RESERVED, save_streaming
+from mlm.checkpoint.manager import RESERVED, save_streaming
 from mlm.config import config_from_dict
+from mlm.convert.common import (
+    DTYPES,
+    TOLERANCE,
+    Progress,
+    Staging,
+    check_new,
+    mlm_logits,
+    noop,
+    read_model_group,
+)
 from mlm.errors import MlmError
 from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dim
 from mlm.parallel.pipeline import stage_layer_counts
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _VOCAB_ROWS = ("embed.weight", "output.weight")
 _MOMENTS = ("exp_avg.", "exp_avg_sq.")
 
@@ -80,14 +89,16 @@ def reshard(
     vpp: int = 1,
     dtype: str | None = None,
     consolidate: bool = False,
-    on_tensor=None,
-) -> Path:
+    verify: bool = True,
+    progress: Progress = noop,
+) -> float | None:
     """Write `src` (a checkpoint dir or iter_ dir) to the new checkpoint dir `out`, laid out for
-    tp × pp (× vpp). `on_tensor(key, nbytes)` is called after each tensor (progress)."""
+    tp × pp (× vpp). With `verify`, the logits of both on a fixed prompt must agree (bitwise
+    without `dtype`, else within the dtype's tolerance) before OUT appears; returns the max
+    difference (None unverified)."""
     it_dir = resolve_checkpoint(src)
     out = Path(out)
-    if out.exists():
-        raise MlmError(f"{out} already exists; choose a new output directory (or remove it)")
+    check_new(out)
     if dtype is not None and dtype not in DTYPES:
         raise MlmError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     manifest = read_manifest(it_dir)
@@ -105,21 +116,34 @@ def reshard(
     if pp != manifest.get("mesh", {}).get("pp", 1):
         extra["rng_per_stage"] = None  # per-stage RNG states belong to the old pipeline
     cast = DTYPES[dtype] if dtype else None
+    total = sum(
+        math.prod(v["shape"]) * store.dtype_from_name(v["dtype"], k).itemsize for k, v in infos.items()
+    )
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with Staging(out) as tmp:
+        done = 0
 
         def tensors():
+            nonlocal done
             for group, key, t, chunk in _converted(it_dir, infos, padded, tp, cast, consolidate):
                 yield group, key, t, chunk
-                if on_tensor is not None:
-                    on_tensor(f"{group}/{key}", t.numel() * t.element_size())
+                done += t.numel() * t.element_size()
+                progress(f"{group}/{key}", done, total)
 
         save_streaming(tmp, int(manifest["iteration"]), tensors(), extra, groups)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    assert (out / LATEST).is_file()
-    return out
+        if not verify:
+            return None
+        progress("verifying logits", 0, 0)
+        before, _, _ = read_model_group(it_dir)
+        theirs = mlm_logits(before, cfg.model, before["embed.weight"].shape[0])
+        del before
+        after, _, _ = read_model_group(tmp)
+        ours = mlm_logits(after, cfg.model, padded)
+        diff = (ours - theirs).abs().max().item()
+        limit = 0.0 if cast is None else TOLERANCE[cast] * max(1.0, theirs.abs().max().item())
+        if not diff <= limit:
+            raise MlmError(
+                f"verification failed: the logits of {out} differ from {it_dir}'s by {diff:.3g} (allowed "
+                f"{limit:.3g}); the output was removed. This is a bug in mlm convert: please report it"
+            )
+        return diff

@@ -1,0 +1,160 @@
+"""`mlm convert`: reshard a checkpoint for another mesh; Hugging Face import and export; verified.
+
+    mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dtype bf16] [--consolidate]   # another mesh
+    mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
+    mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
+
+See docs/convert.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def convert(
+    src: Path = typer.Argument(
+        ..., help="mlm checkpoint (DIR or DIR/iter_N), or a Hugging Face model folder with --from-hf."
+    ),
+    out: Path = typer.Argument(..., help="New output folder; must not exist."),
+    from_hf: bool = typer.Option(
+        False, "--from-hf", help="SRC is a Hugging Face folder; OUT an mlm checkpoint."
+    ),
+    to_hf: bool = typer.Option(
+        False, "--to-hf", help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Hugging Face folder."
+    ),
+    tp: int | None = typer.Option(
+        None, "--tp", help="Reshard: target tensor-parallel size (default: the source's)."
+    ),
+    pp: int | None = typer.Option(
+        None, "--pp", help="Reshard: target pipeline-parallel size (default: the source's)."
+    ),
+    vpp: int | None = typer.Option(
+        None, "--vpp", help="Reshard: target virtual pipeline size (default: the source's)."
+    ),
+    consolidate: bool = typer.Option(
+        False, "--consolidate", help="Reshard: write every tensor as one chunk."
+    ),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="Reshard and --to-hf: cast weights to bf16, fp16 or fp32 (default: as stored)."
+    ),
+    max_shard_size: str = typer.Option(
+        "5GB", "--max-shard-size", help="--to-hf: largest safetensors file; e.g. 5GB, 500MB, 2GiB."
+    ),
+    tokenizer: Path | None = typer.Option(
+        None,
+        "--tokenizer",
+        help="--to-hf: copy the tokenizer files of this folder (default: the checkpoint's).",
+    ),
+    verify: bool = typer.Option(
+        True,
+        "--verify/--no-verify",
+        help="Compare the logits of both sides (mlm, transformers) before keeping OUT.",
+    ),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+) -> None:
+    """Reshard a checkpoint for another mesh, import a Hugging Face model (--from-hf) or export a
+    checkpoint to one (--to-hf); the logits of both sides are compared before OUT appears."""
+    from mlm.errors import MlmError
+
+    if from_hf and to_hf:
+        raise MlmError("mlm convert: pass at most one of --from-hf (HF → mlm) or --to-hf (mlm → HF)")
+    mesh_options = tp is not None or pp is not None or vpp is not None or consolidate
+    if (from_hf or to_hf) and mesh_options:
+        raise MlmError(
+            "--tp, --pp, --vpp and --consolidate reshard an mlm checkpoint; leave out --from-hf/--to-hf"
+        )
+    if from_hf and (dtype is not None or tokenizer is not None or max_shard_size != "5GB"):
+        raise MlmError("--dtype, --tokenizer and --max-shard-size apply to --to-hf only")
+    if not (from_hf or to_hf):
+        if not mesh_options and dtype is None:
+            raise MlmError(
+                "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--consolidate/--dtype (reshard), "
+                "--from-hf or --to-hf"
+            )
+        return _reshard(src, out, tp, pp, vpp, dtype, consolidate, verify, progress)
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mlm.console import console, human
+    from mlm.convert.hf import export_hf, import_hf
+
+    bar = Progress(
+        TextColumn("[bold]{task.description:<28}"),
+        BarColumn(),
+        TextColumn("{task.fields[size]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not progress or not console.is_terminal,
+    )
+    with bar:
+        task = bar.add_task("converting", total=None, size="")
+
+        def show(desc: str, done: int, total: int) -> None:
+            size = f"{human(done, 'B')} / {human(total, 'B')}" if total else ""
+            bar.update(task, description=desc, completed=done, total=total or None, size=size)
+
+        if from_hf:
+            report = import_hf(src, out, verify_logits=verify, progress=show)
+        else:
+            report = export_hf(
+                src,
+                out,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                tokenizer=tokenizer,
+                verify_logits=verify,
+                progress=show,
+            )
+    rate = report.bytes / 1e9 / max(report.seconds, 1e-9)
+    line = (
+        f"[bold green]{report.direction}ed[/] {report.architecture} {report.src} → {report.out}: "
+        f"{report.tensors} tensors, {human(report.bytes, 'B')} {report.dtype}, {report.seconds:.1f} s "
+        f"({rate:.3g} GB/s)"
+    )
+    if report.tokenizer_files:
+        line += f", tokenizer: {', '.join(report.tokenizer_files)}"
+    if report.max_abs_diff is None:
+        line += "; logits not verified (--no-verify)"
+    else:
+        line += (
+            f"; logits verified: max |diff| {report.max_abs_diff:.3g} ≤ {report.tolerance:.3g} "
+            f"(max |logit| {report.max_abs_logit:.3g})"
+        )
+    console.print(line, highlight=False, soft_wrap=True)
+
+
+def _reshard(src, out, tp, pp, vpp, dtype, consolidate, verify, progress) -> None:
+    import time
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from mlm.checkpoint import read_manifest, resolve_checkpoint
+    from mlm.console import console
+    from mlm.convert.reshard import reshard
+
+    parallel = read_manifest(resolve_checkpoint(src))["config"]["parallel"]
+    tp, pp = tp or parallel["tp"], pp or parallel["pp"]
+    vpp = vpp or (parallel.get("vpp", 1) if pp > 1 else 1)
+    start = time.perf_counter()
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=console, disable=not progress or not console.is_terminal) as bar:
+        task = bar.add_task("resharding", total=None)
+
+        def show(desc: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total or None)
+
+        diff = reshard(src, out, tp, pp, vpp, dtype, consolidate, verify, show)
+    seconds = time.perf_counter() - start
+    nbytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    line = (
+        f"[bold green]resharded[/] {src} → {out} for tp={tp} pp={pp}{f' vpp={vpp}' if vpp > 1 else ''}"
+        f"{' (consolidated)' if consolidate else ''}: {nbytes / 1e9:.3g} GB in {seconds:.1f} s "
+        f"({nbytes / 1e9 / max(seconds, 1e-9):.3g} GB/s)"
+    )
+    line += (
+        "; logits not verified (--no-verify)" if diff is None else f"; logits verified: max |diff| {diff:.3g}"
+    )
+    console.print(line, highlight=False, soft_wrap=True)

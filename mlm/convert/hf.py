@@ -1,0 +1,266 @@
+"""`mlm convert --from-hf` / `--to-hf`: Hugging Face model folder ⇄ mlm checkpoint, verified.
+
+    import_hf("hf/llama", "ckpt/llama")               # → ckpt/llama/{latest, iter_0000000/, config.toml, tokenizer/}
+    export_hf("ckpt/llama", "hf/llama-back", dtype="bf16", max_shard_size="5GB")
+
+The key and layout mapping is `mlm.hf` (one adapter per architecture). Each conversion is built
+in `OUT.tmp-PID` beside OUT and renamed to OUT only after it is complete and, unless
+`verify=False`, after the logits of mlm (`GPT` with the checkpoint's tensors) and of transformers
+(`AutoModelForCausalLM`) agree on a fixed prompt; otherwise the temporary folder is removed, so
+OUT never holds a conversion that did not pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlm import hf as adapters
+from mlm.checkpoint import ShardedTensor, save_checkpoint
+from mlm.checkpoint.store import dtype_name
+from mlm.config import Config, DataConfig, ModelConfig, config_from_dict, to_toml
+from mlm.convert import hf_io
+from mlm.convert.common import (
+    DTYPES,
+    TOLERANCE,
+    Progress,
+    Staging,
+    check_new,
+    mlm_logits,
+    noop,
+    prompt,
+    read_model_group,
+)
+from mlm.errors import MlmError
+
+TOKENIZER_DIR = "tokenizer"
+
+
+@dataclass
+class Report:
+    """What a conversion did, for the summary line."""
+
+    direction: str
+    """'import' (HF → mlm) or 'export' (mlm → HF)."""
+    src: Path
+    out: Path
+    architecture: str
+    """The Hugging Face class, e.g. LlamaForCausalLM."""
+    tensors: int
+    bytes: int
+    seconds: float
+    dtype: str
+    tokenizer_files: list[str]
+    max_abs_diff: float | None = None
+    """Max |mlm logit − transformers logit| on the verification prompt; None when not verified."""
+    max_abs_logit: float | None = None
+    tolerance: float | None = None
+    """The absolute tolerance the difference was checked against."""
+
+
+def hf_logits(hf_dir: Path, cfg: ModelConfig) -> torch.Tensor:
+    """Logits of transformers' `AutoModelForCausalLM` loaded from `hf_dir` in fp32 on the CPU."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        return model(input_ids=prompt(cfg.vocab_size, cfg.max_position_embeddings)).logits
+
+
+def verify(report: Report, ours: torch.Tensor, theirs: torch.Tensor, tol_dtype: torch.dtype) -> None:
+    """Fill the report's logit comparison; raise MlmError above the tolerance."""
+    if ours.shape != theirs.shape:
+        raise MlmError(
+            f"verification failed: mlm logits have shape {list(ours.shape)}, transformers' {list(theirs.shape)}"
+        )
+    report.max_abs_diff = (ours - theirs).abs().max().item()
+    report.max_abs_logit = theirs.abs().max().item()
+    report.tolerance = TOLERANCE[tol_dtype] * max(1.0, report.max_abs_logit)
+    if not report.max_abs_diff <= report.tolerance:  # also catches NaN
+        raise MlmError(
+            f"verification failed: max |logit difference| between mlm and transformers is "
+            f"{report.max_abs_diff:.3g} (max |logit| {report.max_abs_logit:.3g}), above the "
+            f"{dtype_name(tol_dtype)} tolerance {report.tolerance:.3g}; the output was removed and "
+            f"{report.out} was not written. This is a conversion bug or an unsupported config field: "
+            "please report it with the config.json"
+        )
+
+
+def _hf_class(hf_config: dict) -> str:
+    """The supported transformers class a config.json describes, or an MlmError naming the supported ones."""
+    supported = {a.hf_class: a for a in adapters.ADAPTERS.values()}
+    classes = hf_config.get("architectures") or []
+    model_type = hf_config.get("model_type")
+    if classes:
+        if classes[0] not in supported:
+            raise MlmError(
+                f"Hugging Face architecture {classes[0]!r} (model_type {model_type!r}) is not supported; "
+                f"supported: {', '.join(supported)}"
+            )
+        return classes[0]
+    return adapters.adapter(str(model_type)).hf_class
+
+
+def import_hf(
+    hf_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    verify_logits: bool = True,
+    progress: Progress = noop,
+) -> Report:
+    """Hugging Face model folder → mlm checkpoint folder `out` (iteration 0, group "model")."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    check_new(out)
+    start = time.perf_counter()
+    hf_config = hf_io.read_hf_config(hf_dir)
+    hf_class = _hf_class(hf_config)
+    model_cfg = adapters.config_from_hf(hf_config)
+    files = hf_io.weight_files(hf_dir)
+    total = sum(f.stat().st_size for f in files)
+    with Staging(out) as tmp:
+        hf_state: dict[str, torch.Tensor] = {}
+        done = 0
+        for path in files:  # one file at a time: each tensor is read once
+            progress(f"reading {path.name}", done, total)
+            hf_state.update(hf_io.load_weight_file(path))
+            done += path.stat().st_size
+            progress(f"read {path.name}", done, total)
+        mlm_state = adapters.hf_to_mlm(hf_state, model_cfg, hf_config["model_type"])
+        del hf_state  # mlm_state shares the tensors that needed no transpose, split or padding
+        tokenizer_files = hf_io.copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
+        seq = min(DataConfig().seq_length, model_cfg.max_position_embeddings)
+        data = DataConfig(
+            seq_length=seq, tokenizer=str((out / TOKENIZER_DIR).resolve()) if tokenizer_files else ""
+        )
+        config = Config(model=model_cfg, data=data)
+        extra = {
+            "config": config.to_dict(),
+            "source": {"hf_dir": str(hf_dir.resolve()), "architecture": hf_class},
+            "tokenizer": {"path": TOKENIZER_DIR, "files": tokenizer_files} if tokenizer_files else None,
+        }
+        progress("writing the checkpoint", 0, 0)
+        save_checkpoint(tmp, 0, {"model": [ShardedTensor.full(k, t) for k, t in mlm_state.items()]}, extra)
+        progress("wrote the checkpoint", 0, 0)
+        (tmp / "config.toml").write_text(to_toml(config))
+        dtypes = sorted({dtype_name(t.dtype) for t in mlm_state.values()})
+        report = Report(
+            "import",
+            hf_dir,
+            out,
+            hf_class,
+            tensors=len(mlm_state),
+            bytes=sum(t.numel() * t.element_size() for t in mlm_state.values()),
+            seconds=0.0,
+            dtype=",".join(dtypes),
+            tokenizer_files=tokenizer_files,
+        )
+        del mlm_state  # verification reads the checkpoint back: one copy of the model at a time
+        if verify_logits:
+            progress("verifying logits", 0, 0)
+            stored = read_model_group(tmp)[0]  # what was written, not what was meant to be
+            verify(
+                report,
+                mlm_logits(stored, model_cfg, stored["embed.weight"].shape[0]),
+                hf_logits(hf_dir, model_cfg),
+                torch.float32,
+            )
+            progress("verified logits", 0, 0)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def export_hf(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    tokenizer: str | os.PathLike | None = None,
+    verify_logits: bool = True,
+    progress: Progress = noop,
+) -> Report:
+    """mlm checkpoint (DIR or DIR/iter_N, model group) → Hugging Face model folder `out`."""
+    ckpt, out = Path(ckpt), Path(out)
+    check_new(out)
+    if dtype is not None and dtype not in DTYPES:
+        raise MlmError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)} (default: the stored dtype)")
+    max_bytes = hf_io.parse_size(max_shard_size)
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise MlmError(
+            f"--tokenizer {tokenizer}: not a directory; pass the folder holding tokenizer.json etc."
+        )
+    start = time.perf_counter()
+    progress("reading the checkpoint", 0, 0)
+    mlm_state, manifest, it_dir = read_model_group(ckpt)
+    progress("read the checkpoint", 0, 0)
+    if "config" not in manifest:
+        raise MlmError(
+            f"{it_dir}/manifest.json has no 'config'; it was not written by mlm train or mlm convert"
+        )
+    cfg = config_from_dict(manifest["config"]).model
+    padded = mlm_state["embed.weight"].shape[0] if "embed.weight" in mlm_state else None
+    source = (manifest.get("source") or {}).get("architecture", "")
+    arch = (
+        "mistral"
+        if source == "MistralForCausalLM" and "mistral" in adapters.ADAPTERS
+        else adapters.arch_of(cfg)
+    )
+    hf_state, hf_config = adapters.mlm_to_hf(mlm_state, cfg, arch, padded)
+    stored = {t.dtype for t in hf_state.values()}
+    target = DTYPES[dtype] if dtype else (stored.pop() if len(stored) == 1 else torch.float32)
+    lossy = any(
+        t.dtype.itemsize > target.itemsize or t.dtype != target and target != torch.float32
+        for t in hf_state.values()
+    )
+    hf_state = {k: t.to(target) for k, t in hf_state.items()}
+    # transformers ≥ 4.56 reads `dtype` (and warns on `torch_dtype` alone); older ones `torch_dtype`
+    hf_config["torch_dtype"] = hf_config["dtype"] = dtype_name(target)
+    tok_dir = Path(tokenizer) if tokenizer is not None else None
+    if tok_dir is None and manifest.get("tokenizer"):
+        tok_dir = it_dir.parent / manifest["tokenizer"]["path"]
+    total = sum(t.numel() * t.element_size() for t in hf_state.values())
+    with Staging(out) as tmp:
+        written = 0
+
+        def on_shard(name: str, n: int) -> None:
+            nonlocal written
+            written += n
+            progress(f"wrote {name}", written, total)
+
+        hf_io.write_safetensors(hf_state, tmp, max_bytes, on_shard)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        tokenizer_files = hf_io.copy_tokenizer_files(tok_dir, tmp) if tok_dir is not None else []
+        gen = hf_io.generation_config(tok_dir)
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        report = Report(
+            "export",
+            ckpt,
+            out,
+            adapters.adapter(arch).hf_class,
+            tensors=len(hf_state),
+            bytes=total,
+            seconds=0.0,
+            dtype=dtype_name(target),
+            tokenizer_files=tokenizer_files,
+        )
+        del hf_state  # transformers reads it back from the files
+        if verify_logits:
+            progress("verifying logits", 0, 0)
+            verify(
+                report,
+                mlm_logits(mlm_state, cfg, padded or cfg.padded_vocab_size()),
+                hf_logits(tmp, cfg),
+                target if lossy else torch.float32,
+            )
+            progress("verified logits", 0, 0)
+    report.seconds = time.perf_counter() - start
+    return report

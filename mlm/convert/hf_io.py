@@ -1,0 +1,190 @@
+"""Hugging Face model folders on disk: config.json, weight files (safetensors, sharded or not, or
+`pytorch_model.bin`), safetensors shards with their index, and the tokenizer files beside them.
+
+Weights are read one file at a time (`iter_weight_files`), so a sharded checkpoint never holds a
+shard twice; `write_safetensors` writes shards of at most `max_shard_size` bytes under
+`model-0000K-of-0000N.safetensors` with `model.safetensors.index.json`, as `save_pretrained` does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from mlm.errors import MlmError
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' → 5·10⁹, '500MB' → 5·10⁸, '2GiB' → 2·2³⁰, '1000' → 1000 bytes (HF's convention)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.fullmatch(text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise MlmError(
+            f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB, 2GiB or 1000 (bytes)"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    """config.json of a Hugging Face model folder, with a message naming what is wrong."""
+    if not hf_dir.is_dir():
+        raise MlmError(f"{hf_dir}: no such directory; pass a Hugging Face model folder (with config.json)")
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        found = ", ".join(sorted(p.name for p in hf_dir.iterdir())[:10]) or "nothing"
+        raise MlmError(f"{path}: not found (the folder holds {found}); is {hf_dir} a Hugging Face model?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MlmError(f"{path}: not valid JSON ({e})") from None
+
+
+def weight_files(hf_dir: Path) -> list[Path]:
+    """The weight files to read, in order: the shards an index names, model.safetensors or
+    pytorch_model.bin. Missing shards are an error that lists them."""
+    for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
+        index = hf_dir / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise MlmError(f"{index}: not a valid index (needs a 'weight_map' object): {e}") from None
+            names = list(dict.fromkeys(weight_map.values()))
+            missing = [n for n in names if not (hf_dir / n).is_file()]
+            if missing:
+                raise MlmError(
+                    f"{index} names {len(names)} shard file(s); missing from {hf_dir}: {', '.join(missing)}. "
+                    "Download them (e.g. `hf download REPO --local-dir DIR`) and run again"
+                )
+            return [hf_dir / n for n in names]
+    for name in (SAFETENSORS, BIN):
+        if (hf_dir / name).is_file():
+            return [hf_dir / name]
+    raise MlmError(
+        f"{hf_dir}: no weights found; expected {SAFETENSORS}, {SAFETENSORS_INDEX} with its shards, or {BIN}"
+    )
+
+
+def load_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one weight file, on the CPU (safetensors, or a torch .bin without pickled code)."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device="cpu")
+    try:  # memory-mapped where the file is in torch's zip format (all files since torch 1.6)
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    except RuntimeError:
+        pass
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file
+        raise MlmError(f"{path}: cannot be read as a torch state dict ({type(e).__name__}: {e})") from None
+
+
+def iter_weight_files(hf_dir: Path) -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
+    """(file, its tensors), one weight file at a time."""
+    for path in weight_files(hf_dir):
+        yield path, load_weight_file(path)
+
+
+def plan_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Keys grouped in order into shards of at most `max_bytes` (a bigger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for k, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += n
+    return shards
+
+
+def write_safetensors(state: dict[str, torch.Tensor], out_dir: Path, max_bytes: int, on_shard=None) -> int:
+    """Write `state` as model.safetensors, or as shards + index above `max_bytes`; returns bytes written.
+
+    `on_shard(file_name, n_bytes)` is called after each file."""
+    from safetensors.torch import save_file
+
+    shards = plan_shards(state, max_bytes)
+    n = len(shards)
+    total = 0
+    weight_map = {}
+    for i, keys in enumerate(shards, 1):
+        name = SAFETENSORS if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        part = {k: state[k].contiguous() for k in keys}
+        save_file(part, str(out_dir / name), metadata={"format": "pt"})
+        size = sum(t.numel() * t.element_size() for t in part.values())
+        total += size
+        weight_map.update(dict.fromkeys(keys, name))
+        if on_shard is not None:
+            on_shard(name, size)
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    """Copy the tokenizer files found in `src` to `dst` (created if any); their names."""
+    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if names:
+        dst.mkdir(parents=True, exist_ok=True)
+        for n in names:
+            shutil.copy2(src / n, dst / n)
+    return names
+
+
+def generation_config(tokenizer_dir: Path | None) -> dict:
+    """generation_config.json: the tokenizer's own if it has one, else bos/eos ids from the tokenizer
+    when it names them (fields left out when not known)."""
+    if tokenizer_dir is not None and (tokenizer_dir / "generation_config.json").is_file():
+        return json.loads((tokenizer_dir / "generation_config.json").read_text())
+    gen: dict = {}
+    if tokenizer_dir is not None:
+        from mlm.tokenizer import load_tokenizer
+
+        try:
+            tok = load_tokenizer(tokenizer_dir)
+        except MlmError:
+            tok = None
+        if tok is not None and tok.bos_id is not None:
+            gen["bos_token_id"] = tok.bos_id
+        if tok is not None and tok.eod_id is not None:
+            gen["eos_token_id"] = tok.eod_id
+    return gen
