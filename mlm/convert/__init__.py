@@ -1,5 +1,6 @@
-"""The convert stage: Hugging Face import and export of mlm checkpoints (`mlm convert`).
+"""The convert stage (`mlm convert`): reshard checkpoints, Hugging Face import and export.
 
-`hf_io` reads and writes Hugging Face model folders; `hf` converts in both directions through the
-adapters of `mlm.hf` and verifies the logits against transformers. See docs/convert.md.
+`reshard` rewrites a checkpoint for another mesh; `hf_io` reads and writes Hugging Face model
+folders; `hf` converts in both directions through the adapters of `mlm.hf`; `common` holds the
+staging of OUT and the logit checks every conversion ends with. See docs/convert.md.
 """
