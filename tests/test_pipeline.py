@@ -128,12 +128,12 @@ def test_executor_runs_the_canonical_order(tmp_path, world, extra, m, expected):
 
 @pytest.mark.parametrize(
     "world,vpp,m",
-    [(2, 1, 3), (4, 2, 4), (4, 2, 8)],
-    ids=["1f1b-pp2-m3", "interleaved-m=pp", "interleaved-pp4"],
+    [(2, 1, 3), (4, 2, 4)],
+    ids=["1f1b-pp2-m3", "interleaved-pp4-m=pp"],
 )
 def test_executor_follows_the_schedule(tmp_path, world, vpp, m):
-    """More shapes (fewer micro-batches than a multiple of pp; Megatron's all-forwards-first case
-    m = pp; pp 4 × vpp 2): the recorded order is `schedule`'s, pinned above to the written-out ones."""
+    """More shapes (micro-batches not a multiple of pp; Megatron's all-forwards-first case m = pp at
+    pp 4 × vpp 2): the recorded order is `schedule`'s, pinned above to the written-out ones."""
     sets = tiny_sets(tmp_path, "unused", **{"model.num_layers": 8, "parallel.pp": world, "parallel.vpp": vpp})
     got = run_ranks(world, _recorded_order, sets, m)
     assert [order for order, _, _ in got] == [_order(world, r, m, vpp) for r in range(world)]
@@ -142,10 +142,12 @@ def test_executor_follows_the_schedule(tmp_path, world, vpp, m):
 # ---------------------------------------------------------------- the bubble, measured
 
 
-@pytest.mark.parametrize("pp,vpp,m,f", [(4, 1, 8, 0.05), (2, 2, 4, 0.2)], ids=["1f1b-pp4-m8", "interleaved"])
+@pytest.mark.parametrize("pp,vpp,m,f", [(4, 1, 8, 0.05), (2, 2, 4, 0.3)], ids=["1f1b-pp4-m8", "interleaved"])
 def test_measured_bubble_matches_the_formula(pp, vpp, m, f):
     """Stages that only sleep (forward f, backward 2f): every rank's idle fraction of the second step
-    is within 10% (relative) of (pp − 1) / (vpp·m + pp − 1). The rest is p2p and Python overhead."""
+    is within 10% (relative) of (pp − 1) / (vpp·m + pp − 1). The rest is p2p and Python overhead, a
+    fixed cost per action (bench/RESULTS.md), hence longer stages for the interleaved schedule, which
+    runs vpp times the actions."""
     expected = bubble_fraction(pp, m, vpp)
     idle = run_ranks(pp, measure_bubble, vpp, m, f)
     for rank, got in enumerate(idle):
