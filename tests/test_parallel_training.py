@@ -102,18 +102,19 @@ def test_mesh_matches_one_process(tmp_path, tiny_data, reference, world, paralle
 
 
 FOUR_LAYERS = {"model.num_layers": 4}
+PIPELINE_RUN = {"model.num_layers": 4, "train.train_iters": 3}
 ONE_PROCESS = {"parallel.pp": 1, "parallel.tp": 1}
-TIED = {"model.num_layers": 4, "model.tie_embeddings": "true"}
+TIED = {**PIPELINE_RUN, "model.tie_embeddings": "true"}
 DISTOPT = {"parallel.distributed_optimizer": "true", "parallel.bucket_size_mb": 0.05}
 
 
 @pytest.mark.parametrize(
     "world,model,parallel",
     [
-        (2, FOUR_LAYERS, {"parallel.pp": 2, "parallel.first_stage_layers": 1}),
-        (4, FOUR_LAYERS, {"parallel.pp": 4}),
-        (2, FOUR_LAYERS, {"parallel.pp": 2, "parallel.vpp": 2}),
-        (4, FOUR_LAYERS, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+        (2, PIPELINE_RUN, {"parallel.pp": 2, "parallel.first_stage_layers": 1}),
+        (4, PIPELINE_RUN, {"parallel.pp": 4}),
+        (2, PIPELINE_RUN, {"parallel.pp": 2, "parallel.vpp": 2}),
+        (4, PIPELINE_RUN, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
         (4, TIED, {"parallel.pp": 2, **DISTOPT}),
         (8, TIED, {"parallel.pp": 2, "parallel.tp": 2, "parallel.vpp": 2, **DISTOPT}),
     ],
@@ -127,7 +128,7 @@ DISTOPT = {"parallel.distributed_optimizer": "true", "parallel.bucket_size_mb": 
     ],
 )
 def test_pipeline_matches_one_process(tmp_path, tiny_data, references, world, model, parallel):
-    """Global batch 8 in micro-batches of 2: 4 micro-batches per step (2 at dp 2), 5 steps."""
+    """Global batch 8 in micro-batches of 2: 4 micro-batches per step (2 at dp 2), 3 steps."""
     sets = _sets(tmp_path, tiny_data, "mesh", **model, **parallel)
     _assert_matches(tmp_path, run_ranks(world, _train_rank, sets), *references(**model))
 
