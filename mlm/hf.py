@@ -30,7 +30,7 @@ from torch import nn
 
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
-from mlm.model.gpt import GPT
+from mlm.model.gpt import GPT, VOCAB_ROWS
 
 Template = str | tuple[str, ...] | None
 
@@ -115,7 +115,6 @@ GPT2 = Adapter(
 
 ADAPTERS: dict[str, Adapter] = {a.model_type: a for a in (LLAMA, GPT2, MISTRAL)}
 _ALIASES = {a.hf_class: a.model_type for a in ADAPTERS.values()}
-_VOCAB_KEYS = ("embed.weight", "output.weight")  # mlm keys whose rows are the (padded) vocabulary
 _LAYER = re.compile(r"\.(\d+)\.")
 
 
@@ -420,7 +419,7 @@ def mlm_to_hf(
             if keys[0] not in mlm_state:  # lm_head when tied, wpe with RoPE
                 continue
             t = torch.cat([mlm_state[k] for k in keys]) if len(keys) > 1 else mlm_state[keys[0]]
-            if keys[0] in _VOCAB_KEYS:
+            if keys[0] in VOCAB_ROWS:
                 t = t[: cfg.vocab_size]
             if hf_template in a.conv1d:
                 t = t.t()
@@ -511,7 +510,7 @@ def hf_to_mlm(
             t = t.t().contiguous()
         parts = t.split([shapes[mk][0] for mk in keys]) if len(keys) > 1 else (t,)
         for mk, p in zip(keys, parts, strict=True):
-            if mk in _VOCAB_KEYS and p.shape[0] != V:
+            if mk in VOCAB_ROWS and p.shape[0] != V:
                 p = torch.cat([p, p.new_zeros(V - p.shape[0], *p.shape[1:])])
             out[mk] = p.contiguous()
     assert out.keys() == shapes.keys(), sorted(out.keys() ^ shapes.keys())

@@ -40,10 +40,10 @@ from mlm.convert.common import (
     read_model_group,
 )
 from mlm.errors import MlmError
+from mlm.model.gpt import VOCAB_ROWS
 from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dim
 from mlm.parallel.pipeline import stage_layer_counts
 
-_VOCAB_ROWS = ("embed.weight", "output.weight")
 _MOMENTS = ("exp_avg.", "exp_avg_sq.")
 
 
@@ -71,7 +71,7 @@ def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate)
         shape = tuple(info["shape"])
         t = store.read_slice(arr, (0,) * len(shape), shape, where)
         name = _param_name(key)
-        if name in _VOCAB_ROWS and t.shape[0] != padded:  # padding rows are zeros: cut or add them
+        if name in VOCAB_ROWS and t.shape[0] != padded:  # padding rows are zeros: cut or add them
             rows = torch.zeros((padded, *t.shape[1:]), dtype=t.dtype)
             n = min(padded, t.shape[0])
             rows[:n] = t[:n]

@@ -39,6 +39,11 @@ TP_PLAN = {
 }
 
 
+# Parameters whose rows are the vocabulary, padded to a multiple of make_vocab_size_divisible_by × tp
+# (the padding rows are zeros and stay zero in training).
+VOCAB_ROWS = ("embed.weight", "output.weight")
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.normalization == "rmsnorm":
         return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -179,7 +184,7 @@ class GPT(nn.Module):
             s = out_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else std
             shape = getattr(p, "global_shape", p.shape)
             full = torch.zeros(shape, dtype=torch.float32)
-            rows = self.cfg.vocab_size if name in ("embed.weight", "output.weight") else shape[0]
+            rows = self.cfg.vocab_size if name in VOCAB_ROWS else shape[0]
             full[:rows].normal_(0.0, s, generator=gen)
             offset = getattr(p, "global_offset", (0,) * p.ndim)
             p.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, p.shape, strict=True))])

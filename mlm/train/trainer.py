@@ -35,7 +35,7 @@ from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.sampler import PretrainingSampler
 from mlm.errors import MlmError
 from mlm.model import flops_per_token, parameter_count
-from mlm.model.gpt import GPT
+from mlm.model.gpt import GPT, VOCAB_ROWS
 from mlm.parallel import Mesh
 from mlm.parallel.launch import init_distributed
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads, parallelize, param_layout
@@ -48,7 +48,6 @@ from mlm.train.scaler import LossScaler
 from mlm.train.schedule import lr_at
 
 _AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_VOCAB_ROWS = ("embed.weight", "output.weight")  # rows: the vocabulary, padded to a multiple of 128 × tp
 
 
 def pick_device(requested: str) -> torch.device:
@@ -401,7 +400,7 @@ class Trainer:
         opt = self.optimizer
         optim = opt.load_targets(self.iteration) if for_load else opt.save_tensors(self.iteration)
         for t in model + optim:  # rows padded per tp: a checkpoint from another tp loads too
-            t.padded_rows = t.key.removeprefix("exp_avg_sq.").removeprefix("exp_avg.") in _VOCAB_ROWS
+            t.padded_rows = t.key.removeprefix("exp_avg_sq.").removeprefix("exp_avg.") in VOCAB_ROWS
         return {"model": model, "optim": optim}
 
     def save(self, root: str) -> Path:
