@@ -1,20 +1,26 @@
-"""Resharding throughput next to a plain copy of the same checkpoint directory, in the same run.
+"""Resharding and Hugging Face import throughput, each next to its I/O baseline, in the same run.
 
-    .venv/bin/python bench/convert.py [--gb 2.0] [--dir /tmp]
+    .venv/bin/python bench/convert.py [--gb 2.0] [--dir /tmp] [--rounds 2]
 
-Writes a synthetic fp32 checkpoint of about --gb GB shaped like a Llama (layers of q/k/v/out and
-gate/up/down matrices, the embedding and output, Adam moments for each: model + optim groups),
-then times, alternately: `shutil.copytree` of the checkpoint directory (the I/O-bound baseline)
-and `mlm.convert.reshard` to tp=2 without the logit check (read every tensor, re-chunk, write).
-Prints GB/s of
-each and their ratio (target: reshard ≥ 0.5 × copy). The page cache is warm for both (the
-checkpoint was just written); each output is deleted before the next run.
+Resharding: a synthetic fp32 checkpoint of about --gb GB shaped like a Llama (layers of q/k/v/out
+and gate/up/down matrices, the embedding and output, Adam moments for each: model + optim
+groups); timed, alternately: `shutil.copytree` of the checkpoint directory (the I/O-bound
+baseline) and `mlm.convert.reshard` to tp=2 without the logit check (read every tensor and
+check its chunk checksums, re-chunk, write with new checksums).
+
+Import: a Llama-shaped `model.safetensors` of about --gb GB (config.json beside it); timed,
+alternately: reading every tensor into memory with safetensors' own `load_file` (the baseline) and
+`mlm.convert.hf.import_hf` without the logit check (read, map, write the mlm checkpoint).
+
+Prints GB/s of each and the ratios (target: ≥ 0.5 of the baseline). The page cache is warm for
+all (the inputs were just written); each output is deleted before the next run.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import sys
 import tempfile
@@ -28,11 +34,14 @@ sys.path.insert(0, str(ROOT))
 
 from mlm.checkpoint.manager import save_streaming  # noqa: E402
 from mlm.config import Config, ModelConfig  # noqa: E402
+from mlm.convert.hf import import_hf  # noqa: E402
 from mlm.convert.reshard import reshard, target_chunk  # noqa: E402
+
+HIDDEN, FFN, VOCAB = 2048, 5632, 32000
 
 
 def synthetic(root: Path, gb: float) -> tuple[Path, int]:
-    hidden, ffn, vocab = 2048, 5632, 32000
+    hidden, ffn, vocab = HIDDEN, FFN, VOCAB
     per_layer = 4 * hidden * hidden + 3 * hidden * ffn
     layers = max(1, int(gb * 1e9 / 4 / 3 / per_layer))  # weights + 2 moments, fp32
     model = ModelConfig(
@@ -81,6 +90,52 @@ def synthetic(root: Path, gb: float) -> tuple[Path, int]:
     return root, nbytes
 
 
+def hf_folder(root: Path, gb: float) -> int:
+    """A Llama-shaped model.safetensors of about `gb` GB (fp32) and its config.json; its bytes."""
+    import transformers
+    from safetensors.torch import save_file
+
+    per_layer = 4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN
+    layers = max(1, int((gb * 1e9 / 4 - 2 * VOCAB * HIDDEN) / per_layer))
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        tie_word_embeddings=False,
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
+    state = {k: torch.randn(shape, generator=gen) for k, shape in shapes.items()}
+    root.mkdir(parents=True)
+    save_file(state, str(root / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(root)
+    return (root / "model.safetensors").stat().st_size
+
+
+def best_of(rounds: int, runs: dict, out: Path) -> dict[str, float]:
+    """Each run, alternately, `rounds` times, `out` removed (and synced) between runs, outside the
+    timing; the best time of each."""
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            os.sync()  # start each run without the previous one's dirty pages
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+            shutil.rmtree(out)
+    return {k: min(v) for k, v in times.items()}
+
+
+def report(nbytes: int, best: dict[str, float], ours: str, base: str, rounds: int) -> None:
+    for k, t in best.items():
+        print(f"{k:<14} best of {rounds}: {t:6.2f} s = {nbytes / t / 1e9:.2f} GB/s")
+    print(f"ratio {ours} / {base} throughput: {best[base] / best[ours]:.2f} (target >= 0.5)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=2.0)
@@ -88,23 +143,40 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        src, nbytes = synthetic(Path(tmp) / "ckpt", args.gb)
+        tmp = Path(tmp)
+        src, nbytes = synthetic(tmp / "ckpt", args.gb)
         print(f"checkpoint: {nbytes / 1e9:.2f} GB in {sum(1 for _ in src.rglob('zarr.json'))} arrays")
-        times: dict[str, list[float]] = {"copy": [], "reshard": []}
-        for _ in range(args.rounds):
-            for name in times:
-                out = Path(tmp) / f"out-{name}"
-                t0 = time.perf_counter()
-                if name == "copy":
-                    shutil.copytree(src, out)
-                else:
-                    reshard(src, out, tp=2, pp=1, verify=False)  # the I/O path; verification is extra
-                times[name].append(time.perf_counter() - t0)
-                shutil.rmtree(out)
-        best = {k: min(v) for k, v in times.items()}
-        for k, t in best.items():
-            print(f"{k:<8} best of {args.rounds}: {t:6.2f} s = {nbytes / t / 1e9:.2f} GB/s")
-        print(f"ratio reshard / copy throughput: {best['copy'] / best['reshard']:.2f} (target >= 0.5)")
+
+        def copy() -> None:
+            shutil.copytree(src, tmp / "out")
+
+        def resharding() -> None:
+            reshard(src, tmp / "out", tp=2, pp=1, verify=False)  # the I/O path; the logit check is extra
+
+        best = best_of(args.rounds, {"copy": copy, "reshard": resharding}, tmp / "out")
+        report(nbytes, best, "reshard", "copy", args.rounds)
+        shutil.rmtree(src)
+
+        hf_bytes = hf_folder(tmp / "hf", args.gb)
+        print(f"safetensors: {hf_bytes / 1e9:.2f} GB")
+
+        def read() -> None:
+            from safetensors.torch import load_file
+
+            # load_file maps the file: copying each tensor out reads every byte into memory
+            state = {k: t.clone() for k, t in load_file(str(tmp / "hf" / "model.safetensors")).items()}
+            assert sum(t.numel() for t in state.values()) * 4 <= hf_bytes
+            (tmp / "out").mkdir()  # for best_of's cleanup
+
+        def importing() -> None:
+            import_hf(tmp / "hf", tmp / "out", verify=False)
+
+        def copy_hf() -> None:
+            shutil.copytree(tmp / "hf", tmp / "out")
+
+        best = best_of(args.rounds, {"read": read, "copy": copy_hf, "import": importing}, tmp / "out")
+        report(hf_bytes, best, "import", "read", args.rounds)
+        print(f"ratio import / copy throughput: {best['copy'] / best['import']:.2f}")
 
 
 if __name__ == "__main__":

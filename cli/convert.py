@@ -1,6 +1,6 @@
 """`mlm convert`: reshard a checkpoint for another mesh; Hugging Face import and export; verified.
 
-    mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dtype bf16] [--consolidate]   # another mesh
+    mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--dtype bf16] [--consolidate]   # another mesh
     mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
     mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
 
@@ -34,6 +34,11 @@ def convert(
     vpp: int | None = typer.Option(
         None, "--vpp", help="Reshard: target virtual pipeline size (default: the source's)."
     ),
+    dp: int | None = typer.Option(
+        None,
+        "--dp",
+        help="Reshard: target data-parallel size, checked against the batch (default: the source's).",
+    ),
     consolidate: bool = typer.Option(
         False, "--consolidate", help="Reshard: write every tensor as one chunk."
     ),
@@ -51,7 +56,8 @@ def convert(
     verify: bool = typer.Option(
         True,
         "--verify/--no-verify",
-        help="Compare the logits of both sides (mlm, transformers) before keeping OUT.",
+        help="Check every checkpoint chunk's checksum as it is read, and compare the logits of both sides "
+        "before keeping OUT.",
     ),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
@@ -61,20 +67,20 @@ def convert(
 
     if from_hf and to_hf:
         raise MlmError("mlm convert: pass at most one of --from-hf (HF → mlm) or --to-hf (mlm → HF)")
-    mesh_options = tp is not None or pp is not None or vpp is not None or consolidate
+    mesh_options = any(v is not None for v in (tp, pp, vpp, dp)) or consolidate
     if (from_hf or to_hf) and mesh_options:
         raise MlmError(
-            "--tp, --pp, --vpp and --consolidate reshard an mlm checkpoint; leave out --from-hf/--to-hf"
+            "--tp, --pp, --vpp, --dp and --consolidate reshard an mlm checkpoint; leave out --from-hf/--to-hf"
         )
     if from_hf and (dtype is not None or tokenizer is not None or max_shard_size != "5GB"):
         raise MlmError("--dtype, --tokenizer and --max-shard-size apply to --to-hf only")
     if not (from_hf or to_hf):
         if not mesh_options and dtype is None:
             raise MlmError(
-                "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--consolidate/--dtype (reshard), "
+                "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--dp/--consolidate/--dtype (reshard), "
                 "--from-hf or --to-hf"
             )
-        return _reshard(src, out, tp, pp, vpp, dtype, consolidate, verify, progress)
+        return _reshard(src, out, tp, pp, vpp, dp, dtype, consolidate, verify, progress)
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -97,7 +103,7 @@ def convert(
             bar.update(task, description=desc, completed=done, total=total or None, size=size)
 
         if from_hf:
-            report = import_hf(src, out, verify_logits=verify, progress=show)
+            report = import_hf(src, out, verify=verify, progress=show)
         else:
             report = export_hf(
                 src,
@@ -105,7 +111,7 @@ def convert(
                 dtype=dtype,
                 max_shard_size=max_shard_size,
                 tokenizer=tokenizer,
-                verify_logits=verify,
+                verify=verify,
                 progress=show,
             )
     rate = report.bytes / 1e9 / max(report.seconds, 1e-9)
@@ -126,7 +132,7 @@ def convert(
     console.print(line, highlight=False, soft_wrap=True)
 
 
-def _reshard(src, out, tp, pp, vpp, dtype, consolidate, verify, progress) -> None:
+def _reshard(src, out, tp, pp, vpp, dp, dtype, consolidate, verify, progress) -> None:
     import time
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
@@ -135,8 +141,9 @@ def _reshard(src, out, tp, pp, vpp, dtype, consolidate, verify, progress) -> Non
     from mlm.console import console
     from mlm.convert.reshard import reshard
 
-    parallel = read_manifest(resolve_checkpoint(src))["config"]["parallel"]
-    tp, pp = tp or parallel["tp"], pp or parallel["pp"]
+    manifest = read_manifest(resolve_checkpoint(src))
+    parallel = manifest["config"]["parallel"]
+    tp, pp, dp = tp or parallel["tp"], pp or parallel["pp"], dp or manifest.get("mesh", {}).get("dp", 1)
     vpp = vpp or (parallel.get("vpp", 1) if pp > 1 else 1)
     start = time.perf_counter()
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
@@ -146,15 +153,18 @@ def _reshard(src, out, tp, pp, vpp, dtype, consolidate, verify, progress) -> Non
         def show(desc: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total or None)
 
-        diff = reshard(src, out, tp, pp, vpp, dtype, consolidate, verify, show)
+        diff = reshard(src, out, tp, pp, vpp, dp, dtype, consolidate, verify, show)
     seconds = time.perf_counter() - start
     nbytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     line = (
-        f"[bold green]resharded[/] {src} → {out} for tp={tp} pp={pp}{f' vpp={vpp}' if vpp > 1 else ''}"
+        f"[bold green]resharded[/] {src} → {out} for tp={tp} pp={pp}"
+        f"{f' vpp={vpp}' if vpp > 1 else ''} dp={dp}"
         f"{' (consolidated)' if consolidate else ''}: {nbytes / 1e9:.3g} GB in {seconds:.1f} s "
         f"({nbytes / 1e9 / max(seconds, 1e-9):.3g} GB/s)"
     )
     line += (
-        "; logits not verified (--no-verify)" if diff is None else f"; logits verified: max |diff| {diff:.3g}"
+        "; checksums and logits not verified (--no-verify)"
+        if diff is None
+        else f"; checksums and logits verified: max |diff| {diff:.3g}"
     )
     console.print(line, highlight=False, soft_wrap=True)

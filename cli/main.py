@@ -15,6 +15,7 @@ from cli.config import app as config_app
 from cli.convert import convert
 from cli.data import app as data_app
 from cli.parity import parity
+from cli.plan import plan
 from cli.train import slurm, train
 from mlm.errors import MlmError
 
@@ -27,6 +28,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(data_app, name="data")
+app.command("plan")(plan)
 app.command("train")(train)
 app.command("slurm")(slurm)
 app.command("parity")(parity)

@@ -23,14 +23,30 @@ def train(
         None, "--world-size", help="--dry-run: ranks to check for (default: WORLD_SIZE, else tp × pp × cp)."
     ),
     png: Path | None = typer.Option(None, "--png", help="--dry-run: also draw the pipeline schedule here."),
+    plan: Path | None = typer.Option(
+        None,
+        "--plan",
+        help="Plan file from `mlm plan -o` (mesh, batching, recompute); --set applies after it.",
+    ),
 ) -> None:
     """Train a model on datasets from `mlm data build`; checkpoints, metrics.jsonl, TensorBoard."""
+    import os
+
     from mlm.config import load_config
 
-    cfg = load_config(config, overrides)
-    if dry_run:
-        import os
+    planned: list[str] = []
+    if plan is not None:
+        from mlm.planfile import read_plan, train_overrides, world_size_note
 
+        spec = read_plan(plan)
+        planned = train_overrides(spec)
+        note = world_size_note(spec, int(os.environ.get("WORLD_SIZE", world_size or 1)))
+        if note and os.environ.get("RANK", "0") == "0":
+            from mlm.console import console
+
+            console.print(f"[bold yellow]warning:[/] {plan}: {note}", highlight=False)
+    cfg = load_config(config, planned + list(overrides))
+    if dry_run:
         from mlm.console import console
         from mlm.train.dry_run import dry_run as report
 

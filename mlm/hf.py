@@ -23,8 +23,11 @@ errors name the key and both shapes.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import google_crc32c
+import numpy as np
 import torch
 from torch import nn
 
@@ -443,6 +446,10 @@ def _template(key: str) -> tuple[str, int | None]:
     return f"{key[: m.start()]}.{{}}.{key[m.end() :]}", int(m.group(1))
 
 
+LazyTensor = tuple[torch.Size, Callable[[], torch.Tensor]]
+"""A tensor not read yet: its shape, and a function that reads it."""
+
+
 def hf_to_mlm(
     hf_state: dict[str, torch.Tensor],
     cfg: ModelConfig,
@@ -454,13 +461,27 @@ def hf_to_mlm(
     `arch` defaults to the one `cfg` describes (learned positions: gpt2, else llama). The
     vocabulary rows are padded with zeros to `padded_vocab` (default `cfg.padded_vocab_size()`).
     Tensors keep their dtype; untransposed ones share memory with `hf_state`."""
+    lazy = {k: (t.shape, lambda t=t: t) for k, t in hf_state.items()}
+    return dict(iter_hf_to_mlm(lazy, cfg, arch, padded_vocab))
+
+
+def iter_hf_to_mlm(
+    hf_tensors: dict[str, LazyTensor],
+    cfg: ModelConfig,
+    arch: str | None = None,
+    padded_vocab: int | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`hf_to_mlm` one tensor at a time: every key and shape is checked before the first tensor is
+    read, then each is read, converted and yielded (mlm key, tensor) in turn, so memory holds one
+    Hugging Face tensor. With tied embeddings a stored `lm_head.weight` must equal the embedding
+    (compared by CRC-32C as they pass; MlmError after the last tensor otherwise)."""
     a = adapter(arch or arch_of(cfg))
     config_to_hf(cfg, a.model_type)  # raises if cfg is not this architecture
     V = padded_vocab or cfg.padded_vocab_size()
     want = _hf_shapes(cfg, a, padded_vocab)
-    found: dict[str, torch.Tensor] = {}
+    found: dict[str, str] = {}  # HF key as stored → with the prefix
     unknown, bad = [], []
-    for key, t in hf_state.items():
+    for key, (shape, _) in hf_tensors.items():
         k = key
         if a.prefix and not k.startswith(a.prefix) and not k.startswith("lm_head."):
             k = a.prefix + k
@@ -472,13 +493,13 @@ def hf_to_mlm(
         elif a.from_hf[template] is None:
             continue
         elif k == "lm_head.weight" and cfg.tie_embeddings:
-            found[k] = t  # checked against the embedding below, then dropped
-        elif t.shape != want[k]:
+            found[key] = k  # checked against the embedding, then dropped
+        elif shape != want[k]:
             bad.append(
-                f"{key}: shape {_shape(t)} in the Hugging Face state, but the config needs {list(want[k])}"
+                f"{key}: shape {list(shape)} in the Hugging Face state, but the config needs {list(want[k])}"
             )
         else:
-            found[k] = t
+            found[key] = k
     if unknown:
         raise MlmError(
             f"Hugging Face {a.model_type} state has keys mlm does not know: {', '.join(unknown)}; "
@@ -490,20 +511,19 @@ def hf_to_mlm(
             + "; ".join(bad)
             + " (build the config with config_from_hf from the checkpoint's own config.json)"
         )
-    missing = sorted(want.keys() - found.keys())
+    missing = sorted(want.keys() - set(found.values()))
     if missing:
         raise MlmError(f"Hugging Face {a.model_type} state lacks {', '.join(missing)}")
-    if cfg.tie_embeddings and "lm_head.weight" in found:
-        embed_key = next(k for k, v in a.from_hf.items() if v == "embed.weight")
-        if not torch.equal(found.pop("lm_head.weight"), found[embed_key]):
-            raise MlmError(
-                f"the config ties embeddings (tie_word_embeddings=true) but lm_head.weight differs from "
-                f"{embed_key}; use a config with tie_word_embeddings=false for this checkpoint"
-            )
 
     shapes = _mlm_shapes(cfg, padded_vocab)
-    out: dict[str, torch.Tensor] = {}
-    for k, t in found.items():
+    embed_key = next(k for k, v in a.from_hf.items() if v == "embed.weight")
+    tied: dict[str, tuple] = {}
+    for key, k in found.items():
+        t = hf_tensors[key][1]()
+        if cfg.tie_embeddings and k in (embed_key, "lm_head.weight"):
+            tied[k] = (t.shape, t.dtype, _digest(t))
+            if k == "lm_head.weight":
+                continue
         template, layer = _template(k)
         keys = _fill(a.from_hf[template], layer)
         if template in a.conv1d:
@@ -512,9 +532,17 @@ def hf_to_mlm(
         for mk, p in zip(keys, parts, strict=True):
             if mk in VOCAB_ROWS and p.shape[0] != V:
                 p = torch.cat([p, p.new_zeros(V - p.shape[0], *p.shape[1:])])
-            out[mk] = p.contiguous()
-    assert out.keys() == shapes.keys(), sorted(out.keys() ^ shapes.keys())
-    return out
+            yield mk, p.contiguous()
+    if "lm_head.weight" in tied and tied["lm_head.weight"] != tied[embed_key]:
+        raise MlmError(
+            f"the config ties embeddings (tie_word_embeddings=true) but lm_head.weight differs from "
+            f"{embed_key}; use a config with tie_word_embeddings=false for this checkpoint"
+        )
+
+
+def _digest(t: torch.Tensor) -> int:
+    data = t.detach().contiguous().view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+    return google_crc32c.value(data.reshape(-1))
 
 
 def _numerics(cfg: ModelConfig) -> dict[str, object]:

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import zarr
 
 from mlm.checkpoint import (
@@ -26,8 +25,11 @@ from mlm.checkpoint import (
     rng_state_from_json,
     rng_state_to_json,
     save_checkpoint,
+    store,
 )
 from mlm.errors import MlmError
+
+from distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,23 +79,31 @@ def test_round_trip_each_dtype(tmp_path):
         100,
     )
     assert manifest["seed"] == 1234
-    assert manifest["tensors"]["model/wbf"] == {"shape": [4, 7], "dtype": "bfloat16"}
-    assert manifest["tensors"]["model/step"] == {"shape": [], "dtype": "int64"}
-    assert manifest["tensors"]["optim/exp_avg.w32"] == {"shape": [5, 3], "dtype": "float32"}
+
+    def crc(path: str) -> str:  # of the chunk file's bytes, as the manifest records it
+        return f"{google_crc32c.value((it_dir / path).read_bytes()):08x}"
+
+    tensors = manifest["tensors"]
+    assert tensors["model/wbf"] == {
+        "shape": [4, 7],
+        "dtype": "bfloat16",
+        "chunks": [4, 7],
+        "crc32c": {"c/0/0": crc("model/wbf/c/0/0")},
+    }
+    assert tensors["model/step"] == {
+        "shape": [],
+        "dtype": "int64",
+        "chunks": [],
+        "crc32c": {"c": crc("model/step/c")},
+    }
+    assert tensors["optim/exp_avg.w32"]["crc32c"] == {"c/0/0": crc("optim/exp_avg.w32/c/0/0")}
     arr = zarr.open_array(str(it_dir / "model" / "wbf"), mode="r")
     assert (arr.dtype, arr.attrs["dtype"], arr.chunks, arr.compressors) == (np.uint16, "bfloat16", (4, 7), ())
     assert zarr.open_array(str(it_dir / "model" / "w32"), mode="r").attrs["dtype"] == "float32"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, root: str, port: int) -> None:
+def _rank_main(rank: int, world_size: int, root: str) -> None:
     """One of 2 gloo ranks: each holds half of `w` (rows), `b` and `step` are replicated."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     w = torch.arange(48.0).reshape(8, 6)[4 * rank : 4 * rank + 4].clone()
     model = [
         ShardedTensor("w", w, (8, 6), (4 * rank, 0)),
@@ -101,14 +111,17 @@ def _rank_main(rank: int, root: str, port: int) -> None:
         ShardedTensor("step", torch.tensor(3), (), (), writer=rank == 0),
     ]
     save_checkpoint(root, 3, {"model": model}, {"world_size": 2}, rank=rank, barrier=dist.barrier)
-    dist.destroy_process_group()
 
 
 def test_sharded_save_by_two_ranks_loads_under_any_split(tmp_path):
-    mp.spawn(_rank_main, args=(str(tmp_path), _free_port()), nprocs=2)
+    run_ranks(2, _rank_main, str(tmp_path))
     expected = torch.arange(48.0).reshape(8, 6)
     assert zarr.open_array(str(tmp_path / "iter_0000003" / "model" / "w"), mode="r").chunks == (4, 6)
 
+    # each rank's chunk checksums reach the manifest (and nothing else is left beside it)
+    manifest = read_manifest(tmp_path / "iter_0000003")
+    assert list(manifest["tensors"]["model/w"]["crc32c"]) == ["c/0/0", "c/1/0"]
+    assert sorted(p.name for p in (tmp_path / "iter_0000003").iterdir()) == ["manifest.json", "model"]
     got = load(tmp_path, {"w": torch.zeros(8, 6), "b": torch.zeros(6), "step": torch.tensor(0)})
     assert torch.equal(got["w"], expected) and torch.equal(got["b"], torch.ones(6)) and got["step"] == 3
 
@@ -130,6 +143,56 @@ def test_uneven_shards_and_misaligned_chunks(tmp_path):
     shards[0].chunk = (2, 6)  # a chunk that divides every shard boundary
     save_checkpoint(tmp_path, 2, {"model": shards}, {})
     assert torch.equal(load(tmp_path, {"w": x})["w"], x)
+
+
+def test_arrays_are_plain_zarr_both_ways(tmp_path):
+    """zarr-python reads what mlm writes (edge chunks padded, bf16 as uint16), and mlm reads an
+    array zarr-python wrote, at any slice."""
+    x = torch.randn(7, 10)
+    shards = [ShardedTensor("w", x[:4], (7, 10), (0, 0)), ShardedTensor("w", x[4:], (7, 10), (4, 0))]
+    shards[0].chunk = (4, 3)  # edge chunks on both dims
+    it_dir = save_checkpoint(tmp_path / "a", 1, {"model": [*shards, *full({"h": x.bfloat16()})]}, {})
+    arr = zarr.open_array(str(it_dir / "model" / "w"), mode="r")
+    assert arr.chunks == (4, 3) and np.array_equal(arr[:], x.numpy())
+    assert np.array_equal(
+        zarr.open_array(str(it_dir / "model" / "h"))[:], x.bfloat16().view(torch.uint16).numpy()
+    )
+
+    z = zarr.create_array(
+        store=str(tmp_path / "z"),
+        shape=(7, 10),
+        chunks=(3, 4),
+        dtype="float32",
+        compressors=None,
+        fill_value=0,
+        attributes={"dtype": "float32"},
+    )
+    z[:] = x.numpy()
+    got = store.read_slice(store.open_array(tmp_path / "z", "z"), (2, 3), (5, 6), "z")
+    assert torch.equal(got, x[2:7, 3:9])
+    zarr.create_array(store=str(tmp_path / "gz"), shape=(4,), chunks=(2,), dtype="float32")  # compressed
+    with pytest.raises(MlmError, match="describes a zarr array mlm does not read .* rewrite the array"):
+        store.open_array(tmp_path / "gz", "gz")
+
+
+def test_damaged_chunks_are_caught(tmp_path):
+    x = torch.randn(8, 6)
+    it_dir = save(tmp_path, 1, {"w": x})
+    chunk = it_dir / "model" / "w" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 1  # one flipped bit
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(
+        MlmError, match=r"tensor model/w: chunk c/0/0 fails its checksum \(CRC-32C [0-9a-f]{8}, "
+    ):
+        load(tmp_path, {"w": x})
+    assert not torch.equal(load(tmp_path, {"w": x}, verify=False)["w"], x)  # the bit, unchecked
+    chunk.write_bytes(bytes(data[:-4]))
+    with pytest.raises(MlmError, match="has the wrong size .* the checkpoint is damaged"):
+        load(tmp_path, {"w": x}, verify=False)
+    chunk.unlink()
+    with pytest.raises(MlmError, match="chunk file .*c/0/0 is missing; the checkpoint is damaged"):
+        load(tmp_path, {"w": x})
 
 
 def test_latest_keep_last_and_resolve(tmp_path):

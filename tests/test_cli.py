@@ -32,9 +32,9 @@ def test_help_and_version_do_not_import_torch():
 
 def test_only_built_stages_appear():
     out = mlm("--help").stdout
-    for built in ("data", "train", "config", "parity", "convert"):
+    for built in ("data", "plan", "train", "config", "parity", "convert"):
         assert f"  {built} " in out
-    for later in ("plan", "export", "serve"):
+    for later in ("export", "serve"):
         assert f" {later} " not in out
 
 

@@ -133,7 +133,7 @@ def test_round_trip_is_bitwise_and_verified(tmp_path, name, fmt, shard):
 @pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_export_casts_with_stated_tolerance(tmp_path, dtype, torch_dtype):
     save_hf(MODELS["llama"](), tmp_path / "hf", "single")
-    convert.import_hf(tmp_path / "hf", tmp_path / "ckpt", verify_logits=False)
+    convert.import_hf(tmp_path / "hf", tmp_path / "ckpt", verify=False)
     r = convert.export_hf(tmp_path / "ckpt", tmp_path / "back", dtype=dtype)
     assert 0 < r.max_abs_diff <= r.tolerance == convert.TOLERANCE[torch_dtype] * r.max_abs_logit
     config = json.loads((tmp_path / "back" / "config.json").read_text())
@@ -151,28 +151,28 @@ def test_tokenizer_files_travel_and_generation_config(tmp_path):
     Tokenizer(WordLevel(vocab, unk_token="<unk>")).save(str(tmp_path / "hf" / "tokenizer.json"))
     tok_cfg = {"bos_token": "<s>", "eos_token": "</s>"}
     (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    r = convert.import_hf(tmp_path / "hf", tmp_path / "ckpt", verify_logits=False)
+    r = convert.import_hf(tmp_path / "hf", tmp_path / "ckpt", verify=False)
     files = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
     assert r.tokenizer_files == files
     manifest = read_manifest(resolve_checkpoint(tmp_path / "ckpt"))
     assert manifest["tokenizer"] == {"path": "tokenizer", "files": files}
     assert all((tmp_path / "ckpt" / "tokenizer" / f).is_file() for f in files)
 
-    convert.export_hf(tmp_path / "ckpt", tmp_path / "back", verify_logits=False)
+    convert.export_hf(tmp_path / "ckpt", tmp_path / "back", verify=False)
     for f in files:  # generation_config.json as the source had it
         assert (tmp_path / "back" / f).read_bytes() == (tmp_path / "hf" / f).read_bytes(), f
     # --tokenizer without a generation_config.json: bos/eos ids from the tokenizer
     (tmp_path / "tok").mkdir()
     for f in files[:2]:
         (tmp_path / "tok" / f).write_bytes((tmp_path / "hf" / f).read_bytes())
-    convert.export_hf(tmp_path / "ckpt", tmp_path / "back2", tokenizer=tmp_path / "tok", verify_logits=False)
+    convert.export_hf(tmp_path / "ckpt", tmp_path / "back2", tokenizer=tmp_path / "tok", verify=False)
     gen = json.loads((tmp_path / "back2" / "generation_config.json").read_text())
     assert gen == {"bos_token_id": 1, "eos_token_id": 2}
     # no tokenizer at all: the fields are left out
     (tmp_path / "ckpt" / "iter_0000000" / "manifest.json").write_text(
         json.dumps({**manifest, "tokenizer": None})
     )
-    convert.export_hf(tmp_path / "ckpt", tmp_path / "back3", verify_logits=False)
+    convert.export_hf(tmp_path / "ckpt", tmp_path / "back3", verify=False)
     assert json.loads((tmp_path / "back3" / "generation_config.json").read_text()) == {}
 
 
@@ -186,21 +186,20 @@ def test_parse_size():
 
 def test_verification_failure_removes_output(tmp_path, monkeypatch, capsys):
     save_hf(MODELS["llama"](), tmp_path / "hf", "single")
-    real = adapters.hf_to_mlm
+    real = adapters.iter_hf_to_mlm
 
     def broken(*args, **kwargs):  # a conversion bug: one (square) weight transposed
-        state = real(*args, **kwargs)
-        state["layers.1.attn.out.weight"] = state["layers.1.attn.out.weight"].t().contiguous()
-        return state
+        for key, t in real(*args, **kwargs):
+            yield key, t.t().contiguous() if key == "layers.1.attn.out.weight" else t
 
-    monkeypatch.setattr(adapters, "hf_to_mlm", broken)
+    monkeypatch.setattr(adapters, "iter_hf_to_mlm", broken)
     r = cli(monkeypatch, capsys, "convert", "--from-hf", tmp_path / "hf", tmp_path / "ckpt")
     assert_error(r, "verification failed", "above the float32 tolerance", "the output was removed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # neither OUT nor its temporary
     with pytest.raises(MlmError, match=r"verification failed: .* the output was removed"):
         convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
-    monkeypatch.setattr(adapters, "hf_to_mlm", real)
-    convert.import_hf(tmp_path / "hf", tmp_path / "ckpt", verify_logits=False)
+    monkeypatch.setattr(adapters, "iter_hf_to_mlm", real)
+    convert.import_hf(tmp_path / "hf", tmp_path / "ckpt", verify=False)
 
     real_export = adapters.mlm_to_hf
 
@@ -214,7 +213,7 @@ def test_verification_failure_removes_output(tmp_path, monkeypatch, capsys):
     with pytest.raises(MlmError, match="verification failed"):
         convert.export_hf(tmp_path / "ckpt", tmp_path / "back")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]
-    convert.export_hf(tmp_path / "ckpt", tmp_path / "back", verify_logits=False)  # --no-verify keeps it
+    convert.export_hf(tmp_path / "ckpt", tmp_path / "back", verify=False)  # --no-verify keeps it
     assert (tmp_path / "back" / "model.safetensors").is_file()
 
 
@@ -371,3 +370,39 @@ def test_export_of_a_trained_checkpoint(tmp_path):
         torch.testing.assert_close(
             hf(input_ids=tokens).logits, model.eval()(tokens)[..., :300], atol=1e-5, rtol=0
         )
+
+
+def test_training_starts_from_an_import(tmp_path, tiny_data):
+    """The import's config.toml and weights start `mlm train` (a weights-only checkpoint: a new
+    run from those weights), whose logits are then transformers'."""
+    from mlm.train.trainer import Trainer
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,  # the tiny dataset's SentencePiece vocabulary
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    sets = [
+        f"run_dir='{tmp_path / 'run'}'",
+        f"data.data_path=['{tiny_data}']",
+        "data.seq_length=32",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=2",
+        "train.train_iters=2",
+        "logging.tensorboard=false",
+    ]
+    trainer = Trainer(load_config(tmp_path / "ckpt" / "config.toml", sets), load=str(tmp_path / "ckpt"))
+    tokens = torch.arange(32).view(1, 32) * 13 % 512
+    with torch.no_grad():
+        theirs = model(input_ids=tokens).logits
+    torch.testing.assert_close(trainer.pipeline.logits(tokens)[..., :512], theirs, rtol=1e-5, atol=1e-5)
+    losses = trainer.train()
+    assert trainer.iteration == 2 and len(losses) == 2 and all(0 < x < 10 for x in losses)

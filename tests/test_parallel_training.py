@@ -22,6 +22,7 @@ import torch
 
 from mlm.checkpoint import ShardedTensor, load_checkpoint
 from mlm.config import load_config
+from mlm.convert.hf import export_hf
 from mlm.train.trainer import Trainer
 
 from conftest import tiny_sets
@@ -197,6 +198,14 @@ def test_pp2_tp2_checkpoint_resumes_exactly_and_gives_the_same_logits_at_pp1(tmp
     )
     assert one.evaluate() == pytest.approx(eval_loss, rel=RTOL)
     assert one.sample() == sample
+    # exported to Hugging Face after those tp 2 training steps: transformers gives the same logits
+    import transformers  # here, not at the top: every rank process imports this module
+
+    export_hf(ckpt, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens).logits
+    torch.testing.assert_close(theirs, logits[..., :vocab], rtol=1e-5, atol=1e-5)
     # straight into a tp 1 × pp 2 run (another vocabulary padding, each stage's own RNG): it
     # continues as the saving mesh did
     sets_d = _sets(tmp_path, tiny_data, "d", **{**parallel, "parallel.tp": 1})

@@ -4,11 +4,15 @@ vocabulary rows are re-padded, and the logits of every copy are identical."""
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+
 import pytest
 import torch
 import zarr
 
-from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint
+from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint, store
 from mlm.config import load_config
 from mlm.convert.reshard import reshard
 from mlm.errors import MlmError
@@ -107,6 +111,40 @@ def test_bad_targets(trained, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing left behind
 
 
+def test_dp_checksums_and_a_full_disk(trained, tmp_path, monkeypatch):
+    ckpt, _ = trained
+    # dp: recorded for the target mesh, checked against the batch (global 4 = micro 2 × dp 2)
+    reshard(ckpt, tmp_path / "dp2", 1, 1, dp=2, verify=False)
+    assert read_manifest(resolve_checkpoint(tmp_path / "dp2"))["mesh"]["dp"] == 2
+    with pytest.raises(MlmError, match=r"global_batch_size=4 is not divisible by .*=2 × dp=4"):
+        reshard(ckpt, tmp_path / "dp4", 1, 1, dp=4)
+    # a damaged chunk in the source is refused (--no-verify copies it as it is)
+    src = tmp_path / "damaged"
+    shutil.copytree(resolve_checkpoint(tmp_path / "dp2"), src / "iter_0000002")
+    chunk = src / "iter_0000002" / "optim" / "exp_avg.layers.1.mlp.up.weight" / "c" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[::-1])
+    with pytest.raises(MlmError, match=r"exp_avg.layers.1.mlp.up.weight: chunk c/0/0 fails its checksum"):
+        reshard(src / "iter_0000002", tmp_path / "bad", 2, 1)
+    reshard(src / "iter_0000002", tmp_path / "unchecked", 2, 1, verify=False)
+    # the disk fills up half-way: one message, and no output (nor its temporary folder) is left
+    writes = {"n": 0}
+    real = store.write_chunk
+
+    def fill_up(path, buf):
+        writes["n"] += 1
+        if writes["n"] == 20:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, buf)
+
+    monkeypatch.setattr(store, "write_chunk", fill_up)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(
+        MlmError, match=r"no space left on the device while writing .*full \(No space left on "
+    ):
+        reshard(ckpt, tmp_path / "full", 2, 1)
+    assert writes["n"] == 20 and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_cli(trained, tmp_path):
     ckpt, _ = trained
     r = mlm("convert", ckpt, tmp_path / "tp2pp2", "--tp", "2", "--pp", "2")
@@ -114,7 +152,7 @@ def test_cli(trained, tmp_path):
     assert (
         "resharded" in r.stderr
         and "for tp=2 pp=2" in r.stderr
-        and "logits verified: max |diff| 0" in r.stderr
+        and "checksums and logits verified: max |diff| 0" in r.stderr
     )
     assert read_manifest(resolve_checkpoint(tmp_path / "tp2pp2"))["mesh"]["tp"] == 2
     r = mlm("convert", ckpt, tmp_path / "nothing")

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,8 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 _ITER_RE = re.compile(r"iter_(\d+)")
 RESERVED = {"format", "format_version", "mlm_version", "iteration", "tensors"}
+CHECKSUMS = "crc32c"
+"""Manifest field of each tensor: chunk key → CRC-32C of the chunk file (8 hex digits)."""
 
 
 @dataclass
@@ -124,18 +127,39 @@ def _prepare(root: Path, it_dir: Path, group_names: list[str]) -> None:
         zarr.open_group(str(it_dir / name), mode="w")
 
 
-def _open_array(path: Path, mode: str) -> zarr.Array:
+def _open_created(path: Path) -> store.Array:
     if not (path / "zarr.json").is_file():
         raise MlmError(
             f"{path}: array not created; the shard of this tensor at offset 0 must have writer=True "
             "on exactly one rank (and every rank must pass the same group names)"
         )
-    return zarr.open_array(str(path), mode=mode)
+    return store.open_array(path, str(path))
 
 
-def _finish(root: Path, it_dir: Path, iteration: int, group_names: list[str], extra_json: str) -> None:
-    """Rank 0, after every slice is written: manifest, then `latest`."""
+def _checksum_file(it_dir: Path, rank: int) -> Path:
+    return it_dir / f"{CHECKSUMS}.rank{rank:05d}.json"
+
+
+def _finish(
+    root: Path,
+    it_dir: Path,
+    iteration: int,
+    group_names: list[str],
+    extra_json: str,
+    sums: dict | None = None,
+) -> None:
+    """Rank 0, after every slice is written: manifest (with the chunk checksums every rank wrote
+    beside it, or `sums`), then `latest`."""
     tensors = {f"{g}/{k}": info for g in group_names for k, info in store.array_infos(it_dir / g).items()}
+    files = sorted(it_dir.glob(f"{CHECKSUMS}.rank*.json"))
+    for part in [sums or {}, *(json.loads(f.read_text()) for f in files)]:
+        for key, chunks in part.items():
+            tensors[key].setdefault(CHECKSUMS, {}).update(chunks)
+    for info in tensors.values():
+        if CHECKSUMS in info:
+            info[CHECKSUMS] = dict(sorted(info[CHECKSUMS].items()))
+    for f in files:
+        f.unlink()
     head = {"format": FORMAT, "format_version": 1, "mlm_version": __version__, "iteration": iteration}
     manifest = {**head, "tensors": tensors, **json.loads(extra_json)}
     _write_durable(it_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
@@ -172,11 +196,14 @@ def save_checkpoint(
                 chunk = st.chunk or tuple(st.local.shape)
                 store.create_array(it_dir / name / st.key, st.global_shape, chunk, st.local.dtype)
     barrier()
+    sums: dict[str, store.Checksums] = {}
     for name, tensors in groups.items():
         for st in (st for st in tensors if st.writer):
-            arr = _open_array(it_dir / name / st.key, "r+")
+            arr = _open_created(it_dir / name / st.key)
             store.check_aligned(arr, st.global_offset, tuple(st.local.shape), f"{it_dir}/{name}/{st.key}")
-            store.write_slice(arr, st.local, st.global_offset)
+            sums.setdefault(f"{name}/{st.key}", {}).update(store.write_slice(arr, st.local, st.global_offset))
+    if sums:
+        _checksum_file(it_dir, rank).write_text(json.dumps(sums))
     barrier()
     if rank == 0:
         _finish(root, it_dir, iteration, list(groups), extra_json)
@@ -196,16 +223,24 @@ def save_streaming(
     group_names: list[str],
 ) -> Path:
     """One process writes a whole checkpoint as `tensors` yields (group, key, global tensor, chunk
-    shape): memory holds one tensor at a time (conversion tools). Same layout as `save_checkpoint`."""
+    shape), for the conversion tools. Producing tensor i + 1 overlaps writing tensor i (in a
+    thread); tensor i is written before tensor i + 2 is asked for, so a producer may reuse two
+    buffers in turn, and memory holds two tensors. Same layout as `save_checkpoint`."""
     root, it_dir = Path(root), Path(root) / iter_dir_name(iteration)
     if RESERVED & extra.keys():
         raise ValueError(f"extra keys {sorted(RESERVED & extra.keys())} are reserved for the manifest")
     extra_json = json.dumps(extra)
     _prepare(root, it_dir, group_names)
-    for group, key, tensor, chunk in tensors:
-        arr = store.create_array(it_dir / group / key, tuple(tensor.shape), chunk, tensor.dtype)
-        store.write_slice(arr, tensor, (0,) * tensor.dim())
-    _finish(root, it_dir, iteration, group_names, extra_json)
+    sums, writing = {}, {}
+    with ThreadPoolExecutor(1) as writer:  # producing tensor i + 1 overlaps writing tensor i
+        for group, key, tensor, chunk in tensors:
+            arr = store.create_array(it_dir / group / key, tuple(tensor.shape), chunk, tensor.dtype)
+            for done, future in writing.items():
+                sums[done] = future.result()
+            writing = {f"{group}/{key}": writer.submit(store.write_slice, arr, tensor, (0,) * tensor.dim())}
+        for done, future in writing.items():
+            sums[done] = future.result()
+    _finish(root, it_dir, iteration, group_names, extra_json, sums)
     return it_dir
 
 
@@ -264,13 +299,15 @@ def load_checkpoint(
     *,
     strict: bool = True,
     job_keys: dict[str, set[str]] | None = None,
+    verify: bool = True,
 ) -> dict:
     """Copy each target's slice from the checkpoint into its `local`, in place; return the manifest.
 
     Values are cast to each `local`'s dtype. `strict`: every stored tensor of a requested group
     must have a target, on this rank or (given `job_keys`, group → keys loaded by any rank, as
     when pipeline stages each hold some layers) on some rank. Groups not requested (e.g. `optim`
-    for evaluation) are not read.
+    for evaluation) are not read. `verify`: check every chunk read against the CRC-32C the
+    manifest records for it.
     """
     it_dir = resolve_checkpoint(path)
     manifest = read_manifest(it_dir)
@@ -302,8 +339,9 @@ def load_checkpoint(
                 raise MlmError(f"{where}: checkpoint has shape {shape}, the model expects {st.global_shape}")
             if local.numel() == 0:
                 continue
-            arr = _open_array(it_dir / name / st.key, "r")
-            value = store.read_slice(arr, st.global_offset, tuple(local.shape), where)
+            arr = store.open_array(it_dir / name / st.key, where)
+            sums = stored[st.key].get(CHECKSUMS) if verify else None
+            value = store.read_slice(arr, st.global_offset, tuple(local.shape), where, sums)
             with torch.no_grad():
                 local.copy_(value)
     return manifest
@@ -314,3 +352,25 @@ def _near(key: str, stored: dict) -> str:
         return "the checkpoint has no tensors in this group"
     close = difflib.get_close_matches(key, list(stored), n=3) or sorted(stored)[:3]
     return f"it has {len(stored)} here, e.g. {', '.join(close)}"
+
+
+def read_group(
+    ckpt: str | os.PathLike, group: str = "model", verify: bool = True
+) -> tuple[dict[str, torch.Tensor], dict, Path]:
+    """(every tensor of `group`, whole, in its stored dtype; the manifest; the iter dir) of the
+    checkpoint `ckpt` (DIR or DIR/iter_N), for one process (conversion, serving); `verify`: check
+    every chunk's checksum."""
+    it_dir = resolve_checkpoint(ckpt)
+    manifest = read_manifest(it_dir)
+    prefix = f"{group}/"
+    infos = {k[len(prefix) :]: v for k, v in manifest["tensors"].items() if k.startswith(prefix)}
+    if not infos:
+        raise MlmError(f"{it_dir}: the checkpoint has no {prefix} tensors")
+    targets = [
+        ShardedTensor.full(
+            k, torch.empty(v["shape"], dtype=store.dtype_from_name(v["dtype"], f"{it_dir}: {k}"))
+        )
+        for k, v in infos.items()
+    ]
+    load_checkpoint(it_dir, {group: targets}, verify=verify)
+    return {st.key: st.local for st in targets}, manifest, it_dir

@@ -1,8 +1,9 @@
-"""What the conversions share: dtypes, staging OUT beside its final name, reading a checkpoint's
-global model tensors, and mlm's own logits on the verification prompt."""
+"""What the conversions share: dtypes, staging OUT beside its final name, and mlm's own logits on
+the verification prompt."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable
@@ -10,8 +11,6 @@ from pathlib import Path
 
 import torch
 
-from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint
-from mlm.checkpoint.store import dtype_from_name
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
@@ -65,6 +64,13 @@ class Staging:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = shutil.disk_usage(self.out.parent).free
+                raise MlmError(
+                    f"no space left on the device while writing {self.out} ({exc.strerror}); the "
+                    f"partial output was removed ({free / 1e9:.3g} GB free now): free space or choose "
+                    "another OUT, then run again"
+                ) from exc
             return
         check_new(self.out)
         os.rename(self.tmp, self.out)
@@ -76,18 +82,3 @@ Progress = Callable[[str, int, int], None]
 
 def noop(desc: str, done: int, total: int) -> None:
     pass
-
-
-def read_model_group(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict, Path]:
-    """(global model tensors, manifest, iter dir) of an mlm checkpoint (DIR or DIR/iter_N)."""
-    it_dir = resolve_checkpoint(ckpt)
-    manifest = read_manifest(it_dir)
-    infos = {k[len("model/") :]: v for k, v in manifest["tensors"].items() if k.startswith("model/")}
-    if not infos:
-        raise MlmError(f"{it_dir}: the checkpoint has no model/ tensors")
-    targets = [
-        ShardedTensor.full(k, torch.empty(v["shape"], dtype=dtype_from_name(v["dtype"], f"{it_dir}: {k}")))
-        for k, v in infos.items()
-    ]
-    load_checkpoint(it_dir, {"model": targets})
-    return {st.key: st.local for st in targets}, manifest, it_dir

@@ -5,7 +5,8 @@
 
 The key and layout mapping is `mlm.hf` (one adapter per architecture). Each conversion is built
 in `OUT.tmp-PID` beside OUT and renamed to OUT only after it is complete and, unless
-`verify=False`, after the logits of mlm (`GPT` with the checkpoint's tensors) and of transformers
+`verify=False`, after the logits of mlm (`GPT` with the checkpoint's tensors, whose chunk checksums are
+checked as they are read) and of transformers
 (`AutoModelForCausalLM`) agree on a fixed prompt; otherwise the temporary folder is removed, so
 OUT never holds a conversion that did not pass.
 """
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 
 from mlm import hf as adapters
-from mlm.checkpoint import ShardedTensor, save_checkpoint
+from mlm.checkpoint import read_group
+from mlm.checkpoint.manager import save_streaming
 from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, DataConfig, ModelConfig, config_from_dict, to_toml
 from mlm.convert import hf_io
@@ -34,7 +36,6 @@ from mlm.convert.common import (
     mlm_logits,
     noop,
     prompt,
-    read_model_group,
 )
 from mlm.errors import MlmError
 
@@ -76,7 +77,7 @@ def hf_logits(hf_dir: Path, cfg: ModelConfig) -> torch.Tensor:
         return model(input_ids=prompt(cfg.vocab_size, cfg.max_position_embeddings)).logits
 
 
-def verify(report: Report, ours: torch.Tensor, theirs: torch.Tensor, tol_dtype: torch.dtype) -> None:
+def check_logits(report: Report, ours: torch.Tensor, theirs: torch.Tensor, tol_dtype: torch.dtype) -> None:
     """Fill the report's logit comparison; raise MlmError above the tolerance."""
     if ours.shape != theirs.shape:
         raise MlmError(
@@ -114,7 +115,7 @@ def import_hf(
     hf_dir: str | os.PathLike,
     out: str | os.PathLike,
     *,
-    verify_logits: bool = True,
+    verify: bool = True,
     progress: Progress = noop,
 ) -> Report:
     """Hugging Face model folder → mlm checkpoint folder `out` (iteration 0, group "model")."""
@@ -124,18 +125,9 @@ def import_hf(
     hf_config = hf_io.read_hf_config(hf_dir)
     hf_class = _hf_class(hf_config)
     model_cfg = adapters.config_from_hf(hf_config)
-    files = hf_io.weight_files(hf_dir)
-    total = sum(f.stat().st_size for f in files)
+    hf_tensors = hf_io.lazy_tensors(hf_dir)
+    total = sum(f.stat().st_size for f in hf_io.weight_files(hf_dir))
     with Staging(out) as tmp:
-        hf_state: dict[str, torch.Tensor] = {}
-        done = 0
-        for path in files:  # one file at a time: each tensor is read once
-            progress(f"reading {path.name}", done, total)
-            hf_state.update(hf_io.load_weight_file(path))
-            done += path.stat().st_size
-            progress(f"read {path.name}", done, total)
-        mlm_state = adapters.hf_to_mlm(hf_state, model_cfg, hf_config["model_type"])
-        del hf_state  # mlm_state shares the tensors that needed no transpose, split or padding
         tokenizer_files = hf_io.copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
         seq = min(DataConfig().seq_length, model_cfg.max_position_embeddings)
         data = DataConfig(
@@ -147,27 +139,34 @@ def import_hf(
             "source": {"hf_dir": str(hf_dir.resolve()), "architecture": hf_class},
             "tokenizer": {"path": TOKENIZER_DIR, "files": tokenizer_files} if tokenizer_files else None,
         }
-        progress("writing the checkpoint", 0, 0)
-        save_checkpoint(tmp, 0, {"model": [ShardedTensor.full(k, t) for k, t in mlm_state.items()]}, extra)
-        progress("wrote the checkpoint", 0, 0)
+        written = {"tensors": 0, "bytes": 0, "dtypes": set()}
+
+        def tensors():  # read, converted and written one at a time (see save_streaming)
+            mlm_tensors = adapters.iter_hf_to_mlm(hf_tensors, model_cfg, hf_config["model_type"])
+            for key, t in mlm_tensors:
+                yield "model", key, t, tuple(t.shape)
+                written["tensors"] += 1
+                written["bytes"] += t.numel() * t.element_size()
+                written["dtypes"].add(dtype_name(t.dtype))
+                progress(f"model/{key}", written["bytes"], total)
+
+        save_streaming(tmp, 0, tensors(), extra, ["model"])
         (tmp / "config.toml").write_text(to_toml(config))
-        dtypes = sorted({dtype_name(t.dtype) for t in mlm_state.values()})
         report = Report(
             "import",
             hf_dir,
             out,
             hf_class,
-            tensors=len(mlm_state),
-            bytes=sum(t.numel() * t.element_size() for t in mlm_state.values()),
+            tensors=written["tensors"],
+            bytes=written["bytes"],
             seconds=0.0,
-            dtype=",".join(dtypes),
+            dtype=",".join(sorted(written["dtypes"])),
             tokenizer_files=tokenizer_files,
         )
-        del mlm_state  # verification reads the checkpoint back: one copy of the model at a time
-        if verify_logits:
+        if verify:
             progress("verifying logits", 0, 0)
-            stored = read_model_group(tmp)[0]  # what was written, not what was meant to be
-            verify(
+            stored = read_group(tmp)[0]  # what was written, not what was meant to be
+            check_logits(
                 report,
                 mlm_logits(stored, model_cfg, stored["embed.weight"].shape[0]),
                 hf_logits(hf_dir, model_cfg),
@@ -185,7 +184,7 @@ def export_hf(
     dtype: str | None = None,
     max_shard_size: str | int = "5GB",
     tokenizer: str | os.PathLike | None = None,
-    verify_logits: bool = True,
+    verify: bool = True,
     progress: Progress = noop,
 ) -> Report:
     """mlm checkpoint (DIR or DIR/iter_N, model group) → Hugging Face model folder `out`."""
@@ -200,7 +199,7 @@ def export_hf(
         )
     start = time.perf_counter()
     progress("reading the checkpoint", 0, 0)
-    mlm_state, manifest, it_dir = read_model_group(ckpt)
+    mlm_state, manifest, it_dir = read_group(ckpt, verify=verify)
     progress("read the checkpoint", 0, 0)
     if "config" not in manifest:
         raise MlmError(
@@ -253,9 +252,9 @@ def export_hf(
             tokenizer_files=tokenizer_files,
         )
         del hf_state  # transformers reads it back from the files
-        if verify_logits:
+        if verify:
             progress("verifying logits", 0, 0)
-            verify(
+            check_logits(
                 report,
                 mlm_logits(mlm_state, cfg, padded or cfg.padded_vocab_size()),
                 hf_logits(tmp, cfg),

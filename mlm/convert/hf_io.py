@@ -1,8 +1,8 @@
 """Hugging Face model folders on disk: config.json, weight files (safetensors, sharded or not, or
 `pytorch_model.bin`), safetensors shards with their index, and the tokenizer files beside them.
 
-Weights are read one file at a time (`iter_weight_files`), so a sharded checkpoint never holds a
-shard twice; `write_safetensors` writes shards of at most `max_shard_size` bytes under
+Weights are read one tensor at a time (`lazy_tensors`) or one file at a time
+(`iter_weight_files`); `write_safetensors` writes shards of at most `max_shard_size` bytes under
 `model-0000K-of-0000N.safetensors` with `model.safetensors.index.json`, as `save_pretrained` does.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -119,6 +120,33 @@ def iter_weight_files(hf_dir: Path) -> Iterator[tuple[Path, dict[str, torch.Tens
     """(file, its tensors), one weight file at a time."""
     for path in weight_files(hf_dir):
         yield path, load_weight_file(path)
+
+
+def lazy_tensors(hf_dir: Path) -> dict[str, tuple[torch.Size, Callable[[], torch.Tensor]]]:
+    """Every tensor of the folder's weight files, not read yet: key → (shape, read). safetensors
+    headers give the shapes and each tensor is read on its own; a .bin file is memory-mapped
+    (read as pages are touched) where torch's zip format allows, else loaded whole."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in weight_files(hf_dir):
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for k in f.keys():
+                        out[k] = (torch.Size(f.get_slice(k).get_shape()), partial(_read_safetensor, path, k))
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise MlmError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        else:
+            out.update({k: (t.shape, partial(lambda t: t, t)) for k, t in load_weight_file(path).items()})
+    return out
+
+
+def _read_safetensor(path: Path, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(key)
 
 
 def plan_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:

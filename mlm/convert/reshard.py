@@ -18,16 +18,15 @@ into a temporary directory beside OUT that is renamed to OUT only when complete 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
-import zarr
 
-from mlm.checkpoint import read_manifest, resolve_checkpoint, store
-from mlm.checkpoint.manager import RESERVED, save_streaming
+from mlm.checkpoint import read_group, read_manifest, resolve_checkpoint, store
+from mlm.checkpoint.manager import CHECKSUMS, RESERVED, save_streaming
 from mlm.config import config_from_dict
 from mlm.convert.common import (
     DTYPES,
@@ -37,12 +36,12 @@ from mlm.convert.common import (
     check_new,
     mlm_logits,
     noop,
-    read_model_group,
 )
 from mlm.errors import MlmError
 from mlm.model.gpt import VOCAB_ROWS
 from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dim
 from mlm.parallel.pipeline import stage_layer_counts
+from mlm.parallel.schedules import micro_batches_per_step
 
 _MOMENTS = ("exp_avg.", "exp_avg_sq.")
 
@@ -63,13 +62,16 @@ def target_chunk(name: str, shape: tuple[int, ...], tp: int, consolidate: bool) 
     return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
-def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate) -> Iterator:
-    for full_key, info in infos.items():
+def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate, verify) -> Iterator:
+    """Each tensor of `src`, converted, read into one of two buffers in turn (see `save_streaming`)."""
+    largest = max(store.nbytes(info) for info in infos.values())
+    buffers = [np.empty(largest, np.uint8) for _ in range(2)]
+    for i, (full_key, info) in enumerate(infos.items()):
         group, key = full_key.split("/", 1)
         where = f"{src}: tensor {full_key}"
-        arr = zarr.open_array(str(src / group / key), mode="r")
-        shape = tuple(info["shape"])
-        t = store.read_slice(arr, (0,) * len(shape), shape, where)
+        arr = store.open_array(src / group / key, where)
+        sums = info.get(CHECKSUMS) if verify else None
+        t = store.read_slice(arr, (0,) * len(arr.shape), arr.shape, where, sums, buffers[i % 2])
         name = _param_name(key)
         if name in VOCAB_ROWS and t.shape[0] != padded:  # padding rows are zeros: cut or add them
             rows = torch.zeros((padded, *t.shape[1:]), dtype=t.dtype)
@@ -87,15 +89,17 @@ def reshard(
     tp: int,
     pp: int,
     vpp: int = 1,
+    dp: int | None = None,
     dtype: str | None = None,
     consolidate: bool = False,
     verify: bool = True,
     progress: Progress = noop,
 ) -> float | None:
     """Write `src` (a checkpoint dir or iter_ dir) to the new checkpoint dir `out`, laid out for
-    tp × pp (× vpp). With `verify`, the logits of both on a fixed prompt must agree (bitwise
-    without `dtype`, else within the dtype's tolerance) before OUT appears; returns the max
-    difference (None unverified)."""
+    tp × pp (× vpp) × dp (default: the source's dp; checked against the batch sizes). With
+    `verify`, every chunk read must match its checksum and the logits of both on a fixed prompt
+    must agree (bitwise without `dtype`, else within the dtype's tolerance) before OUT appears;
+    returns the max logit difference (None unverified)."""
     it_dir = resolve_checkpoint(src)
     out = Path(out)
     check_new(out)
@@ -111,21 +115,21 @@ def reshard(
     groups = sorted({k.split("/", 1)[0] for k in infos})
     extra = {k: v for k, v in manifest.items() if k not in RESERVED}
     extra["config"] = dataclasses.replace(cfg, parallel=parallel).to_dict()
-    dp = manifest.get("mesh", {}).get("dp", 1)
+    dp = dp or manifest.get("mesh", {}).get("dp", 1)
+    t = cfg.train
+    micro_batches_per_step(t.global_batch_size, t.micro_batch_size, dp, pp, vpp)
     extra["mesh"] = {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": 1, "world_size": tp * pp * dp}
     if pp != manifest.get("mesh", {}).get("pp", 1):
         extra["rng_per_stage"] = None  # per-stage RNG states belong to the old pipeline
     cast = DTYPES[dtype] if dtype else None
-    total = sum(
-        math.prod(v["shape"]) * store.dtype_from_name(v["dtype"], k).itemsize for k, v in infos.items()
-    )
+    total = sum(store.nbytes(v) for v in infos.values())
 
     with Staging(out) as tmp:
         done = 0
 
         def tensors():
             nonlocal done
-            for group, key, t, chunk in _converted(it_dir, infos, padded, tp, cast, consolidate):
+            for group, key, t, chunk in _converted(it_dir, infos, padded, tp, cast, consolidate, verify):
                 yield group, key, t, chunk
                 done += t.numel() * t.element_size()
                 progress(f"{group}/{key}", done, total)
@@ -134,10 +138,10 @@ def reshard(
         if not verify:
             return None
         progress("verifying logits", 0, 0)
-        before, _, _ = read_model_group(it_dir)
+        before, _, _ = read_group(it_dir)
         theirs = mlm_logits(before, cfg.model, before["embed.weight"].shape[0])
         del before
-        after, _, _ = read_model_group(tmp)
+        after, _, _ = read_group(tmp)
         ours = mlm_logits(after, cfg.model, padded)
         diff = (ours - theirs).abs().max().item()
         limit = 0.0 if cast is None else TOLERANCE[cast] * max(1.0, theirs.abs().max().item())

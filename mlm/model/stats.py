@@ -1,10 +1,14 @@
-"""Parameter count and model FLOPs per token (Megatron's formula, used for MFU)."""
+"""Parameter count and model FLOPs per token (Megatron's formula, used for MFU; it lives in
+`mlm.flops`, torch-free, for the planner)."""
 
 from __future__ import annotations
 
 import torch
 
 from mlm.config import ModelConfig
+from mlm.flops import flops_per_token
+
+__all__ = ["flops_per_token", "parameter_count"]
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -14,14 +18,3 @@ def parameter_count(cfg: ModelConfig) -> int:
     with torch.device("meta"):
         model = GPT(cfg)
     return sum(p.numel() for p in model.parameters())
-
-
-def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token (forward + backward = 3 × forward), as Megatron counts them:
-    every matmul, attention over the full (not causally halved) sequence, the logits layer,
-    no recompute. Per layer 12·D²·(1 + G/H + T/D + F·m/(2D)), m = 3 gated / 2 plain MLP;
-    plus 6·D·V for the logits."""
-    D, H, G = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups
-    m = 3 if cfg.activation == "swiglu" else 2
-    per_layer = 12 * D * D * (1 + G / H + seq_length / D + cfg.ffn_size * m / (2 * D))
-    return cfg.num_layers * per_layer + 6 * D * cfg.padded_vocab_size()

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mlm.errors import MlmError
+from mlm.parallel.buckets import bucket_layout
 
 # torch 2.13 renamed the tensor collectives and deprecated the old names; use whichever exists.
 REDUCE_SCATTER = (
@@ -131,21 +132,9 @@ class GradBuckets:
         # Layout: reverse parameter order (backward order); a bucket closes once it reaches the size.
         pad = math.lcm(self.dp, 128) if reduce_scatter else 1
         limit = max(1, int(bucket_size_bytes) // 4)  # fp32 elements
-        self.ranges: list[tuple[int, int]] = [(0, 0)] * len(self.params)
-        self.buckets: list[Bucket] = []
-        offset = 0
-        current = Bucket(0, 0, 0)
-        for i in reversed(range(len(self.params))):
-            n = self.params[i].numel()
-            self.ranges[i] = (offset, offset + n)
-            offset += n
-            current.params.append(i)
-            if offset - current.start >= limit or i == 0:
-                current.end = current.start + -(-(offset - current.start) // pad) * pad
-                offset = current.end
-                self.buckets.append(current)
-                current = Bucket(len(self.buckets), offset, offset)
-        self.numel = offset
+        self.ranges, layout = bucket_layout([p.numel() for p in self.params], limit, pad)
+        self.buckets = [Bucket(k, s, e, members) for k, (s, e, members) in enumerate(layout)]
+        self.numel = self.buckets[-1].end
         self.bucket_of = [0] * len(self.params)
         for b in self.buckets:
             for i in b.params:

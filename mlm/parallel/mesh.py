@@ -5,15 +5,15 @@ group is `tp` consecutive ranks (one node's NVLink domain). Built on
 `torch.distributed.device_mesh` with dims ("pp", "dp", "cp", "tp"); expert parallelism is
 folded over dp × cp for MoE layers. One process without torch.distributed is the mesh of
 size 1 (`Mesh.single()`), whose groups are None and whose collectives are no-ops.
+Importing this module does not import torch, so that `mlm plan` can check meshes with
+`shape_for` and `check_tensor_parallel` in well under a second.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
-from mlm.config import ParallelConfig
+from mlm.config import ModelConfig, ParallelConfig
 from mlm.errors import MlmError
 
 DIMS = ("pp", "dp", "cp", "tp")
@@ -55,6 +55,8 @@ class Mesh:
     @classmethod
     def build(cls, cfg: ParallelConfig, device_type: str = "cpu") -> Mesh:
         """The mesh of the initialised default process group (or `single()` without one)."""
+        import torch.distributed as dist  # here, so that the planner can use shape_for without torch
+
         if not dist.is_available() or not dist.is_initialized():
             cls.shape_for(cfg, 1)
             return cls.single()
@@ -99,3 +101,30 @@ class Mesh:
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} (world {self.world_size})"
+
+
+def check_tensor_parallel(cfg: ModelConfig, padded_vocab: int, tp: int) -> None:
+    """MlmError unless every tensor-parallel layer of `cfg` splits evenly over `tp` ranks."""
+    H, G = cfg.num_attention_heads, cfg.query_groups
+    if H % tp:
+        raise MlmError(
+            f"model.num_attention_heads={H} is not divisible by parallel.tp={tp}: each tp rank "
+            f"holds whole attention heads; choose a tp that divides {H}"
+        )
+    if G % tp:
+        raise MlmError(
+            f"model.num_query_groups={G} is not divisible by parallel.tp={tp}: each tp rank holds "
+            f"whole key/value groups; choose a tp that divides {G}, or more query groups"
+        )
+    if cfg.ffn_size % tp:
+        given = "" if cfg.ffn_hidden_size else " (unset: 4 × hidden_size)"
+        raise MlmError(
+            f"model.ffn_hidden_size={cfg.ffn_size}{given} is not divisible by parallel.tp={tp}; "
+            f"choose a tp that divides it, or an ffn_hidden_size that is a multiple of {tp}"
+        )
+    if padded_vocab % tp:
+        raise MlmError(
+            f"padded vocabulary {padded_vocab} (model.vocab_size={cfg.vocab_size}) is not divisible "
+            f"by parallel.tp={tp}; build the model as GPT(cfg, padded_vocab=cfg.padded_vocab_size({tp})) "
+            f"= {cfg.padded_vocab_size(tp)} rows"
+        )

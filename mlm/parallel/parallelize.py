@@ -27,10 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from mlm.config import ModelConfig
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT, TP_PLAN
-from mlm.parallel.mesh import Mesh
+from mlm.parallel.mesh import Mesh, check_tensor_parallel
 from mlm.parallel.pipeline import tied_output_copy
 from mlm.parallel.tensor import (
     ColumnParallelLinear,
@@ -42,33 +41,6 @@ from mlm.parallel.tensor import (
     VocabParallelEmbedding,
     local_slice,
 )
-
-
-def check_tensor_parallel(cfg: ModelConfig, padded_vocab: int, tp: int) -> None:
-    """MlmError unless every tensor-parallel layer of `cfg` splits evenly over `tp` ranks."""
-    H, G = cfg.num_attention_heads, cfg.query_groups
-    if H % tp:
-        raise MlmError(
-            f"model.num_attention_heads={H} is not divisible by parallel.tp={tp}: each tp rank "
-            f"holds whole attention heads; choose a tp that divides {H}"
-        )
-    if G % tp:
-        raise MlmError(
-            f"model.num_query_groups={G} is not divisible by parallel.tp={tp}: each tp rank holds "
-            f"whole key/value groups; choose a tp that divides {G}, or more query groups"
-        )
-    if cfg.ffn_size % tp:
-        given = "" if cfg.ffn_hidden_size else " (unset: 4 × hidden_size)"
-        raise MlmError(
-            f"model.ffn_hidden_size={cfg.ffn_size}{given} is not divisible by parallel.tp={tp}; "
-            f"choose a tp that divides it, or an ffn_hidden_size that is a multiple of {tp}"
-        )
-    if padded_vocab % tp:
-        raise MlmError(
-            f"padded vocabulary {padded_vocab} (model.vocab_size={cfg.vocab_size}) is not divisible "
-            f"by parallel.tp={tp}; build the model as GPT(cfg, padded_vocab=cfg.padded_vocab_size({tp})) "
-            f"= {cfg.padded_vocab_size(tp)} rows"
-        )
 
 
 def _style(name: str) -> str | None:

@@ -35,49 +35,11 @@ from mlm.config import ParallelConfig
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT, Chunk
 from mlm.parallel.mesh import Mesh
-from mlm.parallel.schedules import Action, forward_only, schedule
+from mlm.parallel.schedules import Action, forward_only, schedule, stage_layer_counts
 from mlm.parallel.tensor import gather_from_tp
 
 # ---------------------------------------------------------------- partitioning
-
-
-def stage_layer_counts(
-    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
-) -> list[int]:
-    """Layers on each of the pp × vpp virtual stages (in pipeline order): an even split, or `first`
-    / `last` layers on the first / last stage and an even split of the rest over the others."""
-    S = pp * vpp
-    what = f"pp({pp}) × vpp({vpp}) = {S} stages" if vpp > 1 else f"pp({pp}) stages"
-    if S > num_layers:
-        raise MlmError(
-            f"{what} but model.num_layers={num_layers}: every pipeline stage needs at least one layer; "
-            f"choose pp × vpp <= {num_layers}"
-        )
-    if first is None and last is None:
-        if num_layers % S:
-            raise MlmError(
-                f"model.num_layers={num_layers} is not divisible by {what}; choose sizes that divide it, "
-                "or set parallel.first_stage_layers / parallel.last_stage_layers for an uneven split"
-            )
-        return [num_layers // S] * S
-    ends = [n for n in (first, last) if n is not None]
-    rest, middle = num_layers - sum(ends), S - len(ends)
-    given = ", ".join(
-        f"parallel.{k}_stage_layers={n}" for k, n in (("first", first), ("last", last)) if n is not None
-    )
-    if middle == 0 and rest != 0 or middle > 0 and (rest < middle or rest % middle):
-        raise MlmError(
-            f"{given} leave {rest} of model.num_layers={num_layers} layers for the other {middle} of {what}"
-            + ("" if middle else " (there are none)")
-            + f"; each must get the same whole number (>= 1): change {given.split('=')[0]}"
-        )
-    even = rest // middle if middle else 0
-    counts = [even] * S
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    return counts
+# (stage_layer_counts, the layers per virtual stage, lives in the torch-free schedules module)
 
 
 def rank_chunks(counts: list[int], pp: int, rank: int) -> list[Chunk]:

@@ -32,6 +32,19 @@ class Action:
         return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
 
 
+def micro_batches_per_step(global_batch: int, micro_batch: int, dp: int, pp: int, vpp: int) -> int:
+    """Micro-batches each dp rank runs per step; MlmError unless the batch splits over dp and the
+    pipeline schedule can run that many."""
+    if global_batch % (micro_batch * dp):
+        raise MlmError(
+            f"train.global_batch_size={global_batch} is not divisible by train.micro_batch_size="
+            f"{micro_batch} × dp={dp}; make it a multiple of {micro_batch * dp}"
+        )
+    num_micro = global_batch // (micro_batch * dp)
+    check_pipeline(pp, vpp, num_micro)
+    return num_micro
+
+
 def check_pipeline(pp: int, vpp: int, num_micro: int) -> None:
     """MlmError unless `num_micro` micro-batches can be scheduled on pp × vpp stages."""
     if vpp > 1 and pp == 1:
@@ -99,3 +112,52 @@ def forward_only(num_micro: int, vpp: int = 1) -> list[Action]:
 def bubble_fraction(pp: int, num_micro: int, vpp: int = 1) -> float:
     """The idle fraction of a step predicted for 1F1B (vpp = 1) or interleaved 1F1B."""
     return (pp - 1) / (vpp * num_micro + pp - 1)
+
+
+def stage_layer_counts(
+    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
+) -> list[int]:
+    """Layers on each of the pp × vpp virtual stages (in pipeline order): an even split, or `first`
+    / `last` layers on the first / last stage and an even split of the rest over the others."""
+    S = pp * vpp
+    what = f"pp({pp}) × vpp({vpp}) = {S} stages" if vpp > 1 else f"pp({pp}) stages"
+    if S > num_layers:
+        raise MlmError(
+            f"{what} but model.num_layers={num_layers}: every pipeline stage needs at least one layer; "
+            f"choose pp × vpp <= {num_layers}"
+        )
+    if first is None and last is None:
+        if num_layers % S:
+            raise MlmError(
+                f"model.num_layers={num_layers} is not divisible by {what}; choose sizes that divide it, "
+                "or set parallel.first_stage_layers / parallel.last_stage_layers for an uneven split"
+            )
+        return [num_layers // S] * S
+    ends = [n for n in (first, last) if n is not None]
+    rest, middle = num_layers - sum(ends), S - len(ends)
+    given = ", ".join(
+        f"parallel.{k}_stage_layers={n}" for k, n in (("first", first), ("last", last)) if n is not None
+    )
+    if middle == 0 and rest != 0 or middle > 0 and (rest < middle or rest % middle):
+        raise MlmError(
+            f"{given} leave {rest} of model.num_layers={num_layers} layers for the other {middle} of {what}"
+            + ("" if middle else " (there are none)")
+            + f"; each must get the same whole number (>= 1): change {given.split('=')[0]}"
+        )
+    even = rest // middle if middle else 0
+    counts = [even] * S
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def peak_in_flight(pp: int, rank: int, num_micro: int, vpp: int = 1) -> int:
+    """The most (chunk, micro-batch) forwards whose activations pipeline rank `rank` holds at once
+    in one step of `schedule(pp, rank, num_micro, vpp)` (what `Pipeline.peak_in_flight` measures)."""
+    held = peak = 0
+    for a in schedule(pp, rank, num_micro, vpp):
+        held += 1 if a.kind == "F" else -1
+        peak = max(peak, held)
+    return peak

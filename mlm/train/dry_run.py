@@ -13,13 +13,12 @@ from rich.table import Table
 from rich.text import Text
 
 from mlm.config import Config
-from mlm.errors import MlmError
 from mlm.model.gpt import GPT
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import check_tensor_parallel
 from mlm.parallel.pipeline import split_for_pipeline, stage_layer_counts
 from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
-from mlm.parallel.schedules import check_pipeline
+from mlm.parallel.schedules import micro_batches_per_step
 
 
 def _layer_range(keys: list[str]) -> str:
@@ -36,13 +35,7 @@ def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
     shape = Mesh.shape_for(p, world_size)
     padded = cfg.model.padded_vocab_size(p.tp)
     check_tensor_parallel(cfg.model, padded, p.tp)
-    if t.global_batch_size % (t.micro_batch_size * shape["dp"]):
-        raise MlmError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
-            f"{t.micro_batch_size} × dp={shape['dp']}"
-        )
-    num_micro = t.global_batch_size // (t.micro_batch_size * shape["dp"])
-    check_pipeline(p.pp, p.vpp, num_micro)
+    num_micro = micro_batches_per_step(t.global_batch_size, t.micro_batch_size, shape["dp"], p.pp, p.vpp)
     counts = stage_layer_counts(cfg.model.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
 
     mesh_line = Text(

@@ -40,7 +40,7 @@ from mlm.parallel import Mesh
 from mlm.parallel.launch import init_distributed
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads, parallelize, param_layout
 from mlm.parallel.pipeline import Pipeline, split_for_pipeline
-from mlm.parallel.schedules import check_pipeline
+from mlm.parallel.schedules import micro_batches_per_step
 from mlm.parallel.tensor import vocab_parallel_cross_entropy
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optimizer import TrainOptimizer
@@ -86,12 +86,7 @@ def check_supported(mesh: Mesh, cfg: Config) -> None:
             "data parallelism; set cp and ep to 1"
         )
     t = cfg.train
-    if t.global_batch_size % (t.micro_batch_size * mesh.dp):
-        raise MlmError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
-            f"{t.micro_batch_size} × dp={mesh.dp}"
-        )
-    check_pipeline(mesh.pp, cfg.parallel.vpp, t.global_batch_size // (t.micro_batch_size * mesh.dp))
+    micro_batches_per_step(t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.pp, cfg.parallel.vpp)
 
 
 def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> GPT:

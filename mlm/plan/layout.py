@@ -1,0 +1,102 @@
+"""What the planner chooses (a `Layout`: mesh, micro-batch, recompute, optimizer sharding) and
+what it is given (a `Job`: the run config, the cluster)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlm.config import Config, load_config
+from mlm.errors import MlmError
+from mlm.plan.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Job:
+    """The fixed inputs: model, sequence, batch, precision (all in `cfg`) and the cluster."""
+
+    cfg: Config
+    gpus: int
+    gpus_per_node: int
+    hardware: Hardware
+
+    @property
+    def seq(self) -> int:
+        return self.cfg.data.seq_length
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.train.global_batch_size
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the mesh and the per-rank choices that go with it (cp = ep = 1: mlm train
+    refuses anything else)."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    global_batch: int
+    vpp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    distributed_optimizer: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def num_micro(self) -> int:
+        """Micro-batches per step per data-parallel rank."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    def short(self) -> str:
+        s = f"tp{self.tp} pp{self.pp}" + (f"×{self.vpp}" if self.vpp > 1 else "") + f" dp{self.dp}"
+        return s + (" sp" if self.sequence_parallel else "")
+
+
+def make_job(
+    config: str | Path | None,
+    overrides: list[str],
+    gpus: int,
+    gpus_per_node: int,
+    hardware: Hardware,
+    seq_length: int | None = None,
+    global_batch: int | None = None,
+    tokens: int | None = None,
+    precision: str = "bf16",
+) -> Job:
+    """The job from a run config and/or `--set` items (a preset among them), with the command's
+    sequence, batch and precision applied over them; MlmError on an impossible request."""
+    if gpus < 1 or gpus_per_node < 1:
+        raise MlmError(f"--gpus {gpus} and --gpus-per-node {gpus_per_node} must be at least 1")
+    if gpus % gpus_per_node:
+        lo, hi = gpus // gpus_per_node * gpus_per_node, (gpus // gpus_per_node + 1) * gpus_per_node
+        raise MlmError(
+            f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}: whole nodes only; "
+            f"use --gpus {lo or hi}" + (f" or {hi}" if lo else "") + " (or the right --gpus-per-node)"
+        )
+    if global_batch is not None and tokens is not None:
+        raise MlmError("give --global-batch or --tokens, not both")
+    sets = list(overrides) + [f"train.precision={precision}"]
+    if seq_length is not None:
+        sets.append(f"data.seq_length={seq_length}")
+    cfg = load_config(config, sets)
+    if tokens is not None:
+        if tokens % cfg.data.seq_length:
+            raise MlmError(
+                f"--tokens {tokens} is not a multiple of the sequence length {cfg.data.seq_length}"
+            )
+        global_batch = tokens // cfg.data.seq_length
+    if global_batch is not None:
+        cfg = load_config(
+            config, sets + [f"train.global_batch_size={global_batch}", "train.micro_batch_size=1"]
+        )
+    return Job(cfg, gpus, gpus_per_node, hardware)

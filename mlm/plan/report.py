@@ -1,0 +1,235 @@
+"""What `mlm plan` prints and writes: the ranked table, rejected families, `--explain` for one
+layout, the plan-file dict, and the `--png` drawing (memory bars + the best plan's schedule)."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
+from mlm.plan.layout import Job, Layout
+from mlm.plan.memory import korthikanti_layer_bytes
+from mlm.plan.search import Candidate, SearchResult
+
+GB = 1e9
+MEMORY_ORDER = (
+    "weights",
+    "gradients",
+    "optimizer",
+    "activations",
+    "weight casts",
+    "logits (transient)",
+    "communication buffers",
+    "headroom",
+)
+
+
+def _mesh(lo: Layout) -> str:
+    s = f"tp{lo.tp} pp{lo.pp}" + (f" vpp{lo.vpp}" if lo.vpp > 1 else "") + f" dp{lo.dp}"
+    if lo.first_stage_layers is not None:
+        s += f" ({lo.first_stage_layers}/…/{lo.last_stage_layers} layers)"
+    return s
+
+
+def ranked_table(job: Job, result: SearchResult, top: int) -> Table:
+    t = Table(
+        title=f"mlm plan: {job.gpus} × {job.hardware.name}, {result.evaluated} layouts evaluated, "
+        f"{len(result.ranked)} fit; best {min(top, len(result.ranked))}",
+        title_justify="left",
+    )
+    for col in ("#", "mesh", "sp", "mb", "m", "recompute", "dist opt"):
+        t.add_column(col, justify="right" if col in ("#", "mb", "m") else "left")
+    for col in ("weights", "grads", "optim", "activ.", "other", "total GB", "step s", "tok/s/GPU", "MFU"):
+        t.add_column(col, justify="right")
+    for i, c in enumerate(result.ranked[:top], 1):
+        lo, mem = c.layout, c.memory.components
+        other = sum(
+            v for k, v in mem.items() if k not in ("weights", "gradients", "optimizer", "activations")
+        )
+        t.add_row(
+            str(i),
+            _mesh(lo),
+            "on" if lo.sequence_parallel else "",
+            str(lo.micro_batch),
+            str(lo.num_micro),
+            lo.recompute,
+            "yes" if lo.distributed_optimizer else "",
+            *(f"{mem[k] / GB:.1f}" for k in ("weights", "gradients", "optimizer", "activations")),
+            f"{other / GB:.1f}",
+            f"{c.memory.total / GB:.1f}",
+            f"{c.timing.step_s:.2f}",
+            f"{c.timing.tokens_per_s_per_gpu:,.0f}",
+            f"{c.timing.mfu:.1%}",
+        )
+    return t
+
+
+def rejected_table(result: SearchResult) -> Table:
+    t = Table(title="rejected families (tp, pp)", title_justify="left")
+    t.add_column("tp", justify="right")
+    t.add_column("pp", justify="right")
+    t.add_column("why")
+    for (tp, pp), why in sorted(result.rejected.items()):
+        t.add_row(str(tp), str(pp), why)
+    return t
+
+
+def explain(job: Job, c: Candidate) -> Group:
+    """Every term of one layout's memory and time, with the equations' inputs."""
+    cfg, lo, mem, tm = job.cfg, c.layout, c.memory, c.timing
+    m = cfg.model
+    head = Text(
+        f"{_mesh(lo)}{' sp' if lo.sequence_parallel else ''}, micro-batch {lo.micro_batch} × "
+        f"{lo.num_micro} per step per dp rank (global {lo.global_batch}, seq {cfg.data.seq_length}), "
+        f"{lo.recompute} recompute, {'distributed' if lo.distributed_optimizer else 'replicated'} "
+        f"optimizer, {cfg.train.precision}; {job.gpus} × {job.hardware.name}",
+        style="bold",
+    )
+    mt = Table(
+        title=f"memory per GPU (pipeline rank {mem.pp_rank}, {mem.in_flight} micro-batch chunks in flight)",
+        title_justify="left",
+    )
+    mt.add_column("component")
+    mt.add_column("GB", justify="right")
+    for k in MEMORY_ORDER:
+        if k in mem.components:
+            mt.add_row(k, f"{mem.components[k] / GB:.2f}")
+    mt.add_row("total", f"{mem.total / GB:.2f} of {mem.hbm / GB:.0f}", style="bold")
+    lt = Table(title="activations per layer and micro-batch (mlm's layers)", title_justify="left")
+    lt.add_column("part")
+    lt.add_column("MB", justify="right")
+    for k, v in mem.per_layer.items():
+        lt.add_row(k, f"{v / 1e6:.1f}")
+    mode = (
+        "full"
+        if lo.recompute == "full"
+        else ("selective+sp" if lo.recompute == "selective" and lo.sequence_parallel else None)
+    )
+    if mode is None:
+        mode = "tp+sp" if lo.sequence_parallel else ("tp" if lo.tp > 1 else "none")
+    paper = korthikanti_layer_bytes(
+        cfg.data.seq_length, lo.micro_batch, m.hidden_size, m.num_attention_heads, lo.tp, mode
+    )
+    lt.add_row(
+        "total",
+        f"{sum(mem.per_layer.values()) / 1e6:.1f}  (Korthikanti et al. {mode}: {paper / 1e6:.1f})",
+        style="bold",
+    )
+    tt = Table(title="time per step", title_justify="left")
+    tt.add_column("term")
+    tt.add_column("s", justify="right")
+    for k, v in tm.terms.items():
+        tt.add_row(k, f"{v:.3f}")
+    tt.add_row("step", f"{tm.step_s:.3f}", style="bold")
+    rates = Text(
+        f"GEMM efficiency {tm.gemm_efficiency:.1%} of {job.hardware.peak(cfg.train.precision) / 1e12:.0f} "
+        f"TFLOP/s; {tm.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; MFU {tm.mfu:.1%}"
+    )
+    parts = [head, mt, lt, tt, rates]
+    if lo.pp > 1:
+        parts.append(Text(describe_schedule(lo.pp, lo.num_micro, lo.vpp)))
+        parts.append(render_text(timeline(lo.pp, lo.num_micro, lo.vpp)))
+    return Group(*parts)
+
+
+def calibration_table(before: list, after: list, c: float, b: float) -> Table:
+    """Measured step against the prediction before and after calibration, per run."""
+    t = Table(
+        title=f"calibration: compute × {c:.3f}, communication × {b:.3f}",
+        title_justify="left",
+    )
+    for col in ("run", "mesh", "measured s", "predicted before", "after"):
+        t.add_column(col, justify="left" if col in ("run", "mesh") else "right")
+    for r0, r1 in zip(before, after, strict=True):
+        t.add_row(
+            str(r0.path),
+            _mesh(r0.layout),
+            f"{r0.measured_s + r0.fixed_s:.4g}",
+            f"{r0.compute_s + r0.comm_s + r0.fixed_s:.4g}",
+            f"{r1.compute_s + r1.comm_s + r1.fixed_s:.4g}",
+        )
+    return t
+
+
+def _key(name: str) -> str:
+    """'logits (transient)' → 'logits_transient' (a bare TOML key)."""
+    return "_".join(name.replace("(", "").replace(")", "").split())
+
+
+def plan_dict(job: Job, c: Candidate, preset: str, overrides: list[str]) -> dict:
+    lo, cfg = c.layout, job.cfg
+    return {
+        "model": {"preset": preset, "overrides": list(overrides)},
+        "cluster": {"gpus": job.gpus, "gpus_per_node": job.gpus_per_node, "hardware": job.hardware.name},
+        "mesh": {
+            "tp": lo.tp,
+            "pp": lo.pp,
+            "vpp": lo.vpp,
+            "dp": lo.dp,
+            "cp": lo.cp,
+            "ep": lo.ep,
+            "sequence_parallel": lo.sequence_parallel,
+            "first_stage_layers": lo.first_stage_layers,
+            "last_stage_layers": lo.last_stage_layers,
+        },
+        "batching": {
+            "micro_batch_size": lo.micro_batch,
+            "global_batch_size": lo.global_batch,
+            "accumulation": lo.num_micro,
+            "seq_length": cfg.data.seq_length,
+        },
+        "choices": {
+            "recompute": lo.recompute,
+            "distributed_optimizer": lo.distributed_optimizer,
+            "precision": cfg.train.precision,
+        },
+        "prediction": {
+            "step_time_s": c.timing.step_s,
+            "tokens_per_s_per_gpu": c.timing.tokens_per_s_per_gpu,
+            "mfu": c.timing.mfu,
+            "memory_gb": {_key(k): v / GB for k, v in c.memory.components.items()}
+            | {"total": c.memory.total / GB, "hbm": c.memory.hbm / GB},
+            "time_s": {_key(k): v for k, v in c.timing.terms.items()},
+        },
+    }
+
+
+def save_memory_png(job: Job, ranked: list[Candidate], path: str, top: int) -> None:
+    """Stacked memory bars (one per component) of the top layouts against the GPU's memory; written
+    under a temporary name and renamed into place. The best plan's pipeline schedule is drawn by
+    `mlm.parallel.schedule_view.save_png` beside it."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = ranked[:top]
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(shown)), 5), dpi=100, layout="constrained")
+    try:
+        bottoms = [0.0] * len(shown)
+        for k in MEMORY_ORDER:
+            vals = [c.memory.components.get(k, 0.0) / GB for c in shown]
+            ax.bar(range(len(shown)), vals, bottom=bottoms, label=k)
+            bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+        ax.axhline(job.hardware.hbm_bytes / GB, color="red", linestyle="--", label="HBM")
+        labels = [f"#{i + 1}\n{_mesh(c.layout)}" for i, c in enumerate(shown)]
+        ax.set_xticks(range(len(shown)), labels, fontsize=7)
+        ax.set_ylabel("GB per GPU")
+        ax.set_title(f"memory per GPU, {job.gpus} × {job.hardware.name}")
+        ax.legend(fontsize=7)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            fig.savefig(f, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+
+
+def save_schedule_png(c: Candidate, path: str) -> None:
+    lo = c.layout
+    save_png(
+        timeline(lo.pp, lo.num_micro, lo.vpp), path, title=describe_schedule(lo.pp, lo.num_micro, lo.vpp)
+    )

@@ -1,0 +1,236 @@
+"""Enumerate every valid layout for a job, keep those that fit in memory, rank them by throughput.
+
+A family is a (tp, pp) pair. It is rejected as a whole when a divisibility rule fails (the rule's
+own message from `mlm.parallel`), when tp crosses a node (its all-reduces would run on the
+network, never competitive), or when none of its layouts fits (the reason names the smallest
+need). Within a family every vpp (layers divisible by pp × vpp; micro-batches a multiple of pp),
+micro-batch (a divisor of global batch / dp, up to 16), recompute (none, selective, full) and
+optimizer sharding is tried; sequence parallelism is always on with tp > 1 (it moves the same
+bytes as tp's all-reduces and stores 1/tp of the norms' activations). cp = ep = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from mlm.errors import MlmError
+from mlm.parallel.mesh import Mesh, check_tensor_parallel
+from mlm.parallel.schedules import check_pipeline, stage_layer_counts
+from mlm.plan.layout import Job, Layout
+from mlm.plan.memory import MemoryReport, Stage, memory, rank_stage, report_ranks
+from mlm.plan.timing import Timing, step_time
+
+RECOMPUTE = ("none", "selective", "full")
+MAX_MICRO_BATCH = 16
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryReport
+    timing: Timing
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory.hbm
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]
+    """Layouts that fit, fastest first."""
+    rejected: dict[tuple[int, int], str] = field(default_factory=dict)
+    """(tp, pp) → why no layout of that family is in `ranked`."""
+    evaluated: int = 0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB"
+
+
+def _first_line(e: MlmError) -> str:
+    return str(e).split(";")[0]
+
+
+def uneven_split(num_layers: int, stages: int) -> tuple[int, int] | None:
+    """(first, last) layers for `stages` virtual stages when they do not divide `num_layers`: the
+    most k <= num_layers // stages on the first and last stage (which also hold the embedding and
+    the output layer) such that the others share the rest evenly with at least k each; None if
+    there is none."""
+    if stages < 3:
+        return None
+    for k in range(num_layers // stages, 0, -1):
+        rest = num_layers - 2 * k
+        if rest % (stages - 2) == 0 and rest // (stages - 2) >= k:
+            return k, k
+    return None
+
+
+def stage_split(num_layers: int, pp: int, vpp: int) -> tuple[int | None, int | None]:
+    """(first, last) stage layers for pp × vpp stages (None, None: an even split); MlmError if none."""
+    if num_layers % (pp * vpp) == 0:
+        return None, None
+    split = uneven_split(num_layers, pp * vpp)
+    if split is None:
+        stage_layer_counts(num_layers, pp, vpp)  # raises the rule's own message
+    return split
+
+
+class _Stages:
+    """`rank_stage` computed once per (tp, pp, vpp, first, last, rank)."""
+
+    def __init__(self, job: Job):
+        self.job, self.cache = job, {}
+
+    def __call__(self, lo: Layout, rank: int) -> Stage:
+        key = (lo.tp, lo.pp, lo.vpp, lo.first_stage_layers, lo.last_stage_layers, rank)
+        if key not in self.cache:
+            self.cache[key] = rank_stage(self.job.cfg, *key[:3], rank, *key[3:5])
+        return self.cache[key]
+
+
+def evaluate(job: Job, layout: Layout, stages: _Stages | None = None) -> Candidate:
+    """Memory and time of one layout (assumed valid)."""
+    stages = stages or _Stages(job)
+    held = {r: stages(layout, r) for r in report_ranks(layout.pp)}
+    mem = memory(job.cfg, layout, job.hardware.hbm_bytes, held)
+    return Candidate(layout, mem, step_time(job, layout, list(held.values())))
+
+
+def check_layout(job: Job, layout: Layout) -> None:
+    """MlmError unless `layout` is a mesh mlm can train this job on."""
+    cfg = job.cfg
+    if layout.gpus != job.gpus:
+        raise MlmError(
+            f"tp({layout.tp}) × pp({layout.pp}) × dp({layout.dp}) = {layout.gpus} ≠ --gpus {job.gpus}"
+        )
+    check_tensor_parallel(cfg.model, cfg.model.padded_vocab_size(layout.tp), layout.tp)
+    stage_layer_counts(
+        cfg.model.num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers
+    )
+    if layout.global_batch % (layout.micro_batch * layout.dp):
+        raise MlmError(
+            f"global batch {layout.global_batch} is not divisible by micro-batch {layout.micro_batch} × "
+            f"dp {layout.dp}; choose a global batch that is a multiple of {layout.micro_batch * layout.dp}"
+        )
+    check_pipeline(layout.pp, layout.vpp, layout.num_micro)
+
+
+def _family_layouts(job: Job, tp: int, pp: int, optimizers: tuple[bool, ...], smallest: bool = False):
+    L, gb = job.cfg.model.num_layers, job.global_batch
+    dp = job.gpus // (tp * pp)
+    vpps = [1] + [v for v in range(2, 9) if L // (pp * v) >= 2] if pp > 1 else [1]
+    for vpp in vpps:
+        try:
+            first, last = stage_split(L, pp, vpp)
+        except MlmError:
+            continue
+        for mb in (d for d in _divisors(gb // dp) if d <= (1 if smallest else MAX_MICRO_BATCH)):
+            m = gb // (mb * dp)
+            if vpp > 1 and m % pp:
+                continue
+            for rc in ("full",) if smallest else RECOMPUTE:
+                for dist in (False,) if dp == 1 else optimizers[-1:] if smallest else optimizers:
+                    yield Layout(tp, pp, dp, mb, gb, vpp, tp > 1, rc, dist, first, last)
+
+
+def search(job: Job, optimizer: str = "auto", smallest: bool = False) -> SearchResult:
+    """Every valid layout of `job`; `optimizer`: adam (replicated), distributed, or auto (both).
+    `smallest`: only the least memory of each mesh (micro-batch 1, full recompute, the optimizer
+    sharded if allowed), enough to tell whether anything fits."""
+    cfg, N, g = job.cfg, job.gpus, job.gpus_per_node
+    optimizers = {"adam": (False,), "distributed": (True,), "auto": (False, True)}[optimizer]
+    stages = _Stages(job)
+    result = SearchResult([])
+    for tp in _divisors(N):
+        if tp > cfg.model.num_attention_heads:
+            break
+        for pp in _divisors(N // tp):
+            key = (tp, pp)
+            dp = N // (tp * pp)
+            try:
+                Mesh.shape_for(cfg.parallel.__class__(tp=tp, pp=pp), N)
+                check_tensor_parallel(cfg.model, cfg.model.padded_vocab_size(tp), tp)
+                stage_split(cfg.model.num_layers, pp, 1)
+            except MlmError as e:
+                result.rejected[key] = _first_line(e)
+                continue
+            if tp > g:
+                result.rejected[key] = f"tp={tp} crosses nodes (gpus_per_node={g})"
+                continue
+            if job.global_batch % dp:
+                result.rejected[key] = f"global batch {job.global_batch} is not divisible by dp={dp}"
+                continue
+            smallest: Candidate | None = None
+            fitting = []
+            for layout in _family_layouts(job, tp, pp, optimizers, smallest):
+                c = evaluate(job, layout, stages)
+                result.evaluated += 1
+                if c.fits:
+                    fitting.append(c)
+                elif smallest is None or c.memory.total < smallest.memory.total:
+                    smallest = c
+            if fitting:
+                result.ranked += fitting
+            elif smallest is not None:
+                result.rejected[key] = why_not(smallest)
+            else:
+                result.rejected[key] = "no micro-batch schedule fits the global batch"
+    result.ranked.sort(key=lambda c: (-c.timing.tokens_per_s_per_gpu, c.memory.total))
+    return result
+
+
+def why_not(c: Candidate) -> str:
+    """'needs 91.2 GB > 80.0 GB (activations 61.0 GB; …)' for the smallest layout of a family."""
+    comps = sorted(c.memory.components.items(), key=lambda kv: -kv[1])[:2]
+    big = ", ".join(f"{k} {_gb(v)}" for k, v in comps)
+    lo = c.layout
+    how = f"mb={lo.micro_batch}, {lo.recompute} recompute" + (
+        ", dist. optimizer" if lo.distributed_optimizer else ""
+    )
+    return f"needs {_gb(c.memory.total)} > {_gb(c.memory.hbm)} at best ({how}): {big}"
+
+
+def plan(job: Job, optimizer: str = "auto") -> SearchResult:
+    """`search`, or an MlmError saying what would be needed when nothing fits."""
+    result = search(job, optimizer)
+    if result.ranked:
+        return result
+    need = _gpus_needed(job, optimizer)
+    reasons = "; ".join(f"tp={tp} pp={pp}: {r}" for (tp, pp), r in list(result.rejected.items())[:4])
+    more = (
+        f"it needs at least {need} GPUs ({need // job.gpus_per_node} nodes of {job.gpus_per_node})"
+        if need
+        else "it does not fit on 64× as many GPUs either; shorten the sequence or use GPUs with more memory"
+    )
+    raise MlmError(
+        f"the model does not fit on {job.gpus} × {job.hardware.name} "
+        f"({_gb(job.hardware.hbm_bytes)} each) with any mesh: {reasons}; {more}"
+    )
+
+
+def _gpus_needed(job: Job, optimizer: str) -> int | None:
+    """The smallest multiple of gpus_per_node on which some layout fits (doubling, then bisecting),
+    the global batch raised to a multiple of the GPU count where needed; None beyond 64×."""
+
+    def fits(n: int) -> bool:
+        cfg = job.cfg
+        if job.global_batch % n:
+            cfg = replace(cfg, train=replace(cfg.train, global_batch_size=math.lcm(job.global_batch, n)))
+        return bool(search(replace(job, gpus=n, cfg=cfg), optimizer, smallest=True).ranked)
+
+    g = job.gpus_per_node
+    lo, hi = max(job.gpus, g) // g, max(job.gpus, g) // g * 2
+    while not fits(hi * g):
+        lo, hi = hi, hi * 2
+        if hi * g > 64 * job.gpus:
+            return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid * g) else (mid, hi)
+    return hi * g

@@ -1,0 +1,138 @@
+"""The plan file: what `mlm plan` writes and `mlm train --plan` reads (TOML, versioned).
+
+    format = "mlm-plan"
+    version = 1
+    [model]       preset, overrides (the `--set` items the plan was made with)
+    [cluster]     gpus, gpus_per_node, hardware
+    [mesh]        tp, pp, vpp, dp, cp, ep, sequence_parallel, first_stage_layers, last_stage_layers
+    [batching]    micro_batch_size, global_batch_size, accumulation, seq_length
+    [choices]     recompute, distributed_optimizer, precision
+    [prediction]  step_time_s, tokens_per_s_per_gpu, mfu, and [prediction.memory_gb] by component
+
+`train_overrides` turns a plan into `--set` items for `mlm.config.load_config`, so that a run
+config plus a plan plus the user's own `--set` (applied last) make the run. The file is written
+under a temporary name and renamed into place; a reader refuses a version it does not know.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from mlm.errors import MlmError
+from mlm.fileio import atomic_write_text
+
+FORMAT = "mlm-plan"
+VERSION = 1
+READS = (1,)
+SECTIONS = {
+    "model": ("preset", "overrides"),
+    "cluster": ("gpus", "gpus_per_node", "hardware"),
+    "mesh": ("tp", "pp", "vpp", "dp", "cp", "ep", "sequence_parallel"),
+    "batching": ("micro_batch_size", "global_batch_size", "accumulation", "seq_length"),
+    "choices": ("recompute", "distributed_optimizer", "precision"),
+}
+
+
+def _value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def dumps(plan: dict) -> str:
+    """A plan dict as TOML (tables of scalars and lists; one level of sub-tables)."""
+    check(plan, "<plan>")
+    lines = [f"format = {_value(FORMAT)}", f"version = {VERSION}"]
+
+    def table(name: str, body: dict) -> None:
+        lines.append("")
+        lines.append(f"[{name}]")
+        subs = []
+        for k, v in body.items():
+            if isinstance(v, dict):
+                subs.append((k, v))
+            elif v is not None:
+                lines.append(f"{k} = {_value(v)}")
+        for k, v in subs:
+            table(f"{name}.{k}", v)
+
+    for name, body in plan.items():
+        if name not in ("format", "version"):
+            table(name, body)
+    return "\n".join(lines) + "\n"
+
+
+def write_plan(path: str | Path, plan: dict) -> None:
+    atomic_write_text(path, dumps(plan))
+
+
+def check(plan: dict, where: str) -> None:
+    """MlmError unless `plan` has every section and key a reader needs."""
+    for section, keys in SECTIONS.items():
+        body = plan.get(section)
+        if not isinstance(body, dict):
+            raise MlmError(f"{where}: the plan has no [{section}] table; make it again with `mlm plan -o`")
+        missing = [k for k in keys if k not in body]
+        if missing:
+            raise MlmError(
+                f"{where}: [{section}] lacks {', '.join(missing)}; make it again with `mlm plan -o`"
+            )
+
+
+def read_plan(path: str | Path) -> dict:
+    """The plan in `path`; MlmError naming the file when it is not a plan this mlm reads."""
+    p = Path(path)
+    if not p.is_file():
+        raise MlmError(f"plan file not found: {p} (make one with `mlm plan ... -o {p}`)")
+    try:
+        plan = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise MlmError(f"{p}: not valid TOML ({e})") from None
+    if plan.get("format") != FORMAT:
+        raise MlmError(f"{p}: format={plan.get('format')!r}, not an mlm plan (format = {FORMAT!r})")
+    if plan.get("version") not in READS:
+        raise MlmError(
+            f"{p}: plan version {plan.get('version')!r}; this mlm reads versions {', '.join(map(str, READS))}"
+        )
+    check(plan, str(p))
+    return plan
+
+
+def train_overrides(plan: dict) -> list[str]:
+    """The `--set` items that give a run the plan's model, mesh, batching and choices."""
+    model, mesh, batch, choice = plan["model"], plan["mesh"], plan["batching"], plan["choices"]
+    sets = [f"preset={model['preset']}"] if model["preset"] else []
+    sets += [s for s in model["overrides"] if s.split("=", 1)[0].strip().startswith("model.")]
+    sets += [f"parallel.{k}={_value(mesh[k])}" for k in ("tp", "pp", "vpp", "cp", "ep", "sequence_parallel")]
+    for k in ("first_stage_layers", "last_stage_layers"):
+        sets.append(f"parallel.{k}={mesh[k] if mesh.get(k) is not None else 'none'}")
+    sets += [
+        f"train.micro_batch_size={batch['micro_batch_size']}",
+        f"train.global_batch_size={batch['global_batch_size']}",
+        f"data.seq_length={batch['seq_length']}",
+        f"model.recompute={_value(choice['recompute'])}",  # quoted: a bare none would unset it
+        f"parallel.distributed_optimizer={_value(choice['distributed_optimizer'])}",
+        f"train.precision={_value(choice['precision'])}",
+    ]
+    return sets
+
+
+def world_size_note(plan: dict, world_size: int) -> str | None:
+    """A warning when the run's world size differs from the plan's GPU count, else None."""
+    gpus, mesh = plan["cluster"]["gpus"], plan["mesh"]
+    if world_size == gpus:
+        return None
+    inner = mesh["tp"] * mesh["pp"] * mesh["cp"]
+    dp = f"dp={world_size // inner}" if world_size % inner == 0 else "no whole dp (the run will stop)"
+    return (
+        f"the plan was made for {gpus} GPUs (dp={mesh['dp']}) but this run has {world_size} ranks: "
+        f"keeping tp={mesh['tp']} pp={mesh['pp']} cp={mesh['cp']}, {dp}; its memory and speed "
+        "predictions do not apply"
+    )

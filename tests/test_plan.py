@@ -1,0 +1,414 @@
+"""`mlm plan`: the memory model against bytes counted on the real objects and bytes autograd saves,
+the paper's activation formula by hand, the 70B/512-GPU plan, the plan file and `mlm train --plan`
+round trip, calibration, and the errors.
+
+One 4-rank gloo spawn does all multi-rank work: it builds five meshes in turn (the model, the
+gradient buffer and the optimizer exactly as the trainer builds them, one real training step so
+that Adam's state exists), counts weights / gradients / optimizer bytes (must equal the prediction)
+and the bytes one micro-batch's forward saves for backward (within 10 %), then trains from a plan
+file through `mlm train --plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from mlm.config import load_config
+from mlm.errors import MlmError
+from mlm.plan.hardware import load_hardware
+from mlm.plan.layout import Job, Layout, make_job
+from mlm.plan.memory import (
+    korthikanti_layer_bytes,
+    micro_batch_activation_bytes,
+    model_state_bytes,
+    rank_stage,
+)
+from mlm.plan.search import check_layout, evaluate, plan
+from mlm.planfile import read_plan, train_overrides, world_size_note, write_plan
+
+from conftest import tiny_sets
+from distributed import run_ranks
+
+# A model in the regime the formulas describe (hidden 128, seq 128, micro-batch 2), 4 layers so
+# that pp 2 × vpp 2 has one layer per chunk; small buckets so that several are padded.
+MODEL = {
+    "model.num_layers": 4,
+    "model.hidden_size": 128,
+    "model.num_attention_heads": 4,
+    "model.num_query_groups": 2,
+    "model.ffn_hidden_size": 352,
+    "model.vocab_size": 500,
+    "model.max_position_embeddings": 128,
+    "data.seq_length": 128,
+    "train.micro_batch_size": 2,
+    "train.global_batch_size": 8,
+    "parallel.bucket_size_mb": 0.05,
+}
+GPT2 = {
+    "model.normalization": "layernorm",
+    "model.activation": "gelu_tanh",
+    "model.add_bias": True,
+    "model.position_embedding": "learned",
+    "model.tie_embeddings": True,
+    "model.num_query_groups": "none",
+}
+# world 4: (name, extra settings); dp is what is left of 4 ranks
+MESHES = [
+    ("tp2 dp2", {"parallel.tp": 2}),
+    (
+        "tp2 dp2 sp selective distopt",
+        {
+            "parallel.tp": 2,
+            "parallel.sequence_parallel": True,
+            "model.recompute": "selective",
+            "parallel.distributed_optimizer": True,
+        },
+    ),
+    (
+        "tp2 pp2 vpp2 sp full",
+        {
+            "parallel.tp": 2,
+            "parallel.pp": 2,
+            "parallel.vpp": 2,
+            "parallel.sequence_parallel": True,
+            "model.recompute": "full",
+        },
+    ),
+    ("pp2 dp2 gpt2 tied distopt", {"parallel.pp": 2, "parallel.distributed_optimizer": True, **GPT2}),
+    (
+        "dp4 distopt bf16-reduce",
+        {"parallel.distributed_optimizer": True, "parallel.grad_reduce_dtype": "bf16"},
+    ),
+]
+
+
+def _cfg(extra: dict):
+    value = lambda v: str(v).lower() if isinstance(v, bool) else v  # noqa: E731 - TOML booleans
+    return load_config(None, [f"{k}={value(v)}" for k, v in {**MODEL, **extra}.items()])
+
+
+def _layout(cfg, world: int) -> Layout:
+    p = cfg.parallel
+    return Layout(
+        p.tp,
+        p.pp,
+        world // (p.tp * p.pp),
+        cfg.train.micro_batch_size,
+        cfg.train.global_batch_size,
+        p.vpp,
+        p.sequence_parallel,
+        cfg.model.recompute,
+        p.distributed_optimizer,
+    )
+
+
+def _storages(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _measure(cfg, mesh, autocast=None) -> dict:
+    """Build as the trainer does, run one step, count model state; then the bytes one micro-batch's
+    forward (every chunk of this rank, with the loss; under `autocast` if given) saves for backward."""
+    from mlm.parallel.pipeline import Pipeline
+    from mlm.train.optimizer import TrainOptimizer
+    from mlm.train.trainer import Trainer, build_parallel_model
+
+    device = torch.device("cpu")
+    model = build_parallel_model(cfg, mesh, device)
+    opt = TrainOptimizer(model, cfg, mesh, device)
+    pipe = Pipeline(model, mesh, cfg.parallel.vpp)
+    trainer = types.SimpleNamespace(mesh=mesh, cfg=cfg)
+    loss_fn = lambda logits, labels: Trainer._loss(trainer, logits, labels)  # noqa: E731
+    b, s, n = (
+        cfg.train.micro_batch_size,
+        cfg.data.seq_length,
+        cfg.train.global_batch_size // (cfg.train.micro_batch_size * mesh.dp),
+    )
+    gen = torch.Generator().manual_seed(mesh.dp_rank)
+    micro = [torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=gen) for _ in range(n)]
+    pipe.train_step(micro, loss_fn, 1.0 / n, opt.grads)
+    pipe.sync_tied_embedding()
+    opt.grads.finish()
+    opt.clip(1.0)
+    opt.step(1e-3)
+    if opt.dist is not None:
+        steps = [st["step"] for st in opt.dist._adam.state.values()] if opt.dist._adam else []
+        optimizer = _storages([opt.dist.exp_avg, opt.dist.exp_avg_sq, *steps])
+    else:
+        optimizer = _storages([t for st in opt.adamw.state.values() for t in st.values()])
+    counted = {
+        "weights": _storages(list(model.parameters())),
+        "gradients": opt.grads.buffer.untyped_storage().nbytes(),
+        "optimizer": optimizer,
+        "names": [(k, v.numel()) for k, v in model.named_parameters()],
+    }
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    model.train()
+    keep = []  # hold every output, so no storage is freed and its address reused mid-count
+    region = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), region:
+        for c, chunk in enumerate(model.chunks):
+            if chunk.first:
+                x = micro[0][:, :-1]
+            else:
+                x = torch.randn(b, s // model.sequence_shards, cfg.model.hidden_size, requires_grad=True)
+            out = model(x, c)
+            keep.append(loss_fn(out, micro[0][:, 1:]) if chunk.last else out)
+    counted["activations"] = sum(saved.values())
+    return counted
+
+
+def _ranks_main(rank, world, data, run_dir, plan_path):
+    from cli.train import train
+    from mlm.parallel import Mesh
+
+    results = []
+    for name, extra in MESHES:
+        cfg = _cfg(extra)
+        mesh = Mesh.build(cfg.parallel)
+        results.append((name, mesh.pp_rank, mesh.dp_rank, _measure(cfg, mesh)))
+    batching = ("train.micro_batch_size", "train.global_batch_size")  # the plan's, not tiny_sets'
+    sets = [s for s in tiny_sets(run_dir, data, **{"train.train_iters": 3}) if not s.startswith(batching)]
+    train(
+        config=None,
+        overrides=sets,
+        load=None,
+        auto_resume=False,
+        dry_run=False,
+        world_size=None,
+        png=None,
+        plan=plan_path,
+    )
+    return results
+
+
+def _tiny_plan(tmp_path):
+    """A plan for the tiny model on 4 CPU 'GPUs' whose mesh has both tp and pp (the best such)."""
+    from cli.plan import plan as plan_command
+
+    sets = [
+        "preset=tiny-llama",
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        "model.ffn_hidden_size=128",
+        "model.vocab_size=512",
+        "model.max_position_embeddings=64",
+    ]
+    job = make_job(None, sets, 4, 4, load_hardware("h100-80g"), 32, 8, None, "fp32")
+    ranked = plan(job).ranked
+    pick = next(i for i, c in enumerate(ranked, 1) if c.layout.tp > 1 and c.layout.pp > 1)
+    path = tmp_path / "plan.toml"
+    kwargs = dict(
+        gpus=4,
+        config=None,
+        preset=None,
+        overrides=sets,
+        gpus_per_node=4,
+        hardware="h100-80g",
+        seq_length=32,
+        global_batch=8,
+        tokens=None,
+        precision="fp32",
+        optimizer="auto",
+        top=3,
+        pick=pick,
+        explain=True,
+        output=str(path),
+        png=None,
+        calibrate=[],
+        save_profile=None,
+    )
+    plan_command(**kwargs)
+    return path, ranked[pick - 1].layout, kwargs
+
+
+def test_memory_model_against_real_ranks_and_train_from_plan(tmp_path, tiny_data):
+    plan_path, layout, kwargs = _tiny_plan(tmp_path)
+    run_dir = tmp_path / "run"
+    per_rank = run_ranks(4, _ranks_main, tiny_data, str(run_dir), str(plan_path))
+
+    errors = {}
+    for rank_results in per_rank:
+        for (name, extra), (got_name, pp_rank, dp_rank, counted) in zip(MESHES, rank_results, strict=True):
+            assert name == got_name
+            cfg = _cfg(extra)
+            lo = _layout(cfg, 4)
+            stage = rank_stage(cfg, lo.tp, lo.pp, lo.vpp, pp_rank)
+            assert [(p.name, p.numel) for p in stage.params] == counted["names"], name
+            predicted = model_state_bytes(cfg, stage, lo, dp_rank)
+            for k in ("weights", "gradients", "optimizer"):
+                assert predicted[k] == counted[k], (name, pp_rank, dp_rank, k, predicted[k], counted[k])
+            act = micro_batch_activation_bytes(cfg, lo, stage)
+            err = act / counted["activations"] - 1
+            errors[(name, pp_rank)] = err
+            assert abs(err) < 0.10, (name, pp_rank, act, counted["activations"])
+    print("activation error per case:", {k: f"{v:+.1%}" for k, v in errors.items()})
+
+    # the round trip: the run used the plan's mesh, batching and recompute
+    ran = load_config(run_dir / "config.toml")
+    assert (ran.parallel.tp, ran.parallel.pp, ran.parallel.vpp) == (layout.tp, layout.pp, layout.vpp)
+    assert ran.parallel.sequence_parallel == layout.sequence_parallel
+    assert ran.parallel.distributed_optimizer == layout.distributed_optimizer
+    assert (ran.train.micro_batch_size, ran.model.recompute) == (layout.micro_batch, layout.recompute)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["split"] == "train"] == [1, 2, 3]
+
+    # calibration from that run: the refitted profile predicts the measured step
+    from mlm.plan.calibrate import calibrate, load_run
+
+    hw = load_hardware("h100-80g")
+    run = load_run(run_dir / "metrics.jsonl", 4, 4, hw)
+    assert run.layout == layout
+    new, c, _ = calibrate(hw, [run])
+    assert c > 1 and new.gemm_max < hw.gemm_max  # a CPU is slower than an H100
+    after = load_run(run_dir / "metrics.jsonl", 4, 4, new)
+    predicted = after.compute_s + after.comm_s
+    assert predicted == pytest.approx(after.measured_s, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"model.recompute": "selective"},
+        {"model.recompute": "full"},
+        {"train.precision": "bf16"},
+        {"model.hidden_dropout": 0.1},
+        GPT2,
+    ],
+    ids=["none", "selective", "full", "bf16-autocast", "dropout", "gpt2"],
+)
+def test_memory_model_one_process(extra):
+    from mlm.parallel import Mesh
+
+    cfg = _cfg({"train.global_batch_size": 2, **extra})  # one micro-batch per step: fast
+    bf16 = cfg.train.precision == "bf16"  # the forward under autocast, as the trainer runs it
+    counted = _measure(cfg, Mesh.single(), torch.bfloat16 if bf16 else None)
+    lo = _layout(cfg, 1)
+    stage = rank_stage(cfg, 1, 1, 1, 0)
+    for k in ("weights", "gradients", "optimizer"):
+        assert model_state_bytes(cfg, stage, lo)[k] == counted[k], k
+    act = micro_batch_activation_bytes(cfg, lo, stage)
+    assert abs(act / counted["activations"] - 1) < 0.10, (act, counted["activations"])
+
+
+def test_korthikanti_formula_gpt3_175b():
+    # GPT-3 175B, Korthikanti et al. 2022 Table 2 / eq. 1-2: s = 2048, b = 1, h = 12288, a = 96, t = 8.
+    # sbh = 2048 · 12288 = 25,165,824; 5as/h = 5 · 96 · 2048 / 12288 = 80.
+    sbh = 25_165_824
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96, 1, "none") == 114 * sbh  # 34 + 80
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96, 8, "tp") == 23 * sbh  # 10 + 24/8 + 80/8
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96, 8, "tp+sp") == 14.25 * sbh  # 114 / 8
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96, 8, "selective+sp") == 4.25 * sbh  # 34 / 8
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96, 8, "full") == 2 * sbh
+    # per layer in GB: 2.87 (none), 0.58 (tp), 0.36 (tp+sp), 0.107 (selective+sp)
+    assert round(114 * sbh / 1e9, 2) == 2.87
+
+
+def test_llama3_70b_on_512_h100(capsys):
+    job = make_job(None, ["preset=llama3-70b"], 512, 8, load_hardware("h100-80g"), 8192, 1024, None, "bf16")
+    result = plan(job)
+    best = result.ranked[0]
+    check_layout(job, best.layout)  # valid: divisibility, batch, schedule
+    assert best.fits and best.memory.total <= 80e9
+    assert best.layout.gpus == 512 and best.layout.tp <= 8
+    assert all(
+        a.timing.tokens_per_s_per_gpu >= b.timing.tokens_per_s_per_gpu
+        for a, b in zip(result.ranked, result.ranked[1:], strict=False)
+    )
+    assert result.rejected[(16, 1)].startswith("model.num_query_groups=8 is not divisible by parallel.tp=16")
+    assert result.rejected[(1, 1)].startswith("needs ") and "> 80.0 GB" in result.rejected[(1, 1)]
+    from rich.console import Console
+
+    from mlm.plan.report import explain
+
+    Console(width=200).print(explain(job, best))
+    out = capsys.readouterr().out
+    for term in (
+        "weights",
+        "gradients",
+        "optimizer",
+        "activations",
+        "headroom",
+        "compute",
+        "tp collectives",
+        "pipeline bubble",
+        "dp (exposed)",
+        "MFU",
+        "Korthikanti",
+    ):
+        assert term in out, term
+
+
+def test_plan_file_round_trip_and_refusals(tmp_path):
+    job = make_job(None, ["preset=tiny-llama"], 8, 8, load_hardware("a100-80g"), 256, 64, None, "bf16")
+    from mlm.plan.report import plan_dict
+
+    best = plan(job).ranked[0]
+    path = tmp_path / "p.toml"
+    write_plan(path, plan_dict(job, best, "tiny-llama", ["model.num_layers=4", "train.seed=1"]))
+    spec = read_plan(path)
+    assert spec["mesh"]["tp"] == best.layout.tp and spec["prediction"]["memory_gb"]["total"] > 0
+    cfg = load_config(None, train_overrides(spec) + ["parallel.bucket_size_mb=1"])
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.model.num_layers) == (best.layout.tp, best.layout.pp, 4)
+    assert cfg.train.seed == 1234  # only the plan's model overrides carry over
+    assert world_size_note(spec, 8) is None
+    note = world_size_note(spec, 16)
+    assert "made for 8 GPUs" in note and "16 ranks" in note
+
+    path.write_text(path.read_text().replace("version = 1", "version = 7"))
+    with pytest.raises(MlmError, match="plan version 7; this mlm reads versions 1"):
+        read_plan(path)
+    path.write_text('format = "mlm-plan"\nversion = 1\n')
+    with pytest.raises(MlmError, match=r"no \[model\] table"):
+        read_plan(path)
+
+
+def test_impossible_requests():
+    hw = load_hardware("h100-80g")
+    with pytest.raises(MlmError, match="--gpus 100 is not a multiple of --gpus-per-node 8: .*96 or 104"):
+        make_job(None, ["preset=llama3-8b"], 100, 8, hw)
+    job = make_job(None, ["preset=llama3-405b"], 8, 8, hw, 8192, 64, None, "bf16")
+    with pytest.raises(MlmError, match=r"does not fit on 8 × h100-80g .* it needs at least (\d+) GPUs"):
+        plan(job)
+
+
+def test_custom_hardware_profile(tmp_path):
+    p = tmp_path / "mine.toml"
+    p.write_text('base = "h100-80g"\nhbm_bytes = 40e9\ngemm_max = 0.5\n')
+    hw = load_hardware(str(p))
+    assert (hw.hbm_bytes, hw.gemm_max, hw.peak_bf16) == (40e9, 0.5, 989e12)
+    p.write_text("peak_bf16 = 1e15\n")
+    with pytest.raises(MlmError, match="missing hardware keys"):
+        load_hardware(str(p))
+    with pytest.raises(MlmError, match="not a known profile"):
+        load_hardware("h900")
+
+
+def test_evaluate_penalises_tp_across_nodes():
+    cfg = load_config(
+        None,
+        [
+            "preset=llama3-8b",
+            "train.precision=bf16",
+            "train.global_batch_size=64",
+            "train.micro_batch_size=1",
+        ],
+    )
+    job = Job(cfg, 16, 8, load_hardware("h100-80g"))
+    inside = evaluate(job, Layout(8, 1, 2, 1, 64, sequence_parallel=True))
+    wide = evaluate(Job(cfg, 16, 4, job.hardware), Layout(8, 1, 2, 1, 64, sequence_parallel=True))
+    assert wide.timing.terms["tp collectives"] > 5 * inside.timing.terms["tp collectives"]
+    assert wide.timing.terms["compute"] == inside.timing.terms["compute"]
