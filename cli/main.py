@@ -14,8 +14,10 @@ import mlm
 from cli.config import app as config_app
 from cli.convert import convert
 from cli.data import app as data_app
+from cli.export import app as export_app
 from cli.parity import parity
 from cli.plan import plan
+from cli.serve import generate, serve
 from cli.train import slurm, train
 from mlm.errors import MlmError
 
@@ -34,6 +36,9 @@ app.command("slurm")(slurm)
 app.command("parity")(parity)
 app.add_typer(config_app, name="config")
 app.command("convert")(convert)
+app.add_typer(export_app, name="export")
+app.command("serve")(serve)
+app.command("generate")(generate)
 
 
 def _version(value: bool) -> None:

@@ -3,12 +3,15 @@
 `atomic_outputs` hands out temporary paths beside the final ones and renames them into place
 only when the block finishes without an exception; on any error (Ctrl-C included) the
 temporaries are removed. A SIGKILL can leave `*.tmp-PID` files, never a partial real file.
+`staged_dir` does the same for a whole output folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -44,3 +47,34 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a small text file atomically."""
     with atomic_outputs([path]) as (tmp,):
         tmp.write_text(text)
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty folder `OUT.tmp-PID` beside `out`; rename it to `out` when the block finishes
+    without an exception, remove it on any error (Ctrl-C included). `out` must not exist."""
+    out = Path(out)
+    check_new_dir(out)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(out.parent).free
+            raise MlmError(
+                f"no space left on the device while writing {out} ({e.strerror}); the partial output "
+                f"was removed ({free / 1e9:.3g} GB free now): free space or choose another OUT, then run again"
+            ) from e
+        raise
+    check_new_dir(out)
+    os.rename(tmp, out)
+
+
+def check_new_dir(out: Path) -> None:
+    """Refuse an output folder that exists."""
+    if out.exists():
+        raise MlmError(f"{out} already exists; pass a new output path, or remove it first (rm -r {out})")

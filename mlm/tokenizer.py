@@ -54,6 +54,11 @@ class Tokenizer(ABC):
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` without the special tokens a post-processor adds (a Llama tokenizer's BOS):
+        for text that holds its own, such as a rendered chat template."""
+        return self.encode(text)
+
     @abstractmethod
     def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         """Token ids of each text; `num_threads` native threads share the work."""
@@ -141,6 +146,9 @@ class _TokenizersLibTokenizer(Tokenizer):
         os.environ.setdefault("RAYON_NUM_THREADS", str(num_threads))
         encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
         return [e.ids for e in encode(list(texts), add_special_tokens=self.add_special_tokens)]
+
+    def encode_plain(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids):
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -31,13 +31,11 @@ from mlm.convert.common import (
     DTYPES,
     TOLERANCE,
     Progress,
-    Staging,
-    check_new,
-    mlm_logits,
     noop,
-    prompt,
 )
 from mlm.errors import MlmError
+from mlm.fileio import check_new_dir, staged_dir
+from mlm.verify import prompt, prompt_logits
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -120,14 +118,14 @@ def import_hf(
 ) -> Report:
     """Hugging Face model folder → mlm checkpoint folder `out` (iteration 0, group "model")."""
     hf_dir, out = Path(hf_dir), Path(out)
-    check_new(out)
+    check_new_dir(out)
     start = time.perf_counter()
     hf_config = hf_io.read_hf_config(hf_dir)
     hf_class = _hf_class(hf_config)
     model_cfg = adapters.config_from_hf(hf_config)
     hf_tensors = hf_io.lazy_tensors(hf_dir)
     total = sum(f.stat().st_size for f in hf_io.weight_files(hf_dir))
-    with Staging(out) as tmp:
+    with staged_dir(out) as tmp:
         tokenizer_files = hf_io.copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
         seq = min(DataConfig().seq_length, model_cfg.max_position_embeddings)
         data = DataConfig(
@@ -168,7 +166,7 @@ def import_hf(
             stored = read_group(tmp)[0]  # what was written, not what was meant to be
             check_logits(
                 report,
-                mlm_logits(stored, model_cfg, stored["embed.weight"].shape[0]),
+                prompt_logits(stored, model_cfg, stored["embed.weight"].shape[0]),
                 hf_logits(hf_dir, model_cfg),
                 torch.float32,
             )
@@ -189,7 +187,7 @@ def export_hf(
 ) -> Report:
     """mlm checkpoint (DIR or DIR/iter_N, model group) → Hugging Face model folder `out`."""
     ckpt, out = Path(ckpt), Path(out)
-    check_new(out)
+    check_new_dir(out)
     if dtype is not None and dtype not in DTYPES:
         raise MlmError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)} (default: the stored dtype)")
     max_bytes = hf_io.parse_size(max_shard_size)
@@ -227,7 +225,7 @@ def export_hf(
     if tok_dir is None and manifest.get("tokenizer"):
         tok_dir = it_dir.parent / manifest["tokenizer"]["path"]
     total = sum(t.numel() * t.element_size() for t in hf_state.values())
-    with Staging(out) as tmp:
+    with staged_dir(out) as tmp:
         written = 0
 
         def on_shard(name: str, n: int) -> None:
@@ -256,7 +254,7 @@ def export_hf(
             progress("verifying logits", 0, 0)
             check_logits(
                 report,
-                mlm_logits(mlm_state, cfg, padded or cfg.padded_vocab_size()),
+                prompt_logits(mlm_state, cfg, padded or cfg.padded_vocab_size()),
                 hf_logits(tmp, cfg),
                 target if lossy else torch.float32,
             )

@@ -32,16 +32,15 @@ from mlm.convert.common import (
     DTYPES,
     TOLERANCE,
     Progress,
-    Staging,
-    check_new,
-    mlm_logits,
     noop,
 )
 from mlm.errors import MlmError
+from mlm.fileio import check_new_dir, staged_dir
 from mlm.model.gpt import VOCAB_ROWS
 from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dim
 from mlm.parallel.pipeline import stage_layer_counts
 from mlm.parallel.schedules import micro_batches_per_step
+from mlm.verify import prompt_logits
 
 _MOMENTS = ("exp_avg.", "exp_avg_sq.")
 
@@ -102,7 +101,7 @@ def reshard(
     returns the max logit difference (None unverified)."""
     it_dir = resolve_checkpoint(src)
     out = Path(out)
-    check_new(out)
+    check_new_dir(out)
     if dtype is not None and dtype not in DTYPES:
         raise MlmError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     manifest = read_manifest(it_dir)
@@ -124,7 +123,7 @@ def reshard(
     cast = DTYPES[dtype] if dtype else None
     total = sum(store.nbytes(v) for v in infos.values())
 
-    with Staging(out) as tmp:
+    with staged_dir(out) as tmp:
         done = 0
 
         def tensors():
@@ -139,10 +138,10 @@ def reshard(
             return None
         progress("verifying logits", 0, 0)
         before, _, _ = read_group(it_dir)
-        theirs = mlm_logits(before, cfg.model, before["embed.weight"].shape[0])
+        theirs = prompt_logits(before, cfg.model, before["embed.weight"].shape[0])
         del before
         after, _, _ = read_group(tmp)
-        ours = mlm_logits(after, cfg.model, padded)
+        ours = prompt_logits(after, cfg.model, padded)
         diff = (ours - theirs).abs().max().item()
         limit = 0.0 if cast is None else TOLERANCE[cast] * max(1.0, theirs.abs().max().item())
         if not diff <= limit:

@@ -19,3 +19,4 @@ mlm data inspect "$OUT/data/stdlib" --docs 1
 mlm data index "$OUT/data/stdlib" --seq-length 256 --train-samples 4800 --valid-samples 32 --split 98,2,0
 mlm train --config pipelines/tiny/train.toml --set run_dir="'$OUT/train'" --set data.data_path="['$OUT/data/stdlib']" \
     --set checkpoint.save="'$OUT/checkpoints'"
+mlm generate "$OUT/checkpoints" -p "    def __init__(self" --max-tokens 48   # `mlm serve` serves the same checkpoint

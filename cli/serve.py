@@ -1,0 +1,141 @@
+"""`mlm serve CKPT`: an OpenAI-compatible HTTP API over a checkpoint; `mlm generate CKPT --prompt
+TEXT`: one-off generation from the shell. See docs/serve.md."""
+
+from __future__ import annotations
+
+import typer
+
+_DTYPE = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (weights and KV cache).")
+_DEVICE = typer.Option("auto", "--device", help="auto (cuda if there is one), cpu, cuda, cuda:1, ...")
+_TOKENIZER = typer.Option(
+    None, "--tokenizer", help="Tokenizer file or folder; default: the one the checkpoint names."
+)
+
+
+def _kv_blocks(kv_blocks: int | None, kv_memory: str | None, dtype: str, ckpt: str) -> int | None:
+    if kv_memory is None:
+        return kv_blocks
+    if kv_blocks is not None:
+        from mlm.errors import MlmError
+
+        raise MlmError("give --kv-blocks or --kv-memory, not both")
+    from mlm.checkpoint import read_manifest, resolve_checkpoint
+    from mlm.config import config_from_dict
+    from mlm.inference.kv_cache import blocks_for_memory, parse_bytes
+    from mlm.inference.loader import DTYPES
+
+    cfg = config_from_dict(read_manifest(resolve_checkpoint(ckpt))["config"]).model
+    return blocks_for_memory(cfg, 16, DTYPES.get(dtype, DTYPES["fp32"]), parse_bytes(kv_memory))
+
+
+def serve(
+    ckpt: str = typer.Argument(..., help="Checkpoint DIR or DIR/iter_N (from mlm train or mlm convert)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 serves other machines."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="MLM_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 and /api."
+    ),
+    name: str | None = typer.Option(
+        None, "--model-name", help="Model id clients ask for; default: DIR's name."
+    ),
+    max_seqs: int = typer.Option(16, "--max-seqs", help="Sequences in one batch."),
+    max_tokens_per_step: int = typer.Option(
+        512, "--max-tokens-per-step", help="Tokens one engine step runs."
+    ),
+    max_waiting: int = typer.Option(256, "--max-waiting", help="Requests that may wait; more get HTTP 429."),
+    kv_blocks: int | None = typer.Option(
+        None, "--kv-blocks", help="KV-cache blocks of 16 tokens; default: max-seqs full contexts."
+    ),
+    kv_memory: str | None = typer.Option(
+        None, "--kv-memory", help="KV-cache size instead, e.g. 2GiB or 500MB."
+    ),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens-limit", help="Largest max_tokens a request may ask; default: the context."
+    ),
+    max_body: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body (HTTP 413 beyond)."),
+    dtype: str = _DTYPE,
+    device: str = _DEVICE,
+    tokenizer: str | None = _TOKENIZER,
+    chat_template: str | None = typer.Option(
+        None,
+        "--chat-template",
+        help="Jinja chat template file; default: the tokenizer's own, else role: text.",
+    ),
+) -> None:
+    """Serve a checkpoint over HTTP: OpenAI /v1/completions, /v1/chat/completions, Megatron PUT /api."""
+    from mlm.inference.engine import EngineConfig
+    from mlm.serve.app import Limits
+    from mlm.serve.server import serve as run
+
+    engine_config = EngineConfig(
+        max_seqs=max_seqs,
+        max_tokens_per_step=max_tokens_per_step,
+        num_blocks=_kv_blocks(kv_blocks, kv_memory, dtype, ckpt),
+        max_waiting=max_waiting,
+    )
+    limits = Limits(max_body_bytes=max_body, max_tokens=max_tokens)
+    run(
+        ckpt,
+        host,
+        port,
+        engine_config,
+        api_key=api_key,
+        limits=limits,
+        name=name,
+        dtype=dtype,
+        device=device,
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+    )
+
+
+def generate(
+    ckpt: str = typer.Argument(..., help="Checkpoint DIR or DIR/iter_N."),
+    prompts: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text (repeat for a batch)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Most new tokens per prompt."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: all)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the draws."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop at this text (repeatable)."),
+    chat: bool = typer.Option(
+        False, "--chat", help="Wrap each prompt as a user message in the chat template."
+    ),
+    dtype: str = _DTYPE,
+    device: str = _DEVICE,
+    tokenizer: str | None = _TOKENIZER,
+) -> None:
+    """Generate from the shell: prints each prompt's continuation (the prompts run as one batch)."""
+    import time
+
+    from mlm.console import console
+    from mlm.inference.chat import load_chat_template
+    from mlm.inference.engine import Engine, EngineConfig
+    from mlm.inference.loader import load_checkpoint_tokenizer, load_model
+    from mlm.inference.sampling import SamplingParams
+
+    model, manifest, it_dir = load_model(ckpt, dtype, device)
+    tok = load_checkpoint_tokenizer(manifest, it_dir, tokenizer)
+    if chat:
+        template = load_chat_template(tok)
+        ids = [tok.encode_plain(template.render([{"role": "user", "content": p}])) for p in prompts]
+    else:
+        ids = [tok.encode(p) for p in prompts]
+    context = model.cfg.max_position_embeddings
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stop)
+    )
+    engine = Engine(
+        model, tok, EngineConfig(max_seqs=max(1, len(prompts)), max_tokens_per_step=max(512, context))
+    )
+    start = time.perf_counter()
+    results = engine.generate(ids, params)
+    seconds = time.perf_counter() - start
+    for prompt, r in zip(prompts, results, strict=True):
+        print(f"{prompt}{r.text}" if not chat else r.text, flush=True)
+    n = sum(r.completion_tokens for r in results)
+    console.print(
+        f"[dim]{n} tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s), "
+        f"finish: {', '.join(str(r.finish_reason) for r in results)}[/]",
+        highlight=False,
+    )

@@ -1,0 +1,217 @@
+"""TensorRT-LLM's config.json for mlm's models, and the mlm model a config.json describes.
+
+The fields are those TensorRT-LLM's `PretrainedConfig` (`tensorrt_llm/models/modeling_utils.py`)
+and its `LLaMAConfig` / `GPTConfig` (`models/llama/config.py`, `models/gpt/config.py`) read; their
+values are what TensorRT-LLM's own Hugging Face converters write for the same network.
+
+    config = trt_config(cfg, tp=2, pp=1, dtype="bfloat16")   # → config.json dict
+    cfg, arch, tp, pp = read_trt_config(config)             # and back (MlmError if unsupported)
+"""
+
+from __future__ import annotations
+
+from mlm.config import ModelConfig
+from mlm.errors import MlmError
+from mlm.export.trtllm_names import GPT, LLAMA
+
+DTYPES = ("bfloat16", "float16", "float32")
+ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# Architectures a TensorRT-LLM checkpoint may name for each layout: TensorRT-LLM's Hugging Face
+# converters write the Hugging Face class (GPT2LMHeadModel, MistralForCausalLM); mlm writes
+# TensorRT-LLM's own model classes.
+READS = {
+    LLAMA: LLAMA,
+    "MistralForCausalLM": LLAMA,
+    GPT: GPT,
+    "GPT2LMHeadModel": GPT,
+}
+# TensorRT-LLM's `gelu`, `gelu_new` and `gelu_fast` are all the tanh approximation
+# (`tensorrt_llm/functional.py`, ACT2FN); it has no erf GELU.
+GPT_ACTS = ("gelu_new", "gelu", "gelu_fast", "gelu_pytorch_tanh")
+
+
+def dtype_choice(dtype: str) -> str:
+    """A TensorRT-LLM dtype name from --dtype (bfloat16, float16, float32, or bf16, fp16, fp32)."""
+    name = ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise MlmError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)} (or bf16, fp16, fp32)")
+    return name
+
+
+def architecture(cfg: ModelConfig) -> str:
+    """The TensorRT-LLM architecture mlm writes `cfg` as, or an MlmError saying why there is none."""
+    llama = dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", add_bias=False)
+    gpt = dict(normalization="layernorm", position_embedding="learned", activation="gelu_tanh", add_bias=True)
+    for arch, rules in ((LLAMA, llama), (GPT, gpt)):
+        if all(getattr(cfg, k) == v for k, v in rules.items()):
+            return arch
+    have = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in llama)
+    raise MlmError(
+        f"this model ({have}) has no TensorRT-LLM architecture mlm exports; supported: {LLAMA} "
+        f"({', '.join(f'{k}={v!r}' for k, v in llama.items())}) and {GPT} (GPT-2: "
+        f"{', '.join(f'{k}={v!r}' for k, v in gpt.items())}; TensorRT-LLM's GELU is the tanh one)"
+    )
+
+
+def check_mesh(cfg: ModelConfig, tp: int, pp: int) -> None:
+    """Refuse a tp/pp that TensorRT-LLM's layout cannot split this model over."""
+    if tp < 1 or pp < 1:
+        raise MlmError(f"--tp {tp} --pp {pp}: both must be at least 1")
+    H, G, F = cfg.num_attention_heads, cfg.query_groups, cfg.ffn_size
+    bad = [f"model.num_attention_heads={H}"] if H % tp else []
+    if G % tp and tp % G:
+        bad.append(f"model.num_query_groups={G} (and is no multiple of it)")
+    if F % tp:
+        bad.append(f"model.ffn_hidden_size={F}")
+    if bad:
+        raise MlmError(
+            f"--tp {tp} does not divide {', '.join(bad)}; choose a tp that divides the heads and the ffn "
+            "size, and divides the KV heads or is a multiple of them"
+        )
+    if pp > cfg.num_layers:
+        raise MlmError(f"--pp {pp} is more than model.num_layers={cfg.num_layers}; every stage needs a layer")
+
+
+def trt_config(cfg: ModelConfig, tp: int, pp: int, dtype: str) -> dict:
+    """The config.json dict for `cfg` written for tp × pp ranks in `dtype` (a TensorRT-LLM dtype name)."""
+    arch = architecture(cfg)
+    check_mesh(cfg, tp, pp)
+    out = {
+        "architecture": arch,
+        "dtype": dtype,
+        "logits_dtype": "float32",
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.query_groups,
+        "head_size": cfg.head_dim,
+        "intermediate_size": cfg.ffn_size,
+        "norm_epsilon": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "use_parallel_embedding": False,
+        "embedding_sharding_dim": 0,
+        "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
+    }
+    if arch == GPT:
+        return out | {
+            "hidden_act": "gelu_new",
+            "position_embedding_type": "learned_absolute",
+            "gpt_variant": "gpt2",
+            "bias": True,
+        }
+    scaling = None
+    if cfg.rope_scaling_factor is not None:  # the Hugging Face rope_scaling dict, as LLaMAConfig keeps it
+        scaling = {
+            "type": "llama3",
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position_embeddings,
+        }
+    return out | {
+        "hidden_act": "silu",
+        "position_embedding_type": "rope_gpt_neox",
+        "rotary_base": cfg.rope_base,
+        "rotary_scaling": scaling,
+        "attn_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def _need(c: dict, key: str):
+    if c.get(key) is None:
+        raise MlmError(f"config.json has no {key!r}; TensorRT-LLM's PretrainedConfig needs it")
+    return c[key]
+
+
+def _rules(c: dict, rules: dict[str, tuple]) -> None:
+    """Each field `k: (default, wanted)` must have the wanted value."""
+    bad = [f"{k}={c.get(k, d)!r} (mlm reads {w!r})" for k, (d, w) in rules.items() if c.get(k, d) != w]
+    if bad:
+        raise MlmError(f"config.json: {'; '.join(bad)}")
+
+
+def read_trt_config(c: dict) -> tuple[ModelConfig, str, int, int]:
+    """(mlm model, layout architecture, tp, pp) of a TensorRT-LLM config.json dict; MlmError naming the
+    field when mlm cannot read it."""
+    arch = READS.get(c.get("architecture"))
+    if arch is None:
+        raise MlmError(
+            f"config.json architecture {c.get('architecture')!r} is not supported; supported: {', '.join(READS)}"
+        )
+    dtype = _need(c, "dtype")
+    if dtype not in DTYPES:
+        raise MlmError(f"config.json dtype {dtype!r}: mlm reads {', '.join(DTYPES)}")
+    quant = c.get("quantization") or {}
+    if quant.get("quant_algo") or quant.get("kv_cache_quant_algo"):
+        raise MlmError(f"config.json quantization {quant}: mlm reads unquantized checkpoints only")
+    mapping = _need(c, "mapping")
+    tp, pp = mapping.get("tp_size", 1), mapping.get("pp_size", 1)
+    world = mapping.get("world_size", 1)
+    if tp * pp != world or mapping.get("cp_size", 1) != 1:
+        raise MlmError(
+            f"config.json mapping {mapping}: world_size={world} must equal tp_size({tp}) × pp_size({pp}) "
+            "(context parallelism is not read)"
+        )
+    D, H = _need(c, "hidden_size"), _need(c, "num_attention_heads")
+    common = dict(
+        use_parallel_embedding=(False, False),
+        head_size=(D // H, D // H),
+        rotary_pct=(1.0, 1.0),
+        qk_layernorm=(False, False),
+    )
+    if arch == GPT:
+        _rules(
+            c,
+            common
+            | dict(position_embedding_type=("learned_absolute", "learned_absolute"), bias=(True, True)),
+        )
+        if c.get("hidden_act") not in GPT_ACTS:
+            raise MlmError(f"config.json hidden_act={c.get('hidden_act')!r}: mlm reads {', '.join(GPT_ACTS)}")
+        style = dict(
+            normalization="layernorm", position_embedding="learned", activation="gelu_tanh", add_bias=True
+        )
+        rope = {}
+    else:
+        _rules(
+            c,
+            common
+            | dict(
+                position_embedding_type=(None, "rope_gpt_neox"),
+                hidden_act=(None, "silu"),
+                attn_bias=(False, False),
+                mlp_bias=(False, False),
+            ),
+        )
+        style = dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", add_bias=False)
+        rope = {"rope_base": float(c.get("rotary_base", 10000.0))}
+        scaling = c.get("rotary_scaling")
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind != "llama3":
+                raise MlmError(f"config.json rotary_scaling {scaling}: mlm reads none or rope_type 'llama3'")
+            rope |= dict(
+                rope_scaling_factor=float(scaling["factor"]),
+                rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            )
+    cfg = ModelConfig(
+        num_layers=_need(c, "num_hidden_layers"),
+        hidden_size=D,
+        num_attention_heads=H,
+        num_query_groups=c.get("num_key_value_heads") or H,
+        ffn_hidden_size=c.get("intermediate_size") or 4 * D,
+        vocab_size=_need(c, "vocab_size"),
+        max_position_embeddings=_need(c, "max_position_embeddings"),
+        norm_eps=float(c.get("norm_epsilon", 1e-5)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        **style,
+        **rope,
+    )
+    check_mesh(cfg, tp, pp)
+    return cfg, arch, tp, pp

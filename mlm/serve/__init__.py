@@ -1,0 +1,1 @@
+"""`mlm serve`: the OpenAI-compatible HTTP API (and Megatron's `PUT /api`) over `mlm.inference`."""

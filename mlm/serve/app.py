@@ -1,0 +1,456 @@
+"""The HTTP app: OpenAI's `/v1/completions`, `/v1/chat/completions` (both with `stream: true` as
+server-sent events) and `/v1/models`; Megatron's `PUT /api`; `/health` and `/metrics`.
+
+Every request is checked in this order, each failure an OpenAI-shaped error: API key (401), model
+loaded (503 + Retry-After), body size (413), JSON object (422), fields (400), model name (404),
+prompt and max_tokens against the context (400), room in the queue (429 + Retry-After). A request
+lives in the engine as an `EngineStream`; a client that disconnects cancels it, which frees its
+cache blocks at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from mlm.errors import MlmError
+from mlm.inference.chat import ChatTemplate
+from mlm.inference.engine import Completion, Engine, QueueFull, RequestOutput
+from mlm.inference.sampling import SamplingParams, TokenLogprob
+from mlm.serve import megatron
+from mlm.serve.errors import ApiError
+from mlm.serve.metrics import Metrics
+from mlm.serve.schemas import ChatRequest, CompletionRequest, parse
+from mlm.tokenizer import Tokenizer
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/api", "/health", "/metrics")
+
+
+@dataclass
+class Limits:
+    """What one request may ask for."""
+
+    max_body_bytes: int = 1 << 20
+    """Largest request body (HTTP 413 beyond)."""
+    max_tokens: int | None = None
+    """Largest max_tokens a request may ask for; unset means the model's context."""
+    retry_after_s: int = 1
+    """Retry-After of a 429 (queue full) or 503 (loading)."""
+
+
+class ServerState:
+    """What the app serves: set up empty (the app answers 503 while loading), then `ready`."""
+
+    def __init__(self, model_name: str, api_key: str | None = None, limits: Limits | None = None):
+        self.model_name = model_name
+        self.api_key = api_key
+        self.limits = limits or Limits()
+        self.metrics = Metrics()
+        self.engine: Engine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.chat: ChatTemplate | None = None
+        self.created = int(time.time())
+
+    def ready(self, engine: Engine, tokenizer: Tokenizer, chat: ChatTemplate) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+        self.metrics.attach(engine)
+        self.engine = engine  # last: requests are served from here on
+
+    @property
+    def context(self) -> int:
+        assert self.engine is not None
+        return self.engine.context
+
+
+class EngineStream:
+    """One request in the engine, its outputs arriving on this event loop."""
+
+    def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams):
+        loop = asyncio.get_running_loop()
+        self.state, self.engine = state, state.engine
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.done = False
+        self.start, self.first = time.perf_counter(), None
+        try:
+            self.id = self.engine.submit(
+                prompt_ids, params, lambda out: loop.call_soon_threadsafe(self.queue.put_nowait, out)
+            )
+        except QueueFull as e:
+            retry = str(state.limits.retry_after_s)
+            raise ApiError(
+                429, f"the server is busy ({e}); retry later", headers={"Retry-After": retry}
+            ) from None
+        except MlmError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+
+    async def __aiter__(self):
+        while not self.done:
+            out = await self.queue.get()
+            now = time.perf_counter()
+            if self.first is None and (out.token_ids or out.finished):
+                self.first = now
+                self.state.metrics.ttft.observe(now - self.start)
+            if out.finished:
+                self.done = True
+                self.state.metrics.latency.observe(now - self.start)
+            yield out
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine.abort(self.id)
+
+    async def gather(self) -> Completion:
+        result = Completion()
+        async for out in self:
+            result.add(out)
+        return result
+
+
+async def collect(request: Request, streams: list[EngineStream]) -> list[Completion]:
+    """Each stream's outputs put together; all are cancelled if the client goes away first."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(asyncio.gather(*(s.gather() for s in streams)))
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        gone = not work.done()
+        if gone:
+            work.cancel()
+            for s in streams:
+                s.cancel()
+    if gone:
+        raise ApiError(400, "the client disconnected")  # nobody reads it
+    results = work.result()
+    for r in results:
+        if r.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {r.error}")
+    return results
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def _check_access(state: ServerState, request: Request) -> None:
+    if state.api_key is not None:
+        auth = request.headers.get("authorization", "")
+        if auth != f"Bearer {state.api_key}":
+            what = "a wrong API key" if auth else "no API key"
+            raise ApiError(
+                401, f"{what}: send the header `Authorization: Bearer KEY`", code="invalid_api_key"
+            )
+    if state.engine is None:
+        retry = {"Retry-After": str(state.limits.retry_after_s)}
+        raise ApiError(503, "the model is loading; retry in a moment", headers=retry)
+
+
+async def _read_json(state: ServerState, request: Request) -> dict:
+    limit = state.limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    too_big = ApiError(413, f"the request body is larger than the limit of {limit} bytes")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise too_big
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(422, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ApiError(422, f"the request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _max_tokens(state: ServerState, prompt_len: int, asked: int | None, default: int | None) -> int:
+    room = state.context - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_len} tokens; the model's context is {state.context} tokens, "
+            "which leaves no room to generate",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    cap = state.limits.max_tokens
+    if asked is None:
+        return min(x for x in (default, room, cap) if x is not None)
+    if cap is not None and asked > cap:
+        raise ApiError(400, f"max_tokens={asked}: this server allows at most {cap}", param="max_tokens")
+    if asked > room:
+        raise ApiError(
+            400,
+            f"max_tokens={asked} plus the prompt's {prompt_len} tokens exceed the model's context of "
+            f"{state.context} tokens; ask for at most {room}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return asked
+
+
+def _params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return req.sampling(max_tokens, logprobs)
+    except MlmError as e:
+        raise ApiError(400, str(e)) from None
+
+
+# ---------------------------------------------------------------------- response bodies
+
+
+def _completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob], offset: int) -> dict | None:
+    if not lps:
+        return None
+    tokens = [tok.decode([lp.token_id]) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{tok.decode([i]): v for i, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob]) -> dict | None:
+    if not lps:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tok.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in lps
+        ]
+    }
+
+
+def _usage(c: Completion | RequestOutput) -> dict:
+    return {
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": c.completion_tokens,
+        "total_tokens": c.prompt_tokens + c.completion_tokens,
+    }
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _event_stream(stream: EngineStream, head: dict, choice, include_usage: bool, first: dict | None):
+    """SSE chunks: `choice(out)` makes each chunk's choice; `first`, a choice sent before any token."""
+    try:
+        if first is not None:
+            yield _sse({**head, "choices": [first]})
+        async for out in stream:
+            if out.finish_reason == "error":
+                yield _sse(ApiError(500, f"generation failed: {out.error}").body())
+                break
+            if out.text or out.logprobs or out.finished:
+                yield _sse({**head, "choices": [choice(out)]})
+            if out.finished and include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(out)})
+        yield _sse("[DONE]")
+    finally:  # the client went away (the task is cancelled) or the stream ended
+        stream.cancel()
+
+
+# ---------------------------------------------------------------------- the app
+
+
+class CountRequests:
+    """ASGI middleware: counts every HTTP response by endpoint and status for /metrics."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def record(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="mlm serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(CountRequests, metrics=state.metrics)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException):
+        return ApiError(e.status_code, str(e.detail), headers=e.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ok", "model": state.model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _check_access(state, request)
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "mlm"}
+        return {"object": "list", "data": [{**card, "max_model_len": state.context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _check_access(state, request)
+        req = parse(CompletionRequest, await _read_json(state, request))
+        _check_model(state, req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: one prompt per request, got {len(prompt)}", param="prompt")
+            prompt = prompt[0]
+        ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = _params(req, _max_tokens(state, len(ids), req.max_tokens, 16), req.logprobs)
+        stream = EngineStream(state, ids, params)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
+        head["model"] = state.model_name
+        offset = [0]
+
+        def choice(out: RequestOutput | Completion) -> dict:
+            lp = (
+                _completion_logprobs(state.tokenizer, out.logprobs, offset[0])
+                if params.logprobs is not None
+                else None
+            )
+            offset[0] += len(out.text)
+            return {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": _reason(out)}
+
+        if req.stream:
+            events = _event_stream(stream, head, choice, req.include_usage, None)
+            return StreamingResponse(events, media_type="text/event-stream")
+        (result,) = await collect(request, [stream])
+        return {**head, "choices": [choice(result)], "usage": _usage(result)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        _check_access(state, request)
+        req = parse(ChatRequest, await _read_json(state, request))
+        _check_model(state, req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = state.tokenizer.encode_plain(state.chat.render(messages))
+        except MlmError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        asked = req.max_completion_tokens or req.max_tokens
+        params = _params(req, _max_tokens(state, len(ids), asked, None), logprobs)
+        stream = EngineStream(state, ids, params)
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+        }
+        head["model"] = state.model_name
+
+        def logprobs_of(out) -> dict | None:
+            return _chat_logprobs(state.tokenizer, out.logprobs) if logprobs is not None else None
+
+        if req.stream:
+            head["object"] = "chat.completion.chunk"
+
+            def choice(out: RequestOutput) -> dict:
+                delta = {"content": out.text} if out.text else {}
+                return {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": logprobs_of(out),
+                    "finish_reason": _reason(out),
+                }
+
+            first = {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            events = _event_stream(stream, head, choice, req.include_usage, first)
+            return StreamingResponse(events, media_type="text/event-stream")
+        (result,) = await collect(request, [stream])
+        message = {"role": "assistant", "content": result.text}
+        body = {
+            "index": 0,
+            "message": message,
+            "logprobs": logprobs_of(result),
+            "finish_reason": _reason(result),
+        }
+        return {**head, "choices": [body], "usage": _usage(result)}
+
+    @app.put("/api")
+    async def megatron_api(request: Request):
+        _check_access(state, request)
+        req = megatron.parse(await _read_json(state, request))
+        tok = state.tokenizer
+        streams = []
+        try:
+            for prompt in req.prompts:
+                ids = tok.encode_plain(prompt)
+                if req.add_bos and tok.bos_id is not None:
+                    ids = [tok.bos_id, *ids]
+                params = megatron.sampling(req, _max_tokens(state, len(ids), req.tokens_to_generate, None))
+                streams.append((ids, EngineStream(state, ids, params)))
+            results = await collect(request, [s for _, s in streams])
+        finally:
+            for _, s in streams:
+                s.cancel()
+        return megatron.response(tok, req, [ids for ids, _ in streams], results)
+
+    return app
+
+
+def _reason(out: RequestOutput | Completion) -> str | None:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else None

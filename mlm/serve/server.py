@@ -1,0 +1,115 @@
+"""Run the app: `serve` (the `mlm serve` command: uvicorn in this thread, the model loading on
+another, so /health answers 503 until it is ready) and `ServerThread` (uvicorn on a background
+thread on a free port, for tests and benchmarks)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from mlm.errors import MlmError
+from mlm.inference.chat import load_chat_template
+from mlm.inference.engine import Engine, EngineConfig
+from mlm.inference.loader import load_checkpoint_tokenizer, load_model
+from mlm.serve.app import Limits, ServerState, create_app
+
+log = logging.getLogger("mlm.serve")
+
+
+def load_into(
+    state: ServerState,
+    ckpt: str,
+    engine_config: EngineConfig,
+    dtype: str = "fp32",
+    device: str = "auto",
+    tokenizer: str | None = None,
+    chat_template: str | None = None,
+) -> Engine:
+    """Load the checkpoint, start its engine and make `state` serve it."""
+    model, manifest, it_dir = load_model(ckpt, dtype, device)
+    tok = load_checkpoint_tokenizer(manifest, it_dir, tokenizer)
+    chat = load_chat_template(tok, chat_template)
+    engine = Engine(model, tok, engine_config)
+    engine.start()
+    state.ready(engine, tok, chat)
+    return engine
+
+
+def model_name(ckpt: str) -> str:
+    """The checkpoint DIR's name (DIR/iter_N counts as DIR)."""
+    p = Path(ckpt).resolve()
+    return p.parent.name if p.name.startswith("iter_") else p.name
+
+
+def serve(
+    ckpt: str,
+    host: str,
+    port: int,
+    engine_config: EngineConfig,
+    *,
+    api_key: str | None = None,
+    limits: Limits | None = None,
+    name: str | None = None,
+    dtype: str = "fp32",
+    device: str = "auto",
+    tokenizer: str | None = None,
+    chat_template: str | None = None,
+) -> None:
+    """Serve until interrupted; a checkpoint that fails to load stops the server with its error."""
+    state = ServerState(name or model_name(ckpt), api_key, limits)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(state), host=host, port=port, timeout_graceful_shutdown=5)
+    )
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        start = time.perf_counter()
+        try:
+            load_into(state, ckpt, engine_config, dtype, device, tokenizer, chat_template)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            failure.append(e)
+            server.should_exit = True
+            return
+        log.warning("mlm serve: %s ready in %.1f s", state.model_name, time.perf_counter() - start)
+
+    threading.Thread(target=load, name="mlm-load", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        if state.engine is not None:
+            state.engine.stop()
+    if failure:
+        e = failure[0]
+        raise e if isinstance(e, MlmError) else MlmError(f"loading {ckpt} failed: {type(e).__name__}: {e}")
+
+
+class ServerThread:
+    """`with ServerThread(app) as s:` serves `app` at `s.url` (127.0.0.1, a free port)."""
+
+    def __init__(self, app, host: str = "127.0.0.1"):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()

@@ -1,0 +1,332 @@
+"""The inference engine (mlm.inference): paged KV cache, continuous batching, sampling.
+
+Greedy output with continuous batching (requests of different lengths arriving at different
+steps) must equal each request run alone and the cache-less training forward, token for token,
+and transformers' `generate` on a tiny random Llama imported with `mlm convert --from-hf`; every
+sampling option must do what it says; no cache block may leak after a finish, a cancel or a failed
+step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_numerics import _randomize  # noqa: E402
+
+from mlm.config import ModelConfig  # noqa: E402
+from mlm.convert.hf import import_hf  # noqa: E402
+from mlm.errors import MlmError  # noqa: E402
+from mlm.inference.engine import Completion, Engine, EngineConfig, QueueFull  # noqa: E402
+from mlm.inference.loader import load_checkpoint_tokenizer, load_model  # noqa: E402
+from mlm.inference.sampling import SamplingParams, apply_penalties, truncate  # noqa: E402
+from mlm.inference.text import TextStream  # noqa: E402
+from mlm.model.generate import greedy  # noqa: E402
+from mlm.model.gpt import GPT  # noqa: E402
+
+from test_bad_input import ROOT  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def tiny_llama_checkpoint(root, tokenizer_json) -> tuple:
+    """A tiny random Llama (GQA; vocabulary = the tokenizer's) saved by transformers with its
+    tokenizer and a chat template, imported as an mlm checkpoint. (HF model, checkpoint dir)."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size()
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).float().eval()
+    _randomize(hf, 3)
+    hf_dir = root / "hf"
+    hf.save_pretrained(hf_dir)
+    (hf_dir / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
+    config = {"eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    import_hf(hf_dir, root / "tiny-llama")
+    return hf, root / "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, hf_tokenizer_json):
+    """(HF model, mlm model loaded from the imported checkpoint, its tokenizer, checkpoint dir)."""
+    hf, ckpt = tiny_llama_checkpoint(tmp_path_factory.mktemp("inference"), hf_tokenizer_json)
+    model, manifest, it_dir = load_model(ckpt, device="cpu")
+    return hf, model, load_checkpoint_tokenizer(manifest, it_dir), ckpt
+
+
+def prompts(vocab: int, lengths) -> list[list[int]]:
+    return [[(37 * i + 11 * j + 5) % vocab for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def staggered(
+    engine: Engine, items: list[tuple[list[int], SamplingParams]], every: int = 2
+) -> list[Completion]:
+    """Submit one request every `every` steps while the batch runs; step until all are done."""
+    results = [Completion() for _ in items]
+    k = step = 0
+    max_running = 0
+    while k < len(items) or engine.has_work():
+        if k < len(items) and step % every == 0:
+            engine.submit(items[k][0], items[k][1], results[k].add)
+            k += 1
+        engine.step()
+        max_running = max(max_running, engine.num_running)
+        step += 1
+    assert max_running <= engine.config.max_seqs
+    return results
+
+
+def test_continuous_batching_equals_alone_and_no_cache(llama):
+    _, model, _, _ = llama
+    ps = prompts(model.cfg.vocab_size, [5, 40, 1, 23, 70, 9])
+    # 3 sequences at most, 48 tokens a step: requests queue, join and leave mid-run, and the
+    # 70-token prompt is prefilled in two chunks
+    engine = Engine(model, None, EngineConfig(max_seqs=3, max_tokens_per_step=48, block_size=8))
+    batched = staggered(engine, [(p, GREEDY) for p in ps])
+    alone = [Engine(model, None, EngineConfig(block_size=8)).generate([p], GREEDY)[0] for p in ps]
+    for i, (p, b, a) in enumerate(zip(ps, batched, alone, strict=True)):
+        assert b.token_ids == a.token_ids
+        assert len(b.token_ids) == GREEDY.max_tokens and b.finish_reason == "length"
+        if i % 2 == 0:  # and the training forward without a cache (half of them: it is slow)
+            assert b.token_ids == greedy(model, p, GREEDY.max_tokens)
+    assert engine.cache.allocator.num_used == 0
+
+
+def test_equals_transformers_generate(llama):
+    hf, model, _, _ = llama
+    hf.generation_config.eos_token_id = None  # run the full 32 tokens, as the engine does here
+    ps = prompts(model.cfg.vocab_size, [3, 17])
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    engine = Engine(model, None, EngineConfig(max_seqs=4))
+    ours = engine.generate(ps, params)
+    for p, r in zip(ps, ours, strict=True):
+        ids = torch.tensor([p])
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32)
+        assert r.token_ids == theirs[0, len(p) :].tolist()
+
+
+def test_learned_positions_gpt2_style():
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=200,
+        max_position_embeddings=64,
+        normalization="layernorm",
+        position_embedding="learned",
+        activation="gelu_tanh",
+        add_bias=True,
+        tie_embeddings=True,
+    )
+    model = GPT(cfg).eval()  # torch's default init: an N(0, 1) embedding spreads the logits
+    ps = prompts(cfg.vocab_size, [4, 19, 7])
+    engine = Engine(model, None, EngineConfig(max_seqs=2, max_tokens_per_step=16, block_size=4))
+    for p, r in zip(ps, staggered(engine, [(p, GREEDY) for p in ps]), strict=True):
+        assert r.token_ids == greedy(model, p, GREEDY.max_tokens)
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(llama):
+    _, model, _, _ = llama
+    ps = prompts(model.cfg.vocab_size, [6, 12, 3])
+    sampled = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
+    alone = Engine(model).generate([ps[0]], sampled)[0].token_ids
+    engine = Engine(model, None, EngineConfig(max_seqs=3))
+    mixed = staggered(engine, [(ps[1], GREEDY), (ps[0], sampled), (ps[2], GREEDY)], every=1)
+    assert mixed[1].token_ids == alone
+    other_seed = SamplingParams(max_tokens=20, temperature=1.0, seed=8, ignore_eos=True)
+    assert Engine(model).generate([ps[0]], other_seed)[0].token_ids != alone
+
+
+def test_top_k_samples_among_the_k_best_and_logprobs(llama):
+    _, model, _, _ = llama
+    p = prompts(model.cfg.vocab_size, [9])[0]
+    params = SamplingParams(max_tokens=20, temperature=1.5, top_k=3, seed=1, logprobs=3, ignore_eos=True)
+    (r,) = Engine(model).generate([p], params)
+    assert len(r.logprobs) == 20
+    for token, lp in zip(r.token_ids, r.logprobs, strict=True):
+        assert lp.token_id == token and token in [i for i, _ in lp.top]
+    # greedy log-probs are the no-cache model's log-softmax at each position
+    (g,) = Engine(model).generate([p], SamplingParams(max_tokens=5, logprobs=2, ignore_eos=True))
+    with torch.no_grad():
+        logits = model(torch.tensor([p + g.token_ids]))[0, len(p) - 1 : -1, : model.cfg.vocab_size]
+    expected = torch.log_softmax(logits, -1)
+    for i, lp in enumerate(g.logprobs):
+        assert lp.token_id == int(expected[i].argmax()) == lp.top[0][0]
+        assert abs(lp.logprob - float(expected[i, lp.token_id])) < 1e-5
+        assert lp.top[0][1] >= lp.top[1][1]
+
+
+def test_truncation_and_penalties_do_what_they_say():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    assert torch.isfinite(truncate(logits, 2, 1.0)).tolist() == [True, True, False, False]
+    # mass before the 3rd token is 0.7 ≥ 0.5: the nucleus is the first two
+    assert torch.isfinite(truncate(logits, 0, 0.5)).tolist() == [True, True, False, False]
+    assert torch.isfinite(truncate(logits, 0, 0.3)).tolist() == [True, False, False, False]
+    x = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    rep = apply_penalties(x.clone(), SamplingParams(repetition_penalty=2.0), [0], [1])
+    assert rep.tolist() == [1.0, -4.0, 1.0, 0.5]
+    pen = apply_penalties(
+        x.clone(), SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [3], [2, 2, 0]
+    )
+    assert pen.tolist() == [2.0 - 0.75, -2.0, 1.0 - 1.0, 0.5]
+
+
+def test_penalties_stop_repeats(llama):
+    _, model, _, _ = llama
+    p = prompts(model.cfg.vocab_size, [4])[0]
+    (plain,) = Engine(model).generate([p], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert len(set(plain.token_ids)) < 40  # a tiny random model loops
+    for params in (
+        SamplingParams(max_tokens=40, presence_penalty=100.0, ignore_eos=True),
+        SamplingParams(max_tokens=40, repetition_penalty=1e6, ignore_eos=True),
+    ):
+        (r,) = Engine(model).generate([p], params)
+        assert len(set(r.token_ids)) == 40
+    (r,) = Engine(model).generate([p], SamplingParams(max_tokens=40, repetition_penalty=1e6, ignore_eos=True))
+    assert not set(r.token_ids) & set(p)
+
+
+def test_stop_tokens_strings_and_max_tokens(llama):
+    _, model, tok, _ = llama
+    engine = Engine(model, tok)
+    p = tok.encode("def main(argv):\n    return")
+    (full,) = engine.generate([p], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert full.finish_reason == "length" and len(full.token_ids) == 30 and full.completion_tokens == 30
+    third = full.token_ids[2]
+    first = full.token_ids.index(third)
+    (r,) = engine.generate([p], SamplingParams(max_tokens=30, stop_token_ids=(third,), ignore_eos=True))
+    assert r.token_ids == full.token_ids[:first] and r.finish_reason == "stop"
+    assert r.completion_tokens == first + 1  # the stop token counts, but is not output
+    stop = next(
+        full.text[i : i + 3] for i in range(4, len(full.text)) if "\ufffd" not in full.text[i : i + 3]
+    )
+    (s,) = engine.generate([p], SamplingParams(max_tokens=30, stop=(stop,), ignore_eos=True))
+    assert s.finish_reason == "stop" and s.text == full.text[: full.text.index(stop)]
+    (m,) = engine.generate([p], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert m.token_ids == full.token_ids[:5] and m.finish_reason == "length"
+    # the tokenizer's end-of-text stops a request that does not ignore it
+    engine_eod = Engine(model, tok)
+    engine_eod.tokenizer.eod_id, saved = third, tok.eod_id
+    try:
+        (e,) = engine_eod.generate([p], SamplingParams(max_tokens=30))
+    finally:
+        tok.eod_id = saved
+    assert e.finish_reason == "stop" and e.token_ids == full.token_ids[:first]
+
+
+class _Chars:
+    """A tokenizer whose token i is the letter chr(97 + i)."""
+
+    eod_id = None
+
+    def decode(self, ids):
+        return "".join(chr(97 + i) for i in ids)
+
+
+def test_text_stream_holds_back_a_possible_stop_string():
+    s = TextStream(_Chars(), ("cd",))
+    assert [s.add(i) for i in (0, 1, 2)] == [("a", False), ("b", False), ("", False)]  # "c" may start "cd"
+    assert s.add(4) == ("ce", False)  # it did not
+    assert s.add(2) == ("", False) and s.add(3) == ("", True) and s.text == "abce"
+
+
+def test_blocks_are_freed_after_finish_cancel_and_error(llama):
+    _, model, _, _ = llama
+    engine = Engine(model, None, EngineConfig(max_seqs=2, block_size=4))
+    pool = engine.cache.allocator
+    ps = prompts(model.cfg.vocab_size, [5, 9, 13])
+    long = SamplingParams(max_tokens=50, ignore_eos=True)
+    done = [Completion() for _ in ps]
+    ids = [engine.submit(p, long, d.add) for p, d in zip(ps, done, strict=True)]
+    for _ in range(3):
+        engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    assert pool.num_used == 14 + 15  # ⌈(prompt + 50) / 4⌉ blocks for each of the two running
+    engine.abort(ids[0])
+    engine.abort(ids[2])  # still waiting: it leaves without ever holding blocks
+    engine.step()
+    assert done[0].finish_reason == "abort" and done[2].finish_reason == "abort"
+    assert pool.num_used == 15 and engine.num_running == 1
+    while engine.has_work():
+        engine.step()
+    assert done[1].finish_reason == "length" and pool.num_used == 0
+
+    def broken(chunks):
+        raise RuntimeError("device lost")
+
+    engine.runner.forward, working = broken, engine.runner.forward
+    (failed,) = engine.generate([ps[0]], long)
+    assert failed.finish_reason == "error" and "device lost" in failed.error and pool.num_used == 0
+    engine.runner.forward = working
+    assert engine.generate([ps[0]], GREEDY)[0].finish_reason == "length"
+    assert engine.finished == {"abort": 2, "length": 2, "error": 1}
+
+
+def test_admission_limits(llama):
+    _, model, _, _ = llama
+    # 8 blocks of 4: a request of prompt 5 + max_tokens 10 needs 4, so only two run at once
+    engine = Engine(model, None, EngineConfig(max_seqs=4, block_size=4, num_blocks=8, max_waiting=3))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    p = prompts(model.cfg.vocab_size, [5])[0]
+    results = [Completion() for _ in range(3)]
+    for r in results:
+        engine.submit(p, params, r.add)
+    with pytest.raises(QueueFull):
+        engine.submit(p, params, Completion().add)
+    engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    while engine.has_work():
+        engine.step()
+    assert [r.token_ids for r in results[1:]] == [results[0].token_ids] * 2
+    with pytest.raises(MlmError, match="needs 9 KV-cache blocks"):
+        engine.submit(p, SamplingParams(max_tokens=30), Completion().add)
+    with pytest.raises(MlmError, match="context is 128"):
+        engine.submit([1] * 128, params, Completion().add)
+    with pytest.raises(MlmError, match="outside the vocabulary"):
+        engine.submit([model.cfg.vocab_size], params, Completion().add)
+    with pytest.raises(MlmError, match="max_tokens_per_step=2 is less than max_seqs=4"):
+        EngineConfig(max_seqs=4, max_tokens_per_step=2)
+
+
+def test_missing_tokenizer_names_the_option(llama, tmp_path):
+    _, _, _, ckpt = llama
+    _, manifest, it_dir = load_model(ckpt, device="cpu")
+    manifest = {**manifest, "tokenizer": None, "config": {**manifest["config"], "data": {}}}
+    with pytest.raises(MlmError, match="pass --tokenizer PATH"):
+        load_checkpoint_tokenizer(manifest, it_dir)
+
+
+def test_generate_cli(llama):
+    _, model, tok, ckpt = llama
+    r = subprocess.run(
+        [sys.executable, "-m", "cli.main", "generate", str(ckpt), "-p", "def main(", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    (expected,) = Engine(model, tok).generate([tok.encode("def main(")], SamplingParams(max_tokens=8))
+    assert r.stdout == f"def main({expected.text}\n"
+    assert f"{expected.completion_tokens} tokens in" in r.stderr
