@@ -1,5 +1,6 @@
 """`mlm serve CKPT`: an OpenAI-compatible HTTP API over a checkpoint; `mlm generate CKPT --prompt
-TEXT`: one-off generation from the shell. See docs/serve.md."""
+TEXT`: one-off generation from the shell. Both run tensor-parallel under torchrun:
+`torchrun --nproc-per-node 2 -m cli.main serve CKPT`. See docs/serve.md."""
 
 from __future__ import annotations
 
@@ -10,22 +11,29 @@ _DEVICE = typer.Option("auto", "--device", help="auto (cuda if there is one), cp
 _TOKENIZER = typer.Option(
     None, "--tokenizer", help="Tokenizer file or folder; default: the one the checkpoint names."
 )
+_TP = typer.Option(
+    None,
+    "--tp",
+    help="Tensor-parallel ranks, one process each; default: WORLD_SIZE under torchrun "
+    "(torchrun --nproc-per-node 2 -m cli.main serve CKPT), else 1. Rank 0 serves HTTP (or prints).",
+)
 
 
-def _kv_blocks(kv_blocks: int | None, kv_memory: str | None, dtype: str, ckpt: str) -> int | None:
+def _kv_blocks(
+    kv_blocks: int | None, kv_memory: str | None, dtype: str, ckpt: str, tp: int | None
+) -> int | None:
     if kv_memory is None:
         return kv_blocks
     if kv_blocks is not None:
         from mlm.errors import MlmError
 
         raise MlmError("give --kv-blocks or --kv-memory, not both")
-    from mlm.checkpoint import read_manifest, resolve_checkpoint
-    from mlm.config import config_from_dict
     from mlm.inference.kv_cache import blocks_for_memory, parse_bytes
-    from mlm.inference.loader import DTYPES
+    from mlm.inference.loader import DTYPES, model_config
+    from mlm.parallel.launch import detect
 
-    cfg = config_from_dict(read_manifest(resolve_checkpoint(ckpt))["config"]).model
-    return blocks_for_memory(cfg, 16, DTYPES.get(dtype, DTYPES["fp32"]), parse_bytes(kv_memory))
+    cfg, dt = model_config(ckpt), DTYPES.get(dtype, DTYPES["fp32"])
+    return blocks_for_memory(cfg, 16, dt, parse_bytes(kv_memory), tp or detect().world_size)
 
 
 def serve(
@@ -47,7 +55,7 @@ def serve(
         None, "--kv-blocks", help="KV-cache blocks of 16 tokens; default: max-seqs full contexts."
     ),
     kv_memory: str | None = typer.Option(
-        None, "--kv-memory", help="KV-cache size instead, e.g. 2GiB or 500MB."
+        None, "--kv-memory", help="KV-cache size per rank instead, e.g. 2GiB or 500MB."
     ),
     max_tokens: int | None = typer.Option(
         None, "--max-tokens-limit", help="Largest max_tokens a request may ask; default: the context."
@@ -61,8 +69,10 @@ def serve(
         "--chat-template",
         help="Jinja chat template file; default: the tokenizer's own, else role: text.",
     ),
+    tp: int | None = _TP,
 ) -> None:
-    """Serve a checkpoint over HTTP: OpenAI /v1/completions, /v1/chat/completions, Megatron PUT /api."""
+    """Serve a checkpoint over HTTP: OpenAI /v1/completions, /v1/chat/completions, Megatron PUT /api.
+    Under torchrun, tensor-parallel over the processes; only rank 0 binds the port."""
     from mlm.inference.engine import EngineConfig
     from mlm.serve.app import Limits
     from mlm.serve.server import serve as run
@@ -70,7 +80,7 @@ def serve(
     engine_config = EngineConfig(
         max_seqs=max_seqs,
         max_tokens_per_step=max_tokens_per_step,
-        num_blocks=_kv_blocks(kv_blocks, kv_memory, dtype, ckpt),
+        num_blocks=_kv_blocks(kv_blocks, kv_memory, dtype, ckpt, tp),
         max_waiting=max_waiting,
     )
     limits = Limits(max_body_bytes=max_body, max_tokens=max_tokens)
@@ -86,6 +96,7 @@ def serve(
         device=device,
         tokenizer=tokenizer,
         chat_template=chat_template,
+        tp=tp,
     )
 
 
@@ -104,32 +115,44 @@ def generate(
     dtype: str = _DTYPE,
     device: str = _DEVICE,
     tokenizer: str | None = _TOKENIZER,
+    tp: int | None = _TP,
 ) -> None:
-    """Generate from the shell: prints each prompt's continuation (the prompts run as one batch)."""
+    """Generate from the shell: prints each prompt's continuation (the prompts run as one batch).
+    Under torchrun, tensor-parallel over the processes; rank 0 prints."""
     import time
 
     from mlm.console import console
     from mlm.inference.chat import load_chat_template
-    from mlm.inference.engine import Engine, EngineConfig
-    from mlm.inference.loader import load_checkpoint_tokenizer, load_model
+    from mlm.inference.engine import Engine, EngineConfig, build_runner
+    from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config, resolve_device
+    from mlm.inference.lockstep import serving_mesh
     from mlm.inference.sampling import SamplingParams
 
-    model, manifest, it_dir = load_model(ckpt, dtype, device)
+    dev = resolve_device(device)
+    cfg = model_config(ckpt)
+    mesh = serving_mesh(cfg, tp, dev)
+    config = EngineConfig(
+        max_seqs=max(1, len(prompts)), max_tokens_per_step=max(512, cfg.max_position_embeddings)
+    )
+    model, manifest, it_dir = load_model(ckpt, dtype, dev, mesh)
+    if mesh.rank != 0:
+        build_runner(model, config, mesh).follow()
+        return
     tok = load_checkpoint_tokenizer(manifest, it_dir, tokenizer)
     if chat:
         template = load_chat_template(tok)
         ids = [tok.encode_plain(template.render([{"role": "user", "content": p}])) for p in prompts]
     else:
         ids = [tok.encode(p) for p in prompts]
-    context = model.cfg.max_position_embeddings
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stop)
     )
-    engine = Engine(
-        model, tok, EngineConfig(max_seqs=max(1, len(prompts)), max_tokens_per_step=max(512, context))
-    )
+    engine = Engine(model, tok, config, mesh)
     start = time.perf_counter()
-    results = engine.generate(ids, params)
+    try:
+        results = engine.generate(ids, params)
+    finally:
+        engine.stop()  # under tp: the other ranks return
     seconds = time.perf_counter() - start
     for prompt, r in zip(prompts, results, strict=True):
         print(f"{prompt}{r.text}" if not chat else r.text, flush=True)

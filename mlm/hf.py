@@ -470,11 +470,14 @@ def iter_hf_to_mlm(
     cfg: ModelConfig,
     arch: str | None = None,
     padded_vocab: int | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    passthrough: Callable[[str], object] | None = None,
+) -> Iterator[tuple[str, object]]:
     """`hf_to_mlm` one tensor at a time: every key and shape is checked before the first tensor is
     read, then each is read, converted and yielded (mlm key, tensor) in turn, so memory holds one
     Hugging Face tensor. With tied embeddings a stored `lm_head.weight` must equal the embedding
-    (compared by CRC-32C as they pass; MlmError after the last tensor otherwise)."""
+    (compared by CRC-32C as they pass; MlmError after the last tensor otherwise). `passthrough`:
+    a tensor that converts to itself (no split, transpose or padding) is not read; (mlm key,
+    passthrough(its Hugging Face key)) is yielded instead, for a caller that copies the bytes."""
     a = adapter(arch or arch_of(cfg))
     config_to_hf(cfg, a.model_type)  # raises if cfg is not this architecture
     V = padded_vocab or cfg.padded_vocab_size()
@@ -519,13 +522,19 @@ def iter_hf_to_mlm(
     embed_key = next(k for k, v in a.from_hf.items() if v == "embed.weight")
     tied: dict[str, tuple] = {}
     for key, k in found.items():
+        template, layer = _template(k)
+        keys = _fill(a.from_hf[template], layer)
+        tied_key = cfg.tie_embeddings and k in (embed_key, "lm_head.weight")
+        shape = hf_tensors[key][0]
+        same = len(keys) == 1 and template not in a.conv1d and (keys[0] not in VOCAB_ROWS or shape[0] == V)
+        if passthrough is not None and same and not tied_key:
+            yield keys[0], passthrough(key)  # stored as it is: the caller copies it
+            continue
         t = hf_tensors[key][1]()
-        if cfg.tie_embeddings and k in (embed_key, "lm_head.weight"):
+        if tied_key:
             tied[k] = (t.shape, t.dtype, _digest(t))
             if k == "lm_head.weight":
                 continue
-        template, layer = _template(k)
-        keys = _fill(a.from_hf[template], layer)
         if template in a.conv1d:
             t = t.t().contiguous()
         parts = t.split([shapes[mk][0] for mk in keys]) if len(keys) > 1 else (t,)

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlm.checkpoint import (
     ShardedTensor,
@@ -321,3 +323,32 @@ def test_rng_state_json_round_trip():
     rng_state_from_json(state)
     again = random.random(), np.random.rand(), torch.rand(3)
     assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(max_size=300), st.binary(max_size=3000))
+def test_crc32c_combine(a, b):
+    combined = store.crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b))
+    assert combined == google_crc32c.value(a + b)
+
+
+@pytest.mark.parametrize(
+    "stored_rows, chunk", [(4, (6, 5, 3)), (6, (4, 5, 3)), (4, (12, 5, 3)), (12, (3, 5, 3)), (6, (4, 1, 3))]
+)
+def test_rechunking_copies_files_and_combines_checksums(tmp_path, stored_rows, chunk):
+    """`plan_rechunk` + `write_pieces` write the same array with another chunking (zarr reads it
+    back), check the stored chunks, and give the checksums a write with that chunking computes."""
+    x = torch.randn(12, 5, 3)
+    src = store.create_array(tmp_path / "src", (12, 5, 3), (stored_rows, 5, 3), torch.float32)
+    sums = store.write_slice(src, x, (0, 0, 0))
+    assert store.can_rechunk(src, chunk)
+    plan = store.plan_rechunk(src, chunk, "src", sums)
+    got = store.write_pieces(tmp_path / "dst", (12, 5, 3), chunk, torch.float32, plan)
+    assert store.open_array(tmp_path / "dst", "dst").chunks == chunk
+    assert np.array_equal(zarr.open_array(str(tmp_path / "dst"))[:], x.numpy())
+    again = store.create_array(tmp_path / "again", (12, 5, 3), chunk, torch.float32)
+    assert got == store.write_slice(again, x, (0, 0, 0))
+    with pytest.raises(MlmError, match="chunk c/0/0/0 fails its checksum"):
+        store.plan_rechunk(src, chunk, "src", {**sums, "c/0/0/0": "00000000"})
+    cols = store.create_array(tmp_path / "cols", (12, 5, 3), (12, 5, 1), torch.float32)
+    assert not store.can_rechunk(cols, (6, 5, 3)) and not store.can_rechunk(src, (5, 5, 3))

@@ -188,8 +188,8 @@ def test_verification_failure_removes_output(tmp_path, monkeypatch, capsys):
     save_hf(MODELS["llama"](), tmp_path / "hf", "single")
     real = adapters.iter_hf_to_mlm
 
-    def broken(*args, **kwargs):  # a conversion bug: one (square) weight transposed
-        for key, t in real(*args, **kwargs):
+    def broken(*args, passthrough=None, **kwargs):  # a conversion bug: one (square) weight transposed
+        for key, t in real(*args, **kwargs):  # (every tensor read: none copied as it is)
             yield key, t.t().contiguous() if key == "layers.1.attn.out.weight" else t
 
     monkeypatch.setattr(adapters, "iter_hf_to_mlm", broken)

@@ -11,6 +11,7 @@ The layout is documented in docs/formats.md.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import re
@@ -218,14 +219,15 @@ def save_checkpoint(
 def save_streaming(
     root: str | os.PathLike,
     iteration: int,
-    tensors: Iterable[tuple[str, str, torch.Tensor, tuple[int, ...]]],
+    tensors: Iterable[tuple],
     extra: dict,
     group_names: list[str],
 ) -> Path:
     """One process writes a whole checkpoint as `tensors` yields (group, key, global tensor, chunk
-    shape), for the conversion tools. Producing tensor i + 1 overlaps writing tensor i (in a
-    thread); tensor i is written before tensor i + 2 is asked for, so a producer may reuse two
-    buffers in turn, and memory holds two tensors. Same layout as `save_checkpoint`."""
+    shape) or (group, key, write), `write(path)` writing the array itself and returning its checksums (see
+    `store.write_pieces`), for the conversion tools. Producing tensor i + 1 overlaps writing tensor i (in a thread); tensor i is
+    written before tensor i + 2 is asked for, so a producer may reuse two buffers in turn, and
+    memory holds two tensors. Same layout as `save_checkpoint`."""
     root, it_dir = Path(root), Path(root) / iter_dir_name(iteration)
     if RESERVED & extra.keys():
         raise ValueError(f"extra keys {sorted(RESERVED & extra.keys())} are reserved for the manifest")
@@ -233,11 +235,17 @@ def save_streaming(
     _prepare(root, it_dir, group_names)
     sums, writing = {}, {}
     with ThreadPoolExecutor(1) as writer:  # producing tensor i + 1 overlaps writing tensor i
-        for group, key, tensor, chunk in tensors:
-            arr = store.create_array(it_dir / group / key, tuple(tensor.shape), chunk, tensor.dtype)
+        for group, key, *item in tensors:
+            path = it_dir / group / key
+            if callable(item[0]):  # writes the array at `path` itself, returns its checksums
+                job = functools.partial(item[0], path)
+            else:
+                tensor, chunk = item
+                arr = store.create_array(path, tuple(tensor.shape), chunk, tensor.dtype)
+                job = functools.partial(store.write_slice, arr, tensor, (0,) * tensor.dim())
             for done, future in writing.items():
                 sums[done] = future.result()
-            writing = {f"{group}/{key}": writer.submit(store.write_slice, arr, tensor, (0,) * tensor.dim())}
+            writing = {f"{group}/{key}": writer.submit(job)}
         for done, future in writing.items():
             sums[done] = future.result()
     _finish(root, it_dir, iteration, group_names, extra_json, sums)

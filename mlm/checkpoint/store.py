@@ -16,9 +16,13 @@ of the same width, and every array records its logical torch dtype in `attrs["dt
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import json
 import math
+import mmap
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +135,47 @@ def _crc(buf: np.ndarray) -> str:
     return f"{google_crc32c.value(buf.reshape(-1).view(np.uint8)):08x}"
 
 
+# CRC-32C of a concatenation from the CRCs of its parts (zlib's crc32_combine, with the Castagnoli
+# polynomial): the register is advanced over len(B) zero bytes by a GF(2) matrix, built by
+# repeated squaring and cached per length (a handful of lengths per conversion, ~10 ms each).
+_POLY = 0x82F63B78  # CRC-32C, reflected
+
+
+def _gf2_times(mat: tuple[int, ...] | list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat) -> list[int]:
+    return [_gf2_times(mat, col) for col in mat]
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(nbytes: int) -> tuple[int, ...]:
+    """The matrix that advances a CRC-32C register over `nbytes` zero bytes."""
+    op = [_POLY] + [1 << n for n in range(31)]  # one zero bit
+    for _ in range(3):
+        op = _gf2_square(op)  # one zero byte
+    result = [1 << n for n in range(32)]  # identity
+    while nbytes:
+        if nbytes & 1:
+            result = [_gf2_times(op, col) for col in result]
+        nbytes >>= 1
+        if nbytes:
+            op = _gf2_square(op)
+    return tuple(result)
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC-32C of A + B from CRC-32C(A), CRC-32C(B) and len(B) in bytes."""
+    return _gf2_times(_zeros(len_b), crc_a) ^ crc_b if len_b else crc_a
+
+
 def check_aligned(arr: Array, offset: tuple[int, ...], shape: tuple[int, ...], where: str) -> None:
     """Refuse a slice that shares a chunk with another slice: concurrent writers would race on it."""
     for dim, (o, s, c, n) in enumerate(zip(offset, shape, arr.chunks, arr.shape, strict=True)):
@@ -218,17 +263,131 @@ def read_slice(
             buf = scratch
         _read_into(arr.path / key, buf, where)
         if checksums is not None:
-            got, want = _crc(buf), checksums.get(key)
-            if got != want:
-                raise MlmError(
-                    f"{where}: chunk {key} fails its checksum (CRC-32C {got}, the manifest records "
-                    f"{want}); the file is damaged: restore the checkpoint from a copy, or load an "
-                    "earlier one (mlm convert --no-verify skips the check)"
-                )
+            _check(where, key, _crc(buf), checksums.get(key))
         if buf is scratch:
             dest[...] = scratch[(*(slice(a - s, b - s) for a, b, s in zip(lo, hi, start, strict=True)), ...)]
     t = torch.from_numpy(out)
     return t.view(arr.dtype) if arr.dtype in BIT_PATTERN else t
+
+
+def can_rechunk(src: Array, chunk: tuple[int, ...]) -> bool:
+    """Whether `rechunk` can write `src` chunked by `chunk`: the stored chunks split dim 0 only,
+    the new ones dims 0 and 1 only, both into chunks that divide the array (no padded edge)."""
+    shape = src.shape
+    return (
+        len(shape) >= 1
+        and len(chunk) == len(shape)
+        and all(n > 0 for n in shape)
+        and src.chunks[1:] == shape[1:]
+        and chunk[2:] == shape[2:]
+        and shape[0] % src.chunks[0] == 0
+        and all(n % c == 0 for n, c in zip(shape, chunk, strict=True))
+    )
+
+
+Piece = tuple[Path, int, int, int]
+"""A byte range of a file: (file, offset, bytes, CRC-32C of those bytes)."""
+
+
+def _crc_of(f, pieces: list[tuple[int, int]]) -> list[int]:
+    """CRC-32C of each (offset, bytes) range of the open file `f`, read through a memory map."""
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        data = np.frombuffer(mm, np.uint8)
+        crcs = [google_crc32c.value(data[o : o + n]) for o, n in pieces]
+        del data
+    return crcs
+
+
+def plan_rechunk(
+    src: Array, chunk: tuple[int, ...], where: str, checksums: Checksums | None
+) -> dict[str, list[Piece]]:
+    """How to write `src` chunked by `chunk` (see `can_rechunk`) from byte ranges of its chunk
+    files: new chunk key → its pieces in order (whole runs of rows for a row split; one piece per
+    row for a column split). Reads each old chunk once, through a memory map, checksumming each
+    piece; the old chunks' CRCs, combined from their pieces', are checked against `checksums`."""
+    assert can_rechunk(src, chunk), (src, chunk)
+    R, rows, size = src.shape[0], src.chunks[0], src.storage.itemsize
+    C = math.prod(src.shape[1:])  # elements per row
+    tr, tc = chunk[0], math.prod(chunk[1:])
+    plan: dict[tuple[int, int], list[Piece]] = {}
+    for i in range(R // rows):
+        key = src.chunk_key((i,) + (0,) * (len(src.shape) - 1))
+        chunk_path = src.path / key
+        if tc == C:  # whole rows: one piece per run of rows between boundaries of either chunking
+            cuts = sorted({*range(-(-i * rows // tr) * tr, (i + 1) * rows, tr), i * rows, (i + 1) * rows})
+            ranges = [
+                ((a - i * rows) * C, (b - a) * C, (a // tr, 0)) for a, b in zip(cuts, cuts[1:], strict=False)
+            ]
+        else:  # a column split: one piece per row and column block
+            ranges = [
+                (r * C + k * tc, tc, ((i * rows + r) // tr, k)) for r in range(rows) for k in range(C // tc)
+            ]
+        try:
+            with open(chunk_path, "rb") as f:
+                if os.fstat(f.fileno()).st_size != rows * C * size:
+                    raise MlmError(
+                        f"{where}: chunk file {chunk_path} has the wrong size; the checkpoint is damaged"
+                    )
+                crcs = _crc_of(f, [(o * size, n * size) for o, n, _ in ranges])
+        except FileNotFoundError:
+            raise MlmError(
+                f"{where}: chunk file {chunk_path} is missing; the checkpoint is damaged"
+            ) from None
+        crc = crcs[0]
+        for (o, n, target), c in zip(ranges, crcs, strict=True):
+            plan.setdefault(target, []).append((chunk_path, o * size, n * size, c))
+        for (_, n, _), c in zip(ranges[1:], crcs[1:], strict=True):
+            crc = crc32c_combine(crc, c, n * size)
+        if checksums is not None:
+            _check(where, key, f"{crc:08x}", checksums.get(key))
+    nd = len(src.shape)
+    return {
+        src.chunk_key((j, k, *(0,) * (nd - 2)) if nd > 1 else (j,)): pieces
+        for (j, k), pieces in sorted(plan.items())
+    }
+
+
+def write_pieces(
+    path: Path, shape: tuple[int, ...], chunk: tuple[int, ...], dtype: torch.dtype, plan
+) -> Checksums:
+    """Create the array at `path` and write each chunk of `plan` (chunk key → pieces, see
+    `plan_rechunk`) by kernel copies of its pieces (`os.copy_file_range`); its CRC is combined
+    from theirs. Returns the chunks' checksums."""
+    create_array(path, shape, chunk, dtype)
+    sums = {}
+    with contextlib.ExitStack() as files:
+        sources: dict[Path, int] = {}
+        for key, pieces in plan.items():
+            (path / key).parent.mkdir(parents=True, exist_ok=True)
+            crc = None
+            with open(path / key, "wb") as out:
+                for src, offset, left, c in pieces:
+                    if src not in sources:
+                        sources[src] = files.enter_context(open(src, "rb")).fileno()
+                    crc = c if crc is None else crc32c_combine(crc, c, left)
+                    while left:
+                        n = os.copy_file_range(sources[src], out.fileno(), left, offset)
+                        if n == 0:
+                            raise MlmError(f"{src}: ends before byte {offset + left}; the file is truncated")
+                        offset, left = offset + n, left - n
+            sums[key] = f"{crc:08x}"
+    return sums
+
+
+def file_piece(src: Path, offset: int, nbytes: int) -> Piece:
+    """The byte range `offset` + `nbytes` of file `src` (e.g. a tensor in a safetensors file),
+    checksummed through a memory map."""
+    with open(src, "rb") as f:
+        return (src, offset, nbytes, _crc_of(f, [(offset, nbytes)])[0])
+
+
+def _check(where: str, key: str, got: str, want: str | None) -> None:
+    if got != want:
+        raise MlmError(
+            f"{where}: chunk {key} fails its checksum (CRC-32C {got}, the manifest records "
+            f"{want}); the file is damaged: restore the checkpoint from a copy, or load an "
+            "earlier one (mlm convert --no-verify skips the check)"
+        )
 
 
 def array_infos(group_path: Path) -> dict[str, dict]:

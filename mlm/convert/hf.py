@@ -14,15 +14,17 @@ OUT never holds a conversion that did not pass.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from mlm import hf as adapters
-from mlm.checkpoint import read_group
+from mlm.checkpoint import read_group, store
 from mlm.checkpoint.manager import save_streaming
 from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, DataConfig, ModelConfig, config_from_dict, to_toml
@@ -38,6 +40,7 @@ from mlm.fileio import check_new_dir, staged_dir
 from mlm.verify import prompt, prompt_logits
 
 TOKENIZER_DIR = "tokenizer"
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 @dataclass
@@ -139,13 +142,32 @@ def import_hf(
         }
         written = {"tensors": 0, "bytes": 0, "dtypes": set()}
 
-        def tensors():  # read, converted and written one at a time (see save_streaming)
-            mlm_tensors = adapters.iter_hf_to_mlm(hf_tensors, model_cfg, hf_config["model_type"])
-            for key, t in mlm_tensors:
-                yield "model", key, t, tuple(t.shape)
+        ranges = hf_io.safetensors_ranges(hf_dir)
+
+        def raw(hf_key: str):
+            """A tensor stored as it is: copied from its safetensors file by the kernel."""
+            where = ranges.get(hf_key)
+            if where is None or where[2] not in _SAFETENSORS_DTYPES:  # a .bin tensor: read it
+                return hf_tensors[hf_key][1]()
+            shape, dtype = tuple(hf_tensors[hf_key][0]), _SAFETENSORS_DTYPES[where[2]]
+            piece = store.file_piece(where[0], where[1], math.prod(shape) * dtype.itemsize)  # checked here,
+            plan = {"/".join(("c", *"0" * len(shape))): [piece]}  # copied in the writer thread
+            return shape, dtype, partial(store.write_pieces, shape=shape, chunk=shape, dtype=dtype, plan=plan)
+
+        def tensors():  # read (or copied), converted and written one at a time (see save_streaming)
+            mlm_tensors = adapters.iter_hf_to_mlm(
+                hf_tensors, model_cfg, hf_config["model_type"], passthrough=raw
+            )
+            for key, item in mlm_tensors:
+                if isinstance(item, torch.Tensor):
+                    shape, dtype = tuple(item.shape), item.dtype
+                    yield "model", key, item, shape
+                else:
+                    shape, dtype, write = item
+                    yield "model", key, write
                 written["tensors"] += 1
-                written["bytes"] += t.numel() * t.element_size()
-                written["dtypes"].add(dtype_name(t.dtype))
+                written["bytes"] += math.prod(shape) * dtype.itemsize
+                written["dtypes"].add(dtype_name(dtype))
                 progress(f"model/{key}", written["bytes"], total)
 
         save_streaming(tmp, 0, tensors(), extra, ["model"])

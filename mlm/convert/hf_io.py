@@ -142,6 +142,23 @@ def lazy_tensors(hf_dir: Path) -> dict[str, tuple[torch.Size, Callable[[], torch
     return out
 
 
+def safetensors_ranges(hf_dir: Path) -> dict[str, tuple[Path, int, str]]:
+    """key → (file, byte offset of its data, safetensors dtype) for every tensor in the folder's
+    safetensors files (from their headers: an 8-byte little-endian length, then JSON whose
+    `data_offsets` count from the end of the header). Tensors of .bin files are not listed."""
+    out = {}
+    for path in weight_files(hf_dir):
+        if path.suffix != ".safetensors":
+            continue
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        for k, v in header.items():
+            if k != "__metadata__":
+                out[k] = (path, 8 + n + v["data_offsets"][0], v["dtype"])
+    return out
+
+
 def _read_safetensor(path: Path, key: str) -> torch.Tensor:
     from safetensors import safe_open
 

@@ -18,6 +18,7 @@ into a temporary directory beside OUT that is renamed to OUT only when complete 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,7 +63,9 @@ def target_chunk(name: str, shape: tuple[int, ...], tp: int, consolidate: bool) 
 
 
 def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate, verify) -> Iterator:
-    """Each tensor of `src`, converted, read into one of two buffers in turn (see `save_streaming`)."""
+    """Each tensor of `src`, converted: re-chunked at file level (`store.plan_rechunk`,
+    `store.write_pieces`) when that is all it needs, else read into one of two buffers in turn
+    (see `save_streaming`)."""
     largest = max(store.nbytes(info) for info in infos.values())
     buffers = [np.empty(largest, np.uint8) for _ in range(2)]
     for i, (full_key, info) in enumerate(infos.items()):
@@ -70,14 +73,29 @@ def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate,
         where = f"{src}: tensor {full_key}"
         arr = store.open_array(src / group / key, where)
         sums = info.get(CHECKSUMS) if verify else None
-        t = store.read_slice(arr, (0,) * len(arr.shape), arr.shape, where, sums, buffers[i % 2])
         name = _param_name(key)
-        if name in VOCAB_ROWS and t.shape[0] != padded:  # padding rows are zeros: cut or add them
+        chunk = target_chunk(name, arr.shape, tp, consolidate)
+        repad = name in VOCAB_ROWS and arr.shape[0] != padded
+        cast = dtype is not None and group == "model" and arr.dtype.is_floating_point and arr.dtype != dtype
+        if not repad and not cast and store.can_rechunk(arr, chunk):
+            # only re-chunked: checked here, while the last tensor is written; the writer thread
+            # has the kernel copy byte ranges of the old chunk files
+            plan = store.plan_rechunk(arr, chunk, where, sums)
+            yield (
+                group,
+                key,
+                functools.partial(
+                    store.write_pieces, shape=arr.shape, chunk=chunk, dtype=arr.dtype, plan=plan
+                ),
+            )
+            continue
+        t = store.read_slice(arr, (0,) * len(arr.shape), arr.shape, where, sums, buffers[i % 2])
+        if repad:  # padding rows are zeros: cut or add them
             rows = torch.zeros((padded, *t.shape[1:]), dtype=t.dtype)
             n = min(padded, t.shape[0])
             rows[:n] = t[:n]
             t = rows
-        if dtype is not None and group == "model" and t.is_floating_point():
+        if cast:
             t = t.to(dtype)
         yield group, key, t, target_chunk(name, tuple(t.shape), tp, consolidate)
 
@@ -128,9 +146,9 @@ def reshard(
 
         def tensors():
             nonlocal done
-            for group, key, t, chunk in _converted(it_dir, infos, padded, tp, cast, consolidate, verify):
-                yield group, key, t, chunk
-                done += t.numel() * t.element_size()
+            for group, key, *item in _converted(it_dir, infos, padded, tp, cast, consolidate, verify):
+                yield group, key, *item
+                done += store.nbytes(infos[f"{group}/{key}"])
                 progress(f"{group}/{key}", done, total)
 
         save_streaming(tmp, int(manifest["iteration"]), tensors(), extra, groups)

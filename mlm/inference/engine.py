@@ -6,7 +6,8 @@ consumed all its tokens, and reports each sequence's new tokens and text to its 
 callback. A sequence leaves at once when it stops (stop token or string), reaches max_tokens,
 is aborted (`abort`, any thread) or fails, and its cache blocks go back to the pool. `start`
 runs the loop on a background thread (the server's way); `generate` drives it in the caller's
-thread (the CLI's way).
+thread (the CLI's way). Under tensor parallelism the engine lives on tp rank 0 and the other
+ranks only run `build_runner(...).follow()` (see `lockstep`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from mlm.inference.sampling import SamplingParams, TokenLogprob, generator, samp
 from mlm.inference.scheduler import Scheduler
 from mlm.inference.text import TextStream
 from mlm.model.gpt import GPT
+from mlm.parallel.mesh import Mesh
 from mlm.tokenizer import Tokenizer
 
 log = logging.getLogger("mlm.inference")
@@ -100,6 +102,17 @@ class Completion:
             self.finish_reason, self.error = out.finish_reason, out.error
 
 
+def build_runner(model: GPT, config: EngineConfig, mesh: Mesh | None = None) -> ModelRunner:
+    """The paged cache (this rank's key/value heads, the same blocks on every tp rank) and the
+    runner over it, for this rank's shard of the model."""
+    mesh = mesh or Mesh.single()
+    p = next(model.parameters())
+    context = model.cfg.max_position_embeddings
+    num_blocks = config.num_blocks or config.max_seqs * blocks_needed(context, config.block_size)
+    cache = PagedKVCache(model.cfg, num_blocks, config.block_size, p.dtype, p.device, mesh.tp)
+    return ModelRunner(model, cache, mesh)
+
+
 class Sequence:
     """One request inside the engine."""
 
@@ -136,15 +149,15 @@ class Engine:
         model: GPT,
         tokenizer: Tokenizer | None = None,
         config: EngineConfig | None = None,
+        mesh: Mesh | None = None,
     ):
+        """`model`: the plain GPT, or this rank's tp shard of it on tp rank 0 of `mesh`."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = cfg = config or EngineConfig()
         self.context = model.cfg.max_position_embeddings
-        p = next(model.parameters())
-        num_blocks = cfg.num_blocks or cfg.max_seqs * blocks_needed(self.context, cfg.block_size)
-        self.cache = PagedKVCache(model.cfg, num_blocks, cfg.block_size, p.dtype, p.device)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = build_runner(model, cfg, mesh)
+        self.cache = self.runner.cache
         self.scheduler = Scheduler(
             self.cache.allocator, cfg.block_size, cfg.max_seqs, cfg.max_tokens_per_step
         )
@@ -228,14 +241,16 @@ class Engine:
         if not batch:
             return 0
         try:
-            chunks = [Chunk(seq.pending(n), seq.num_computed, seq.blocks) for seq, n in batch]
-            logits_BV = self.runner.forward(chunks)
+            chunks = [
+                Chunk(seq.pending(n), seq.num_computed, seq.blocks, seq.num_computed + n == seq.num_tokens)
+                for seq, n in batch
+            ]
+            logits_BV = self.runner.forward(chunks)  # rows: the chunks that sample
             for seq, n in batch:
                 seq.num_computed += n
-            ready = [i for i, (seq, _) in enumerate(batch) if seq.num_computed == seq.num_tokens]
-            seqs = [batch[i][0] for i in ready]
+            seqs = [seq for (seq, _), c in zip(batch, chunks, strict=True) if c.sample]
             tokens, logprobs = sample(
-                logits_BV[ready],
+                logits_BV,
                 [s.params for s in seqs],
                 [s.gen for s in seqs],
                 [s.prompt_ids for s in seqs],
@@ -306,11 +321,13 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop's thread (if started); under tp, also release the other ranks, for good."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.runner.close()
 
     def _loop(self) -> None:
         while not self._stopping:

@@ -4,7 +4,11 @@ A sequence owns a list of block ids (its block table); token t of the sequence l
 `table[t // block_size]` at offset `t % block_size`. Sequences of any length share the pool
 without fragmentation, and a finished or cancelled sequence gives its blocks back at once.
 
-Shape legend: L layers, N blocks, S block size, G key/value heads, K head dim, T tokens.
+Under tensor parallelism every tp rank holds the keys and values of its own heads (G = query
+groups / tp) in a pool of the same blocks; rank 0's allocator hands out the block ids and sends
+each step's tables to the others, whose allocators stay unused.
+
+Shape legend: L layers, N blocks, S block size, G this rank's key/value heads, K head dim, T tokens.
 """
 
 from __future__ import annotations
@@ -42,18 +46,20 @@ class BlockAllocator:
         assert len(self._free) <= self.num_blocks, "a block was freed twice"
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Keys and values of every layer for `block_size` tokens."""
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """Keys and values of every layer for `block_size` tokens, on one of `tp` ranks."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.query_groups * cfg.head_dim * itemsize
+    return 2 * cfg.num_layers * block_size * (cfg.query_groups // tp) * cfg.head_dim * itemsize
 
 
-def blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
-    n = memory_bytes // bytes_per_block(cfg, block_size, dtype)
-    if n < 1:
-        need = bytes_per_block(cfg, block_size, dtype)
+def blocks_for_memory(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int, tp: int = 1
+) -> int:
+    """Blocks that `memory_bytes` per rank hold."""
+    need = bytes_per_block(cfg, block_size, dtype, tp)
+    if memory_bytes < need:
         raise MlmError(f"KV cache memory of {memory_bytes} bytes holds no block (one takes {need} bytes)")
-    return int(n)
+    return memory_bytes // need
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -74,14 +80,21 @@ def blocks_needed(tokens: int, block_size: int) -> int:
 
 
 class PagedKVCache:
-    """Per layer, keys and values [N, S, G, K] in one tensor each, allocated once."""
+    """Per layer, keys and values [N, S, G, K] in one tensor each, allocated once (G: the
+    query groups of one of `tp` ranks)."""
 
     def __init__(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: int = 1,
     ):
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.query_groups, cfg.head_dim)
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.query_groups // tp, cfg.head_dim)
         self.k_LNSGK = torch.zeros(shape, dtype=dtype, device=device)
         self.v_LNSGK = torch.zeros(shape, dtype=dtype, device=device)
 

@@ -1,5 +1,5 @@
 """A checkpoint (trained by `mlm train` or imported by `mlm convert --from-hf`) as a model ready
-for inference, and its tokenizer."""
+for inference (whole, or this rank's tensor-parallel shard of it), and its tokenizer."""
 
 from __future__ import annotations
 
@@ -8,19 +8,21 @@ from pathlib import Path
 
 import torch
 
-from mlm.checkpoint import read_group
-from mlm.config import config_from_dict
+from mlm.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
+from mlm.config import ModelConfig, ParallelConfig, config_from_dict
 from mlm.datasets.builder import parse_blend
 from mlm.datasets.meta import read_meta
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
+from mlm.parallel.mesh import Mesh
+from mlm.parallel.parallelize import build_sharded, model_shards
 from mlm.tokenizer import Tokenizer, load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -29,20 +31,35 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def load_model(ckpt: str | os.PathLike, dtype: str = "fp32", device: str = "auto") -> tuple[GPT, dict, Path]:
-    """(the model in eval mode on `device` in `dtype`, the manifest, the iter dir) of a checkpoint
-    (DIR or DIR/iter_N)."""
-    if dtype not in DTYPES:
-        raise MlmError(f"--dtype {dtype}: must be one of {', '.join(DTYPES)}")
-    tensors, manifest, it_dir = read_group(ckpt)
+def _manifest(ckpt: str | os.PathLike) -> tuple[dict, Path]:
+    it_dir = resolve_checkpoint(ckpt)
+    manifest = read_manifest(it_dir)
     if "config" not in manifest:
         raise MlmError(f"{it_dir}/manifest.json has no config; it was not written by mlm train or convert")
+    return manifest, it_dir
+
+
+def model_config(ckpt: str | os.PathLike) -> ModelConfig:
+    """The model config of a checkpoint (DIR or DIR/iter_N), without reading its tensors."""
+    return config_from_dict(_manifest(ckpt)[0]["config"]).model
+
+
+def load_model(
+    ckpt: str | os.PathLike,
+    dtype: str = "fp32",
+    device: str | torch.device = "auto",
+    mesh: Mesh | None = None,
+) -> tuple[GPT, dict, Path]:
+    """(the model in eval mode on `device` in `dtype`, the manifest, the iter dir) of a checkpoint
+    (DIR or DIR/iter_N). With a tensor-parallel `mesh`, this rank's shard of it (built by
+    `parallelize`, as in training), which reads only its slices of the stored global tensors."""
+    if dtype not in DTYPES:
+        raise MlmError(f"--dtype {dtype}: must be one of {', '.join(DTYPES)}")
+    manifest, it_dir = _manifest(ckpt)
     cfg = config_from_dict(manifest["config"]).model
-    with torch.device("meta"):
-        model = GPT(cfg, tensors["embed.weight"].shape[0])
-    dev = resolve_device(device)
-    state = {k: v.to(device=dev, dtype=DTYPES[dtype]) for k, v in tensors.items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    mesh = mesh or Mesh.single()
+    model = build_sharded(cfg, ParallelConfig(tp=mesh.tp), mesh, resolve_device(device), DTYPES[dtype])
+    load_checkpoint(it_dir, {"model": model_shards(model, mesh)})
     return model.eval().requires_grad_(False), manifest, it_dir
 
 

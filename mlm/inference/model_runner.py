@@ -6,6 +6,12 @@ sequence) into one run of T tokens: embeddings, norms, projections and MLPs run 
 (one forward per step, the point of batching), and attention runs per sequence over that
 sequence's own cached keys and values, with no padding. So a sequence's numbers do not depend on
 what shares its batch (up to the matmul kernel, which on the CPU in fp32 computes each row alike).
+Only the chunks that end a sequence's pending tokens (`sample`) go through the output layer.
+
+Under tensor parallelism (a model from `parallelize`) the same code runs on every tp rank over
+its shards: its query and key/value heads, its cache, its slice of the vocabulary, whose logits
+are gathered; rank 0 calls `forward`, which first broadcasts the step, and the other ranks run
+`follow` until rank 0's `close` (see `lockstep`).
 
 Shape legend: T packed tokens, n a chunk's tokens, L a sequence's cached length, D hidden,
 H heads, G key/value heads, K head dim, B sequences, V vocabulary.
@@ -14,6 +20,8 @@ H heads, G key/value heads, K head dim, B sequences, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -21,23 +29,30 @@ import torch
 import torch.nn.functional as F
 
 from mlm.inference.kv_cache import PagedKVCache, blocks_needed
+from mlm.inference.lockstep import broadcast_step, receive_step, stop_followers
 from mlm.model.gpt import GPT
 from mlm.model.rope import apply_rope, rope_tables
+from mlm.parallel.mesh import Mesh
+from mlm.parallel.tensor import gather_from_tp
 
 
 @dataclass
 class Chunk:
-    """`tokens` of one sequence, at positions start .., whose cache blocks are `blocks`."""
+    """`tokens` of one sequence, at positions start .., whose cache blocks are `blocks`; `sample`:
+    its logits are wanted (the chunk ends the sequence's pending tokens)."""
 
     tokens: list[int]
     start: int
     blocks: list[int]
+    sample: bool = True
 
 
 class ModelRunner:
-    def __init__(self, model: GPT, cache: PagedKVCache):
+    def __init__(self, model: GPT, cache: PagedKVCache, mesh: Mesh | None = None):
         self.model = model.eval()
         self.cache = cache
+        self.mesh = mesh or Mesh.single()
+        self._closed = False
         cfg = model.cfg
         self.device = next(model.parameters()).device
         self.vocab = cfg.vocab_size
@@ -45,9 +60,38 @@ class ModelRunner:
         if model.pos_embed is None:
             self.rope = rope_tables(cfg, cfg.max_position_embeddings, self.device)
 
-    @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Logits [B, V] (unpadded vocabulary) after the last token of each chunk."""
+        """Logits [B, V] (unpadded vocabulary) after the last token of each chunk that samples (on
+        tp rank 0, which sends the step to the other tp ranks first)."""
+        assert not self._closed, "the other tp ranks have left: close() released them"
+        if self.mesh.tp > 1:
+            broadcast_step(chunks, self.mesh, self.device)
+        return self._run(chunks)
+
+    def follow(self) -> int:
+        """On the tp ranks other than 0: run the steps rank 0 sends until it stops; the steps run.
+        Meanwhile SIGINT is ignored: a Ctrl-C reaches every rank of a torchrun job, and rank 0,
+        stopping, sends the stop message that ends this loop."""
+        main = threading.current_thread() is threading.main_thread()
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        steps = 0
+        try:
+            while received := receive_step(self.mesh, self.device):
+                self._run([Chunk(*c) for c in received])
+                steps += 1
+        finally:
+            if handler is not None:
+                signal.signal(signal.SIGINT, handler)
+        return steps
+
+    def close(self) -> None:
+        """On tp rank 0: end the other ranks' `follow`, for good (nothing to do at tp = 1)."""
+        if self.mesh.tp > 1 and not self._closed:
+            stop_followers(self.mesh, self.device)
+            self._closed = True
+
+    @torch.inference_mode()
+    def _run(self, chunks: list[Chunk]) -> torch.Tensor:
         m, cache, dev = self.model, self.cache, self.device
         tokens_T = torch.tensor([t for c in chunks for t in c.tokens], device=dev)
         positions = [c.start + i for c in chunks for i in range(len(c.tokens))]
@@ -66,10 +110,13 @@ class ModelRunner:
         for i, layer in enumerate(m.layers.values()):
             x_TD = x_TD + self._attention(i, layer.attn, layer.attn_norm(x_TD), rope, slots_T, chunks, tables)
             x_TD = x_TD + layer.mlp(layer.mlp_norm(x_TD))
-        ends = torch.tensor(list(accumulate(len(c.tokens) for c in chunks)), device=dev) - 1
-        x_BD = m.final_norm(x_TD[ends])
+        lengths = accumulate(len(c.tokens) for c in chunks)
+        ends = [end - 1 for c, end in zip(chunks, lengths, strict=True) if c.sample]
+        if not ends:  # only parts of longer prompts (so on every rank): no output layer, no gather
+            return x_TD.new_empty(0, self.vocab)
+        x_BD = m.final_norm(x_TD[torch.tensor(ends, device=dev)])
         weight = m.embed.weight if m.output is None else m.output.weight
-        return F.linear(x_BD, weight)[:, : self.vocab]
+        return gather_from_tp(F.linear(x_BD, weight), self.mesh)[:, : self.vocab]
 
     def _attention(self, layer_idx, attn, h_TD, rope, slots_T, chunks, tables) -> torch.Tensor:
         T, K = h_TD.shape[0], attn.cfg.head_dim

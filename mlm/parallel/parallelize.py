@@ -27,10 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from mlm.checkpoint import ShardedTensor
+from mlm.config import ModelConfig, ParallelConfig
 from mlm.errors import MlmError
-from mlm.model.gpt import GPT, TP_PLAN
+from mlm.model.gpt import GPT, TP_PLAN, VOCAB_ROWS
 from mlm.parallel.mesh import Mesh, check_tensor_parallel
-from mlm.parallel.pipeline import tied_output_copy
+from mlm.parallel.pipeline import split_for_pipeline, tied_output_copy
 from mlm.parallel.tensor import (
     ColumnParallelLinear,
     CopyToTP,
@@ -141,6 +143,24 @@ def parallelize(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> GPT:
     return model
 
 
+def build_sharded(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    mesh: Mesh,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> GPT:
+    """This rank's part of the plain GPT, allocated on `device` in `dtype` but not initialised:
+    built on meta, cut to its pipeline stage, parallelized, then materialised (only the local
+    shards take memory). Fill it with `init_weights` (training) or `load_checkpoint` of
+    `model_shards` (resuming, serving)."""
+    with torch.device("meta"):
+        model = GPT(cfg, padded_vocab=cfg.padded_vocab_size(mesh.tp)).to(dtype)
+    split_for_pipeline(model, mesh, parallel)
+    parallelize(model, mesh, parallel.sequence_parallel)
+    return model.to_empty(device=device)
+
+
 def sequence_parallel_params(model: GPT) -> list[nn.Parameter]:
     """Replicated parameters inside the sequence-parallel region (norms; row-parallel biases), whose
     gradients each tp rank computes from its sequence shard only. Found by place, not by tag, since
@@ -188,3 +208,21 @@ def param_layout(model: nn.Module, mesh: Mesh) -> dict[str, tuple[tuple[int, ...
         else:
             layout[name] = (tuple(p.shape), (0,) * p.ndim, mesh.tp_rank == 0 and p is not copy)
     return layout
+
+
+def model_shards(model: nn.Module, mesh: Mesh) -> list[ShardedTensor]:
+    """Every parameter as this rank's slice of its global checkpoint tensor (see `param_layout`;
+    written by dp rank 0 only), loaded into in place by `load_checkpoint`. The vocabulary rows are
+    padded per tp, so a checkpoint saved under another tp loads too."""
+    layout = param_layout(model, mesh)
+    return [
+        ShardedTensor(
+            name,
+            p.data,
+            layout[name][0],
+            layout[name][1],
+            layout[name][2] and mesh.dp_rank == 0,
+            padded_rows=name in VOCAB_ROWS,
+        )
+        for name, p in model.named_parameters()
+    ]

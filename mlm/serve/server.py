@@ -1,9 +1,11 @@
 """Run the app: `serve` (the `mlm serve` command: uvicorn in this thread, the model loading on
-another, so /health answers 503 until it is ready) and `ServerThread` (uvicorn on a background
-thread on a free port, for tests and benchmarks)."""
+another, so /health answers 503 until it is ready; under torchrun, tensor-parallel: rank 0 serves
+and the other ranks follow its steps) and `ServerThread` (uvicorn on a background thread on a free
+port, for tests and benchmarks)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -14,8 +16,10 @@ import uvicorn
 
 from mlm.errors import MlmError
 from mlm.inference.chat import load_chat_template
-from mlm.inference.engine import Engine, EngineConfig
-from mlm.inference.loader import load_checkpoint_tokenizer, load_model
+from mlm.inference.engine import Engine, EngineConfig, build_runner
+from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config, resolve_device
+from mlm.inference.lockstep import serving_mesh, stop_followers
+from mlm.parallel.mesh import Mesh
 from mlm.serve.app import Limits, ServerState, create_app
 
 log = logging.getLogger("mlm.serve")
@@ -29,12 +33,14 @@ def load_into(
     device: str = "auto",
     tokenizer: str | None = None,
     chat_template: str | None = None,
+    mesh: Mesh | None = None,
 ) -> Engine:
-    """Load the checkpoint, start its engine and make `state` serve it."""
-    model, manifest, it_dir = load_model(ckpt, dtype, device)
+    """Load the checkpoint (this rank's shard of it on tp rank 0 of `mesh`), start its engine and
+    make `state` serve it."""
+    model, manifest, it_dir = load_model(ckpt, dtype, device, mesh)
     tok = load_checkpoint_tokenizer(manifest, it_dir, tokenizer)
     chat = load_chat_template(tok, chat_template)
-    engine = Engine(model, tok, engine_config)
+    engine = Engine(model, tok, engine_config, mesh)
     engine.start()
     state.ready(engine, tok, chat)
     return engine
@@ -59,18 +65,33 @@ def serve(
     device: str = "auto",
     tokenizer: str | None = None,
     chat_template: str | None = None,
+    tp: int | None = None,
 ) -> None:
-    """Serve until interrupted; a checkpoint that fails to load stops the server with its error."""
+    """Serve until interrupted; a checkpoint that fails to load stops the server with its error.
+    Under torchrun (tp = WORLD_SIZE unless given), every rank loads its tp shard; rank 0 serves
+    HTTP and drives the others, which return when it stops."""
+    dev = resolve_device(device)
+    mesh = serving_mesh(model_config(ckpt), tp, dev)
+    if mesh.rank != 0:
+        model, _, _ = load_model(ckpt, dtype, dev, mesh)
+        build_runner(model, engine_config, mesh).follow()
+        return
     state = ServerState(name or model_name(ckpt), api_key, limits)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host=host, port=port, timeout_graceful_shutdown=5)
-    )
+
+    def stop() -> None:
+        if state.engine is not None:
+            state.engine.stop()
+        elif mesh.tp > 1:  # loading failed or was interrupted: release the other ranks all the same
+            stop_followers(mesh, dev)
+
+    config = uvicorn.Config(create_app(state), host=host, port=port, timeout_graceful_shutdown=5)
+    server = _Server(config, on_exit=stop)
     failure: list[BaseException] = []
 
     def load() -> None:
         start = time.perf_counter()
         try:
-            load_into(state, ckpt, engine_config, dtype, device, tokenizer, chat_template)
+            load_into(state, ckpt, engine_config, dtype, dev, tokenizer, chat_template, mesh)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             failure.append(e)
             server.should_exit = True
@@ -78,14 +99,27 @@ def serve(
         log.warning("mlm serve: %s ready in %.1f s", state.model_name, time.perf_counter() - start)
 
     threading.Thread(target=load, name="mlm-load", daemon=True).start()
-    try:
-        server.run()
-    finally:
-        if state.engine is not None:
-            state.engine.stop()
+    server.run()
     if failure:
         e = failure[0]
         raise e if isinstance(e, MlmError) else MlmError(f"loading {ckpt} failed: {type(e).__name__}: {e}")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, calling `on_exit` once it has shut down, before it re-raises the signal
+    that stopped it (a re-raised SIGTERM ends the process before any `finally` of ours runs)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self.on_exit()
 
 
 class ServerThread:

@@ -38,8 +38,8 @@ from mlm.model import flops_per_token, parameter_count
 from mlm.model.gpt import GPT, VOCAB_ROWS
 from mlm.parallel import Mesh
 from mlm.parallel.launch import init_distributed
-from mlm.parallel.parallelize import allreduce_sequence_parallel_grads, parallelize, param_layout
-from mlm.parallel.pipeline import Pipeline, split_for_pipeline
+from mlm.parallel.parallelize import allreduce_sequence_parallel_grads, build_sharded, model_shards
+from mlm.parallel.pipeline import Pipeline
 from mlm.parallel.schedules import micro_batches_per_step
 from mlm.parallel.tensor import vocab_parallel_cross_entropy
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
@@ -90,13 +90,9 @@ def check_supported(mesh: Mesh, cfg: Config) -> None:
 
 
 def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> GPT:
-    """Meta → this rank's pipeline stage → parallelize → materialise → init (every rank gets its
-    slice of one process's init)."""
-    with torch.device("meta"):
-        model = GPT(cfg.model, padded_vocab=cfg.model.padded_vocab_size(mesh.tp))
-    split_for_pipeline(model, mesh, cfg.parallel)
-    parallelize(model, mesh, cfg.parallel.sequence_parallel)
-    model.to_empty(device=device)
+    """Meta → this rank's pipeline stage → parallelize → materialise (`build_sharded`) → init
+    (every rank gets its slice of one process's init)."""
+    model = build_sharded(cfg.model, cfg.parallel, mesh, device)
     model.init_weights(cfg.train.seed)
     return model
 
@@ -385,18 +381,11 @@ class Trainer:
     def _groups(self, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
         """Every parameter and its Adam moments as this rank's slices of the global tensors
         (written by dp rank 0; replicated-over-tp ones by tp rank 0 too)."""
-        layout = param_layout(self.model, self.mesh)
-        model = [
-            ShardedTensor(
-                name, p.data, layout[name][0], layout[name][1], layout[name][2] and self.dp_rank == 0
-            )
-            for name, p in self.model.named_parameters()
-        ]
         opt = self.optimizer
         optim = opt.load_targets(self.iteration) if for_load else opt.save_tensors(self.iteration)
-        for t in model + optim:  # rows padded per tp: a checkpoint from another tp loads too
+        for t in optim:  # rows padded per tp, as model_shards marks the weights
             t.padded_rows = t.key.removeprefix("exp_avg_sq.").removeprefix("exp_avg.") in VOCAB_ROWS
-        return {"model": model, "optim": optim}
+        return {"model": model_shards(self.model, self.mesh), "optim": optim}
 
     def save(self, root: str) -> Path:
         """Save this step's state (every rank its slices). With `checkpoint.async_save` the

@@ -1,0 +1,135 @@
+"""Tensor-parallel serving (mlm.inference.lockstep): the engine at tp=2 against tp=1.
+
+Rank 0 runs the engine with continuous batching (requests of different lengths arriving at
+different steps, a prompt prefilled over two steps); rank 1 follows its broadcast steps. The
+greedy tokens must equal the one-process engine's on the same checkpoint, token for token, and
+every step's logits within TOL; every cache block goes back, and both ranks leave their loop at
+the stop message. Two models in one `run_ranks` call: a Llama-style GQA model whose 2 query groups
+split over the 2 ranks (untied output), and a GPT-2-style one (tied embeddings, biases, learned
+positions).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlm.checkpoint import ShardedTensor, save_checkpoint
+from mlm.config import Config, DataConfig, ModelConfig
+from mlm.errors import MlmError
+from mlm.inference.engine import Completion, Engine, EngineConfig, build_runner
+from mlm.inference.loader import load_model
+from mlm.inference.lockstep import serving_mesh
+from mlm.inference.sampling import SamplingParams
+from mlm.model.gpt import build_model
+
+from distributed import run_ranks
+
+TOL = 1e-5  # fp32 logits: max |tp2 − tp1| / max |tp1|
+LLAMA = dict(  # GQA: 4 heads, 2 query groups (one per rank); vocab 100 pads to 104 / 112
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=100,
+    make_vocab_size_divisible_by=8,
+    max_position_embeddings=64,
+    init_std=0.2,  # logits spread out: no near-ties for greedy to break differently
+)
+GPT2 = dict(
+    LLAMA,
+    num_query_groups=None,
+    ffn_hidden_size=None,
+    normalization="layernorm",
+    position_embedding="learned",
+    activation="gelu_tanh",
+    add_bias=True,
+    tie_embeddings=True,
+)
+# 3 sequences and 16 tokens a step: requests queue, join and leave mid-run; the 30-token prompt is
+# prefilled over two steps (a chunk that samples nothing)
+ENGINE = EngineConfig(max_seqs=3, max_tokens_per_step=16, block_size=4)
+LENGTHS, ARRIVALS = (5, 30, 1, 12), (0, 1, 3, 4)  # prompt tokens, step of arrival
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def _checkpoint(root, model_kw: dict):
+    cfg = ModelConfig(**model_kw)
+    model = build_model(cfg, seed=3)
+    tensors = [ShardedTensor.full(name, p.data) for name, p in model.named_parameters()]
+    config = Config(model=cfg, data=DataConfig(seq_length=cfg.max_position_embeddings))
+    return str(save_checkpoint(root, 0, {"model": tensors}, {"config": config.to_dict()}))
+
+
+def _drive(engine: Engine) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Submit each prompt at its arrival step, step until all are done: (tokens, every step's logits)."""
+    vocab = engine.model.cfg.vocab_size
+    prompts = [[(37 * i + 11 * j + 5) % vocab for j in range(n)] for i, n in enumerate(LENGTHS)]
+    results = [Completion() for _ in prompts]
+    logits: list[torch.Tensor] = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda chunks: logits.append(forward(chunks)) or logits[-1]
+    step = 0
+    while step <= max(ARRIVALS) or engine.has_work():
+        for p, at, r in zip(prompts, ARRIVALS, results, strict=True):
+            if at == step:
+                engine.submit(p, GREEDY, r.add)
+        engine.step()
+        step += 1
+    assert all(r.finish_reason == "length" for r in results)
+    return [r.token_ids for r in results], logits
+
+
+def _tp_rank(rank: int, world_size: int, ckpts: list[str]) -> list[dict]:
+    mesh = serving_mesh(ModelConfig(**LLAMA), None, torch.device("cpu"))  # tp = WORLD_SIZE
+    assert (mesh.tp, mesh.tp_rank) == (world_size, rank)
+    out = []
+    for ckpt in ckpts:
+        model, _, _ = load_model(ckpt, device="cpu", mesh=mesh)
+        if rank == 0:
+            engine = Engine(model, None, ENGINE, mesh)
+            tokens, logits = _drive(engine)
+            engine.stop()  # the stop message
+            cache = engine.cache
+            lists = [x.tolist() for x in logits]  # plain data: a worker's tensors die with it
+            out.append(dict(tokens=tokens, logits=lists, used=cache.allocator.num_used))
+        else:
+            runner = build_runner(model, ENGINE, mesh)
+            cache = runner.cache
+            out.append(dict(steps=runner.follow()))  # returns at the stop message
+        out[-1]["cache"] = tuple(cache.k_LNSGK.shape)
+    return out
+
+
+def test_tp2_engine_equals_tp1(tmp_path):
+    ckpts = [_checkpoint(tmp_path / name, kw) for name, kw in (("llama", LLAMA), ("gpt2", GPT2))]
+    ranks = run_ranks(2, _tp_rank, ckpts)
+    for i, ckpt in enumerate(ckpts):
+        model, _, _ = load_model(ckpt, device="cpu")
+        tokens, logits = _drive(Engine(model, None, ENGINE))
+        lead, follower = ranks[0][i], ranks[1][i]
+        assert lead["tokens"] == tokens
+        assert len(lead["logits"]) == len(logits) == follower["steps"]
+        assert any(x.shape[0] == 0 for x in logits)  # the first chunk of the long prompt
+        for got, ref in zip(lead["logits"], logits, strict=True):
+            assert len(got) == ref.shape[0]
+            if got:
+                assert float((torch.tensor(got) - ref).abs().max() / ref.abs().max()) <= TOL
+        assert lead["used"] == 0
+        G = model.cfg.query_groups
+        assert lead["cache"][3] == follower["cache"][3] == G // 2  # each rank: its own heads
+        assert lead["cache"][:3] == follower["cache"][:3]  # the same blocks
+
+
+def test_serving_mesh_refusals(monkeypatch):
+    cfg = ModelConfig(**LLAMA)
+    with pytest.raises(MlmError, match=r"--tp 2 with 1 process.*torchrun --nproc-per-node 2"):
+        serving_mesh(cfg, 2, torch.device("cpu"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun --nproc-per-node 4 would
+    with pytest.raises(MlmError, match=r"--tp 2 with 4 process.*pp > 1 or dp > 1"):
+        serving_mesh(cfg, 2, torch.device("cpu"))
+    mqa = ModelConfig(**{**LLAMA, "num_query_groups": 1})
+    with pytest.raises(MlmError, match="num_query_groups=1 is not divisible by parallel.tp=4"):
+        serving_mesh(mqa, None, torch.device("cpu"))
