@@ -43,4 +43,5 @@ bench: setup
     {{bin}}/python bench/train_step.py
     {{bin}}/python bench/parallel_overhead.py
     {{bin}}/python bench/pipeline_bubble.py
+    {{bin}}/python bench/convert.py
     {{bin}}/python bench/serve.py
