@@ -168,9 +168,10 @@ def test_tokenizer_files_travel_and_generation_config(tmp_path):
     convert.export_hf(tmp_path / "ckpt", tmp_path / "back2", tokenizer=tmp_path / "tok", verify=False)
     gen = json.loads((tmp_path / "back2" / "generation_config.json").read_text())
     assert gen == {"bos_token_id": 1, "eos_token_id": 2}
-    # no tokenizer at all: the fields are left out
+    # no tokenizer at all (neither copied files nor data.tokenizer): the fields are left out
+    config = {**manifest["config"], "data": {**manifest["config"]["data"], "tokenizer": ""}}
     (tmp_path / "ckpt" / "iter_0000000" / "manifest.json").write_text(
-        json.dumps({**manifest, "tokenizer": None})
+        json.dumps({**manifest, "tokenizer": None, "config": config})
     )
     convert.export_hf(tmp_path / "ckpt", tmp_path / "back3", verify=False)
     assert json.loads((tmp_path / "back3" / "generation_config.json").read_text()) == {}

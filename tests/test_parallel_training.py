@@ -17,12 +17,15 @@ function of the gradient, and the weights then agree to ~2e-7.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from mlm.checkpoint import ShardedTensor, load_checkpoint
 from mlm.config import load_config
 from mlm.convert.hf import export_hf
+from mlm.tokenizer import load_tokenizer
 from mlm.train.trainer import Trainer
 
 from conftest import tiny_sets
@@ -167,7 +170,7 @@ def _resume_and_logits(rank, world, sets_a, sets_b, resume_from, tokens):
     return straight, trainer.train(), seen
 
 
-def test_pp2_tp2_checkpoint_resumes_exactly_and_gives_the_same_logits_at_pp1(tmp_path, tiny_data):
+def test_pp2_tp2_checkpoint_resumes_exactly_and_gives_the_same_logits_at_pp1(tmp_path, tiny_data, sp_model):
     parallel = {
         **FOUR_LAYERS,
         "model.make_vocab_size_divisible_by": 200,  # 512 rows pad to 800 at tp 2, to 600 at tp 1
@@ -201,7 +204,12 @@ def test_pp2_tp2_checkpoint_resumes_exactly_and_gives_the_same_logits_at_pp1(tmp
     # exported to Hugging Face after those tp 2 training steps: transformers gives the same logits
     import transformers  # here, not at the top: every rank process imports this module
 
-    export_hf(ckpt, tmp_path / "hf")
+    report = export_hf(ckpt, tmp_path / "hf")
+    # the SentencePiece model the run's dataset records travels as tokenizer.model, with its eos id
+    assert report.tokenizer_files == ["tokenizer.model"]
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == sp_model.read_bytes()
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == load_tokenizer(sp_model).eod_id
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         theirs = hf(input_ids=tokens).logits

@@ -382,3 +382,26 @@ def read_group(
     ]
     load_checkpoint(it_dir, {group: targets}, verify=verify)
     return {st.key: st.local for st in targets}, manifest, it_dir
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_path(manifest: dict, it_dir: Path) -> Path | None:
+    """The tokenizer a checkpoint names: an imported model's copied tokenizer files (a folder
+    beside the iter dirs), else the run's `data.tokenizer`, else the tokenizer recorded by its
+    first dataset (`PREFIX.json`); None when it names none."""
+    from mlm.datasets.builder import parse_blend
+    from mlm.datasets.meta import read_meta
+
+    recorded = manifest.get("tokenizer") or {}
+    if set(recorded.get("files", [])) & set(TOKENIZER_FILES):  # not only generation_config.json
+        return it_dir.parent / recorded["path"]
+    data = manifest.get("config", {}).get("data", {})
+    if data.get("tokenizer"):
+        return Path(data["tokenizer"])
+    for _, prefix in parse_blend(data.get("data_path") or [])[:1]:
+        meta = read_meta(prefix)
+        if meta and meta.get("tokenizer", {}).get("path"):
+            return Path(meta["tokenizer"]["path"])
+    return None

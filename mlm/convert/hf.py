@@ -25,7 +25,7 @@ import torch
 
 from mlm import hf as adapters
 from mlm.checkpoint import read_group, store
-from mlm.checkpoint.manager import save_streaming
+from mlm.checkpoint.manager import save_streaming, tokenizer_path
 from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, DataConfig, ModelConfig, config_from_dict, to_toml
 from mlm.convert import hf_io
@@ -244,8 +244,9 @@ def export_hf(
     # transformers ≥ 4.56 reads `dtype` (and warns on `torch_dtype` alone); older ones `torch_dtype`
     hf_config["torch_dtype"] = hf_config["dtype"] = dtype_name(target)
     tok_dir = Path(tokenizer) if tokenizer is not None else None
-    if tok_dir is None and manifest.get("tokenizer"):
-        tok_dir = it_dir.parent / manifest["tokenizer"]["path"]
+    if tok_dir is None:  # an import's copy, or the one `mlm train` read
+        tok_dir = tokenizer_path(manifest, it_dir)
+        tok_dir = tok_dir if tok_dir is not None and tok_dir.exists() else None
     total = sum(t.numel() * t.element_size() for t in hf_state.values())
     with staged_dir(out) as tmp:
         written = 0
@@ -257,7 +258,7 @@ def export_hf(
 
         hf_io.write_safetensors(hf_state, tmp, max_bytes, on_shard)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        tokenizer_files = hf_io.copy_tokenizer_files(tok_dir, tmp) if tok_dir is not None else []
+        tokenizer_files = hf_io.copy_tokenizer(tok_dir, tmp) if tok_dir is not None else []
         gen = hf_io.generation_config(tok_dir)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         report = Report(

@@ -215,10 +215,31 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
     return names
 
 
+_TOKENIZER_FILE_NAMES = {".model": "tokenizer.model", ".json": "tokenizer.json"}
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    """`copy_tokenizer_files` of a folder, or one tokenizer file (a SentencePiece `.model` or a
+    `tokenizer.json`, as `mlm train`'s `data.tokenizer` names it) under the name Hugging Face
+    looks for; the names written."""
+    if src.is_dir():
+        return copy_tokenizer_files(src, dst)
+    name = _TOKENIZER_FILE_NAMES.get(src.suffix)
+    if name is None or not src.is_file():
+        return []
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dst / name)
+    return [name]
+
+
 def generation_config(tokenizer_dir: Path | None) -> dict:
     """generation_config.json: the tokenizer's own if it has one, else bos/eos ids from the tokenizer
     when it names them (fields left out when not known)."""
-    if tokenizer_dir is not None and (tokenizer_dir / "generation_config.json").is_file():
+    if (
+        tokenizer_dir is not None
+        and tokenizer_dir.is_dir()
+        and (tokenizer_dir / "generation_config.json").is_file()
+    ):
         return json.loads((tokenizer_dir / "generation_config.json").read_text())
     gen: dict = {}
     if tokenizer_dir is not None:

@@ -9,16 +9,14 @@ from pathlib import Path
 import torch
 
 from mlm.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
+from mlm.checkpoint.manager import tokenizer_path
 from mlm.config import ModelConfig, ParallelConfig, config_from_dict
-from mlm.datasets.builder import parse_blend
-from mlm.datasets.meta import read_meta
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import build_sharded, model_shards
 from mlm.tokenizer import Tokenizer, load_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -68,16 +66,9 @@ def load_checkpoint_tokenizer(manifest: dict, it_dir: Path, override: str | None
     the run's data.tokenizer, or the tokenizer recorded by its first dataset."""
     if override:
         return load_tokenizer(override)
-    recorded = manifest.get("tokenizer") or {}
-    if set(recorded.get("files", [])) & set(TOKENIZER_FILES):  # not only generation_config.json
-        return load_tokenizer(it_dir.parent / recorded["path"])
-    data = manifest.get("config", {}).get("data", {})
-    if data.get("tokenizer"):
-        return load_tokenizer(data["tokenizer"])
-    for _, prefix in parse_blend(data.get("data_path") or [])[:1]:
-        meta = read_meta(prefix)
-        if meta and meta.get("tokenizer", {}).get("path"):
-            return load_tokenizer(meta["tokenizer"]["path"])
+    path = tokenizer_path(manifest, it_dir)
+    if path is not None:
+        return load_tokenizer(path)
     raise MlmError(
         f"{it_dir}: the checkpoint names no tokenizer (no tokenizer files, no data.tokenizer, no dataset "
         "that records one); pass --tokenizer PATH (a SentencePiece .model, a tokenizer.json or a folder)"
