@@ -36,21 +36,21 @@ from mlm.checkpoint.manager import save_streaming  # noqa: E402
 from mlm.config import Config, ModelConfig  # noqa: E402
 from mlm.convert.hf import import_hf  # noqa: E402
 from mlm.convert.reshard import reshard, target_chunk  # noqa: E402
+from mlm.model.gpt import GPT  # noqa: E402
 
 HIDDEN, FFN, VOCAB = 2048, 5632, 32000
+PER_LAYER = 4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN  # q, k, v, out; gate, up, down
 
 
 def synthetic(root: Path, gb: float) -> tuple[Path, int]:
-    hidden, ffn, vocab = HIDDEN, FFN, VOCAB
-    per_layer = 4 * hidden * hidden + 3 * hidden * ffn
-    layers = max(1, int(gb * 1e9 / 4 / 3 / per_layer))  # weights + 2 moments, fp32
+    layers = max(1, int(gb * 1e9 / 4 / 3 / PER_LAYER))  # weights + 2 moments, fp32
     model = ModelConfig(
         num_layers=layers,
-        hidden_size=hidden,
-        ffn_hidden_size=ffn,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
         num_attention_heads=16,
         num_query_groups=16,
-        vocab_size=vocab,
+        vocab_size=VOCAB,
         normalization="rmsnorm",
         activation="swiglu",
         position_embedding="rope",
@@ -58,21 +58,8 @@ def synthetic(root: Path, gb: float) -> tuple[Path, int]:
         tie_embeddings=False,
     )
     cfg = dataclasses.replace(Config(), model=model)
-    V = model.padded_vocab_size()
-    shapes = {"embed.weight": (V, hidden), "output.weight": (V, hidden), "final_norm.weight": (hidden,)}
-    for i in range(layers):
-        for n, s in {
-            "attn.q.weight": (hidden, hidden),
-            "attn.k.weight": (hidden, hidden),
-            "attn.v.weight": (hidden, hidden),
-            "attn.out.weight": (hidden, hidden),
-            "mlp.gate.weight": (ffn, hidden),
-            "mlp.up.weight": (ffn, hidden),
-            "mlp.down.weight": (hidden, ffn),
-            "attn_norm.weight": (hidden,),
-            "mlp_norm.weight": (hidden,),
-        }.items():
-            shapes[f"layers.{i}.{n}"] = s
+    with torch.device("meta"):  # the shapes of every parameter, from the model itself
+        shapes = {k: tuple(p.shape) for k, p in GPT(model).named_parameters()}
 
     def tensors():
         gen = torch.Generator().manual_seed(0)
@@ -95,8 +82,7 @@ def hf_folder(root: Path, gb: float) -> int:
     import transformers
     from safetensors.torch import save_file
 
-    per_layer = 4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN
-    layers = max(1, int((gb * 1e9 / 4 - 2 * VOCAB * HIDDEN) / per_layer))
+    layers = max(1, int((gb * 1e9 / 4 - 2 * VOCAB * HIDDEN) / PER_LAYER))
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,

@@ -458,18 +458,20 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def toml_value(v) -> str:
+    """A bool, number, string or list of them as a TOML value."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
 def to_toml(cfg: Config, comments: bool = True) -> str:
     """The resolved config as TOML, each value followed by its meaning."""
     lines = []
-
-    def fmt(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        return repr(v)
 
     def emit(obj, prefix: str) -> None:
         docs = field_docs(type(obj))
@@ -479,7 +481,7 @@ def to_toml(cfg: Config, comments: bool = True) -> str:
             if dataclasses.is_dataclass(v):
                 nested.append((f.name, v))
                 continue
-            text = f"{f.name} = {fmt(v)}" if v is not None else f"# {f.name} = (unset)"
+            text = f"{f.name} = {toml_value(v)}" if v is not None else f"# {f.name} = (unset)"
             if comments and f.name in docs:
                 text = f"{text:<44} # {docs[f.name]}"
             lines.append(text)

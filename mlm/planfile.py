@@ -19,6 +19,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+from mlm.config import toml_value
 from mlm.errors import MlmError
 from mlm.fileio import atomic_write_text
 
@@ -34,22 +35,10 @@ SECTIONS = {
 }
 
 
-def _value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, float):
-        return repr(v)
-    return str(v)
-
-
 def dumps(plan: dict) -> str:
     """A plan dict as TOML (tables of scalars and lists; one level of sub-tables)."""
     check(plan, "<plan>")
-    lines = [f"format = {_value(FORMAT)}", f"version = {VERSION}"]
+    lines = [f"format = {toml_value(FORMAT)}", f"version = {VERSION}"]
 
     def table(name: str, body: dict) -> None:
         lines.append("")
@@ -59,7 +48,7 @@ def dumps(plan: dict) -> str:
             if isinstance(v, dict):
                 subs.append((k, v))
             elif v is not None:
-                lines.append(f"{k} = {_value(v)}")
+                lines.append(f"{k} = {toml_value(v)}")
         for k, v in subs:
             table(f"{name}.{k}", v)
 
@@ -110,16 +99,18 @@ def train_overrides(plan: dict) -> list[str]:
     model, mesh, batch, choice = plan["model"], plan["mesh"], plan["batching"], plan["choices"]
     sets = [f"preset={model['preset']}"] if model["preset"] else []
     sets += [s for s in model["overrides"] if s.split("=", 1)[0].strip().startswith("model.")]
-    sets += [f"parallel.{k}={_value(mesh[k])}" for k in ("tp", "pp", "vpp", "cp", "ep", "sequence_parallel")]
+    sets += [
+        f"parallel.{k}={toml_value(mesh[k])}" for k in ("tp", "pp", "vpp", "cp", "ep", "sequence_parallel")
+    ]
     for k in ("first_stage_layers", "last_stage_layers"):
         sets.append(f"parallel.{k}={mesh[k] if mesh.get(k) is not None else 'none'}")
     sets += [
         f"train.micro_batch_size={batch['micro_batch_size']}",
         f"train.global_batch_size={batch['global_batch_size']}",
         f"data.seq_length={batch['seq_length']}",
-        f"model.recompute={_value(choice['recompute'])}",  # quoted: a bare none would unset it
-        f"parallel.distributed_optimizer={_value(choice['distributed_optimizer'])}",
-        f"train.precision={_value(choice['precision'])}",
+        f"model.recompute={toml_value(choice['recompute'])}",  # quoted: a bare none would unset it
+        f"parallel.distributed_optimizer={toml_value(choice['distributed_optimizer'])}",
+        f"train.precision={toml_value(choice['precision'])}",
     ]
     return sets
 

@@ -378,17 +378,7 @@ def test_training_starts_from_an_import(tmp_path, tiny_data):
     run from those weights), whose logits are then transformers'."""
     from mlm.train.trainer import Trainer
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=512,  # the tiny dataset's SentencePiece vocabulary
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = llama(tie=False, vocab_size=512)  # the tiny dataset's SentencePiece vocabulary
     model.save_pretrained(tmp_path / "hf")
     convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
     sets = [

@@ -42,8 +42,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1.0 + noise if name.endswith(_GAINS) else noise)
 
 
-def llama(tie: bool) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
+def llama(tie: bool, seed: int = 1, **config) -> torch.nn.Module:
+    """A tiny random LlamaForCausalLM (GQA, llama3 RoPE scaling); `config` overrides fields."""
+    defaults = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
@@ -54,12 +55,12 @@ def llama(tie: bool) -> torch.nn.Module:
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         rope_scaling=dict(LLAMA3_ROPE),
-        tie_word_embeddings=tie,
         attn_implementation="eager",
     )
+    cfg = transformers.LlamaConfig(**{**defaults, **config, "tie_word_embeddings": tie})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).float().eval()
-    _randomize(model, 1)
+    _randomize(model, seed)
     return model
 
 

@@ -18,7 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_numerics import _randomize  # noqa: E402
+from test_hf_numerics import llama as hf_llama  # noqa: E402
 
 from mlm.config import ModelConfig  # noqa: E402
 from mlm.convert.hf import import_hf  # noqa: E402
@@ -45,20 +45,7 @@ def tiny_llama_checkpoint(root, tokenizer_json) -> tuple:
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size()
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).float().eval()
-    _randomize(hf, 3)
+    hf = hf_llama(tie=False, seed=3, vocab_size=vocab, rms_norm_eps=1e-6, rope_scaling=None)
     hf_dir = root / "hf"
     hf.save_pretrained(hf_dir)
     (hf_dir / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())

@@ -384,7 +384,7 @@ def read_group(
     return {st.key: st.local for st in targets}, manifest, it_dir
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer loads from these
 
 
 def tokenizer_path(manifest: dict, it_dir: Path) -> Path | None:
@@ -395,7 +395,7 @@ def tokenizer_path(manifest: dict, it_dir: Path) -> Path | None:
     from mlm.datasets.meta import read_meta
 
     recorded = manifest.get("tokenizer") or {}
-    if set(recorded.get("files", [])) & set(TOKENIZER_FILES):  # not only generation_config.json
+    if set(recorded.get("files", [])) & set(_VOCABULARY_FILES):  # not only generation_config.json
         return it_dir.parent / recorded["path"]
     data = manifest.get("config", {}).get("data", {})
     if data.get("tokenizer"):

@@ -126,7 +126,7 @@ def import_hf(
     hf_config = hf_io.read_hf_config(hf_dir)
     hf_class = _hf_class(hf_config)
     model_cfg = adapters.config_from_hf(hf_config)
-    hf_tensors = hf_io.lazy_tensors(hf_dir)
+    hf_tensors, ranges = hf_io.lazy_tensors(hf_dir)
     total = sum(f.stat().st_size for f in hf_io.weight_files(hf_dir))
     with staged_dir(out) as tmp:
         tokenizer_files = hf_io.copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
@@ -141,8 +141,6 @@ def import_hf(
             "tokenizer": {"path": TOKENIZER_DIR, "files": tokenizer_files} if tokenizer_files else None,
         }
         written = {"tensors": 0, "bytes": 0, "dtypes": set()}
-
-        ranges = hf_io.safetensors_ranges(hf_dir)
 
         def raw(hf_key: str):
             """A tensor stored as it is: copied from its safetensors file by the kernel."""

@@ -122,41 +122,33 @@ def iter_weight_files(hf_dir: Path) -> Iterator[tuple[Path, dict[str, torch.Tens
         yield path, load_weight_file(path)
 
 
-def lazy_tensors(hf_dir: Path) -> dict[str, tuple[torch.Size, Callable[[], torch.Tensor]]]:
-    """Every tensor of the folder's weight files, not read yet: key → (shape, read). safetensors
-    headers give the shapes and each tensor is read on its own; a .bin file is memory-mapped
-    (read as pages are touched) where torch's zip format allows, else loaded whole."""
-    from safetensors import safe_open
-
-    out = {}
-    for path in weight_files(hf_dir):
-        if path.suffix == ".safetensors":
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    for k in f.keys():
-                        out[k] = (torch.Size(f.get_slice(k).get_shape()), partial(_read_safetensor, path, k))
-            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-                raise MlmError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-        else:
-            out.update({k: (t.shape, partial(lambda t: t, t)) for k, t in load_weight_file(path).items()})
-    return out
-
-
-def safetensors_ranges(hf_dir: Path) -> dict[str, tuple[Path, int, str]]:
-    """key → (file, byte offset of its data, safetensors dtype) for every tensor in the folder's
-    safetensors files (from their headers: an 8-byte little-endian length, then JSON whose
-    `data_offsets` count from the end of the header). Tensors of .bin files are not listed."""
-    out = {}
+def lazy_tensors(
+    hf_dir: Path,
+) -> tuple[dict[str, tuple[torch.Size, Callable[[], torch.Tensor]]], dict[str, tuple[Path, int, str]]]:
+    """Every tensor of the folder's weight files, not read yet: (key → (shape, read), key →
+    (file, byte offset of its data, safetensors dtype) for the tensors of safetensors files).
+    safetensors headers (an 8-byte little-endian length, then JSON whose `data_offsets` count
+    from the end of the header) give shapes and places, and each tensor is read on its own; a
+    .bin file is memory-mapped (read as pages are touched) where torch's zip format allows, else
+    loaded whole."""
+    tensors, ranges = {}, {}
     for path in weight_files(hf_dir):
         if path.suffix != ".safetensors":
+            tensors.update({k: (t.shape, partial(lambda t: t, t)) for k, t in load_weight_file(path).items()})
             continue
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        for k, v in header.items():
-            if k != "__metadata__":
-                out[k] = (path, 8 + n + v["data_offsets"][0], v["dtype"])
-    return out
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            entries = {k: v for k, v in header.items() if k != "__metadata__"}
+            for k, v in entries.items():
+                tensors[k] = (torch.Size(v["shape"]), partial(_read_safetensor, path, k))
+                ranges[k] = (path, 8 + n + v["data_offsets"][0], v["dtype"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON, UTF-8 or layout errors
+            raise MlmError(
+                f"{path}: not a readable safetensors file (header: {type(e).__name__}: {e})"
+            ) from None
+    return tensors, ranges
 
 
 def _read_safetensor(path: Path, key: str) -> torch.Tensor:

@@ -66,8 +66,7 @@ def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate,
     """Each tensor of `src`, converted: re-chunked at file level (`store.plan_rechunk`,
     `store.write_pieces`) when that is all it needs, else read into one of two buffers in turn
     (see `save_streaming`)."""
-    largest = max(store.nbytes(info) for info in infos.values())
-    buffers = [np.empty(largest, np.uint8) for _ in range(2)]
+    buffers: list[np.ndarray] = []  # allocated for the first tensor read whole
     for i, (full_key, info) in enumerate(infos.items()):
         group, key = full_key.split("/", 1)
         where = f"{src}: tensor {full_key}"
@@ -89,6 +88,9 @@ def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate,
                 ),
             )
             continue
+        if not buffers:
+            largest = max(store.nbytes(info) for info in infos.values())
+            buffers = [np.empty(largest, np.uint8) for _ in range(2)]
         t = store.read_slice(arr, (0,) * len(arr.shape), arr.shape, where, sums, buffers[i % 2])
         if repad:  # padding rows are zeros: cut or add them
             rows = torch.zeros((padded, *t.shape[1:]), dtype=t.dtype)
