@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from mlm.checkpoint.manager import save_streaming  # noqa: E402
 from mlm.config import Config, ModelConfig  # noqa: E402
 from mlm.convert.hf import import_hf  # noqa: E402
+from mlm.checkpoint.keys import MOMENTS, moment_key  # noqa: E402
 from mlm.convert.reshard import reshard, target_chunk  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
 
@@ -64,12 +65,8 @@ def synthetic(root: Path, gb: float) -> tuple[Path, int]:
     def tensors():
         gen = torch.Generator().manual_seed(0)
         for name, shape in shapes.items():
-            for group, key in (
-                ("model", name),
-                ("optim", f"exp_avg.{name}"),
-                ("optim", f"exp_avg_sq.{name}"),
-            ):
-                yield group, key, torch.randn(shape, generator=gen), target_chunk(name, shape, 1, False)
+            for group, key in [("model", name)] + [("optim", moment_key(m, name)) for m in MOMENTS]:
+                yield group, key, torch.randn(shape, generator=gen), target_chunk(None, shape, 1)
 
     extra = {"config": cfg.to_dict(), "mesh": {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1, "world_size": 1}}
     it = save_streaming(root, 1, tensors(), extra, ["model", "optim"])

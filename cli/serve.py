@@ -124,11 +124,12 @@ def generate(
     from mlm.console import console
     from mlm.inference.chat import load_chat_template
     from mlm.inference.engine import Engine, EngineConfig, build_runner
-    from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config, resolve_device
+    from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config
+    from mlm.parallel.launch import pick_device
     from mlm.inference.lockstep import serving_mesh
     from mlm.inference.sampling import SamplingParams
 
-    dev = resolve_device(device)
+    dev = pick_device(device, "--device")
     cfg = model_config(ckpt)
     mesh = serving_mesh(cfg, tp, dev)
     config = EngineConfig(

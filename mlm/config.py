@@ -32,6 +32,29 @@ def _choice(section: str, name: str, value, choices) -> None:
     _check(value in choices, f"{section}.{name}={value!r}: must be one of {', '.join(map(str, choices))}")
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """The module kinds of one transformer layer (registered in `mlm.model.layers`)."""
+
+    attention: str
+    mlp: str
+    norm: str
+
+    def __str__(self) -> str:
+        return f"{self.attention} + {self.mlp} ({self.norm})"
+
+
+def describe_layers(specs: list[LayerSpec]) -> str:
+    """Runs of equal layers: "0-1: gqa + dense (rmsnorm); 2: gqa + moe (rmsnorm)"."""
+    runs: list[list] = []
+    for i, spec in enumerate(specs):
+        if runs and runs[-1][2] == spec:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, spec])
+    return "; ".join(f"{a}{f'-{b}' if b > a else ''}: {spec}" for a, b, spec in runs)
+
+
 @dataclass
 class ModelConfig:
     """The transformer: GPT-2 or Llama style, from the same fields."""
@@ -44,6 +67,8 @@ class ModelConfig:
     """Attention heads."""
     num_query_groups: int | None = None
     """Key/value heads for GQA/MQA; unset means one per attention head (MHA)."""
+    kv_channels: int | None = None
+    """Head dim (Megatron's kv_channels, HF's head_dim); unset means hidden_size / num_attention_heads."""
     ffn_hidden_size: int | None = None
     """MLP width; unset means 4 × hidden_size."""
     vocab_size: int = 256
@@ -84,6 +109,14 @@ class ModelConfig:
     """auto, sdpa, flash (flash-attn) or te (Transformer Engine); auto picks the fastest available."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full (each layer)."""
+    attention_kind: str = "gqa"
+    """Attention module of every layer: gqa (multi-head, grouped-query or multi-query attention)."""
+    mlp_kind: str = "dense"
+    """MLP module of the layers that mlp_kind_freq and first_k_dense select; the others are dense."""
+    mlp_kind_freq: int | list[int] = 1
+    """Which layers get mlp_kind (Megatron's moe_layer_freq): every Nth layer from 0, or a 0/1 list per layer."""
+    first_k_dense: int = 0
+    """The first k layers keep the dense MLP whatever mlp_kind_freq says (HF's first_k_dense_replace)."""
 
     def __post_init__(self):
         s = "model"
@@ -96,18 +129,34 @@ class ModelConfig:
         ):
             _check(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
         _check(
-            self.hidden_size % self.num_attention_heads == 0,
-            f"model.hidden_size={self.hidden_size} is not divisible by "
-            f"model.num_attention_heads={self.num_attention_heads}",
-        )
-        _check(
             self.num_attention_heads % self.query_groups == 0,
             f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
             f"model.num_query_groups={self.query_groups}",
         )
         _check(
+            self.kv_channels is None or self.kv_channels > 0,
+            f"model.kv_channels={self.kv_channels}: must be positive (or unset for hidden / heads)",
+        )
+        _check(
+            self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+            f"model.hidden_size={self.hidden_size} is not divisible by "
+            f"model.num_attention_heads={self.num_attention_heads}; set model.kv_channels (the head dim)",
+        )
+        _check(
             self.head_dim % 2 == 0 or self.position_embedding != "rope",
-            f"model.hidden_size / num_attention_heads = {self.head_dim}: RoPE needs an even head dim",
+            f"model head dim {self.head_dim}: RoPE needs an even head dim (set model.kv_channels)",
+        )
+        freq = self.mlp_kind_freq
+        if isinstance(freq, list):
+            _check(
+                len(freq) == self.num_layers and set(freq) <= {0, 1},
+                f"model.mlp_kind_freq={freq}: a list needs one 0 or 1 per layer ({self.num_layers} layers)",
+            )
+        else:
+            _check(freq >= 1, f"model.mlp_kind_freq={freq}: must be at least 1 (1: every layer)")
+        _check(
+            0 <= self.first_k_dense <= self.num_layers,
+            f"model.first_k_dense={self.first_k_dense}: must be within [0, num_layers={self.num_layers}]",
         )
         _choice(s, "normalization", self.normalization, ("layernorm", "rmsnorm"))
         _choice(s, "position_embedding", self.position_embedding, ("learned", "rope"))
@@ -123,7 +172,17 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def layer_specs(self) -> list[LayerSpec]:
+        """The module kinds of every layer, from attention_kind, mlp_kind, mlp_kind_freq,
+        first_k_dense and normalization (names only: `mlm.model.layers` builds them)."""
+        freq = self.mlp_kind_freq
+        chosen = [
+            i >= self.first_k_dense and (freq[i] == 1 if isinstance(freq, list) else i % freq == 0)
+            for i in range(self.num_layers)
+        ]
+        return [LayerSpec(self.attention_kind, self.mlp_kind if c else "dense", self.normalization) for c in chosen]
 
     @property
     def ffn_size(self) -> int:

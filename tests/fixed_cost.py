@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mlm.config import ParallelConfig
-from mlm.model.gpt import Chunk
+from mlm.model import Chunk
 from mlm.parallel import Mesh
 from mlm.parallel.pipeline import Pipeline, rank_chunks
 
@@ -41,11 +41,19 @@ class SleepStage(nn.Module):
         self.w = nn.Parameter(torch.ones(()))
         self.f, self.b = f / len(chunks), b / len(chunks)
 
-    def forward(self, x, chunk=0):
+    def forward(self, x, positions=None, cache=None, chunk=0):
         if self.chunks[chunk].first:
             x = torch.ones(*x.shape, self.cfg.hidden_size)
         time.sleep(self.f)
         return _SleepBackward.apply(x * self.w, self.b)
+
+    hidden_states = forward
+
+    def head_loss(self, h, labels):
+        return h.mean()
+
+    def tied_weight(self):
+        return None
 
 
 def measure_bubble(rank: int, world: int, vpp: int, m: int, f: float, steps: int = 1) -> float:
@@ -55,13 +63,12 @@ def measure_bubble(rank: int, world: int, vpp: int, m: int, f: float, steps: int
     stage = SleepStage(rank_chunks([1] * (world * vpp), world, rank), f, 2 * f)
     pipe = Pipeline(stage, mesh, vpp)
     micro = [torch.zeros(1, 5, dtype=torch.long)] * m
-    loss_fn = lambda out, labels: out.mean()  # noqa: E731
-    pipe.train_step(micro, loss_fn)  # warm-up: the first backward starts autograd's threads
+    pipe.train_step(micro)  # warm-up: the first backward starts autograd's threads
     idle = []
     for _ in range(steps):
         dist.barrier()
         start = time.perf_counter()
-        pipe.train_step(micro, loss_fn)
+        pipe.train_step(micro)
         dist.barrier()
         busy = sum(end - begin for _, begin, end in pipe.trace)
         idle.append(1 - busy / (time.perf_counter() - start))

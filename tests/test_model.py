@@ -9,10 +9,12 @@ import torch.nn.functional as F
 from mlm.config import ModelConfig, load_config
 from mlm.errors import MlmError
 from mlm.model import build_model, flops_per_token, parameter_count
+from mlm.parallel.recompute import apply_recompute
 
 
 def loss_and_grads(cfg: ModelConfig, tokens: torch.Tensor):
     model = build_model(cfg, seed=3)
+    apply_recompute(model, cfg.recompute)
     logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits[..., : cfg.vocab_size].flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
@@ -47,5 +49,5 @@ def test_parameter_counts_of_published_models():
 
 def test_too_long_sequence_is_a_clear_error():
     model = build_model(ModelConfig(max_position_embeddings=8, position_embedding="learned", vocab_size=50))
-    with pytest.raises(MlmError, match="longer than model.max_position_embeddings=8"):
+    with pytest.raises(MlmError, match="beyond model.max_position_embeddings=8"):
         model(torch.zeros(1, 9, dtype=torch.long))

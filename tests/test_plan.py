@@ -115,14 +115,12 @@ def _measure(cfg, mesh, autocast=None) -> dict:
     forward (every chunk of this rank, with the loss; under `autocast` if given) saves for backward."""
     from mlm.parallel.pipeline import Pipeline
     from mlm.train.optimizer import TrainOptimizer
-    from mlm.train.trainer import Trainer, build_parallel_model
+    from mlm.train.trainer import build_parallel_model
 
     device = torch.device("cpu")
     model = build_parallel_model(cfg, mesh, device)
     opt = TrainOptimizer(model, cfg, mesh, device)
     pipe = Pipeline(model, mesh, cfg.parallel.vpp)
-    trainer = types.SimpleNamespace(mesh=mesh, cfg=cfg)
-    loss_fn = lambda logits, labels: Trainer._loss(trainer, logits, labels)  # noqa: E731
     b, s, n = (
         cfg.train.micro_batch_size,
         cfg.data.seq_length,
@@ -130,7 +128,7 @@ def _measure(cfg, mesh, autocast=None) -> dict:
     )
     gen = torch.Generator().manual_seed(mesh.dp_rank)
     micro = [torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=gen) for _ in range(n)]
-    pipe.train_step(micro, loss_fn, 1.0 / n, opt.grads)
+    pipe.train_step(micro, 1.0 / n, opt.grads)
     pipe.sync_tied_embedding()
     opt.grads.finish()
     opt.clip(1.0)
@@ -164,8 +162,10 @@ def _measure(cfg, mesh, autocast=None) -> dict:
                 x = micro[0][:, :-1]
             else:
                 x = torch.randn(b, s // model.sequence_shards, cfg.model.hidden_size, requires_grad=True)
-            out = model(x, c)
-            keep.append(loss_fn(out, micro[0][:, 1:]) if chunk.last else out)
+            if chunk.last:
+                keep.append(model.head_loss(model.hidden_states(x, chunk=c), micro[0][:, 1:]))
+            else:
+                keep.append(model(x, chunk=c))
     counted["activations"] = sum(saved.values())
     return counted
 

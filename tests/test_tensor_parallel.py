@@ -18,7 +18,9 @@ from mlm.config import ModelConfig, ParallelConfig
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT, build_model
 from mlm.parallel import Mesh
-from mlm.parallel.parallelize import allreduce_sequence_parallel_grads, parallelize, param_layout
+from mlm.parallel.parallelize import allreduce_sequence_parallel_grads, parallelize
+from mlm.parallel.placement import placements
+from mlm.parallel.recompute import apply_recompute
 from mlm.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -26,7 +28,6 @@ from mlm.parallel.tensor import (
     TensorParallelRNG,
     VocabParallelEmbedding,
     gather_from_tp,
-    local_slice,
     scatter_to_tp,
     vocab_parallel_cross_entropy,
 )
@@ -80,7 +81,7 @@ def _shard(n: int, tp: int, rank: int) -> slice:
 def _copy_shards(layer: nn.Module, plain: nn.Module) -> None:
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.copy_(local_slice(getattr(plain, name), p))
+            p.copy_(layer.placements[name].slice_of(getattr(plain, name)))
 
 
 def _layer_errors(rank: int, world: int) -> dict[str, float]:
@@ -235,15 +236,16 @@ def _gpt_errors(rank: int, world: int, style: dict, seed: int = 7) -> dict[str, 
         with torch.device("meta"):
             model = GPT(cfg, padded_vocab=V)
         assert parallelize(model, mesh, sp) is model
+        apply_recompute(model, cfg.recompute)
         model.to_empty(device="cpu")
         model.init_weights(seed)
-        layout = param_layout(model, mesh)
+        layout = placements(model, mesh)
         for name, p in model.named_parameters():
-            shape, offset, writer = layout[name]
-            assert shape == tuple(ref_params[name].shape), name
-            assert writer == (hasattr(p, "global_shape") or r == 0), name
-            assert torch.equal(p, local_slice(ref_params[name], p)), f"init of {name}"
-        assert model.layers["0"].attn.rng_region.__self__ is model.tp_rng
+            place = layout[name]
+            assert place.global_shape == tuple(ref_params[name].shape), name
+            assert place.writer == (place.tensor_parallel or r == 0), name
+            assert torch.equal(p, place.slice_of(ref_params[name])), f"init of {name}"
+        assert model.layers["0"].attn.core.rng_region.__self__ is model.tp_rng
 
         torch.manual_seed(seed)
         logits = model(x_BT)
@@ -255,7 +257,7 @@ def _gpt_errors(rank: int, world: int, style: dict, seed: int = 7) -> dict[str, 
         for name, p in model.named_parameters():
             # floor: attn.k.bias's gradient is 0 in exact arithmetic (softmax ignores a constant
             # per query), ~3e-11 of rounding here; every other gradient is above 2e-4.
-            errs[f"{tag} grad {name}"] = rel_err(p.grad, local_slice(ref_grads[name], p), floor=1e-4)
+            errs[f"{tag} grad {name}"] = rel_err(p.grad, layout[name].slice_of(ref_grads[name]), floor=1e-4)
     return errs
 
 
@@ -276,11 +278,12 @@ def _attention_dropout_errors(rank: int, world: int, seed: int = 7) -> dict[str,
         with torch.device("meta"):
             model = GPT(cfg, padded_vocab=cfg.padded_vocab_size(mesh.tp))
         parallelize(model, mesh)
+        apply_recompute(model, cfg.recompute)
         model.to_empty(device="cpu")
         model.init_weights(seed)
         if run == "shared masks":  # every tp rank drawing from the same stream (what the fork avoids)
             for block in model.layers.values():
-                block.attn.rng_region = contextlib.nullcontext
+                block.attn.core.rng_region = contextlib.nullcontext
         torch.manual_seed(seed)
         loss = vocab_parallel_cross_entropy(model(x_BT), x_BT, mesh, cfg.vocab_size).mean()
         loss.backward()
@@ -292,10 +295,6 @@ def _attention_dropout_errors(rank: int, world: int, seed: int = 7) -> dict[str,
     return errs
 
 
-@pytest.mark.skipif(
-    not hasattr(GPT(ModelConfig(num_layers=1)).layers["0"].attn, "rng_region"),
-    reason="mlm/model has no Attention.rng_region hook yet",
-)
 def test_attention_dropout_uses_the_tp_region_rng_and_survives_recompute():
     for errs in run_ranks(2, _attention_dropout_errors):
         assert_small(errs)

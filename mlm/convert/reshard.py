@@ -37,32 +37,28 @@ from mlm.convert.common import (
 )
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
-from mlm.model.gpt import VOCAB_ROWS
-from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dim
+from mlm.model.gpt import GPT, VOCAB_ROWS
+from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dims
 from mlm.parallel.pipeline import stage_layer_counts
 from mlm.parallel.schedules import micro_batches_per_step
 from mlm.verify import prompt_logits
 
-_MOMENTS = ("exp_avg.", "exp_avg_sq.")
+def split_dims(cfg, consolidate: bool) -> dict[str, int | None]:
+    """Parameter name → the dim a tp-way mesh splits it along (None: whole; all None when
+    consolidating), from the model's tensor-parallel plans."""
+    with torch.device("meta"):
+        dims = tp_split_dims(GPT(cfg))
+    return {k: None for k in dims} if consolidate else dims
 
 
-def _param_name(key: str) -> str:
-    """ "exp_avg.layers.0.attn.q.weight" → "layers.0.attn.q.weight"."""
-    for prefix in _MOMENTS:
-        if key.startswith(prefix):
-            return key.removeprefix(prefix)
-    return key
-
-
-def target_chunk(name: str, shape: tuple[int, ...], tp: int, consolidate: bool) -> tuple[int, ...]:
-    """The chunk shape rank 0 of a tp-way mesh writes for parameter `name` (or the whole tensor)."""
-    dim = None if consolidate else tp_split_dim(name)
+def target_chunk(dim: int | None, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The chunk shape rank 0 of a tp-way mesh writes for a tensor split along `dim` (None: whole)."""
     if dim is None or not shape:
         return shape
     return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
-def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate, verify) -> Iterator:
+def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, dims, verify) -> Iterator:
     """Each tensor of `src`, converted: re-chunked at file level (`store.plan_rechunk`,
     `store.write_pieces`) when that is all it needs, else read into one of two buffers in turn
     (see `save_streaming`)."""
@@ -72,8 +68,8 @@ def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate,
         where = f"{src}: tensor {full_key}"
         arr = store.open_array(src / group / key, where)
         sums = info.get(CHECKSUMS) if verify else None
-        name = _param_name(key)
-        chunk = target_chunk(name, arr.shape, tp, consolidate)
+        name = param_of(key)
+        chunk = target_chunk(dims.get(name), arr.shape, tp)
         repad = name in VOCAB_ROWS and arr.shape[0] != padded
         cast = dtype is not None and group == "model" and arr.dtype.is_floating_point and arr.dtype != dtype
         if not repad and not cast and store.can_rechunk(arr, chunk):
@@ -99,7 +95,7 @@ def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, consolidate,
             t = rows
         if cast:
             t = t.to(dtype)
-        yield group, key, t, target_chunk(name, tuple(t.shape), tp, consolidate)
+        yield group, key, t, target_chunk(dims.get(name), tuple(t.shape), tp)
 
 
 def reshard(
@@ -148,7 +144,7 @@ def reshard(
 
         def tensors():
             nonlocal done
-            for group, key, *item in _converted(it_dir, infos, padded, tp, cast, consolidate, verify):
+            for group, key, *item in _converted(it_dir, infos, padded, tp, cast, split_dims(cfg.model, consolidate), verify):
                 yield group, key, *item
                 done += store.nbytes(infos[f"{group}/{key}"])
                 progress(f"{group}/{key}", done, total)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from mlm.errors import MlmError
 from mlm.inference.kv_cache import PagedKVCache, blocks_needed
-from mlm.inference.model_runner import Chunk, ModelRunner
+from mlm.inference.model_runner import ModelRunner, Segment
 from mlm.inference.sampling import SamplingParams, TokenLogprob, generator, sample
 from mlm.inference.scheduler import Scheduler
 from mlm.inference.text import TextStream
@@ -241,14 +241,14 @@ class Engine:
         if not batch:
             return 0
         try:
-            chunks = [
-                Chunk(seq.pending(n), seq.num_computed, seq.blocks, seq.num_computed + n == seq.num_tokens)
+            segments = [
+                Segment(seq.pending(n), seq.num_computed, seq.blocks, seq.num_computed + n == seq.num_tokens)
                 for seq, n in batch
             ]
-            logits_BV = self.runner.forward(chunks)  # rows: the chunks that sample
+            logits_BV = self.runner.forward(segments)  # rows: the segments that sample
             for seq, n in batch:
                 seq.num_computed += n
-            seqs = [seq for (seq, _), c in zip(batch, chunks, strict=True) if c.sample]
+            seqs = [seq for (seq, _), c in zip(batch, segments, strict=True) if c.sample]
             tokens, logprobs = sample(
                 logits_BV,
                 [s.params for s in seqs],
@@ -264,7 +264,7 @@ class Engine:
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
             self._append(seq, token, lp)
         if self.on_step is not None:
-            self.on_step(len(batch), sum(len(c.tokens) for c in chunks))
+            self.on_step(len(batch), sum(len(c.tokens) for c in segments))
         return len(batch)
 
     def _take_inbox(self) -> None:

@@ -13,20 +13,13 @@ from mlm.checkpoint.manager import tokenizer_path
 from mlm.config import ModelConfig, ParallelConfig, config_from_dict
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
+from mlm.build import build_sharded
+from mlm.parallel.launch import pick_device
 from mlm.parallel.mesh import Mesh
-from mlm.parallel.parallelize import build_sharded, model_shards
+from mlm.parallel.parallelize import model_shards
 from mlm.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise MlmError(f"--device {device}: CUDA is not available here; use --device cpu")
-    return dev
 
 
 def _manifest(ckpt: str | os.PathLike) -> tuple[dict, Path]:
@@ -56,7 +49,7 @@ def load_model(
     manifest, it_dir = _manifest(ckpt)
     cfg = config_from_dict(manifest["config"]).model
     mesh = mesh or Mesh.single()
-    model = build_sharded(cfg, ParallelConfig(tp=mesh.tp), mesh, resolve_device(device), DTYPES[dtype])
+    model = build_sharded(cfg, ParallelConfig(tp=mesh.tp), mesh, pick_device(device, "--device"), DTYPES[dtype])
     load_checkpoint(it_dir, {"model": model_shards(model, mesh)})
     return model.eval().requires_grad_(False), manifest, it_dir
 

@@ -46,7 +46,7 @@ def _src(mesh: Mesh) -> int:
 
 
 def broadcast_step(chunks: list, mesh: Mesh, device: torch.device) -> None:
-    """Rank 0: send the step's chunks (`model_runner.Chunk`s) to the other tp ranks; [] stops them."""
+    """Rank 0: send the step's chunks (`model_runner.Segment`s) to the other tp ranks; [] stops them."""
     head: list[int] = [len(chunks)]
     tokens: list[int] = []
     blocks: list[int] = []

@@ -1,6 +1,6 @@
 """The plain decoder-only transformer and what is computed from its config."""
 
-from mlm.model.gpt import GPT, build_model
+from mlm.model.gpt import GPT, Chunk, build_model
 from mlm.model.stats import flops_per_token, parameter_count
 
-__all__ = ["GPT", "build_model", "flops_per_token", "parameter_count"]
+__all__ = ["GPT", "Chunk", "build_model", "flops_per_token", "parameter_count"]

@@ -1,7 +1,8 @@
-"""A plain decoder-only transformer, GPT-2 or Llama style from the same config.
+"""A plain decoder-only transformer, GPT-2 or Llama style from the same config, its layers built
+from per-layer specs (`ModelConfig.layer_specs`, kinds in `mlm.model.layers`).
 
-Parallelism is applied from outside (a parallelize step swaps the linear and embedding
-layers named in `TP_PLAN`); this file knows nothing of ranks.
+Parallelism is applied from outside (`mlm.parallel.parallelize` reads each module's `tp_plan`;
+`mlm.parallel.recompute` wraps layers for activation recompute); this file knows nothing of ranks.
 
 Shape legend: B batch, T sequence, D hidden, H attention heads, G key/value groups,
 K head dim, F ffn hidden, V (padded) vocabulary.
@@ -9,7 +10,6 @@ K head dim, F ffn hidden, V (padded) vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -17,103 +17,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
-from mlm.model.attention import attention, resolve_backend
-from mlm.model.rope import apply_rope, rope_tables
-
-# name → Megatron-style parallel layer, used by the tensor-parallel step (q/k/v split by heads
-# and groups, gate/up by columns, so GQA and SwiGLU shard with no layout changes).
-TP_PLAN = {
-    "embed": "vocab",
-    "attn.q": "column",
-    "attn.k": "column",
-    "attn.v": "column",
-    "attn.out": "row",
-    "mlp.gate": "column",
-    "mlp.up": "column",
-    "mlp.down": "row",
-    "output": "column",
-}
-
+from mlm.model.attention import resolve_backend
+from mlm.model.aux_loss import AuxLosses
+from mlm.model.layers import AttentionCore, Block, make_norm
+from mlm.model.rope import rope_tables
 
 # Parameters whose rows are the vocabulary, padded to a multiple of make_vocab_size_divisible_by × tp
 # (the padding rows are zeros and stay zero in training).
 VOCAB_ROWS = ("embed.weight", "output.weight")
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.normalization == "rmsnorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        K, H, G = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
-        self.q = nn.Linear(cfg.hidden_size, H * K, bias=cfg.add_bias)
-        self.k = nn.Linear(cfg.hidden_size, G * K, bias=cfg.add_bias)
-        self.v = nn.Linear(cfg.hidden_size, G * K, bias=cfg.add_bias)
-        self.out = nn.Linear(H * K, cfg.hidden_size, bias=cfg.add_bias)
-        self.backend = "sdpa"
-        # Where attention dropout draws its randomness: tensor parallelism sets this to
-        # TensorParallelRNG.fork, so that tp ranks (holding different heads) drop differently.
-        self.rng_region = contextlib.nullcontext
-
-    def core(self, q, k, v):
-        dropping = self.training and self.cfg.attention_dropout > 0
-        with self.rng_region(q.device) if dropping else contextlib.nullcontext():
-            return attention(q, k, v, self.backend, self.cfg.attention_dropout, self.training)
-
-    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
-        K = self.cfg.head_dim
-        q_BTHK = self.q(x_BTD).view(B, T, -1, K)
-        k_BTGK = self.k(x_BTD).view(B, T, -1, K)
-        v_BTGK = self.v(x_BTD).view(B, T, -1, K)
-        if rope is not None:
-            q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
-        if self.cfg.recompute == "selective" and self.training:
-            o_BTHK = checkpoint(self.core, q_BTHK, k_BTGK, v_BTGK, use_reentrant=False)
-        else:
-            o_BTHK = self.core(q_BTHK, k_BTGK, v_BTGK)
-        return self.out(o_BTHK.reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gated = cfg.activation == "swiglu"
-        D, F_ = cfg.hidden_size, cfg.ffn_size
-        self.gate = nn.Linear(D, F_, bias=cfg.add_bias) if self.gated else None
-        self.up = nn.Linear(D, F_, bias=cfg.add_bias)
-        self.down = nn.Linear(F_, D, bias=cfg.add_bias)
-        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            h_BTF = F.silu(self.gate(x_BTD)) * self.up(x_BTD)
-        else:
-            h_BTF = F.gelu(self.up(x_BTD), approximate=self.approximate)
-        return self.down(h_BTF)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
-        self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
-
-    def forward(self, x_BTD, rope):
-        x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), rope))
-        return x_BTD + self.dropout(self.mlp(self.mlp_norm(x_BTD)))
+def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 over the unpadded vocabulary (one process)."""
+    logits_BTV = logits_BTV[..., :vocab_size].float()
+    return F.cross_entropy(logits_BTV.flatten(0, 1), labels_BT.flatten())
 
 
 @dataclass
@@ -129,11 +49,28 @@ class Chunk:
 
 
 class GPT(nn.Module):
-    """tokens [B, T] → logits [B, T, V] (V = padded vocabulary).
+    """tokens [B, T] → logits [B, T, V] (V = padded vocabulary), or the mean loss against labels.
 
-    `layers` is keyed by global layer number, so a pipeline stage that keeps only some layers (see
-    `mlm.parallel.pipeline`) names its parameters as the whole model does. `chunks` lists what a
-    `forward(x, chunk=c)` call runs; the whole model is one chunk."""
+    `layers` is keyed by global layer number, so a pipeline stage that keeps only some layers
+    (`keep_chunks`) names its parameters as the whole model does. `chunks` lists what a
+    `forward(x, chunk=c)` call runs; the whole model is one chunk. The same forward serves
+    training, evaluation, sampling and serving: `positions` (default 0 .. T - 1) place the tokens,
+    and a KV `cache` (serving's paged cache) gives attention its past keys and values."""
+
+    # Megatron-style tensor parallelism, applied from outside by `mlm.parallel.parallelize`
+    # (styles in `mlm.model.layers`): the embedding and the output projection split by vocabulary,
+    # the sequence split on entering the layers under sequence parallelism, the output layer's
+    # input entering the tp region, the loss computed from vocabulary shards.
+    padded_rows = VOCAB_ROWS
+    tp_plan = {
+        "embed": "vocab",
+        "pos_embed": "full_sequence",
+        "enter_layers": "scatter_sequence",
+        "final_norm": "replicated",
+        "enter_output": "enter",
+        "output": "column",
+        "cross_entropy": "vocab_loss",
+    }
 
     def __init__(self, cfg: ModelConfig, padded_vocab: int | None = None):
         super().__init__()
@@ -146,78 +83,144 @@ class GPT(nn.Module):
             else None
         )
         self.dropout = nn.Dropout(cfg.hidden_dropout)
-        # Hooks for tensor/sequence parallelism (identity here): into the layers (scatter the
-        # sequence over tp ranks) and into the output projection (enter the tp region).
+        # Placeholders for tensor/sequence parallelism (identity here): into the layers (scatter
+        # the sequence over tp ranks) and into the output projection (enter the tp region).
         self.enter_layers: nn.Module = nn.Identity()
         self.enter_output: nn.Module = nn.Identity()
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        specs = cfg.layer_specs()
+        self.layers = nn.ModuleDict({str(i): Block(cfg, spec, i) for i, spec in enumerate(specs)})
         self.final_norm = make_norm(cfg)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, V, bias=False)
+        # mean loss of (logits, labels, vocab_size); vocabulary-parallel under tensor parallelism
+        self.cross_entropy = cross_entropy
+        # auxiliary losses the modules attach (e.g. MoE balancing), shared with every module
+        # that has an `aux_losses` attribute
+        self.aux_losses = AuxLosses()
+        for module in self.modules():
+            if module is not self and hasattr(module, "aux_losses"):
+                module.aux_losses = self.aux_losses
         self.chunks = [Chunk(list(self.layers))]
         # Hidden states between chunks are [B, T / sequence_shards, D] (tp under sequence parallelism).
         self.sequence_shards = 1
 
     def set_attention_backend(self, requested: str, device: torch.device) -> str:
         backend = resolve_backend(requested, device)
-        for layer in self.layers.values():
-            layer.attn.backend = backend
+        for module in self.modules():
+            if isinstance(module, AttentionCore):
+                module.backend = backend
         return backend
+
+    # ------------------------------------------------------------------ pipeline stages
+
+    def keep_chunks(self, chunks: list[Chunk]) -> None:
+        """Keep only the layers of `chunks` (a pipeline rank's virtual stages), the embedding where
+        a chunk is first (or holds the tied output weight), the final norm and output where one
+        is last; parameter names stay those of the whole model."""
+        keep = {k for c in chunks for k in c.layers}
+        for key in [k for k in self.layers if k not in keep]:
+            del self.layers[key]
+        has_first, has_last = any(c.first for c in chunks), any(c.last for c in chunks)
+        if not has_first:
+            self.pos_embed = None
+            if not (has_last and self.cfg.tie_embeddings):  # the last stage keeps the tied weight
+                self.embed = None
+        if not has_last:
+            self.final_norm = None
+            self.output = None
+        self.chunks = chunks
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """This stage's copy of an embedding tied to the output layer of another stage (first or
+        last pipeline stage): its gradient must be summed with the other copy's; else None."""
+        first, last = any(c.first for c in self.chunks), any(c.last for c in self.chunks)
+        if not self.cfg.tie_embeddings or self.embed is None or (first and last):
+            return None
+        return self.embed.weight
+
+    def tied_copy(self) -> nn.Parameter | None:
+        """The last stage's copy of the tied embedding (not the first stage's original), or None."""
+        if self.embed is None or any(c.first for c in self.chunks):
+            return None
+        return self.embed.weight
+
+    # ------------------------------------------------------------------ weights
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Megatron's init: normal(0, σ); output projections σ / √(2 · layers); norms 1, biases 0.
 
-        A sharded parameter (one with `global_shape` and `global_offset` attributes, set by the
-        parallel layers) gets its slice of the full tensor drawn from the same stream, and the
-        vocabulary's padding rows (whose number depends on tp) are zeros drawn from no stream, so
-        every mesh starts from the same weights as one process. Each parameter draws from its own
-        stream, seeded by `seed` and its name, so a pipeline stage gets its layers' weights too."""
+        A sharded parameter (one its module describes in `placements`, as the parallel layers do)
+        gets its slice of the full tensor drawn from the same stream, and the vocabulary's padding
+        rows (whose number depends on tp) are zeros drawn from no stream, so every mesh starts
+        from the same weights as one process. Each parameter draws from its own stream, seeded by
+        `seed` and its name, so a pipeline stage gets its layers' weights too."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
-        for name, p in self.named_parameters():
-            if p.ndim == 1 and name.endswith(("norm.weight", "bias")):  # norm weights and biases
-                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
-                continue
-            # one stream per parameter name: a pipeline stage holding some layers draws what one
-            # process draws for them
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-            s = out_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else std
-            shape = getattr(p, "global_shape", p.shape)
-            full = torch.zeros(shape, dtype=torch.float32)
-            rows = self.cfg.vocab_size if name in VOCAB_ROWS else shape[0]
-            full[:rows].normal_(0.0, s, generator=gen)
-            offset = getattr(p, "global_offset", (0,) * p.ndim)
-            p.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, p.shape, strict=True))])
+        for module_name, module in self.named_modules():
+            described = getattr(module, "placements", {})
+            for local, p in module.named_parameters(recurse=False):
+                name = f"{module_name}.{local}" if module_name else local
+                if p.ndim == 1 and name.endswith(("norm.weight", "bias")):  # norm weights and biases
+                    p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+                    continue
+                # one stream per parameter name: a pipeline stage holding some layers draws what
+                # one process draws for them
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+                s = out_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else std
+                place = described.get(local)
+                shape = place.global_shape if place else p.shape
+                full = torch.zeros(shape, dtype=torch.float32)
+                rows = self.cfg.vocab_size if name in VOCAB_ROWS else shape[0]
+                full[:rows].normal_(0.0, s, generator=gen)
+                p.copy_(place.slice_of(full) if place else full)
 
-    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, chunk: int = 0
+    ) -> torch.Tensor:
         """Run chunk `chunk`: tokens [B, T] in if it is first, else hidden states [B, T', D]; logits
-        [B, T, V] out if it is last, else hidden states (T' = T / sequence_shards)."""
+        [B, T, V] (sharded over the vocabulary under tp) out if it is last, else hidden states
+        (T' = T / sequence_shards)."""
+        h = self.hidden_states(x, positions, cache, chunk)
+        return self.logits(h) if self.chunks[chunk].last else h
+
+    def hidden_states(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, chunk: int = 0
+    ) -> torch.Tensor:
+        """The chunk's layers over tokens (first chunk) or hidden states; before the final norm."""
         spec = self.chunks[chunk]
+        T = x.shape[1] if spec.first else x.shape[1] * self.sequence_shards
         if spec.first:
-            T = x.shape[1]
-            if T > self.cfg.max_position_embeddings:
+            limit = self.cfg.max_position_embeddings
+            if T > limit or (positions is not None and positions.numel() and int(positions.max()) >= limit):
                 raise MlmError(
-                    f"sequence of {T} tokens is longer than model.max_position_embeddings="
-                    f"{self.cfg.max_position_embeddings}; shorten it or raise the limit"
+                    f"sequence of {T} tokens (or a position) beyond model.max_position_embeddings="
+                    f"{limit}; shorten it or raise the limit"
                 )
             x_BTD = self.embed(x)
             if self.pos_embed is not None:
-                x_BTD = x_BTD + self.pos_embed(torch.arange(T, device=x.device))
+                x_BTD = x_BTD + self.pos_embed(torch.arange(T, device=x.device) if positions is None else positions)
             x_BTD = self.enter_layers(self.dropout(x_BTD))
         else:
-            T, x_BTD = x.shape[1] * self.sequence_shards, x
-        rope = None if self.pos_embed is not None or not spec.layers else rope_tables(self.cfg, T, x.device)
+            x_BTD = x
+        rope = None
+        if self.pos_embed is None and spec.layers:
+            rope = rope_tables(self.cfg, T, x.device, positions)
         for key in spec.layers:
-            layer = self.layers[key]
-            if self.cfg.recompute == "full" and self.training:
-                x_BTD = checkpoint(layer, x_BTD, rope, use_reentrant=False)
-            else:
-                x_BTD = layer(x_BTD, rope)
-        if not spec.last:
-            return x_BTD
-        x_BTD = self.enter_output(self.final_norm(x_BTD))
+            x_BTD = self.layers[key](x_BTD, rope, cache)
+        return x_BTD
+
+    def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection: [..., D] → [..., V] (V / tp columns under tp)."""
+        h_BTD = self.enter_output(self.final_norm(h_BTD))
         weight = self.embed.weight if self.output is None else self.output.weight
-        return F.linear(x_BTD, weight)
+        return F.linear(h_BTD, weight)
+
+    def head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss: mean cross-entropy of the logits of `h_BTD` against `labels_BT`
+        (vocabulary-parallel under tp: the logits are never gathered)."""
+        return self.cross_entropy(self.logits(h_BTD), labels_BT, self.cfg.vocab_size)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 1234) -> GPT:

@@ -25,18 +25,28 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(cfg: ModelConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [T, head_dim] in fp32."""
+def rope_tables(
+    cfg: ModelConfig, seq_len: int, device=None, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [T, head_dim] in fp32 for positions 0 .. seq_len - 1, or of the shape of
+    `positions` + [head_dim] for those positions (each row is the same either way)."""
     inv = inv_frequencies(cfg).to(device)
+    if positions is not None:
+        freqs = positions.to(torch.float32)[..., None] * inv
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x_BTHD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
+def apply_rope(x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, heads, D] by cos, sin of shape [T, D] (every row alike) or [B, T, D]."""
     half = x_BTHD.shape[-1] // 2
     x1, x2 = x_BTHD[..., :half], x_BTHD[..., half:]
     rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos_TD[None, :, None, :], sin_TD[None, :, None, :]
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     return (x_BTHD.float() * cos + rotated.float() * sin).to(x_BTHD.dtype)

@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 from mlm.checkpoint import ShardedTensor
+from mlm.checkpoint.keys import MOMENTS, moment_key
 from mlm.parallel.data import GradBuckets, all_gather
 from mlm.parallel.grad_norm import clip_, global_grad_norm
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -88,6 +88,8 @@ class DistributedOptimizer:
     ):
         assert grads.reduce_scatter, "the distributed optimizer needs GradBuckets(..., reduce_scatter=True)"
         self.grads = grads
+        self.placements: dict = {}
+        """Parameter name → `mlm.parallel.placement.Placement` (global shape and offset in checkpoints)."""
         wd_of = {}
         for g in param_groups:
             for p in g["params"]:
@@ -212,9 +214,10 @@ class DistributedOptimizer:
                 state["step"].fill_(float(step))
 
     def _global(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Global shape and offset of a parameter (a tensor-parallel shard carries them as attributes)."""
-        p = self.grads.params[index]
-        return tuple(getattr(p, "global_shape", p.shape)), tuple(getattr(p, "global_offset", (0,) * p.ndim))
+        """Global shape and offset of a parameter (from `placements`, name → Placement, set by the
+        owner; a parameter not in it is whole)."""
+        p, place = self.grads.params[index], self.placements.get(self.grads.names[index])
+        return (place.global_shape, place.offset) if place else (tuple(p.shape), (0,) * p.ndim)
 
     @torch.no_grad()
     def checkpoint_save_tensors(self) -> list[ShardedTensor]:
@@ -245,7 +248,7 @@ class DistributedOptimizer:
                 shape, offset = self._global(i)
                 full = full.cpu()
                 for k, name in enumerate(MOMENTS):
-                    out.append(ShardedTensor(f"{name}.{g.names[i]}", full[k].view_as(p), shape, offset))
+                    out.append(ShardedTensor(moment_key(name, g.names[i]), full[k].view_as(p), shape, offset))
             elif i in mine:
                 seg = mine[i]
                 piece = torch.stack(
@@ -265,7 +268,7 @@ class DistributedOptimizer:
             shape, offset = self._global(i)
             seg = mine.get(i)
             for name in MOMENTS:
-                key = f"{name}.{g.names[i]}"
+                key = moment_key(name, g.names[i])
                 if p.ndim == 0:  # a scalar: every rank reads it
                     rows, at, start = torch.empty(()), offset, 0
                 else:

@@ -75,3 +75,14 @@ def init_distributed(device: torch.device) -> Launch:
         torch.cuda.set_device(launch.local_rank)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://")
     return launch
+
+
+def pick_device(requested: str | torch.device, where: str = "train.device") -> torch.device:
+    """`auto` → cuda when visible, else cpu; an explicit cuda device must be visible (`where` names
+    the setting in the message)."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(requested)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MlmError(f"{where}={str(requested)!r} but no CUDA device is visible here; use cpu")
+    return dev

@@ -11,7 +11,7 @@ Importing this module does not import torch, so that `mlm plan` can check meshes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlm.config import ModelConfig, ParallelConfig
 from mlm.errors import MlmError
@@ -21,6 +21,9 @@ DIMS = ("pp", "dp", "cp", "tp")
 
 @dataclass
 class Mesh:
+    """Every rank's coordinates on the pp × dp × cp × tp grid and the process groups between
+    them (all created in `build`), passed explicitly to whatever communicates."""
+
     world_size: int
     rank: int
     tp: int = 1
@@ -33,6 +36,10 @@ class Mesh:
     dp_rank: int = 0
     pp_rank: int = 0
     device_mesh: object = None  # torch.distributed.device_mesh.DeviceMesh when world_size > 1
+    extra_groups: dict = field(default_factory=dict)
+    """Process groups beyond the mesh dims, made by `build`: "pp_grad" (a second communicator
+    per pipeline, for gradients), "embedding" (each pipeline's first and last stage), "gloo" (all
+    ranks, on gloo: background checkpoint saves synchronise there)."""
 
     @classmethod
     def single(cls) -> Mesh:
@@ -66,7 +73,7 @@ class Mesh:
         shape = cls.shape_for(cfg, world)
         dm = init_device_mesh(device_type, tuple(shape[d] for d in DIMS), mesh_dim_names=DIMS)
         coords = {d: dm.get_local_rank(d) for d in DIMS}
-        return cls(
+        mesh = cls(
             world_size=world,
             rank=rank,
             ep=cfg.ep,
@@ -74,12 +81,33 @@ class Mesh:
             **shape,
             **{f"{d}_rank": coords[d] for d in DIMS},
         )
+        # Every other group, created here on every rank in the same order (new_group is collective).
+        mesh.extra_groups["gloo"] = dist.new_group(backend="gloo")
+        if mesh.pp > 1:
+            pipelines = mesh.all_pipelines()
+            mesh.extra_groups["pp_grad"] = _new_groups(pipelines, rank)
+            mesh.extra_groups["embedding"] = _new_groups([[p[0], p[-1]] for p in pipelines], rank)
+        return mesh
 
     def group(self, dim: str):
-        """The process group of one dim ("tp", "dp", "cp", "pp"), or None when it has one rank."""
+        """The process group of a mesh dim ("tp", "dp", "cp", "pp"; None when it has one rank) or
+        of an extra group ("pp_grad", "embedding", "gloo"; None in one process)."""
+        if dim in ("pp_grad", "embedding", "gloo"):
+            return self.extra_groups.get(dim)
         if self.device_mesh is None or getattr(self, dim) == 1:
             return None
         return self.device_mesh.get_group(dim)
+
+    def all_pipelines(self) -> list[list[int]]:
+        """The global ranks of every pipeline (pp group), each in stage order, the same on every rank."""
+        grid = self.device_mesh.mesh  # [pp, dp, cp, tp] global ranks
+        return [
+            grid[:, d, c, t].tolist() for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)
+        ]
+
+    def pipeline_ranks(self) -> list[int]:
+        """The global ranks of this rank's pipeline, in stage order."""
+        return next(p for p in self.all_pipelines() if self.rank in p)
 
     @property
     def tp_group(self):
@@ -101,6 +129,20 @@ class Mesh:
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} (world {self.world_size})"
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int):
+    """`dist.new_group` for every list (all ranks call it for all lists); the one holding `rank`."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    if mine is not None:  # NCCL: the first call on a group must involve all of its ranks
+        dist.barrier(group=mine)
+    return mine
 
 
 def check_tensor_parallel(cfg: ModelConfig, padded_vocab: int, tp: int) -> None:

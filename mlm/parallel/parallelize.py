@@ -1,4 +1,5 @@
-"""Apply tensor (and sequence) parallelism to a plain GPT from outside, following its `TP_PLAN`.
+"""Apply tensor (and sequence) parallelism to a plain model from outside, following the
+`tp_plan` that each of its module classes declares (styles: `mlm.model.layers`).
 
     with torch.device("meta"):
         model = GPT(cfg, padded_vocab=cfg.padded_vocab_size(mesh.tp))
@@ -6,21 +7,24 @@
     model.to_empty(device=device)
     model.init_weights(seed)                      # every rank: its slice of the one-process init
     ...
-    loss = vocab_parallel_cross_entropy(model(x_BT), y_BT, mesh, cfg.vocab_size).mean()
+    loss = model.head_loss(model.hidden_states(x_BT), y_BT)   # vocabulary-parallel loss
     loss.backward()
     allreduce_sequence_parallel_grads(model, mesh)  # norms saw one sequence shard each
 
-What changes, in order: every `nn.Linear` / `nn.Embedding` named in `TP_PLAN` becomes the parallel
-layer holding only its shard (a materialised model gives each its slice of the weights); the
-attention and MLP inputs enter the tp region once each (q/k/v and gate/up share it, as Megatron's
-fused QKV does), by a forward pre-hook calling the `enter_tp` module put beside them; attention
-dropout draws from a per-tp-rank stream (`TensorParallelRNG`); `enter_output` enters the tp region
-so that the (tied or untied) output projection yields vocabulary-sharded logits [B, T, V/tp]; under
-sequence parallelism `enter_layers` scatters the sequence, and norms, residuals and hidden dropout
-run on [B, T/tp, D] shards.
+Nothing here knows the model's class or attribute names: every module with a `tp_plan` gets,
+per entry, its `nn.Linear` / `nn.Embedding` swapped for the parallel layer of the style holding
+only its shard ("column", "row", "vocab"; a materialised model gives each its slice of the
+weights), its input or a placeholder turned into the entry into the tp region ("enter": once
+per module input, as Megatron's fused QKV enters once for q, k and v), the sequence split under
+sequence parallelism ("scatter_sequence"), its in-region randomness forked per tp rank
+("tp_rng"), its loss made vocabulary-parallel ("vocab_loss"). Every parameter left replicated
+gets a placement whose gradient is summed over tp under sequence parallelism, except those
+declared "full_sequence" (fed the whole sequence on every rank, before the split).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -28,11 +32,10 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from mlm.checkpoint import ShardedTensor
-from mlm.config import ModelConfig, ParallelConfig
 from mlm.errors import MlmError
-from mlm.model.gpt import GPT, TP_PLAN, VOCAB_ROWS
+from mlm.model.layers import TP_INPUT
 from mlm.parallel.mesh import Mesh, check_tensor_parallel
-from mlm.parallel.pipeline import split_for_pipeline, tied_output_copy
+from mlm.parallel.placement import placements, replicated
 from mlm.parallel.tensor import (
     ColumnParallelLinear,
     CopyToTP,
@@ -41,29 +44,35 @@ from mlm.parallel.tensor import (
     ScatterToSP,
     TensorParallelRNG,
     VocabParallelEmbedding,
-    local_slice,
+    vocab_parallel_cross_entropy,
 )
 
-
-def _style(name: str) -> str | None:
-    """The TP_PLAN style of module `name` ("layers.3.attn.q" → "column"), or None."""
-    for key, style in TP_PLAN.items():
-        if name == key or name.endswith("." + key):
-            return style
-    return None
+SHARDED = ("column", "row", "vocab")
+STYLES = (*SHARDED, "replicated", "full_sequence", "enter", "scatter_sequence", "tp_rng", "vocab_loss")
 
 
-def tp_split_dim(name: str) -> int | None:
-    """The dim along which tensor parallelism splits parameter `name` ("layers.0.attn.q.weight" → 0,
-    "layers.0.attn.out.weight" → 1), or None when it is replicated: column-parallel weights and
-    biases and the vocabulary-parallel embedding by rows, row-parallel weights by columns."""
-    module, _, kind = name.rpartition(".")
-    style = _style(module)
-    if style in ("column", "vocab"):
-        return 0
-    if style == "row" and kind == "weight":
-        return 1
-    return None
+def _plans(model: nn.Module):
+    """(module name, module, attribute, style) for every entry of every `tp_plan` in `model`."""
+    for name, module in list(model.named_modules()):
+        for attr, style in getattr(type(module), "tp_plan", {}).items():
+            if style not in STYLES:
+                raise MlmError(f"{type(module).__name__}.tp_plan[{attr!r}] = {style!r}: not one of {STYLES}")
+            yield name, module, attr, style
+
+
+def tp_split_dims(model: nn.Module) -> dict[str, int | None]:
+    """Parameter name → the dim tensor parallelism splits it along (column-parallel weights and
+    biases and vocabulary-parallel embeddings by rows, row-parallel weights by columns), or None
+    when it is replicated; read from the plans of a (meta) model, whatever tp."""
+    dims = {name: None for name, _ in model.named_parameters()}
+    for name, module, attr, style in _plans(model):
+        child = getattr(module, attr, None)
+        if style not in SHARDED or child is None:
+            continue
+        for kind, _ in child.named_parameters():
+            key = f"{name}.{attr}.{kind}" if name else f"{attr}.{kind}"
+            dims[key] = 1 if style == "row" and kind == "weight" else (None if style == "row" else 0)
+    return dims
 
 
 def _parallel_layer(module: nn.Module, style: str, mesh: Mesh, sequence_parallel: bool) -> nn.Module:
@@ -78,7 +87,7 @@ def _parallel_layer(module: nn.Module, style: str, mesh: Mesh, sequence_parallel
     else:
         assert isinstance(module, nn.Linear), module
         bias = module.bias is not None
-        if style == "column":  # the region is entered once per input (pre-hooks, enter_output)
+        if style == "column":  # the region is entered once per input (pre-hooks, "enter")
             new = ColumnParallelLinear(
                 module.in_features,
                 module.out_features,
@@ -89,14 +98,13 @@ def _parallel_layer(module: nn.Module, style: str, mesh: Mesh, sequence_parallel
                 **kw,
             )
         else:
-            assert style == "row", style
             new = RowParallelLinear(
                 module.in_features, module.out_features, bias, mesh, sequence_parallel, **kw
             )
     if w.device.type != "meta":
         with torch.no_grad():
             for name, p in new.named_parameters():
-                p.copy_(local_slice(getattr(module, name), p))
+                p.copy_(new.placements[name].slice_of(getattr(module, name)))
     return new
 
 
@@ -106,86 +114,70 @@ def _enter_tp_hook(module: nn.Module, args: tuple) -> tuple:
     return (module.enter_tp(args[0]), *args[1:])
 
 
-def parallelize(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> GPT:
+def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> nn.Module:
     """Apply tensor parallelism over `mesh.tp` (and sequence parallelism if asked) to `model`, in
-    place; return it. At tp = 1 the model is returned untouched. All checks run before any change."""
+    place, following its modules' `tp_plan`s; return it. At tp = 1 the model is returned
+    untouched. All checks run before any change."""
     if mesh.tp == 1:
         return model
     if any(isinstance(m, VocabParallelEmbedding | ColumnParallelLinear) for m in model.modules()):
         raise MlmError("the model is already tensor-parallel: call parallelize once per model")
     check_tensor_parallel(model.cfg, model.padded_vocab, mesh.tp)
+    plans = list(_plans(model))
 
-    # 1. Swap the layers of TP_PLAN for their shards (names and parameter order unchanged).
-    for name, module in list(model.named_modules()):
-        style = _style(name)
-        if style is not None:
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            setattr(parent, attr, _parallel_layer(module, style, mesh, sequence_parallel))
-
-    # 2. Enter the tp region once per attention / MLP input; per-rank attention dropout.
     enter = GatherFromSP if sequence_parallel else CopyToTP
     rng = TensorParallelRNG(mesh)
-    for block in model.layers.values():
-        for sub in (block.attn, block.mlp):
-            sub.enter_tp = enter(mesh)
-            sub.register_forward_pre_hook(_enter_tp_hook)
-        block.attn.rng_region = rng.fork  # read by Attention.core around the attention dropout
-    model.tp_rng = rng
+    full_sequence: set[int] = set()
+    for _, module, attr, style in plans:
+        if attr == TP_INPUT:
+            assert style == "enter", f"{type(module).__name__}: its input can only 'enter' the tp region"
+            module.enter_tp = enter(mesh)
+            module.register_forward_pre_hook(_enter_tp_hook)
+            continue
+        child = getattr(module, attr, None)
+        if child is None:  # absent on this pipeline stage, or not in this configuration
+            continue
+        if style in SHARDED:
+            setattr(module, attr, _parallel_layer(child, style, mesh, sequence_parallel))
+        elif style == "enter":
+            setattr(module, attr, enter(mesh))
+        elif style == "scatter_sequence" and sequence_parallel:
+            setattr(module, attr, ScatterToSP(mesh))
+            module.sequence_shards = mesh.tp  # pipeline stages pass [B, T/tp, D] shards
+        elif style == "tp_rng":
+            setattr(module, attr, rng.fork)
+        elif style == "vocab_loss":
+            setattr(module, attr, functools.partial(_vocab_parallel_mean, mesh=mesh))
+        elif style == "full_sequence":
+            full_sequence.update(id(p) for p in child.parameters())
 
-    # 3. Output projection on vocabulary shards; under SP the layers run on sequence shards.
-    model.enter_output = enter(mesh)
-    if sequence_parallel:
-        model.enter_layers = ScatterToSP(mesh)
-        model.sequence_shards = mesh.tp  # pipeline stages pass [B, T/tp, D] shards
-        for p in sequence_parallel_params(model):
-            p.sequence_parallel = True
+    # Replicated parameters: under sequence parallelism each tp rank computes their gradient from
+    # its sequence shard, so it is summed over tp (except those fed the full sequence).
+    for module in model.modules():
+        for local, p in module.named_parameters(recurse=False):
+            described = module.__dict__.setdefault("placements", {})
+            if local not in described:
+                grad_sum = sequence_parallel and id(p) not in full_sequence
+                described[local] = replicated(mesh, tuple(p.shape), grad_sum_tp=grad_sum)
+    model.tp_rng = rng
     return model
 
 
-def build_sharded(
-    cfg: ModelConfig,
-    parallel: ParallelConfig,
-    mesh: Mesh,
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
-) -> GPT:
-    """This rank's part of the plain GPT, allocated on `device` in `dtype` but not initialised:
-    built on meta, cut to its pipeline stage, parallelized, then materialised (only the local
-    shards take memory). Fill it with `init_weights` (training) or `load_checkpoint` of
-    `model_shards` (resuming, serving)."""
-    with torch.device("meta"):
-        model = GPT(cfg, padded_vocab=cfg.padded_vocab_size(mesh.tp)).to(dtype)
-    split_for_pipeline(model, mesh, parallel)
-    parallelize(model, mesh, parallel.sequence_parallel)
-    return model.to_empty(device=device)
-
-
-def sequence_parallel_params(model: GPT) -> list[nn.Parameter]:
-    """Replicated parameters inside the sequence-parallel region (norms; row-parallel biases), whose
-    gradients each tp rank computes from its sequence shard only. Found by place, not by tag, since
-    `to_empty` drops tags set on the meta model. Empty unless `enter_layers` scatters the sequence."""
-    if not isinstance(model.enter_layers, ScatterToSP):
-        return []
-    region = [m for m in (model.layers, model.final_norm) if m is not None]
-    return [p for m in region for p in m.parameters() if not getattr(p, "tensor_parallel", False)]
+def _vocab_parallel_mean(logits_BTv, labels_BT, vocab_size: int, mesh: Mesh) -> torch.Tensor:
+    return vocab_parallel_cross_entropy(logits_BTv, labels_BT, mesh, vocab_size).mean()
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, mesh: Mesh) -> None:
-    """Sum over tp the gradients of the replicated parameters in the sequence-parallel region (call
-    after backward, before clipping and the optimizer step; it commutes with the data-parallel
-    reduction). Works on a GPT (every such parameter) or on any module (those tagged
-    `sequence_parallel`). A no-op at tp = 1 and without sequence parallelism."""
+    """Sum over tp the gradients of the replicated parameters inside the sequence-parallel region
+    (placements with `grad_sum_tp`: norms, row-parallel biases), which each tp rank computed from
+    its sequence shard; call after backward, before clipping and the optimizer step (it commutes
+    with the data-parallel reduction). A no-op at tp = 1 and without sequence parallelism."""
     if mesh.tp == 1:
         return
-    if isinstance(model, GPT):
-        params = sequence_parallel_params(model)
-    else:
-        params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    places = placements(model, mesh)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        p.sequence_parallel = True
-        if p.grad is not None:
+    for name, p in model.named_parameters():
+        if places[name].grad_sum_tp and p.grad is not None:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
         flat = _flatten_dense_tensors(grads)
@@ -194,35 +186,20 @@ def allreduce_sequence_parallel_grads(model: nn.Module, mesh: Mesh) -> None:
             g.copy_(reduced)
 
 
-def param_layout(model: nn.Module, mesh: Mesh) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], bool]]:
-    """name → (global_shape, global_offset, writer) of every parameter, for `ShardedTensor`s.
-
-    Sharded parameters: their slice, written by their rank. Replicated ones: the whole tensor,
-    written only by tp rank 0 (replicas over dp are the checkpoint code's to exclude). A tied
-    embedding's last-stage copy is never written (its first stage writes it)."""
-    copy = tied_output_copy(model) if isinstance(model, GPT) else None
-    layout = {}
-    for name, p in model.named_parameters():
-        if getattr(p, "tensor_parallel", False):
-            layout[name] = (tuple(p.global_shape), tuple(p.global_offset), p is not copy)
-        else:
-            layout[name] = (tuple(p.shape), (0,) * p.ndim, mesh.tp_rank == 0 and p is not copy)
-    return layout
-
-
 def model_shards(model: nn.Module, mesh: Mesh) -> list[ShardedTensor]:
-    """Every parameter as this rank's slice of its global checkpoint tensor (see `param_layout`;
-    written by dp rank 0 only), loaded into in place by `load_checkpoint`. The vocabulary rows are
-    padded per tp, so a checkpoint saved under another tp loads too."""
-    layout = param_layout(model, mesh)
+    """Every parameter as this rank's slice of its global checkpoint tensor, written by its replica
+    0 (`mlm.parallel.placement`), loaded into in place by `load_checkpoint`. Rows named in the
+    model's `padded_rows` (the vocabulary, padded per tp) load from a checkpoint of another tp."""
+    places = placements(model, mesh)
+    padded = getattr(model, "padded_rows", ())
     return [
         ShardedTensor(
             name,
             p.data,
-            layout[name][0],
-            layout[name][1],
-            layout[name][2] and mesh.dp_rank == 0,
-            padded_rows=name in VOCAB_ROWS,
+            places[name].global_shape,
+            places[name].offset,
+            writer=places[name].writer,
+            padded_rows=name in padded,
         )
         for name, p in model.named_parameters()
     ]

@@ -2,11 +2,11 @@
 
     with torch.device("meta"):
         model = GPT(cfg, padded_vocab=...)
-    split_for_pipeline(model, mesh, parallel)   # keep this rank's layers (global numbering)
+    split_for_pipeline(model, mesh, parallel)   # keep this rank's layers (model.keep_chunks)
     parallelize(model, mesh, sequence_parallel) # then tensor parallelism, as without pipelining
     ...
     pipe = Pipeline(model, mesh, parallel.vpp)
-    losses = pipe.train_step(micro_batches, loss_fn, loss_scale, grads)   # one schedule
+    losses = pipe.train_step(micro_batches, loss_scale, grads)   # one schedule
     pipe.sync_tied_embedding()                  # before grads.finish(): first + last stage copies
 
 Layers are split into pp × vpp virtual stages of consecutive layers; rank r holds virtual
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from mlm.config import ParallelConfig
 from mlm.errors import MlmError
-from mlm.model.gpt import GPT, Chunk
+from mlm.model import Chunk
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.schedules import Action, forward_only, schedule, stage_layer_counts
 from mlm.parallel.tensor import gather_from_tp
@@ -55,60 +55,16 @@ def rank_chunks(counts: list[int], pp: int, rank: int) -> list[Chunk]:
     ]
 
 
-def split_for_pipeline(model: GPT, mesh: Mesh, parallel: ParallelConfig) -> GPT:
+def split_for_pipeline(model: torch.nn.Module, mesh: Mesh, parallel: ParallelConfig) -> torch.nn.Module:
     """Keep only this pipeline rank's layers (and the embedding / output where they belong), in
-    place, on a meta or materialised model; parameter names stay those of the whole model."""
+    place, on a meta or materialised model (`model.keep_chunks`); parameter names stay those of
+    the whole model."""
     counts = stage_layer_counts(
         model.cfg.num_layers, mesh.pp, parallel.vpp, parallel.first_stage_layers, parallel.last_stage_layers
     )
-    if mesh.pp == 1:
-        return model
-    chunks = rank_chunks(counts, mesh.pp, mesh.pp_rank)
-    keep = {k for c in chunks for k in c.layers}
-    for key in [k for k in model.layers if k not in keep]:
-        del model.layers[key]
-    has_first, has_last = any(c.first for c in chunks), any(c.last for c in chunks)
-    if not has_first:
-        model.pos_embed = None
-        if not (has_last and model.cfg.tie_embeddings):  # the last stage keeps the tied weight
-            model.embed = None
-    if not has_last:
-        model.final_norm = None
-        model.output = None
-    model.chunks = chunks
+    if mesh.pp > 1:
+        model.keep_chunks(rank_chunks(counts, mesh.pp, mesh.pp_rank))
     return model
-
-
-def tied_embedding(model: GPT, mesh: Mesh) -> torch.nn.Parameter | None:
-    """This rank's copy of an embedding tied across pipeline stages (first or last), or None."""
-    if mesh.pp == 1 or not model.cfg.tie_embeddings or model.embed is None:
-        return None
-    return model.embed.weight
-
-
-def tied_output_copy(model: GPT) -> torch.nn.Parameter | None:
-    """The last stage's copy of the tied embedding (not the first stage's original), or None."""
-    if model.embed is None or any(c.first for c in model.chunks):
-        return None
-    return model.embed.weight
-
-
-def _pipelines(mesh: Mesh) -> list[list[int]]:
-    """The global ranks of every pipeline (pp group), each in stage order, the same list on every rank."""
-    grid = mesh.device_mesh.mesh  # [pp, dp, cp, tp] global ranks
-    return [grid[:, d, c, t].tolist() for d in range(mesh.dp) for c in range(mesh.cp) for t in range(mesh.tp)]
-
-
-def _new_groups(rank_lists: list[list[int]], rank: int):
-    """`dist.new_group` for every list (all ranks call it for all lists); the one holding `rank`."""
-    mine = None
-    for ranks in rank_lists:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    if mine is not None:  # NCCL: the first call on a group must involve all of its ranks
-        dist.barrier(group=mine)
-    return mine
 
 
 # ---------------------------------------------------------------- the executor
@@ -119,7 +75,7 @@ class Pipeline:
 
     At pp = 1 the same code runs the no-pipelining schedule (gradient accumulation), with no p2p."""
 
-    def __init__(self, model: GPT, mesh: Mesh, vpp: int = 1):
+    def __init__(self, model: torch.nn.Module, mesh: Mesh, vpp: int = 1):
         self.model, self.mesh, self.vpp = model, mesh, vpp
         self.pp, self.rank = mesh.pp, mesh.pp_rank
         self.stages = mesh.pp * vpp
@@ -130,17 +86,13 @@ class Pipeline:
         """The last step's actions with their start and end (perf_counter seconds)."""
         self.peak_in_flight = 0
         """The most micro-batches whose activations this rank held at once during the last step."""
-        self.embedding_group = None
         if mesh.pp == 1:
             return
-        pipelines = _pipelines(mesh)
-        ranks = next(p for p in pipelines if mesh.rank in p)
+        ranks = mesh.pipeline_ranks()
         self.prev, self.next = ranks[(self.rank - 1) % self.pp], ranks[(self.rank + 1) % self.pp]
         self.last_rank = ranks[-1]
         self.act_group = mesh.group("pp")
-        self.grad_group = _new_groups(pipelines, mesh.rank)
-        if model.cfg.tie_embeddings:
-            self.embedding_group = _new_groups([[p[0], p[-1]] for p in pipelines], mesh.rank)
+        self.grad_group = mesh.group("pp_grad")
 
     # ------------------------------------------------------------------ stage roles
 
@@ -185,14 +137,15 @@ class Pipeline:
         self,
         actions: list[Action],
         micro_batches: list[torch.Tensor],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         loss_scale: float = 1.0,
         grads=None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> torch.Tensor:
         """Execute `actions` over `micro_batches` (tokens [B, T + 1] each; inputs are [:, :-1], labels
-        [:, 1:]); return the sum of the micro-batch losses on the last stage (zero elsewhere). With
-        backwards, each loss is multiplied by `loss_scale` before its backward, and `grads`
+        [:, 1:]); return the sum of the micro-batch losses on the last stage (zero elsewhere), each
+        computed by the model (`model.head_loss` of the last chunk's hidden states). With
+        backwards, each loss is multiplied by `loss_scale` before its backward (auxiliary losses
+        that the model's modules attach get the same factor, `model.aux_losses.scale`), and `grads`
         (GradBuckets) is told which backward is a chunk's last of the step."""
         num_micro = len(micro_batches)
         shape = self._p2p_shape(micro_batches[0].shape[1] - 1, micro_batches[0].shape[0])
@@ -201,6 +154,9 @@ class Pipeline:
         stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         sends: list = []
         self.trace, self.peak_in_flight = [], 0
+        aux = getattr(self.model, "aux_losses", None)
+        if aux is not None:
+            aux.scale = loss_scale
 
         def post(ops: list[dist.P2POp], recv_for: Action | None):
             pending = self._recv_op(recv_for, shape) if recv_for is not None else None
@@ -224,11 +180,12 @@ class Pipeline:
                 if training and not first:
                     x.requires_grad_(True)
                 with autocast(), contextlib.nullcontext() if training else torch.no_grad():
-                    out = self.model(x, a.chunk)
                     if last:
-                        loss = loss_fn(out, tokens[:, 1:])
+                        loss = self.model.head_loss(self.model.hidden_states(x, chunk=a.chunk), tokens[:, 1:])
                         total += loss.detach()
                         out = loss * loss_scale
+                    else:
+                        out = self.model(x, chunk=a.chunk)
                 if not last:
                     if out.dtype != self.dtype or tuple(out.shape) != shape:
                         raise MlmError(
@@ -253,23 +210,22 @@ class Pipeline:
         assert not stash, f"pipeline schedule left {sorted(stash)} without a backward"
         return total
 
-    def train_step(self, micro_batches, loss_fn, loss_scale=1.0, grads=None, autocast=contextlib.nullcontext):
+    def train_step(self, micro_batches, loss_scale=1.0, grads=None, autocast=contextlib.nullcontext):
         actions = schedule(self.pp, self.rank, len(micro_batches), self.vpp)
-        return self.run(actions, micro_batches, loss_fn, loss_scale, grads, autocast)
+        return self.run(actions, micro_batches, loss_scale, grads, autocast)
 
-    def eval_step(self, micro_batches, loss_fn, autocast=contextlib.nullcontext):
+    def eval_step(self, micro_batches, autocast=contextlib.nullcontext):
         actions = forward_only(len(micro_batches), self.vpp)
-        return self.run(actions, micro_batches, loss_fn, autocast=autocast)
+        return self.run(actions, micro_batches, autocast=autocast)
 
     # ------------------------------------------------------------------ after backward
 
     def sync_tied_embedding(self) -> None:
         """Sum the tied embedding's gradient over its first- and last-stage copies (before the
         data-parallel reduction: the copies are held out of it until `GradBuckets.finish`)."""
-        if self.embedding_group is None:
-            return
-        if self.model.embed is not None:  # middle stages are in no embedding group
-            dist.all_reduce(self.model.embed.weight.grad, group=self.embedding_group)
+        tied = self.model.tied_weight()
+        if tied is not None:  # middle stages hold no copy
+            dist.all_reduce(tied.grad, group=self.mesh.group("embedding"))
 
     def sum_over_stages(self, t: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) over the pipeline: e.g. the loss, which only the last stage computes."""
@@ -299,7 +255,7 @@ class Pipeline:
             if s > 0:
                 x = torch.empty(shape, dtype=self.dtype, device=self.device)
                 dist.recv(x, self.prev, group=self.act_group)
-            x = self.model(x, chunk)
+            x = self.model(x, chunk=chunk)
             if s < self.stages - 1:
                 sends.append(dist.isend(x, self.next, group=self.act_group))
         for w in sends:

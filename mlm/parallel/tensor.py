@@ -20,9 +20,9 @@ sequence dim is 1 (Megatron's is 0); collectives run on dim-0-contiguous buffers
     gather_from_sp        all-gather T         reduce-scatter T
     reduce_scatter_to_sp  reduce-scatter T     all-gather T
 
-Every sharded parameter carries `global_shape`, `global_offset`, `partition_dim` and
-`tensor_parallel = True`, so that `GPT.init_weights` draws the full tensor and keeps this rank's
-slice, and checkpoints store it in its global layout.
+Every layer describes its parameters in `placements` (`mlm.parallel.placement`): global
+shape, this rank's slice, the ranks holding the same slice; so `GPT.init_weights` draws the full
+tensor and keeps this rank's slice, and checkpoints store it in its global layout.
 
 Shape legend: B batch, T sequence (t: this rank's T / tp), D hidden, v this rank's vocabulary shard.
 """
@@ -39,6 +39,7 @@ from torch import nn
 from mlm.errors import MlmError
 from mlm.parallel.data import all_gather, reduce_scatter
 from mlm.parallel.mesh import Mesh
+from mlm.parallel.placement import Placement, replicated, sharded
 
 # ---------------------------------------------------------------- collectives on one dim
 
@@ -178,56 +179,22 @@ class ScatterToSP(_RegionModule):
 # ---------------------------------------------------------------- layers
 
 
-def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of `full` (a tensor in the global shape) for `param`, by its `global_offset`."""
-    offset = getattr(param, "global_offset", (0,) * param.ndim)
-    return full[tuple(slice(o, o + n) for o, n in zip(offset, param.shape, strict=True))]
-
-
 class _Sharded(nn.Module):
-    """Holds parameters tagged with their place in the global tensor.
-
-    Moving a meta module to a device (`to_empty`) creates new Parameter objects without the
-    tags, so the tags are kept here and put back after every `_apply`."""
+    """Holds parameters described in `self.placements` (local name → Placement)."""
 
     def __init__(self, mesh: Mesh):
         super().__init__()
         self.mesh = mesh
-        self._tags: dict[str, dict[str, object]] = {}
+        self.placements: dict[str, Placement] = {}
 
-    def _param(self, name: str, local_shape, device, dtype, **tags) -> None:
+    def _param(self, name: str, place: Placement, local_shape, device, dtype) -> None:
         self.register_parameter(name, nn.Parameter(torch.empty(local_shape, device=device, dtype=dtype)))
-        self._tags[name] = tags
-        self._retag()
+        self.placements[name] = place
 
     def _shard(self, name: str, global_shape: tuple[int, ...], dim: int, device, dtype) -> None:
         """Register `name` as this rank's 1/tp slice of `global_shape` along `dim`."""
-        tp, rank = self.mesh.tp, self.mesh.tp_rank
-        assert global_shape[dim] % tp == 0, f"{name}: {global_shape}[{dim}] over {tp} ranks"
-        local = list(global_shape)
-        local[dim] //= tp
-        offset = [0] * len(global_shape)
-        offset[dim] = rank * local[dim]
-        self._param(
-            name,
-            local,
-            device,
-            dtype,
-            global_shape=tuple(global_shape),
-            global_offset=tuple(offset),
-            partition_dim=dim,
-            tensor_parallel=True,
-        )
-
-    def _retag(self) -> None:
-        for name, tags in self._tags.items():
-            for key, value in tags.items():
-                setattr(getattr(self, name), key, value)
-
-    def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)
-        self._retag()
-        return module
+        place = sharded(self.mesh, tuple(global_shape), dim)
+        self._param(name, place, place.shape, device, dtype)
 
 
 def _check_divisible(layer: str, field: str, n: int, tp: int) -> None:
@@ -285,7 +252,7 @@ class RowParallelLinear(_Sharded):
     The input is already sharded on its last dim (a column layer's output); the partial products
     are all-reduced (reduce_from_tp) or, under sequence parallelism, reduce-scattered along T; the
     bias is added after the reduction. Under sequence parallelism the bias then sees one sequence
-    shard, so it is tagged `sequence_parallel` (its gradient needs an all-reduce over tp)."""
+    shard, so its placement says `grad_sum_tp` (its gradient needs an all-reduce over tp)."""
 
     def __init__(
         self,
@@ -304,8 +271,8 @@ class RowParallelLinear(_Sharded):
         self.sequence_parallel = sequence_parallel
         self._shard("weight", (out_features, in_features), 1, device, dtype)
         if bias:
-            tags = {"sequence_parallel": True} if sequence_parallel else {}
-            self._param("bias", (out_features,), device, dtype, **tags)
+            place = replicated(mesh, (out_features,), grad_sum_tp=sequence_parallel)
+            self._param("bias", place, (out_features,), device, dtype)
         else:
             self.register_parameter("bias", None)
 

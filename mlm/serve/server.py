@@ -17,7 +17,8 @@ import uvicorn
 from mlm.errors import MlmError
 from mlm.inference.chat import load_chat_template
 from mlm.inference.engine import Engine, EngineConfig, build_runner
-from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config, resolve_device
+from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config
+from mlm.parallel.launch import pick_device
 from mlm.inference.lockstep import serving_mesh, stop_followers
 from mlm.parallel.mesh import Mesh
 from mlm.serve.app import Limits, ServerState, create_app
@@ -70,7 +71,7 @@ def serve(
     """Serve until interrupted; a checkpoint that fails to load stops the server with its error.
     Under torchrun (tp = WORLD_SIZE unless given), every rank loads its tp shard; rank 0 serves
     HTTP and drives the others, which return when it stops."""
-    dev = resolve_device(device)
+    dev = pick_device(device, "--device")
     mesh = serving_mesh(model_config(ckpt), tp, dev)
     if mesh.rank != 0:
         model, _, _ = load_model(ckpt, dtype, dev, mesh)

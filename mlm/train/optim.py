@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mlm.checkpoint.keys import MOMENTS, moment_key
 from mlm.config import OptimizerConfig
 
 
@@ -40,10 +41,10 @@ def adam_state_tensors(model: nn.Module, opt: torch.optim.AdamW, step: int) -> d
             state["step"] = torch.tensor(
                 float(step), dtype=torch.float32, device=p.device if fused else "cpu"
             )
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        out[f"exp_avg.{name}"] = state["exp_avg"]
-        out[f"exp_avg_sq.{name}"] = state["exp_avg_sq"]
+            for moment in MOMENTS:
+                state[moment] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for moment in MOMENTS:
+            out[moment_key(moment, name)] = state[moment]
     return out
 
 

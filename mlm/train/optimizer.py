@@ -13,26 +13,27 @@ import torch
 from torch import nn
 
 from mlm.checkpoint import ShardedTensor
+from mlm.checkpoint.keys import param_of
 from mlm.config import Config
 from mlm.parallel.data import GradBuckets
 from mlm.parallel.dist_optim import DistributedOptimizer
 from mlm.parallel.grad_norm import any_nonfinite, clip_, global_grad_norm
 from mlm.parallel.mesh import Mesh
-from mlm.parallel.parallelize import param_layout
-from mlm.parallel.pipeline import tied_embedding, tied_output_copy
+from mlm.parallel.placement import placements
 from mlm.train.optim import adam_state_tensors, make_optimizer, set_adam_step
 
 
-def _is_tp(p: nn.Parameter) -> bool:
-    return bool(getattr(p, "tensor_parallel", False))
-
-
 class TrainOptimizer:
+    """AdamW for this rank's parameters (`step`, `clip`, `unscale`, `found_inf`), replicated or
+    sharded over dp, with the gradient buffer and the optimizer's checkpoint tensors."""
+
     def __init__(self, model: nn.Module, cfg: Config, mesh: Mesh, device: torch.device):
         p = cfg.parallel
         self.model, self.mesh, self.device = model, mesh, device
         self.distributed = p.distributed_optimizer
-        tied = tied_embedding(model, mesh)
+        self.placements = placements(model, mesh)
+        self.padded_rows = getattr(model, "padded_rows", ())
+        tied = model.tied_weight()
         self.grads = GradBuckets(
             model,
             mesh.dp_group,
@@ -42,9 +43,14 @@ class TrainOptimizer:
             held=(tied,) if tied is not None else (),  # reduced once both pipeline copies are summed
         )
         # the last pipeline stage's copy of a tied embedding: updated like the original, counted once
-        self.copy = tied_output_copy(model)
+        self.copy = model.tied_copy()
         self.adamw = make_optimizer(model, cfg.optimizer, device)
         self.dist = DistributedOptimizer.from_adamw(self.adamw, self.grads) if self.distributed else None
+        if self.dist is not None:
+            self.dist.placements = self.placements
+
+    def _is_tp(self, index: int) -> bool:
+        return self.placements[self.grads.names[index]].tensor_parallel
 
     # ------------------------------------------------------------------ one step
 
@@ -53,9 +59,11 @@ class TrainOptimizer:
         the gradient of a tied embedding's last-stage copy (for the norm)."""
         g = self.grads
         if self.dist is None:
-            return [(p.grad, _is_tp(p)) for p in g.params if not (counted_once and p is self.copy)]
+            return [
+                (p.grad, self._is_tp(i)) for i, p in enumerate(g.params) if not (counted_once and p is self.copy)
+            ]
         return [
-            (g.buffer[s.start : s.start + s.numel], _is_tp(g.params[s.index]))
+            (g.buffer[s.start : s.start + s.numel], self._is_tp(s.index))
             for s in self.dist.segments
             if not (counted_once and g.params[s.index] is self.copy)
         ]
@@ -89,27 +97,27 @@ class TrainOptimizer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _writers(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
-        """State replicated over tp is written by tp rank 0 only; a tied embedding by its first stage."""
-        layout = param_layout(self.model, self.mesh)
+    def _placed(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
+        """Each moment written by its parameter's replica 0 (and by the dp rank that gathered it
+        under the distributed optimizer); vocabulary rows padded per tp, as the weights."""
         for t in tensors:
-            if not layout[t.key.split(".", 1)[1]][2]:
-                t.writer = False
+            name, place = param_of(t.key), self.placements[param_of(t.key)]
+            t.writer = t.writer and (place.writer_without(self.mesh, "dp") if self.dist else place.writer)
+            t.padded_rows = name in self.padded_rows
         return tensors
 
     def save_tensors(self, step: int) -> list[ShardedTensor]:
         if self.dist is not None:
-            return self._writers(self.dist.checkpoint_save_tensors())
-        layout = param_layout(self.model, self.mesh)
+            return self._placed(self.dist.checkpoint_save_tensors())
         out = []
         for key, t in adam_state_tensors(self.model, self.adamw, step).items():
-            shape, offset, writer = layout[key.split(".", 1)[1]]
-            out.append(ShardedTensor(key, t, shape, offset, writer and self.mesh.dp_rank == 0))
-        return out
+            place = self.placements[param_of(key)]
+            out.append(ShardedTensor(key, t, place.global_shape, place.offset))
+        return self._placed(out)
 
     def load_targets(self, step: int) -> list[ShardedTensor]:
         if self.dist is not None:
-            return self.dist.checkpoint_load_targets()
+            return self._placed(self.dist.checkpoint_load_targets())
         return self.save_tensors(step)
 
     def finish_load(self, step: int) -> None:

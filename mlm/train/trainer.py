@@ -12,7 +12,6 @@ resumed run continues it exactly.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import signal
@@ -23,11 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
-from mlm.checkpoint.rng import rng_state_from_json, rng_state_to_json
-from mlm.config import Config, config_from_dict, to_toml
+from mlm.build import build_sharded
+from mlm.checkpoint import resolve_checkpoint
+from mlm.config import Config, to_toml
 from mlm.console import console
 from mlm.datasets.builder import build_split_datasets, check_same_tokenizer, parse_blend
 from mlm.datasets.gpt import GPTDatasetConfig
@@ -35,27 +33,19 @@ from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.sampler import PretrainingSampler
 from mlm.errors import MlmError
 from mlm.model import flops_per_token, parameter_count
-from mlm.model.gpt import GPT, VOCAB_ROWS
+from mlm.model.gpt import GPT
 from mlm.parallel import Mesh
-from mlm.parallel.launch import init_distributed
-from mlm.parallel.parallelize import allreduce_sequence_parallel_grads, build_sharded, model_shards
+from mlm.parallel.launch import init_distributed, pick_device
+from mlm.parallel.parallelize import allreduce_sequence_parallel_grads
 from mlm.parallel.pipeline import Pipeline
 from mlm.parallel.schedules import micro_batches_per_step
-from mlm.parallel.tensor import vocab_parallel_cross_entropy
+from mlm.train.checkpointing import TrainerCheckpoints
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optimizer import TrainOptimizer
 from mlm.train.scaler import LossScaler
 from mlm.train.schedule import lr_at
 
 _AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def pick_device(requested: str) -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise MlmError("train.device='cuda' but no CUDA device is visible; use --set train.device=cpu")
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
 
 
 PREEMPTED_EXIT_CODE = 3  # SIGTERM/SIGUSR1: the step finished, a checkpoint was saved, exit to be requeued
@@ -90,14 +80,17 @@ def check_supported(mesh: Mesh, cfg: Config) -> None:
 
 
 def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> GPT:
-    """Meta → this rank's pipeline stage → parallelize → materialise (`build_sharded`) → init
-    (every rank gets its slice of one process's init)."""
+    """Meta → this rank's pipeline stage → parallelize → recompute → materialise (`build_sharded`)
+    → init (every rank gets its slice of one process's init)."""
     model = build_sharded(cfg.model, cfg.parallel, mesh, device)
     model.init_weights(cfg.train.seed)
     return model
 
 
-class Trainer:
+class Trainer(TrainerCheckpoints):
+    """`mlm train` on this rank: builds the mesh, this rank's model and optimizer, the data and the
+    pipeline executor, then runs steps, evaluations, samples and checkpoints (see `train`)."""
+
     def __init__(self, cfg: Config, load: str | None = None):
         self.cfg = cfg
         t = cfg.train
@@ -109,10 +102,6 @@ class Trainer:
         self._stop_signal: int | None = None
         self._pending_save: threading.Thread | None = None
         self._save_errors: list[BaseException] = []
-        # async saves synchronise on their own group, so their barriers never interleave with training's
-        self._save_group = (
-            dist.new_group(backend="gloo") if cfg.checkpoint.async_save and self.mesh.world_size > 1 else None
-        )
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         tokens_per_step = t.global_batch_size * cfg.data.seq_length
@@ -158,7 +147,7 @@ class Trainer:
                 raise MlmError(f"{p} holds token id {top}, beyond model.vocab_size={cfg.model.vocab_size}")
         t = cfg.train
         n_train = self.total_iters * t.global_batch_size
-        n_valid = t.eval_iters * t.micro_batch_size * self.dp_size if t.eval_interval else 0
+        n_valid = t.eval_iters * t.global_batch_size if t.eval_interval else 0
         gcfg = GPTDatasetConfig(cfg.data.seq_length, t.seed, cfg.data.split, cfg.data.cache_dir or None)
         counts = {"train": n_train, "valid": n_valid}
         if self.rank0:  # rank 0 builds the index cache; the others wait, then load it
@@ -189,12 +178,6 @@ class Trainer:
             self.device.type, dtype=_AMP.get(precision, torch.float32), enabled=precision != "fp32"
         )
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.mesh.tp > 1:  # logits are sharded over the vocabulary: never gathered
-            return vocab_parallel_cross_entropy(logits, labels, self.mesh, self.cfg.model.vocab_size).mean()
-        logits = logits[..., : self.cfg.model.vocab_size].float()
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
     def _dp_mean(self, t: torch.Tensor) -> float:
         if self.mesh.dp_group is not None:
             dist.all_reduce(t, group=self.mesh.dp_group)
@@ -208,7 +191,7 @@ class Trainer:
         opt = self.optimizer
         scale = self.scaler.scale if self.scaler else 1.0
         micro = [self._batch(self.train_data, indices) for indices in batches]
-        total = self.pipeline.train_step(micro, self._loss, scale / self.num_micro, opt.grads, self._autocast)
+        total = self.pipeline.train_step(micro, scale / self.num_micro, opt.grads, self._autocast)
         self.pipeline.sync_tied_embedding()
         opt.grads.finish()
         allreduce_sequence_parallel_grads(self.model, self.mesh)
@@ -228,17 +211,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over `eval_iters` micro batches per dp rank of the validation split (the
-        same samples at every evaluation)."""
+        """Mean loss over `eval_iters` global batches of the validation split (Megatron's meaning:
+        the same samples, and so the same loss, whatever the mesh; the same at every evaluation).
+        Each dp rank runs its micro batches of each global batch through the pipeline."""
         self.model.eval()
-        m, base = self.cfg.train.micro_batch_size, self.dp_rank * self.cfg.train.micro_batch_size
-        step = m * self.dp_size
+        t = self.cfg.train
+        m, G = t.micro_batch_size, t.global_batch_size
         micro = [
-            self._batch(self.valid_data, range(i * step + base, i * step + base + m))
-            for i in range(self.cfg.train.eval_iters)
+            self._batch(self.valid_data, range(start, start + m))
+            for i in range(t.eval_iters)
+            for start in range(i * G + self.dp_rank * m, (i + 1) * G, m * self.dp_size)
         ]
-        total = self.pipeline.eval_step(micro, self._loss, self._autocast)
-        return self._dp_mean(self.pipeline.sum_over_stages(total) / self.cfg.train.eval_iters)
+        total = self.pipeline.eval_step(micro, self._autocast)
+        return self._dp_mean(self.pipeline.sum_over_stages(total) / len(micro))
 
     def sample(self) -> str | None:
         prompt = self.cfg.logging.sample_prompt
@@ -375,119 +360,3 @@ class Trainer:
         text = self.sample()
         if text is not None:
             self._print(f"[bold]sample[/] step {self.iteration}: {text!r}", highlight=False)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _groups(self, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
-        """Every parameter and its Adam moments as this rank's slices of the global tensors
-        (written by dp rank 0; replicated-over-tp ones by tp rank 0 too)."""
-        opt = self.optimizer
-        optim = opt.load_targets(self.iteration) if for_load else opt.save_tensors(self.iteration)
-        for t in optim:  # rows padded per tp, as model_shards marks the weights
-            t.padded_rows = t.key.removeprefix("exp_avg_sq.").removeprefix("exp_avg.") in VOCAB_ROWS
-        return {"model": model_shards(self.model, self.mesh), "optim": optim}
-
-    def save(self, root: str) -> Path:
-        """Save this step's state (every rank its slices). With `checkpoint.async_save` the
-        tensors are copied to CPU here and written by a background thread; `latest` moves when
-        that is done, and the next save (or the end of training) waits for it."""
-        self.wait_for_save()
-        extra = {
-            "config": self.cfg.to_dict(),
-            "mesh": self.mesh.describe(),
-            "consumed_samples": self.consumed_samples,
-            "optimizer_step": self.iteration,
-            "scheduler": {"total_iters": self.total_iters, "decay_style": self.cfg.optimizer.decay_style},
-            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
-            "rng": rng_state_to_json(),
-            "rng_per_stage": self._stage_rng_states(),
-        }
-        groups = self._groups()
-        iteration = self.iteration
-        if not self.cfg.checkpoint.async_save:
-            return self._write(root, iteration, groups, extra, barrier=self._barrier)
-        snapshot = {
-            name: [dataclasses.replace(t, local=t.local.detach().to("cpu", copy=True)) for t in tensors]
-            for name, tensors in groups.items()
-        }
-        group = self._save_group
-
-        def barrier() -> None:
-            if group is not None:
-                dist.barrier(group=group)
-
-        def worker() -> None:
-            try:
-                self._write(root, iteration, snapshot, extra, barrier=barrier)
-            except BaseException as e:  # re-raised on the training thread by wait_for_save
-                self._save_errors.append(e)
-
-        self._pending_save = threading.Thread(target=worker, name="mlm-checkpoint", daemon=True)
-        self._pending_save.start()
-        return Path(root) / f"iter_{iteration:07d}"
-
-    def _write(self, root, iteration, groups, extra, barrier) -> Path:
-        path = save_checkpoint(
-            root,
-            iteration,
-            groups,
-            extra,
-            rank=self.mesh.rank,
-            barrier=barrier,
-            keep_last=self.cfg.checkpoint.keep_last,
-        )
-        self._print(f"[bold]saved[/] {path}", highlight=False)
-        return path
-
-    def wait_for_save(self) -> None:
-        """Block until a background save has finished (and raise its error, if any)."""
-        if self._pending_save is not None:
-            self._pending_save.join()
-            self._pending_save = None
-        if self._save_errors:
-            raise self._save_errors.pop()
-
-    def _stage_rng_states(self) -> list[dict] | None:
-        """Every pipeline stage's RNG state (stages draw dropout masks for different layers, so
-        their generators differ; tp and dp ranks of one stage draw alike); None at pp 1."""
-        if self.mesh.pp == 1:
-            return None
-        states: list[dict] = [{}] * self.mesh.pp
-        dist.all_gather_object(states, rng_state_to_json(), group=self.mesh.group("pp"))
-        return states
-
-    def _pipeline_keys(self, groups: dict[str, list[ShardedTensor]]) -> dict[str, set[str]] | None:
-        """Group → the keys every stage of this pipeline loads (each holds some layers); None at pp 1."""
-        if self.mesh.pp == 1:
-            return None
-        mine = {name: [t.key for t in tensors] for name, tensors in groups.items()}
-        stages: list[dict] = [{}] * self.mesh.pp
-        dist.all_gather_object(stages, mine, group=self.mesh.group("pp"))
-        return {name: {k for stage in stages for k in stage[name]} for name in groups}
-
-    def load(self, path: str) -> None:
-        iter_dir = resolve_checkpoint(path)
-        saved = config_from_dict(read_manifest(iter_dir)["config"]).model
-        diffs = [
-            f"model.{k}: {v!r} in the checkpoint, {getattr(self.cfg.model, k)!r} here"
-            for k, v in vars(saved).items()
-            if v != getattr(self.cfg.model, k) and k not in ("attention_backend", "recompute")
-        ]
-        if diffs:
-            raise MlmError(f"{iter_dir} was saved from another model: " + "; ".join(diffs))
-        groups = self._groups(for_load=True)
-        if not any(k.startswith("optim/") for k in read_manifest(iter_dir)["tensors"]):
-            # weights only (e.g. imported from Hugging Face): a new run starting from them
-            load_checkpoint(iter_dir, {"model": groups["model"]}, job_keys=self._pipeline_keys(groups))
-            self._print(f"[bold]initialised from[/] {iter_dir} (weights only: a new run)", highlight=False)
-            return
-        manifest = load_checkpoint(iter_dir, groups, job_keys=self._pipeline_keys(groups))
-        self.iteration = int(manifest["iteration"])
-        self.optimizer.finish_load(manifest["optimizer_step"])
-        self.consumed_samples = int(manifest["consumed_samples"])
-        if self.scaler and manifest.get("loss_scaler"):
-            self.scaler.load_state_dict(manifest["loss_scaler"])
-        per_stage = manifest.get("rng_per_stage")
-        same_pipeline = per_stage is not None and len(per_stage) == self.mesh.pp
-        rng_state_from_json(per_stage[self.mesh.pp_rank] if same_pipeline else manifest["rng"])
-        self._print(f"[bold]resumed[/] {iter_dir} at step {self.iteration}", highlight=False)

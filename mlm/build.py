@@ -1,0 +1,37 @@
+"""This rank's part of the model: the plain GPT built on meta, then everything applied from
+outside in a fixed order (torchtitan's `parallelize`):
+
+    1. cut to this rank's pipeline stage        mlm.parallel.pipeline.split_for_pipeline
+    2. tensor / sequence parallelism             mlm.parallel.parallelize (each module's tp_plan)
+    3. activation recompute, per layer           mlm.parallel.recompute
+    4. materialise: only the local shards take memory
+
+Used by training (then `init_weights`) and by serving (then `load_checkpoint` of `model_shards`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlm.config import ModelConfig, ParallelConfig
+from mlm.model import GPT
+from mlm.parallel.mesh import Mesh
+from mlm.parallel.parallelize import parallelize
+from mlm.parallel.pipeline import split_for_pipeline
+from mlm.parallel.recompute import apply_recompute
+
+
+def build_sharded(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    mesh: Mesh,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> GPT:
+    """This rank's part of the plain GPT, allocated on `device` in `dtype` but not initialised."""
+    with torch.device("meta"):
+        model = GPT(cfg, padded_vocab=cfg.padded_vocab_size(mesh.tp)).to(dtype)
+    split_for_pipeline(model, mesh, parallel)
+    parallelize(model, mesh, parallel.sequence_parallel)
+    apply_recompute(model, cfg.recompute)
+    return model.to_empty(device=device)

@@ -1,0 +1,44 @@
+"""Auxiliary losses (MoE load balancing, to come) on their way to the total loss, through the
+pipeline: Megatron's approach (`MoEAuxLossAutoScaler`). A module that computes an auxiliary
+loss `aux` from its input returns its output through `attach(out, aux)`: the identity forward;
+in backward, `aux` also receives the gradient `scale` (the factor the pipeline multiplies the
+main loss by: loss scale / micro-batches), so the gradients are those of loss + Σ aux whatever
+stage the module sits on, with nothing sent between stages. The values are kept for logging.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class AuxLosses:
+    """The model's auxiliary losses of the current step: name → sum over micro-batches."""
+
+    def __init__(self):
+        self.scale = 1.0
+        """Gradient factor of every auxiliary loss (set by the pipeline before a step)."""
+        self.values: dict[str, float] = {}
+
+    def attach(self, out: torch.Tensor, aux: torch.Tensor, name: str) -> torch.Tensor:
+        """`out`, carrying `aux` (a scalar) into backward; records its value under `name`."""
+        self.values[name] = self.values.get(name, 0.0) + float(aux.detach())
+        if not (out.requires_grad and aux.requires_grad):
+            return out
+        return _Attach.apply(out, aux, self)
+
+    def pop(self) -> dict[str, float]:
+        values, self.values = self.values, {}
+        return values
+
+
+class _Attach(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, aux, losses: AuxLosses):
+        ctx.save_for_backward(aux)
+        ctx.losses = losses
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.losses.scale), None

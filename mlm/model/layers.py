@@ -1,0 +1,203 @@
+"""The module kinds a transformer layer is built from, each declaring its tensor-parallel plan.
+
+A layer is norm → attention → residual, norm → MLP → residual; which attention, MLP and norm
+each layer gets comes from `ModelConfig.layer_specs()` (names) and the registries below
+(classes). A new kind is a module class registered under a name:
+
+    @register_mlp("squared_relu")
+    class SquaredReLU(nn.Module):
+        tp_plan = {TP_INPUT: "enter", "up": "column", "down": "row"}
+        def __init__(self, cfg: ModelConfig): ...
+        def forward(self, x_BTD): ...
+
+and `--set model.mlp_kind=squared_relu` selects it (for the layers `mlp_kind_freq` and
+`first_k_dense` choose). Nothing in `mlm.parallel` needs to know it: `parallelize` reads `tp_plan`.
+
+`tp_plan` maps attribute names of the module to styles (see `mlm.parallel.parallelize`):
+"column" / "row" (an `nn.Linear` split by output / input features), "vocab" (an `nn.Embedding`
+split by rows), "replicated" (parameters replicated over tp; under sequence parallelism their
+gradients are summed over tp, which every undeclared parameter gets too), "full_sequence"
+(replicated, but fed the whole sequence on every rank), "enter" (an `nn.Identity` placeholder,
+or the module's own input for the key `TP_INPUT`, that enters the tp region), "scatter_sequence"
+(a placeholder that splits the sequence under sequence parallelism) and "tp_rng" (an attribute
+holding the context-manager factory for randomness inside the tp region).
+
+Shape legend: B batch, T sequence, D hidden, H attention heads, G key/value groups, K head dim,
+F ffn hidden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlm.config import LayerSpec, ModelConfig
+from mlm.errors import MlmError
+from mlm.model.attention import attention
+from mlm.model.rope import apply_rope
+
+TP_INPUT = "(input)"
+"""`tp_plan` key for the module's first positional input."""
+
+ATTENTION_KINDS: dict[str, type[nn.Module]] = {}
+MLP_KINDS: dict[str, type[nn.Module]] = {}
+NORM_KINDS: dict[str, type[nn.Module]] = {}
+
+
+def _register(registry: dict, what: str):
+    def register(name: str):
+        def add(cls):
+            if registry.get(name, cls) is not cls:
+                raise MlmError(f"{what} kind {name!r} is registered twice ({registry[name]} and {cls})")
+            registry[name] = cls
+            return cls
+
+        return add
+
+    return register
+
+
+register_attention = _register(ATTENTION_KINDS, "attention")
+register_mlp = _register(MLP_KINDS, "MLP")
+register_norm = _register(NORM_KINDS, "norm")
+
+
+def _lookup(registry: dict, kind: str, field: str):
+    if kind not in registry:
+        raise MlmError(
+            f"model.{field}={kind!r} is not a registered kind; registered: {', '.join(sorted(registry))} "
+            "(a new kind registers itself with mlm.model.layers.register_*)"
+        )
+    return registry[kind]
+
+
+# ---------------------------------------------------------------- norms
+
+
+@register_norm("rmsnorm")
+class RMSNorm(nn.RMSNorm):
+    """Llama's norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+@register_norm("layernorm")
+class LayerNorm(nn.LayerNorm):
+    """GPT-2's norm (with a bias)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+def make_norm(cfg: ModelConfig, kind: str | None = None) -> nn.Module:
+    return _lookup(NORM_KINDS, kind or cfg.normalization, "normalization")(cfg)
+
+
+# ---------------------------------------------------------------- attention
+
+
+class AttentionCore(nn.Module):
+    """softmax(q kᵀ / √K) v, causal, over [B, T, heads, K] (no parameters): the part selective
+    recompute recomputes. `rng_region` is where attention dropout draws its randomness: tensor
+    parallelism sets it to `TensorParallelRNG.fork`, so tp ranks (holding other heads) drop
+    differently."""
+
+    selective_recompute = True
+    tp_plan = {"rng_region": "tp_rng"}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dropout = cfg.attention_dropout
+        self.backend = "sdpa"
+        self.rng_region = contextlib.nullcontext
+
+    def forward(self, q_BTHK, k_BTGK, v_BTGK):
+        dropping = self.training and self.dropout > 0
+        with self.rng_region(q_BTHK.device) if dropping else contextlib.nullcontext():
+            return attention(q_BTHK, k_BTGK, v_BTGK, self.backend, self.dropout, self.training)
+
+
+@register_attention("gqa")
+class Attention(nn.Module):
+    """Multi-head attention with grouped key/value heads (MHA when G = H, MQA when G = 1) and
+    RoPE. Under a KV cache (`cache`, from serving) the keys and values of the new tokens go to
+    the cache and attention runs over what it holds (`cache.attend`); otherwise causal over T."""
+
+    tp_plan = {TP_INPUT: "enter", "q": "column", "k": "column", "v": "column", "out": "row"}
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+        self.layer, self.head_dim = layer, cfg.head_dim
+        K, H, G = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
+        self.q = nn.Linear(cfg.hidden_size, H * K, bias=cfg.add_bias)
+        self.k = nn.Linear(cfg.hidden_size, G * K, bias=cfg.add_bias)
+        self.v = nn.Linear(cfg.hidden_size, G * K, bias=cfg.add_bias)
+        self.out = nn.Linear(H * K, cfg.hidden_size, bias=cfg.add_bias)
+        self.core = AttentionCore(cfg)
+
+    def forward(self, x_BTD: torch.Tensor, rope=None, cache=None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        K = self.head_dim
+        q_BTHK = self.q(x_BTD).view(B, T, -1, K)
+        k_BTGK = self.k(x_BTD).view(B, T, -1, K)
+        v_BTGK = self.v(x_BTD).view(B, T, -1, K)
+        if rope is not None:
+            q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
+        if cache is None:
+            o_BTHK = self.core(q_BTHK, k_BTGK, v_BTGK)
+        else:
+            o_BTHK = cache.attend(self.layer, q_BTHK, k_BTGK, v_BTGK)
+        return self.out(o_BTHK.reshape(B, T, -1))
+
+
+# ---------------------------------------------------------------- MLPs
+
+
+@register_mlp("dense")
+class MLP(nn.Module):
+    """The dense MLP: SwiGLU (Llama: down(silu(gate x) · up x)) or GeLU (GPT-2: down(gelu(up x)))."""
+
+    tp_plan = {TP_INPUT: "enter", "gate": "column", "up": "column", "down": "row"}
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.activation == "swiglu"
+        D, F_ = cfg.hidden_size, cfg.ffn_size
+        self.gate = nn.Linear(D, F_, bias=cfg.add_bias) if self.gated else None
+        self.up = nn.Linear(D, F_, bias=cfg.add_bias)
+        self.down = nn.Linear(F_, D, bias=cfg.add_bias)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            h_BTF = F.silu(self.gate(x_BTD)) * self.up(x_BTD)
+        else:
+            h_BTF = F.gelu(self.up(x_BTD), approximate=self.approximate)
+        return self.down(h_BTF)
+
+
+# ---------------------------------------------------------------- the layer
+
+
+class Block(nn.Module):
+    """One transformer layer (pre-norm): x + attn(norm(x)), then x + mlp(norm(x)), with hidden
+    dropout on both branches; its modules are the kinds its `LayerSpec` names."""
+
+    tp_plan = {"attn_norm": "replicated", "mlp_norm": "replicated"}
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, layer: int = 0):
+        super().__init__()
+        self.spec = spec
+        self.attn_norm = make_norm(cfg, spec.norm)
+        self.attn = _lookup(ATTENTION_KINDS, spec.attention, "attention_kind")(cfg, layer)
+        self.mlp_norm = make_norm(cfg, spec.norm)
+        self.mlp = _lookup(MLP_KINDS, spec.mlp, "mlp_kind")(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x_BTD, rope=None, cache=None):
+        x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), rope, cache))
+        return x_BTD + self.dropout(self.mlp(self.mlp_norm(x_BTD)))

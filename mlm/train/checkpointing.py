@@ -1,0 +1,139 @@
+"""The trainer's checkpoints: what a step's state is (weights, optimizer moments, data position,
+scheduler, loss scaler, RNG per pipeline stage), saving it (in the step, or from a background
+thread after a copy to CPU) and resuming from it on any mesh.
+
+Each rank writes the slices it holds that are its to write (replica 0 of each slice: see
+`mlm.parallel.placement`); `DIR/latest` moves only after every rank has finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import torch.distributed as dist
+
+from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
+from mlm.checkpoint.rng import rng_state_from_json, rng_state_to_json
+from mlm.config import config_from_dict
+from mlm.errors import MlmError
+from mlm.parallel.parallelize import model_shards
+
+
+class TrainerCheckpoints:
+    """Mixed into `Trainer` (which provides cfg, mesh, model, optimizer, scaler, iteration,
+    consumed_samples, total_iters, `_print` and `_barrier`)."""
+
+
+    def _groups(self, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
+        """Every parameter and its Adam moments as this rank's slices of the global tensors, each
+        written by its replica 0."""
+        opt = self.optimizer
+        optim = opt.load_targets(self.iteration) if for_load else opt.save_tensors(self.iteration)
+        return {"model": model_shards(self.model, self.mesh), "optim": optim}
+
+    def save(self, root: str) -> Path:
+        """Save this step's state (every rank its slices). With `checkpoint.async_save` the
+        tensors are copied to CPU here and written by a background thread; `latest` moves when
+        that is done, and the next save (or the end of training) waits for it."""
+        self.wait_for_save()
+        extra = {
+            "config": self.cfg.to_dict(),
+            "mesh": self.mesh.describe(),
+            "consumed_samples": self.consumed_samples,
+            "optimizer_step": self.iteration,
+            "scheduler": {"total_iters": self.total_iters, "decay_style": self.cfg.optimizer.decay_style},
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+            "rng": rng_state_to_json(),
+            "rng_per_stage": self._stage_rng_states(),
+        }
+        groups = self._groups()
+        iteration = self.iteration
+        if not self.cfg.checkpoint.async_save:
+            return self._write(root, iteration, groups, extra, barrier=self._barrier)
+        snapshot = {
+            name: [dataclasses.replace(t, local=t.local.detach().to("cpu", copy=True)) for t in tensors]
+            for name, tensors in groups.items()
+        }
+        group = self.mesh.group("gloo")  # its barriers never interleave with training's collectives
+
+        def barrier() -> None:
+            if group is not None:
+                dist.barrier(group=group)
+
+        def worker() -> None:
+            try:
+                self._write(root, iteration, snapshot, extra, barrier=barrier)
+            except BaseException as e:  # re-raised on the training thread by wait_for_save
+                self._save_errors.append(e)
+
+        self._pending_save = threading.Thread(target=worker, name="mlm-checkpoint", daemon=True)
+        self._pending_save.start()
+        return Path(root) / f"iter_{iteration:07d}"
+
+    def _write(self, root, iteration, groups, extra, barrier) -> Path:
+        path = save_checkpoint(
+            root,
+            iteration,
+            groups,
+            extra,
+            rank=self.mesh.rank,
+            barrier=barrier,
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+        self._print(f"[bold]saved[/] {path}", highlight=False)
+        return path
+
+    def wait_for_save(self) -> None:
+        """Block until a background save has finished (and raise its error, if any)."""
+        if self._pending_save is not None:
+            self._pending_save.join()
+            self._pending_save = None
+        if self._save_errors:
+            raise self._save_errors.pop()
+
+    def _stage_rng_states(self) -> list[dict] | None:
+        """Every pipeline stage's RNG state (stages draw dropout masks for different layers, so
+        their generators differ; tp and dp ranks of one stage draw alike); None at pp 1."""
+        if self.mesh.pp == 1:
+            return None
+        states: list[dict] = [{}] * self.mesh.pp
+        dist.all_gather_object(states, rng_state_to_json(), group=self.mesh.group("pp"))
+        return states
+
+    def _pipeline_keys(self, groups: dict[str, list[ShardedTensor]]) -> dict[str, set[str]] | None:
+        """Group → the keys every stage of this pipeline loads (each holds some layers); None at pp 1."""
+        if self.mesh.pp == 1:
+            return None
+        mine = {name: [t.key for t in tensors] for name, tensors in groups.items()}
+        stages: list[dict] = [{}] * self.mesh.pp
+        dist.all_gather_object(stages, mine, group=self.mesh.group("pp"))
+        return {name: {k for stage in stages for k in stage[name]} for name in groups}
+
+    def load(self, path: str) -> None:
+        iter_dir = resolve_checkpoint(path)
+        saved = config_from_dict(read_manifest(iter_dir)["config"]).model
+        diffs = [
+            f"model.{k}: {v!r} in the checkpoint, {getattr(self.cfg.model, k)!r} here"
+            for k, v in vars(saved).items()
+            if v != getattr(self.cfg.model, k) and k not in ("attention_backend", "recompute")
+        ]
+        if diffs:
+            raise MlmError(f"{iter_dir} was saved from another model: " + "; ".join(diffs))
+        groups = self._groups(for_load=True)
+        if not any(k.startswith("optim/") for k in read_manifest(iter_dir)["tensors"]):
+            # weights only (e.g. imported from Hugging Face): a new run starting from them
+            load_checkpoint(iter_dir, {"model": groups["model"]}, job_keys=self._pipeline_keys(groups))
+            self._print(f"[bold]initialised from[/] {iter_dir} (weights only: a new run)", highlight=False)
+            return
+        manifest = load_checkpoint(iter_dir, groups, job_keys=self._pipeline_keys(groups))
+        self.iteration = int(manifest["iteration"])
+        self.optimizer.finish_load(manifest["optimizer_step"])
+        self.consumed_samples = int(manifest["consumed_samples"])
+        if self.scaler and manifest.get("loss_scaler"):
+            self.scaler.load_state_dict(manifest["loss_scaler"])
+        per_stage = manifest.get("rng_per_stage")
+        same_pipeline = per_stage is not None and len(per_stage) == self.mesh.pp
+        rng_state_from_json(per_stage[self.mesh.pp_rank] if same_pipeline else manifest["rng"])
+        self._print(f"[bold]resumed[/] {iter_dir} at step {self.iteration}", highlight=False)
