@@ -171,7 +171,7 @@ def inspect(
     """Counts, document lengths, frequent tokens and the first documents."""
     from rich.panel import Panel
 
-    from mlm.console import console
+    from mlm.console import LOG_WIDTH, console
     from mlm.data.inspect import inspect_dataset
 
     r = inspect_dataset(prefix, docs, str(tokenizer) if tokenizer else None)
@@ -196,7 +196,9 @@ def inspect(
     top = ", ".join(f"{tid} {piece!r} ×{n:,}" for tid, n, piece in r.top_tokens)
     console.print(f"[bold]most frequent tokens:[/] {top}", highlight=False)
     for i, text in enumerate(r.samples):
-        console.print(Panel(text, title=f"document {i}", title_align="left"), highlight=False)
+        # in a file (LOG_WIDTH columns) the panel fits its text instead of filling the width
+        panel = Panel(text, title=f"document {i}", title_align="left", expand=console.width < LOG_WIDTH)
+        console.print(panel, highlight=False)
 
 
 @app.command("merge")

@@ -24,9 +24,10 @@ def parity(
     ),
 ) -> None:
     """Loss and weight parity across parallel layouts from one seed checkpoint; exit 1 on a FAIL."""
+    from mlm.console import make_console
     from mlm.train.parity import parse_layouts, render, run_parity
 
     result = run_parity(config, overrides, parse_layouts(layouts), steps, out)
-    render(result)
+    render(result, make_console(stderr=False))  # the report on stdout, unwrapped in a file
     if not result.passed:
         raise typer.Exit(1)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlm.errors import MlmError
+from mlm.hardware import ALIASES, PROFILES, profile_name
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -343,14 +344,15 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard event files to RUN_DIR/tensorboard."""
     hardware: str = "cpu"
-    """Peak-FLOP/s profile for MFU: cpu, a100, h100, h200 or b200."""
+    """MFU peak: cpu (measured) or a plan-file profile: a100-40g, a100-80g, h100-80g, h200, b200."""
     sample_prompt: str = ""
     """Print a greedy sample from this prompt after each evaluation and at the end; empty: none."""
     sample_tokens: int = 48
     """Tokens to generate for the sample."""
 
     def __post_init__(self):
-        _choice("logging", "hardware", self.hardware, ("cpu", "a100", "h100", "h200", "b200"))
+        _choice("logging", "hardware", self.hardware, ("cpu", *PROFILES, *ALIASES))
+        self.hardware = profile_name(self.hardware)
 
 
 @dataclass

@@ -1,4 +1,13 @@
-"""Console output shared by the stages: one rich console and a throughput progress bar."""
+"""Console output shared by the stages: one rich console and a throughput progress bar.
+
+On a terminal the console is rich's own (the terminal's width, colours, live progress bars). When
+the stream is a file or a pipe (SLURM logs, `mlm train ... > run.log 2>&1`) a wrapped or
+abbreviated line helps no one: grep, tail and less read long lines, and a step line must stay one
+line. There the console is LOG_WIDTH columns wide and soft-wraps (text is never broken), whatever
+COLUMNS says (COLUMNS describes a terminal, and rich would otherwise also take the width of a
+terminal on stdin while writing to the file), so tables show every header and cell in full at
+their natural width.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +24,24 @@ from rich.progress import (
 )
 from rich.text import Text
 
-console = Console(stderr=True)
+LOG_WIDTH = 10_000
+"""Columns of a console writing to a file: wider than any line mlm prints."""
+
+
+def make_console(stderr: bool = True) -> Console:
+    """A console on stderr (or stdout): rich's default on a terminal, unwrapped in a file."""
+    stream = sys.stderr if stderr else sys.stdout
+    isatty = getattr(stream, "isatty", None)
+    try:
+        tty = bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        tty = False
+    if tty:
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=LOG_WIDTH, soft_wrap=True)
+
+
+console = make_console(stderr=True)
 
 
 def human(n: float, unit: str = "") -> str:

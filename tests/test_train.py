@@ -126,6 +126,27 @@ def test_metrics_jsonl_tensorboard_and_sample(tmp_path, tiny_data):
     assert "[data]" in (tmp_path / "run" / "config.toml").read_text()
 
 
+def test_mfu_is_model_flops_per_second_over_the_profile_peak(tmp_path, tiny_data):
+    from mlm.model import flops_per_token
+    from mlm.train.metrics import peak_flops
+
+    cfg = tiny_config(tmp_path, tiny_data, **{"logging.hardware": "'h100-80g'", "train.train_iters": 3})
+    Trainer(cfg).train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    tokens = cfg.train.global_batch_size * cfg.data.seq_length
+    flops_per_step = flops_per_token(cfg.model, cfg.data.seq_length) * tokens
+    assert len(train) == 3
+    for r in train:  # one rank: the H100 datasheet's dense bf16 peak, 989 TFLOP/s
+        assert r["mfu"] == pytest.approx(flops_per_step / r["step_time_s"] / 989e12, rel=1e-6)
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["step_time_s"], rel=1e-6)
+    # the short names of earlier configs are aliases of the plan files' profiles
+    assert peak_flops("h100") == peak_flops("h100-80g") == 989e12 and peak_flops("a100") == 312e12
+    assert load_config(None, ["logging.hardware='a100'"]).logging.hardware == "a100-80g"
+    with pytest.raises(MlmError, match="logging.hardware='h900': must be one of cpu, a100-40g"):
+        load_config(None, ["logging.hardware='h900'"])
+
+
 def test_fp16_overflow_skips_the_step(tmp_path, tiny_data):
     cfg = tiny_config(tmp_path, tiny_data, **{"train.precision": "fp16", "train.initial_loss_scale": 1e38})
     trainer = Trainer(cfg)

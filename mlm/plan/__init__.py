@@ -1,7 +1,7 @@
 """`mlm plan`: choose the mesh, micro-batch, recompute and optimizer sharding for a model on N
 GPUs from a memory and time model (torch-free: it plans llama3-405b on 512 GPUs in about a second).
 
-    hardware.py   GPU profiles (datasheet peaks, links, GEMM efficiency curve) and custom TOML
+    hardware.py   a profile by name (the datasheet table in mlm.hardware) or a custom TOML
     layout.py     the inputs (Job) and one candidate (Layout)
     memory.py     per-GPU memory by component, counting what mlm allocates
     timing.py     step time by term: compute, tp, p2p, bubble, dp, optimizer

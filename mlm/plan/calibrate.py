@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mlm.config import load_config
 from mlm.errors import MlmError
-from mlm.plan.hardware import Hardware
+from mlm.hardware import Hardware
 from mlm.plan.layout import Job, Layout
 from mlm.plan.search import check_layout, evaluate
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mlm.config import Config, load_config
 from mlm.errors import MlmError
-from mlm.plan.hardware import Hardware
+from mlm.hardware import Hardware
 
 
 @dataclass(frozen=True)

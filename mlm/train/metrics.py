@@ -1,8 +1,9 @@
 """Training metrics: a fixed-width console line, `metrics.jsonl` and TensorBoard.
 
-MFU is model FLOPs (Megatron's count, `mlm.model.flops_per_token`) per second over the
-hardware profile's peak: dense bf16 tensor-core peaks for GPUs, and for `cpu` the fp32 matmul
-throughput measured on this machine at start-up (a CPU has no published "peak" to compare to).
+MFU is model FLOPs (Megatron's count, `mlm.model.flops_per_token`) per second over the peak of
+`logging.hardware`: for a GPU the dense bf16 tensor-core peak of its profile in `mlm.hardware` (the
+table plan files name), and for `cpu` the fp32 matmul throughput measured on this machine at
+start-up (a CPU has no published "peak" to compare to).
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from pathlib import Path
 import torch
 
 from mlm.console import console, human
-
-PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12, "b200": 2250e12}
+from mlm.hardware import PROFILES, profile_name
 
 
 def measured_cpu_flops(n: int = 1536, reps: int = 4) -> float:
@@ -33,7 +33,11 @@ def measured_cpu_flops(n: int = 1536, reps: int = 4) -> float:
 
 
 def peak_flops(hardware: str) -> float:
-    return PEAK_FLOPS[hardware] if hardware in PEAK_FLOPS else measured_cpu_flops()
+    """Peak FLOP/s of one device: a profile's dense bf16 peak (an old alias such as 'h100' names
+    its profile), or for `cpu` the measured matmul rate."""
+    if hardware == "cpu":
+        return measured_cpu_flops()
+    return PROFILES[profile_name(hardware)].peak_bf16
 
 
 def memory_gib(device: torch.device) -> float:
