@@ -16,8 +16,7 @@ from mlm.model.gpt import GPT
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import build_sharded, model_shards
 from mlm.tokenizer import Tokenizer, load_tokenizer
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from mlm.units import DTYPES
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
