@@ -70,6 +70,15 @@ def stacked(mlm: str, over: str = "expert", dim: int = 0) -> Rule:
     return Rule((mlm,), stack=over, dim=dim)
 
 
+def _rule(target: Target) -> Rule | None:
+    """A table value as a Rule (None stays None: the key is dropped)."""
+    if isinstance(target, str):
+        return Rule((target,))
+    if isinstance(target, tuple):
+        return Rule(target)
+    return target
+
+
 def _fields(template: str) -> list[str]:
     return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
 
@@ -110,13 +119,7 @@ class KeyMap:
     def __init__(self, table: Mapping[str, Target], counts: Mapping[str, int], name: str, prefix: str = ""):
         self.rules: dict[str, Rule | None] = {}
         for template, target in table.items():
-            r = (
-                Rule((target,))
-                if isinstance(target, str)
-                else Rule(target)
-                if isinstance(target, tuple)
-                else target
-            )
+            r = _rule(target)
             fields = _fields(template)
             assert set(fields) <= PLACEHOLDERS.keys() and len(set(fields)) == len(fields), template
             if r is not None:
