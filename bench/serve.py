@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlm.hf import config_from_hf, load_hf_into  # noqa: E402
 from mlm.inference.engine import Engine, EngineConfig  # noqa: E402
-from mlm.inference.loader import DTYPES  # noqa: E402
 from mlm.inference.sampling import SamplingParams  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
+from mlm.units import DTYPES  # noqa: E402
 
 
 def build(hidden: int, layers: int, device: str, dtype: torch.dtype):

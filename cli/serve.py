@@ -28,12 +28,13 @@ def _kv_blocks(
         from mlm.errors import MlmError
 
         raise MlmError("give --kv-blocks or --kv-memory, not both")
-    from mlm.inference.kv_cache import blocks_for_memory, parse_bytes
-    from mlm.inference.loader import DTYPES, model_config
+    from mlm.inference.kv_cache import blocks_for_memory
+    from mlm.inference.loader import model_config
     from mlm.parallel.launch import detect
+    from mlm.units import DTYPES, parse_size
 
     cfg, dt = model_config(ckpt), DTYPES.get(dtype, DTYPES["fp32"])
-    return blocks_for_memory(cfg, 16, dt, parse_bytes(kv_memory), tp or detect().world_size)
+    return blocks_for_memory(cfg, 16, dt, parse_size(kv_memory, "--kv-memory"), tp or detect().world_size)
 
 
 def serve(

@@ -20,7 +20,7 @@ import tomllib
 from pathlib import Path
 
 from mlm.config import toml_value
-from mlm.errors import MlmError
+from mlm.errors import MlmError, check_version
 from mlm.fileio import atomic_write_text
 
 FORMAT = "mlm-plan"
@@ -86,10 +86,7 @@ def read_plan(path: str | Path) -> dict:
         raise MlmError(f"{p}: not valid TOML ({e})") from None
     if plan.get("format") != FORMAT:
         raise MlmError(f"{p}: format={plan.get('format')!r}, not an mlm plan (format = {FORMAT!r})")
-    if plan.get("version") not in READS:
-        raise MlmError(
-            f"{p}: plan version {plan.get('version')!r}; this mlm reads versions {', '.join(map(str, READS))}"
-        )
+    check_version(p, plan.get("version"), READS, "plan version")
     check(plan, str(p))
     return plan
 

@@ -284,7 +284,9 @@ def test_errors(tmp_path):
 
     manifest = json.loads((it_dir / "manifest.json").read_text())
     (it_dir / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
-    with pytest.raises(MlmError, match=r"manifest.json: checkpoint format_version 99; this mlm reads \[1\]"):
+    with pytest.raises(
+        MlmError, match=r"manifest.json: checkpoint format_version 99; this mlm reads version 1"
+    ):
         load(tmp_path, {"w": torch.zeros(5, 3), "b": torch.zeros(3)})
     with pytest.raises(ValueError, match="does not fit in global shape"):
         ShardedTensor("w", torch.zeros(4, 3), (8, 3), (6, 0))

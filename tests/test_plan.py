@@ -369,7 +369,7 @@ def test_plan_file_round_trip_and_refusals(tmp_path):
     assert "made for 8 GPUs" in note and "16 ranks" in note
 
     path.write_text(path.read_text().replace("version = 1", "version = 7"))
-    with pytest.raises(MlmError, match="plan version 7; this mlm reads versions 1"):
+    with pytest.raises(MlmError, match="plan version 7; this mlm reads version 1"):
         read_plan(path)
     path.write_text('format = "mlm-plan"\nversion = 1\n')
     with pytest.raises(MlmError, match=r"no \[model\] table"):

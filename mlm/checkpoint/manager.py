@@ -26,7 +26,7 @@ import zarr
 
 from mlm import __version__
 from mlm.checkpoint import store
-from mlm.errors import MlmError
+from mlm.errors import MlmError, check_version
 from mlm.fileio import atomic_outputs
 
 FORMAT = "mlm-checkpoint"
@@ -293,11 +293,7 @@ def read_manifest(iter_dir: str | os.PathLike) -> dict:
         raise MlmError(f"{path}: not valid JSON ({e})") from None
     if manifest.get("format") != FORMAT:
         raise MlmError(f"{path}: format {manifest.get('format')!r}, not {FORMAT!r}; not an mlm checkpoint")
-    if manifest.get("format_version") not in FORMAT_VERSIONS:
-        raise MlmError(
-            f"{path}: checkpoint format_version {manifest.get('format_version')}; "
-            f"this mlm reads {FORMAT_VERSIONS}"
-        )
+    check_version(path, manifest.get("format_version"), FORMAT_VERSIONS, "checkpoint format_version")
     return manifest
 
 

@@ -1,6 +1,6 @@
-"""What the conversions share: dtypes and their logit tolerances, and the progress callback.
-(Staging OUT beside its final name is `mlm.fileio.staged_dir`; the verification prompt and mlm's
-logits on it are `mlm.verify`.)"""
+"""What the conversions share: the logit tolerance of each dtype, and the progress callback.
+(The `--dtype` names are `mlm.units.DTYPES`; staging OUT beside its final name is
+`mlm.fileio.staged_dir`; the verification prompt and mlm's logits on it are `mlm.verify`.)"""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Max |logit difference| allowed, relative to max(1, max |logit|) (both sides computed in fp32 on
 # the CPU). Bit-exact conversions differ only by the order of operations: measured 5e-7 relative
 # (1.4e-6 at max |logit| 2.8) on tests/test_convert_hf.py's Llama and GPT-2. Casting the weights

@@ -29,14 +29,10 @@ from mlm.checkpoint.manager import save_streaming, tokenizer_path
 from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, DataConfig, ModelConfig, config_from_dict, to_toml
 from mlm.convert import hf_io
-from mlm.convert.common import (
-    DTYPES,
-    TOLERANCE,
-    Progress,
-    noop,
-)
+from mlm.convert.common import TOLERANCE, Progress, noop
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
+from mlm.units import DTYPES
 from mlm.verify import prompt, prompt_logits
 
 TOKENIZER_DIR = "tokenizer"

@@ -9,7 +9,6 @@ Weights are read one tensor at a time (`lazy_tensors`) or one file at a time
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from mlm import units
 from mlm.errors import MlmError
 
 SAFETENSORS = "model.safetensors"
@@ -32,32 +32,11 @@ TOKENIZER_FILES = (
     "merges.txt",
     "generation_config.json",
 )
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*")
 
 
 def parse_size(text: str | int) -> int:
-    """'5GB' → 5·10⁹, '500MB' → 5·10⁸, '2GiB' → 2·2³⁰, '1000' → 1000 bytes (HF's convention)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.fullmatch(text)
-    unit = m.group(2).upper() if m else ""
-    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise MlmError(
-            f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB, 2GiB or 1000 (bytes)"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
+    """--max-shard-size in bytes: '5GB' → 5·10⁹, '2GiB' → 2·2³⁰ (`mlm.units.parse_size`)."""
+    return units.parse_size(text, "--max-shard-size")
 
 
 def read_hf_config(hf_dir: Path) -> dict:

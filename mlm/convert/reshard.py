@@ -29,18 +29,14 @@ import torch
 from mlm.checkpoint import read_group, read_manifest, resolve_checkpoint, store
 from mlm.checkpoint.manager import CHECKSUMS, RESERVED, save_streaming
 from mlm.config import config_from_dict
-from mlm.convert.common import (
-    DTYPES,
-    TOLERANCE,
-    Progress,
-    noop,
-)
+from mlm.convert.common import TOLERANCE, Progress, noop
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
 from mlm.model.gpt import GPT, VOCAB_ROWS
 from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dims
 from mlm.parallel.pipeline import stage_layer_counts
 from mlm.parallel.schedules import micro_batches_per_step
+from mlm.units import DTYPES
 from mlm.verify import prompt_logits
 
 def split_dims(cfg, consolidate: bool) -> dict[str, int | None]:

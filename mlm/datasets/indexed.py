@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlm.errors import MlmError
+from mlm.errors import MlmError, check_version
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -156,10 +156,7 @@ class IndexedDataset:
                 f"{self.idx_path}: not a Megatron indexed-dataset index (magic {head[:9]!r}, expected {INDEX_MAGIC!r})"
             )
         _, version, code, n_seq, n_doc = _HEADER.unpack(head)
-        if version != INDEX_VERSION:
-            raise MlmError(
-                f"{self.idx_path}: index version {version}; this mlm reads version {INDEX_VERSION}"
-            )
+        check_version(self.idx_path, version, [INDEX_VERSION], "index version")
         if code not in DTYPE_CODES:
             raise MlmError(f"{self.idx_path}: unknown dtype code {code}; known codes {sorted(DTYPE_CODES)}")
         self.dtype = np.dtype(DTYPE_CODES[code])

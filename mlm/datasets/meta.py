@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from mlm.errors import MlmError
+from mlm.errors import MlmError, check_version
 
 META_FORMAT = "mlm-indexed-dataset"
 META_VERSION = 1
@@ -33,8 +33,7 @@ def read_meta(prefix: str | os.PathLike) -> dict | None:
         raise MlmError(
             f"{p}: not an mlm dataset description (format {meta.get('format')!r}, expected {META_FORMAT!r})"
         )
-    if meta.get("format_version") != META_VERSION:
-        raise MlmError(f"{p}: format_version {meta.get('format_version')!r}; this mlm reads {[META_VERSION]}")
+    check_version(p, meta.get("format_version"), [META_VERSION], "format_version")
     return meta
 
 

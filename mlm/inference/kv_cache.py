@@ -62,19 +62,6 @@ def blocks_for_memory(
     return memory_bytes // need
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """ "2GiB", "500MB", "1e9" → bytes."""
-    t = text.strip().upper()
-    number = t.rstrip("KMGIB")
-    try:
-        return int(float(number) * _UNITS[t[len(number) :].strip()])
-    except (ValueError, KeyError):
-        raise MlmError(f"{text!r}: not a size; write e.g. 2GiB, 500MB or 1e9 (bytes)") from None
-
-
 def blocks_needed(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 

@@ -18,8 +18,7 @@ from mlm.parallel.launch import pick_device
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import model_shards
 from mlm.tokenizer import Tokenizer, load_tokenizer
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from mlm.units import DTYPES
 
 
 def _manifest(ckpt: str | os.PathLike) -> tuple[dict, Path]:

@@ -1,0 +1,64 @@
+"""The adapter base: what one Hugging Face architecture must say for mlm to convert it.
+
+An adapter (torchtitan's `state_dict_adapter.py`, litgpt's `convert_hf_checkpoint.py`) holds its
+key-template table (`mlm.hf.templates`: `{layer}` / `{expert}` placeholders, None to drop a key)
+and translates config.json in both directions. `mlm.hf.engine` does the rest for every adapter:
+shape checks against the model, vocabulary padding, tied embeddings, streaming.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from mlm.config import ModelConfig
+from mlm.errors import MlmError
+from mlm.hf.templates import KeyMap, Target
+
+
+class Adapter(ABC):
+    """How one Hugging Face architecture's config and state dict map onto mlm's."""
+
+    model_type: str
+    """config.json's `model_type`."""
+    hf_class: str
+    """The transformers class, written to config.json's `architectures`."""
+    from_hf: dict[str, Target]
+    """HF key template → mlm key template(s) or rule, or None to drop the key."""
+    prefix: str = ""
+    """A prefix some checkpoints of this architecture leave out (GPT-2's `transformer.`)."""
+
+    @abstractmethod
+    def config_from_hf(self, c: dict) -> ModelConfig:
+        """The ModelConfig of a config.json dict; MlmError for what mlm cannot express."""
+
+    @abstractmethod
+    def config_to_hf(self, cfg: ModelConfig) -> dict:
+        """config.json for `cfg` (transformers 4.x keys, which 5.x also reads); MlmError when
+        this architecture cannot express `cfg`."""
+
+    def counts(self, cfg: ModelConfig) -> dict[str, int]:
+        """How many values each template placeholder takes (`{layer}`; MoE adapters add `{expert}`)."""
+        return {"layer": cfg.num_layers}
+
+    def keymap(self, cfg: ModelConfig) -> KeyMap:
+        """The template table for `cfg`'s counts."""
+        return KeyMap(self.from_hf, self.counts(cfg), f"Hugging Face {self.model_type}", self.prefix)
+
+    def get(self, c: dict, key: str):
+        """config.json's `key`, which must be there."""
+        if c.get(key) is None:
+            raise MlmError(
+                f"Hugging Face config (model_type {self.model_type!r}) has no {key!r}; "
+                "is it a complete config.json?"
+            )
+        return c[key]
+
+    def require(self, cfg: ModelConfig, rules: dict[str, object]) -> None:
+        """MlmError naming each `cfg` field that differs from what this architecture needs."""
+        bad = [
+            f"model.{k}={getattr(cfg, k)!r} (needs {v!r})" for k, v in rules.items() if getattr(cfg, k) != v
+        ]
+        if bad:
+            raise MlmError(
+                f"this model cannot be written as Hugging Face {self.model_type}: {'; '.join(bad)}"
+            )

@@ -1,0 +1,216 @@
+"""The conversion engine: applies an architecture's adapter to a state dict, tensor by tensor.
+
+For every adapter alike: each tensor's shape is checked against the shape the config implies
+(errors name the key and both shapes); mlm pads the embedding and output rows to
+`cfg.padded_vocab_size()` (Megatron's padding): import appends zero rows, export slices them
+off; with tied embeddings `lm_head.weight` is left out of an export and, when a checkpoint
+stores it, must equal the embedding. The key templates (`mlm.hf.templates`) do the renaming,
+splitting, transposing and stacking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import google_crc32c
+import numpy as np
+import torch
+from torch import nn
+
+from mlm.config import ModelConfig
+from mlm.errors import MlmError
+from mlm.hf.registry import adapter, arch_of, config_from_hf
+from mlm.model.gpt import GPT, VOCAB_ROWS
+
+
+def _mlm_shapes(cfg: ModelConfig, padded_vocab: int | None) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        model = GPT(cfg, padded_vocab)
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def _check_mlm_state(mlm_state: dict, cfg: ModelConfig, padded_vocab: int | None) -> None:
+    want = _mlm_shapes(cfg, padded_vocab)
+    missing = sorted(want.keys() - mlm_state.keys())
+    unknown = sorted(mlm_state.keys() - want.keys())
+    if missing or unknown:
+        raise MlmError(
+            f"mlm state dict does not match the config: missing {missing or 'none'}; unexpected {unknown or 'none'} "
+            "(was it saved from a model with this config?)"
+        )
+    for k, shape in want.items():
+        if mlm_state[k].shape != shape:
+            raise MlmError(
+                f"mlm state dict {k}: shape {list(mlm_state[k].shape)}, but the config needs {list(shape)}"
+            )
+
+
+def mlm_to_hf(
+    mlm_state: dict[str, torch.Tensor], cfg: ModelConfig, arch: str, padded_vocab: int | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """mlm state dict → (Hugging Face state dict, config.json dict).
+
+    Padding rows are sliced off the vocabulary, split tensors concatenated (GPT-2's q/k/v into
+    `c_attn`), transposed ones (its Conv1D weights) transposed, stacked ones indexed. With tied
+    embeddings `lm_head.weight` is left out, as `save_pretrained` does. Tensors are contiguous and
+    keep their dtype."""
+    a = adapter(arch)
+    hf_config = a.config_to_hf(cfg)
+    _check_mlm_state(mlm_state, cfg, padded_vocab)
+    keymap = a.keymap(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for unit in keymap.units():
+        if unit.mlm[0] not in mlm_state:  # lm_head when tied
+            continue
+        mlm = [mlm_state[k][: cfg.vocab_size] if k in VOCAB_ROWS else mlm_state[k] for k in unit.mlm]
+        for hf_key, t in keymap.to_hf(unit, mlm):
+            out[hf_key] = t.contiguous()
+    return out, hf_config
+
+
+def _hf_shapes(cfg: ModelConfig, arch: str, padded_vocab: int | None) -> dict[str, torch.Size]:
+    """The HF key → shape that `cfg` implies: the export of a model built on the meta device."""
+    with torch.device("meta"):
+        state = GPT(cfg, padded_vocab).state_dict()
+    hf_state, _ = mlm_to_hf(state, cfg, arch, padded_vocab)
+    return {k: v.shape for k, v in hf_state.items()}
+
+
+LazyTensor = tuple[torch.Size, Callable[[], torch.Tensor]]
+"""A tensor not read yet: its shape, and a function that reads it."""
+
+
+def hf_to_mlm(
+    hf_state: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    arch: str | None = None,
+    padded_vocab: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Hugging Face state dict → mlm state dict, keys exactly as `GPT(cfg).state_dict()` has them.
+
+    `arch` defaults to the one `cfg` describes (learned positions: gpt2, else llama). The
+    vocabulary rows are padded with zeros to `padded_vocab` (default `cfg.padded_vocab_size()`).
+    Tensors keep their dtype; those stored as mlm keeps them share memory with `hf_state`."""
+    lazy = {k: (t.shape, lambda t=t: t) for k, t in hf_state.items()}
+    return dict(iter_hf_to_mlm(lazy, cfg, arch, padded_vocab))
+
+
+def iter_hf_to_mlm(
+    hf_tensors: dict[str, LazyTensor],
+    cfg: ModelConfig,
+    arch: str | None = None,
+    padded_vocab: int | None = None,
+    passthrough: Callable[[str], object] | None = None,
+) -> Iterator[tuple[str, object]]:
+    """`hf_to_mlm` one tensor at a time: every key and shape is checked before the first tensor is
+    read, then each is read, converted and yielded (mlm key, tensor) in turn, so memory holds one
+    Hugging Face tensor (all of a stack's). With tied embeddings a stored `lm_head.weight` must
+    equal the embedding (compared by CRC-32C as they pass; MlmError after the last tensor otherwise).
+    `passthrough`: a tensor that converts to itself (no split, transpose, stack or padding) is not
+    read; (mlm key, passthrough(its Hugging Face key)) is yielded instead, for a caller that copies
+    the bytes."""
+    a = adapter(arch or arch_of(cfg))
+    a.config_to_hf(cfg)  # raises if cfg is not this architecture
+    V = padded_vocab or cfg.padded_vocab_size()
+    want = _hf_shapes(cfg, a.model_type, padded_vocab)
+    keymap = a.keymap(cfg)
+    units, stored = keymap.plan(hf_tensors)  # unknown keys, indices beyond the config, partial stacks
+    by_mlm = {r.mlm: t for t, r in keymap.rules.items() if r is not None}
+    embed, head = by_mlm[("embed.weight",)], by_mlm[("output.weight",)]
+    tied = {embed, head} if cfg.tie_embeddings else set()  # a stored head is checked, then dropped
+    bad = [
+        f"{stored[k]}: shape {list(hf_tensors[stored[k]][0])} in the Hugging Face state, but the config "
+        f"needs {list(want[k])}"
+        for u in units
+        for k in u.hf
+        if not (cfg.tie_embeddings and u.template == head) and hf_tensors[stored[k]][0] != want[k]
+    ]
+    if bad:
+        raise MlmError(
+            "Hugging Face state does not match the config: "
+            + "; ".join(bad)
+            + " (build the config with config_from_hf from the checkpoint's own config.json)"
+        )
+    missing = sorted(want.keys() - stored.keys())
+    if missing:
+        raise MlmError(f"Hugging Face {a.model_type} state lacks {', '.join(missing)}")
+
+    shapes = _mlm_shapes(cfg, padded_vocab)
+    digests: dict[str, tuple] = {}  # of the tied embedding and lm_head.weight
+    for unit in units:
+        keys = [stored[k] for k in unit.hf]
+        padded = unit.mlm[0] in VOCAB_ROWS and hf_tensors[keys[0]][0][0] != V
+        if passthrough is not None and unit.rule.identity and not padded and unit.template not in tied:
+            yield unit.mlm[0], passthrough(keys[0])  # stored as it is: the caller copies it
+            continue
+        ts = [hf_tensors[k][1]() for k in keys]
+        if unit.template in tied:
+            digests[unit.template] = (ts[0].shape, ts[0].dtype, _digest(ts[0]))
+            if unit.template == head:
+                continue
+        for mk, p in keymap.to_mlm(unit, ts, shapes):
+            if mk in VOCAB_ROWS and p.shape[0] != V:
+                p = torch.cat([p, p.new_zeros(V - p.shape[0], *p.shape[1:])])
+            yield mk, p.contiguous()
+    if head in digests and digests[head] != digests[embed]:
+        raise MlmError(
+            f"the config ties embeddings (tie_word_embeddings=true) but {head} differs from "
+            f"{embed}; use a config with tie_word_embeddings=false for this checkpoint"
+        )
+
+
+def _digest(t: torch.Tensor) -> int:
+    data = t.detach().contiguous().view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+    return google_crc32c.value(data.reshape(-1))
+
+
+def _numerics(cfg: ModelConfig) -> dict[str, object]:
+    """The config values that change what the model computes (not dropout, init or max length)."""
+    d = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.query_groups,
+        ffn_hidden_size=cfg.ffn_size,
+        vocab_size=cfg.vocab_size,
+        normalization=cfg.normalization,
+        norm_eps=cfg.norm_eps,
+        position_embedding=cfg.position_embedding,
+        activation=cfg.activation,
+        add_bias=cfg.add_bias,
+        tie_embeddings=cfg.tie_embeddings,
+    )
+    if cfg.position_embedding == "rope":
+        d.update(rope_base=cfg.rope_base, rope_scaling_factor=cfg.rope_scaling_factor)
+        if cfg.rope_scaling_factor is not None:
+            d.update(
+                rope_low_freq_factor=cfg.rope_low_freq_factor,
+                rope_high_freq_factor=cfg.rope_high_freq_factor,
+                rope_original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+            )
+    return d
+
+
+def load_hf_into(model: GPT, hf_model_or_state: nn.Module | dict[str, torch.Tensor]) -> GPT:
+    """Load a transformers model (or its state dict) into an mlm model with `strict=True`.
+
+    Given a model, its config must describe the same network as `model.cfg` (build that with
+    `config_from_hf(hf_model.config.to_dict())`); a state dict is checked by its shapes only."""
+    cfg = model.cfg
+    state = hf_model_or_state
+    if isinstance(hf_model_or_state, nn.Module):
+        ours, theirs = _numerics(cfg), _numerics(config_from_hf(hf_model_or_state.config.to_dict()))
+        diff = [
+            f"model.{k}: mlm {ours[k]!r}, Hugging Face {theirs.get(k)!r}"
+            for k in ours
+            if ours[k] != theirs.get(k)
+        ]
+        if diff:
+            raise MlmError(
+                "the Hugging Face model and the mlm model differ: "
+                + "; ".join(diff)
+                + " (build the mlm model from config_from_hf(hf_model.config.to_dict()))"
+            )
+        state = hf_model_or_state.state_dict()
+    model.load_state_dict(hf_to_mlm(state, cfg, padded_vocab=model.embed.weight.shape[0]), strict=True)
+    return model

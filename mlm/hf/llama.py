@@ -1,0 +1,142 @@
+"""Llama (`LlamaForCausalLM`) ⇄ mlm: keys one to one, RMSNorm, SwiGLU, RoPE (with Llama-3.1
+scaling), no biases.
+
+Llama needs no q/k permutation: mlm's RoPE uses HF's rotate-half layout (tests/test_hf_numerics.py
+checks the logits).
+"""
+
+from __future__ import annotations
+
+from mlm.config import ModelConfig
+from mlm.errors import MlmError
+from mlm.hf.adapter import Adapter
+from mlm.hf.templates import Target
+
+KEYS: dict[str, Target] = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.layers.{layer}.input_layernorm.weight": "layers.{layer}.attn_norm.weight",
+    "model.layers.{layer}.self_attn.q_proj.weight": "layers.{layer}.attn.q.weight",
+    "model.layers.{layer}.self_attn.k_proj.weight": "layers.{layer}.attn.k.weight",
+    "model.layers.{layer}.self_attn.v_proj.weight": "layers.{layer}.attn.v.weight",
+    "model.layers.{layer}.self_attn.o_proj.weight": "layers.{layer}.attn.out.weight",
+    "model.layers.{layer}.self_attn.rotary_emb.inv_freq": None,
+    "model.layers.{layer}.post_attention_layernorm.weight": "layers.{layer}.mlp_norm.weight",
+    "model.layers.{layer}.mlp.gate_proj.weight": "layers.{layer}.mlp.gate.weight",
+    "model.layers.{layer}.mlp.up_proj.weight": "layers.{layer}.mlp.up.weight",
+    "model.layers.{layer}.mlp.down_proj.weight": "layers.{layer}.mlp.down.weight",
+    "model.norm.weight": "final_norm.weight",
+    "model.rotary_emb.inv_freq": None,
+    "model.rotary_emb.original_inv_freq": None,
+    "lm_head.weight": "output.weight",
+}
+
+
+def rope(c: dict) -> tuple[float, dict | None]:
+    """(theta, llama3 scaling or None) from a transformers 4.x (`rope_theta` + `rope_scaling`) or
+    5.x (`rope_parameters`, theta inside) config."""
+    r = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = r.get("rope_theta", c.get("rope_theta", 10000.0))
+    rope_type = r.get("rope_type", r.get("type", "default"))
+    if r.get("partial_rotary_factor", 1.0) != 1.0:
+        raise MlmError(
+            f"rope partial_rotary_factor={r['partial_rotary_factor']}: mlm rotates the whole head (1.0)"
+        )
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise MlmError(f"rope_scaling rope_type={rope_type!r}: mlm supports 'default' (none) and 'llama3'")
+    need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in need if k not in r]
+    if missing:
+        raise MlmError(f"rope_scaling (llama3) lacks {', '.join(missing)}; it needs {', '.join(need)}")
+    return float(theta), r
+
+
+class LlamaAdapter(Adapter):
+    model_type = "llama"
+    hf_class = "LlamaForCausalLM"
+    from_hf = KEYS
+
+    def config_from_hf(self, c: dict) -> ModelConfig:
+        for key in ("attention_bias", "mlp_bias"):
+            if c.get(key):
+                raise MlmError(
+                    f"Hugging Face config {key}=true: mlm's Llama has no biases; only {key}=false converts"
+                )
+        if c.get("hidden_act", "silu") != "silu":
+            raise MlmError(
+                f"Hugging Face config hidden_act={c['hidden_act']!r}: mlm's Llama MLP is SwiGLU ('silu')"
+            )
+        D, H = self.get(c, "hidden_size"), self.get(c, "num_attention_heads")
+        if c.get("head_dim") not in (None, D // H) or D % H:
+            raise MlmError(
+                f"Hugging Face config head_dim={c.get('head_dim')}: mlm needs head_dim = hidden_size / "
+                f"num_attention_heads = {D}/{H}"
+            )
+        theta, scaling = rope(c)
+        scaled = {}
+        if scaling is not None:
+            scaled = dict(
+                rope_scaling_factor=float(scaling["factor"]),
+                rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            )
+        return ModelConfig(
+            num_layers=self.get(c, "num_hidden_layers"),
+            hidden_size=D,
+            num_attention_heads=H,
+            num_query_groups=c.get("num_key_value_heads") or H,
+            ffn_hidden_size=self.get(c, "intermediate_size"),
+            vocab_size=self.get(c, "vocab_size"),
+            max_position_embeddings=self.get(c, "max_position_embeddings"),
+            normalization="rmsnorm",
+            norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            position_embedding="rope",
+            rope_base=theta,
+            **scaled,
+            activation="swiglu",
+            add_bias=False,
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_dropout=float(c.get("attention_dropout", 0.0)),
+            init_std=float(c.get("initializer_range", 0.02)),
+        )
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict:
+        self.require(
+            cfg,
+            dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", add_bias=False),
+        )
+        scaling = None
+        if cfg.rope_scaling_factor is not None:
+            scaling = {
+                "rope_type": "llama3",
+                "factor": cfg.rope_scaling_factor,
+                "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_position_embeddings,
+            }
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.ffn_size,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.query_groups,
+            "head_dim": cfg.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_base,
+            "rope_scaling": scaling,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "attention_dropout": cfg.attention_dropout,
+            "initializer_range": cfg.init_std,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+
+
+LLAMA = LlamaAdapter()

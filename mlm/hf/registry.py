@@ -1,0 +1,52 @@
+"""The supported architectures, by config.json `model_type` and transformers class, and the config
+translation that picks one."""
+
+from __future__ import annotations
+
+from mlm.config import ModelConfig
+from mlm.errors import MlmError
+from mlm.hf.adapter import Adapter
+from mlm.hf.gpt2 import GPT2
+from mlm.hf.llama import LLAMA
+from mlm.hf.mistral import MISTRAL
+
+ADAPTERS: dict[str, Adapter] = {a.model_type: a for a in (LLAMA, GPT2, MISTRAL)}
+_ALIASES = {a.hf_class: a.model_type for a in ADAPTERS.values()}
+
+
+def adapter(arch: str) -> Adapter:
+    """The adapter for a model_type ("llama", "gpt2") or transformers class name."""
+    name = _ALIASES.get(arch, arch)
+    if name not in ADAPTERS:
+        raise MlmError(
+            f"Hugging Face architecture {arch!r} is not supported; supported model_type values: "
+            f"{', '.join(ADAPTERS)} (classes {', '.join(_ALIASES)})"
+        )
+    return ADAPTERS[name]
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    """A ModelConfig from a Hugging Face config.json dict (or a transformers config object).
+
+    The vocabulary keeps mlm's padding (`make_vocab_size_divisible_by`); the engine pads and
+    un-pads the embedding rows."""
+    if hasattr(hf_config, "to_dict"):
+        hf_config = hf_config.to_dict()
+    model_type = hf_config.get("model_type")
+    if model_type not in ADAPTERS:
+        raise MlmError(
+            f"Hugging Face config model_type={model_type!r} is not supported; supported: {', '.join(ADAPTERS)}"
+        )
+    return ADAPTERS[model_type].config_from_hf(hf_config)
+
+
+def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
+    """The Hugging Face config.json dict for `cfg` (transformers 4.x keys, which 5.x also reads)."""
+    return adapter(arch).config_to_hf(cfg)
+
+
+def arch_of(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type a config converts to (Llama-style models export as llama)."""
+    if cfg.position_embedding == "learned":
+        return "gpt2"
+    return "llama"
