@@ -19,7 +19,7 @@ from cli.main import app
 from mlm.config import load_config
 from mlm.errors import MlmError
 from mlm.train import parity
-from mlm.train.parity import TOLERANCES, Layout, ParityResult, compare, parse_layout, parse_layouts
+from mlm.train.parity import TOLERANCES, Layout, ParityResult, compare, parse_layout, parse_layouts, runner
 
 from conftest import tiny_sets
 
@@ -171,7 +171,7 @@ def test_a_failing_layout_reports_its_output_tail(tmp_path, tiny_data, monkeypat
             "import sys; print('error: rank 1 is unwell', file=sys.stderr); sys.exit(5)",
         ]
 
-    monkeypatch.setattr(parity, "train_command", failing)
+    monkeypatch.setattr(runner, "train_command", failing)
     with pytest.raises(MlmError) as e:
         parity.run_parity(None, _sets(tmp_path, tiny_data), parse_layouts("tp1,tp2"), 2, tmp_path / "out")
     assert "layout 'tp1': `mlm train` under torchrun exited with code 5" in str(e.value)
@@ -181,5 +181,5 @@ def test_a_failing_layout_reports_its_output_tail(tmp_path, tiny_data, monkeypat
 
 def test_dropout_is_warned_about(tmp_path, tiny_data):
     cfg = load_config(None, _sets(tmp_path, tiny_data, **{"model.attention_dropout": 0.1}))
-    (warning,) = parity._warnings(cfg)
+    (warning,) = runner._warnings(cfg)
     assert warning.startswith("model.attention_dropout=0.1: each layout draws its own dropout masks")
