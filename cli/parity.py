@@ -1,4 +1,4 @@
-"""`mlm parity`: the same run on several parallel layouts, losses and weights compared with the first.
+"""`mlm parity`: one run on several parallel layouts; losses, eval loss, weights compared with the first.
 
     mlm parity --config pipelines/tiny/train.toml --layouts tp1,tp2,dp2,tp2dp2 --steps 5
 
@@ -23,7 +23,7 @@ def parity(
         None, "--out", help="New output folder (default runs/parity-YYYYmmdd-HHMMSS)."
     ),
 ) -> None:
-    """Loss and weight parity across parallel layouts from one seed checkpoint; exit 1 on a FAIL."""
+    """Loss, eval-loss and weight parity across layouts from one seed checkpoint; exit 1 on a FAIL."""
     from mlm.train.parity import parse_layouts, render, run_parity
 
     result = run_parity(config, overrides, parse_layouts(layouts), steps, out)

@@ -1,6 +1,7 @@
 """The layout grammar of `mlm parity --layouts`: `tp2pp2dp2sp` → a `Layout` and its `--set` items.
 
-    parse_layouts("tp1,tp2,dp2zero1")   # [Layout('tp1'), Layout('tp2', tp=2), Layout('dp2zero1', dp=2, zero1=True)]
+    parse_layouts("tp1,tp2,dp2zero1")
+    # [Layout('tp1'), Layout('tp2', tp=2), Layout('dp2zero1', dp=2, zero1=True)]
 
 A layout is terms written together, `tp<N>`, `pp<N>`, `vpp<N>`, `dp<N>`, `sp` and `zero1`; missing
 sizes are 1 and the world size is tp × pp × dp. Junk is an MlmError naming the bad term.

@@ -1,7 +1,8 @@
 """What one layout measured against the reference, and the verdict: `compare` and the result types.
 
-`compare` turns a layout's per-step losses and final weights into relative differences from the
-reference layout's and checks them against a `Tolerance`; `ParityResult` holds every layout's and
+`compare` turns what a layout's run measured (`Measured`: per-step losses, the eval loss after the
+last step, final weights) into relative differences from the reference layout's and checks them
+against a `Tolerance`; `ParityResult` holds every layout's and
 is what `OUT/parity.json` and the report are made from.
 """
 
@@ -17,11 +18,26 @@ from mlm.train.parity.tolerances import Tolerance
 
 
 @dataclass
+class Measured:
+    """What one layout's run left behind."""
+
+    losses: list[float]
+    """Training loss per step (metrics.jsonl, split "train")."""
+    eval_loss: float | None
+    """Validation loss after the last step (split "valid"); None where data.split has no validation."""
+    weights: dict
+    """Model tensor name → final weights in their global shape."""
+
+
+@dataclass
 class LayoutResult:
     layout: Layout
     losses: list[float]
     loss_rel: list[float]
     """|loss − loss_ref| / |loss_ref| per step."""
+    eval_loss: float | None
+    eval_rel: float | None
+    """|eval − eval_ref| / |eval_ref| after the last step (None without a validation split)."""
     weight_rel: dict[str, float]
     """‖w − w_ref‖ / ‖w_ref‖ per model tensor (absolute norm where ‖w_ref‖ = 0)."""
     passed: bool
@@ -55,6 +71,8 @@ class LayoutResult:
             "loss_rel": self.loss_rel,
             "max_loss_rel": self.max_loss_rel,
             "worst_step": self.worst_step,
+            "eval_loss": self.eval_loss,
+            "eval_rel": self.eval_rel,
             "max_weight_rel": self.max_weight_rel,
             "worst_tensor": self.worst_tensor,
             "weight_rel": self.weight_rel,
@@ -65,36 +83,42 @@ class LayoutResult:
         }
 
 
-def compare(
-    layout: Layout,
-    losses: list[float],
-    weights: dict,
-    ref_losses: list[float],
-    ref_weights: dict,
-    tol: Tolerance,
-) -> LayoutResult:
-    """Per-step relative loss differences and per-tensor relative weight differences against the
-    reference; passed when every one is within `tol` (a Tolerance)."""
+def compare(layout: Layout, got: Measured, ref: Measured, tol: Tolerance) -> LayoutResult:
+    """Per-step relative loss differences, the relative eval-loss difference and per-tensor relative
+    weight differences against the reference; passed when every one is within `tol`."""
     import torch
 
-    if len(losses) != len(ref_losses):
+    if len(got.losses) != len(ref.losses):
         raise MlmError(
-            f"layout {layout.name!r} logged {len(losses)} steps, the reference {len(ref_losses)}; "
+            f"layout {layout.name!r} logged {len(got.losses)} steps, the reference {len(ref.losses)}; "
             "see its run_dir/metrics.jsonl"
         )
-    if missing := sorted(ref_weights.keys() ^ weights.keys()):
+    if (got.eval_loss is None) != (ref.eval_loss is None):
+        raise MlmError(
+            f"layout {layout.name!r} logged {'no' if got.eval_loss is None else 'an'} eval loss, the "
+            f"reference {'none' if ref.eval_loss is None else 'one'}; see its run_dir/metrics.jsonl"
+        )
+    if missing := sorted(ref.weights.keys() ^ got.weights.keys()):
         raise MlmError(
             f"layout {layout.name!r}: tensors {', '.join(missing[:5])} are not in both checkpoints"
         )
-    loss_rel = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(losses, ref_losses, strict=True)]
+    loss_rel = [_rel(a, b) for a, b in zip(got.losses, ref.losses, strict=True)]
+    eval_rel = None if ref.eval_loss is None else _rel(got.eval_loss, ref.eval_loss)
     weight_rel = {}
-    for key, ref in ref_weights.items():
-        ref64 = ref.double()
+    for key, w_ref in ref.weights.items():
+        ref64 = w_ref.double()
         norm = float(torch.linalg.vector_norm(ref64))
-        weight_rel[key] = float(torch.linalg.vector_norm(weights[key].double() - ref64)) / (norm or 1.0)
+        weight_rel[key] = float(torch.linalg.vector_norm(got.weights[key].double() - ref64)) / (norm or 1.0)
+    evals = [] if eval_rel is None else [got.eval_loss, eval_rel]
     ok = all(r <= tol.loss_rel for r in loss_rel) and all(r <= tol.weight_rel for r in weight_rel.values())
-    ok = ok and all(math.isfinite(x) for x in [*losses, *loss_rel, *weight_rel.values()])
-    return LayoutResult(layout, list(losses), loss_rel, weight_rel, ok)
+    ok = ok and (eval_rel is None or eval_rel <= tol.eval_rel)
+    ok = ok and all(math.isfinite(x) for x in [*got.losses, *loss_rel, *evals, *weight_rel.values()])
+    return LayoutResult(layout, list(got.losses), loss_rel, got.eval_loss, eval_rel, weight_rel, ok)
+
+
+def _rel(a: float, b: float) -> float:
+    """|a − b| / |b|, or |a − b| where b is 0."""
+    return abs(a - b) / abs(b) if b else abs(a - b)
 
 
 @dataclass

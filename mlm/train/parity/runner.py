@@ -2,8 +2,9 @@
 
 `run_parity` resolves the run config with the parity settings forced, checks every layout before
 anything runs, writes the step-0 seed checkpoint once in this process, trains each layout from it
-(its log, metrics and final checkpoint under OUT/LAYOUT/), reads back its losses and whole weights,
-compares them with the first layout's and writes OUT/parity.json.
+(its log, metrics and final checkpoint under OUT/LAYOUT/) with one evaluation after the last step,
+reads back its losses, eval loss and whole weights, compares them with the first layout's and
+writes OUT/parity.json.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ import time
 from pathlib import Path
 
 from mlm.config import Config, load_config, to_toml, toml_value
+from mlm.datasets.gpt import parse_split
 from mlm.errors import MlmError
 from mlm.fileio import atomic_write_text
 from mlm.train.parity.layouts import Layout
-from mlm.train.parity.results import LayoutResult, ParityResult, compare
+from mlm.train.parity.results import LayoutResult, Measured, ParityResult, compare
 from mlm.train.parity.tolerances import TOLERANCES
 
 
 def resolve(config: str | Path | None, overrides: list[str], steps: int, out: Path) -> Config:
-    """The user's config with the parity settings forced: K steps, a record every step, no
-    evaluation, samples, TensorBoard or intermediate checkpoints."""
+    """The user's config with the parity settings forced: K steps, a record every step, one
+    evaluation after the last step (over at most K batches) where data.split has a validation
+    share, no samples, TensorBoard or intermediate checkpoints."""
     if steps < 1:
         raise MlmError(f"--steps {steps}: must be at least 1")
     forced = [
@@ -42,7 +45,16 @@ def resolve(config: str | Path | None, overrides: list[str], steps: int, out: Pa
         f"run_dir={toml_value(str(out / 'run'))}",
         f"checkpoint.save={toml_value(str(out / 'seed'))}",
     ]
-    return load_config(config, [*overrides, *forced])
+    cfg = load_config(config, [*overrides, *forced])
+    if not _has_validation(cfg):
+        return cfg
+    # eval_iters ≤ K: the evaluation costs less than the training it checks
+    evaluate = {"eval_interval": steps, "eval_iters": min(cfg.train.eval_iters, steps)}
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **evaluate))
+
+
+def _has_validation(cfg: Config) -> bool:
+    return parse_split(cfg.data.split)[1] > 0
 
 
 def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
@@ -146,12 +158,27 @@ def _env(world: int) -> dict[str, str]:
     return env
 
 
-def _train_records(run_dir: Path) -> list[dict]:
+def _records(run_dir: Path, split: str) -> list[dict]:
+    """The records of one split ("train", "valid") in RUN_DIR/metrics.jsonl, in order."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
-    return [r for r in map(json.loads, filter(None, lines)) if r.get("split") == "train"]
+    return [r for r in map(json.loads, filter(None, lines)) if r.get("split") == split]
+
+
+def _measured(layout: Layout, run_dir: Path, ckpt: Path, log: Path, steps: int, evaluated: bool) -> Measured:
+    """A finished layout's losses, eval loss (after step K, where `evaluated`) and final weights."""
+    losses = [float(r["loss"]) for r in _records(run_dir, "train")]
+    if len(losses) != steps:
+        raise MlmError(f"layout {layout.name!r} logged {len(losses)} of {steps} steps; see {log}")
+    eval_loss = None
+    if evaluated:
+        last = [float(r["loss"]) for r in _records(run_dir, "valid") if r.get("step") == steps]
+        if not last:
+            raise MlmError(f"layout {layout.name!r} logged no eval loss at step {steps}; see {log}")
+        eval_loss = last[-1]
+    return Measured(losses, eval_loss, _weights(ckpt))
 
 
 def _tail(log: Path, n: int = 30) -> str:
@@ -167,7 +194,7 @@ def _run_layout(layout: Layout, cmd: list[str], log: Path, run_dir: Path, steps:
         proc = subprocess.Popen(cmd, env=_env(layout.world), stdin=subprocess.DEVNULL, stdout=f, stderr=f)
         try:
             while proc.poll() is None:
-                progress.update(task, completed=len(_train_records(run_dir)))
+                progress.update(task, completed=len(_records(run_dir, "train")))
                 time.sleep(0.25)
         finally:
             if proc.poll() is None:  # Ctrl-C or an error here: torchrun passes SIGTERM on to the ranks
@@ -177,7 +204,7 @@ def _run_layout(layout: Layout, cmd: list[str], log: Path, run_dir: Path, steps:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-    progress.update(task, completed=len(_train_records(run_dir)))
+    progress.update(task, completed=len(_records(run_dir, "train")))
     if proc.returncode != 0:
         raise MlmError(
             f"layout {layout.name!r}: `mlm train` under torchrun exited with code {proc.returncode}; "
@@ -212,6 +239,11 @@ def _warnings(cfg: Config) -> list[str]:
             f"{what}: each layout draws its own dropout masks, so losses differ by more than rounding; "
             "compare with --set model.hidden_dropout=0 --set model.attention_dropout=0"
         )
+    if not _has_validation(cfg):
+        found.append(
+            f"data.split={cfg.data.split!r} has no validation share, so no eval loss is compared; "
+            "give it one, e.g. --set data.split='98,2,0'"
+        )
     return found
 
 
@@ -225,7 +257,7 @@ def run_parity(
     """Run every layout from one seed checkpoint and compare it with the first; writes OUT/parity.json.
 
     OUT holds config.toml (the resolved config each run reads), seed/ (the step-0 checkpoint) and
-    per layout LAYOUT/train.log, LAYOUT/run/metrics.jsonl and LAYOUT/ckpt/.
+    per layout LAYOUT/train.log, LAYOUT/run/metrics.jsonl (its train and eval losses) and LAYOUT/ckpt/.
     """
     from mlm.console import console
 
@@ -252,8 +284,7 @@ def run_parity(
     )
     seed = _write_seed(cfg, shown).absolute()  # the folder as the user named it, in the "saved" line
     results: list[LayoutResult] = []
-    ref_losses: list[float] = []
-    ref_weights: dict = {}
+    ref: Measured | None = None
     with _progress() as progress:
         for lay in layouts:
             d = out / lay.name
@@ -262,18 +293,16 @@ def run_parity(
             seconds = _run_layout(
                 lay, train_command(lay, resolved, seed, run_dir, ckpt), log, run_dir, steps, progress
             )
-            losses = [float(r["loss"]) for r in _train_records(run_dir)]
-            if len(losses) != steps:
-                raise MlmError(f"layout {lay.name!r} logged {len(losses)} of {steps} steps; see {log}")
-            weights = _weights(ckpt)
-            if not results:
-                ref_losses, ref_weights = losses, weights
-            r = compare(lay, losses, weights, ref_losses, ref_weights, tol)
+            got = _measured(lay, run_dir, ckpt, log, steps, evaluated=bool(cfg.train.eval_interval))
+            ref = ref or got
+            r = compare(lay, got, ref, tol)
             r.seconds, r.run_dir, r.checkpoint, r.log = seconds, str(run_dir), str(ckpt), str(log)
             results.append(r)
             verdict = "reference" if len(results) == 1 else "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
+            eval_text = "" if got.eval_loss is None else f", eval loss {got.eval_loss:.6f}"
             progress.console.print(
-                f"{lay.name}: {len(losses)} steps in {seconds:.1f} s, final loss {losses[-1]:.6f}, {verdict}",
+                f"{lay.name}: {steps} steps in {seconds:.1f} s, final loss {got.losses[-1]:.6f}{eval_text}, "
+                f"{verdict}",
                 highlight=False,
             )
     result = ParityResult(cfg.train.precision, tol, steps, results, _warnings(cfg), str(shown))
