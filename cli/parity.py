@@ -1,4 +1,4 @@
-"""`mlm parity`: the same run on several parallel layouts, losses and weights compared with the first.
+"""`mlm parity`: one run on several parallel layouts; losses, eval loss, weights compared with the first.
 
     mlm parity --config pipelines/tiny/train.toml --layouts tp1,tp2,dp2,tp2dp2 --steps 5
 
@@ -23,11 +23,10 @@ def parity(
         None, "--out", help="New output folder (default runs/parity-YYYYmmdd-HHMMSS)."
     ),
 ) -> None:
-    """Loss and weight parity across parallel layouts from one seed checkpoint; exit 1 on a FAIL."""
-    from mlm.console import make_console
+    """Loss, eval-loss and weight parity across layouts from one seed checkpoint; exit 1 on a FAIL."""
     from mlm.train.parity import parse_layouts, render, run_parity
 
     result = run_parity(config, overrides, parse_layouts(layouts), steps, out)
-    render(result, make_console(stderr=False))  # the report on stdout, unwrapped in a file
+    render(result)  # the report on stdout, unwrapped in a file
     if not result.passed:
         raise typer.Exit(1)

@@ -1,9 +1,10 @@
 """`mlm parity`: layout parsing, the comparison and its verdict, and a real run of tp1, tp2
 and pp2 from one seed checkpoint (3 torchrun launches, ~10 s each on 2 cores; the README shows
-four layouts up to 8 ranks).
+four layouts up to 4 ranks).
 
-The real run is fp32 without dropout, so every layout must pass the fp32 tolerance; a failing
-comparison is tested on numbers made to differ (one loss 1% off, one weight tensor moved).
+The real run is fp32 without dropout, so every layout must pass the fp32 tolerance, the eval loss
+after the last step included; a failing comparison is tested on numbers made to differ (one loss
+1% off, an eval loss 1e-5 off, one weight tensor moved).
 """
 
 from __future__ import annotations
@@ -19,7 +20,17 @@ from cli.main import app
 from mlm.config import load_config
 from mlm.errors import MlmError
 from mlm.train import parity
-from mlm.train.parity import TOLERANCES, Layout, ParityResult, compare, parse_layout, parse_layouts
+from mlm.train.parity import (
+    TOLERANCES,
+    Layout,
+    Measured,
+    ParityResult,
+    compare,
+    parse_layout,
+    parse_layouts,
+    resolve,
+    runner,
+)
 
 from conftest import tiny_sets
 
@@ -70,24 +81,46 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
 
 def test_a_loss_one_percent_off_fails_and_the_report_says_where(capsys):
     tol = TOLERANCES["fp32"]
-    ref_losses, ref_w = [8.0, 7.5, 7.0], _weights(0)
-    ref = compare(Layout("tp1"), ref_losses, ref_w, ref_losses, ref_w, tol)
-    near = compare(Layout("tp2", tp=2), [8.0, 7.5 * (1 + 1e-7), 7.0], _weights(0), ref_losses, ref_w, tol)
-    off = compare(Layout("dp2", dp=2), [8.0, 7.5 * 1.01, 7.0], _weights(0), ref_losses, ref_w, tol)
-    assert ref.passed and near.passed and not off.passed
-    assert off.max_loss_rel == pytest.approx(0.01) and off.worst_step == 2
-    result = ParityResult("fp32", tol, 3, [ref, near, off])
+    ref = Measured([8.0, 7.5, 7.0], 6.5, _weights(0))
+    same = compare(Layout("tp1"), ref, ref, tol)
+    near = compare(Layout("tp2", tp=2), Measured([8.0, 7.5 * (1 + 1e-7), 7.0], 6.5, _weights(0)), ref, tol)
+    off = compare(Layout("dp2", dp=2), Measured([8.0, 7.5 * 1.01, 7.0], 6.5, _weights(0)), ref, tol)
+    assert same.passed and near.passed and not off.passed
+    assert off.max_loss_rel == pytest.approx(0.01) and off.worst_step == 2 and off.eval_rel == 0.0
+    result = ParityResult("fp32", tol, 3, [same, near, off])
     assert not result.passed
     parity.render(result)
     out = " ".join(capsys.readouterr().out.split())
     assert "FAIL: dp2" in out and "1.00e-02" in out and "tolerance for fp32: |Δloss|/loss ≤ 1e-05" in out
+    assert "│ eval │ 6.500000 │ 0.0e+00 │ 0.0e+00 │" in out
+
+
+def test_an_eval_loss_off_fails_where_the_training_losses_agree(capsys):
+    tol = TOLERANCES["fp32"]
+    assert tol.eval_rel == 1e-6
+    ref = Measured([8.0, 7.5], 6.5, _weights(0))
+    near = compare(Layout("tp2", tp=2), Measured([8.0, 7.5], 6.5 * (1 + 5e-7), _weights(0)), ref, tol)
+    off = compare(Layout("dp2", dp=2), Measured([8.0, 7.5], 6.5 * (1 + 1e-5), _weights(0)), ref, tol)
+    assert near.passed and not off.passed and off.max_loss_rel == 0.0
+    assert off.eval_rel == pytest.approx(1e-5) and off.to_json()["eval_loss"] == pytest.approx(6.500065)
+    parity.render(ParityResult("fp32", tol, 2, [compare(Layout("tp1"), ref, ref, tol), near, off]))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "|Δeval|/eval" in out and "1.00e-05" in out and "FAIL: dp2;" in out
+    assert "|Δeval|/eval ≤ 1e-06 after the last" in out
+    # without a validation split neither side has an eval loss: nothing to compare, "-" in the table
+    bare = Measured([8.0, 7.5], None, _weights(0))
+    r = compare(Layout("tp2", tp=2), bare, bare, tol)
+    assert r.passed and r.eval_rel is None
+    with pytest.raises(MlmError, match="logged no eval loss, the reference one"):
+        compare(Layout("tp2", tp=2), bare, ref, tol)
 
 
 def test_the_command_exits_1_when_a_layout_fails(monkeypatch):
     tol, w = TOLERANCES["fp32"], _weights(0)
+    ref = Measured([8.0], 7.9, w)
     results = [
-        compare(Layout("tp1"), [8.0], w, [8.0], w, tol),
-        compare(Layout("tp2", tp=2), [8.1], w, [8.0], w, tol),
+        compare(Layout("tp1"), ref, ref, tol),
+        compare(Layout("tp2", tp=2), Measured([8.1], 7.9, w), ref, tol),
     ]
     monkeypatch.setattr(parity, "run_parity", lambda *a: ParityResult("fp32", tol, 1, results, out="x"))
     r = CliRunner().invoke(app, ["parity", "--layouts", "tp1,tp2", "--steps", "1"])
@@ -98,11 +131,12 @@ def test_a_weight_tensor_off_fails_and_is_named():
     tol = TOLERANCES["fp32"]
     ref_w = _weights(0)
     moved = {**ref_w, "layers.0.mlp.up.weight": ref_w["layers.0.mlp.up.weight"] * (1 + 1e-3)}
-    r = compare(Layout("tp2", tp=2), [8.0], moved, [8.0], ref_w, tol)
+    ref = Measured([8.0], 7.9, ref_w)
+    r = compare(Layout("tp2", tp=2), Measured([8.0], 7.9, moved), ref, tol)
     assert not r.passed and r.worst_tensor == "layers.0.mlp.up.weight"
     assert r.max_weight_rel == pytest.approx(1e-3, rel=1e-4) and r.weight_rel["embed.weight"] == 0.0
     with pytest.raises(MlmError, match="logged 2 steps, the reference 1"):
-        compare(Layout("tp2", tp=2), [8.0, 7.0], ref_w, [8.0], ref_w, tol)
+        compare(Layout("tp2", tp=2), Measured([8.0, 7.0], 7.9, ref_w), ref, tol)
 
 
 def _sets(tmp_path, data, **extra) -> list[str]:
@@ -125,16 +159,30 @@ def test_tp_pp_and_dp_layouts_match_one_process(tmp_path, tiny_data):
     assert report["tolerance"]["loss_rel"] == TOLERANCES["fp32"].loss_rel
     assert [x["name"] for x in report["layouts"]] == ["tp1", "tp2", "pp2"]
     assert [x["world_size"] for x in report["layouts"]] == [1, 2, 2]
+    assert report["tolerance"]["eval_rel"] == TOLERANCES["fp32"].eval_rel == 1e-6
     for x in report["layouts"]:
         assert len(x["losses"]) == 2 and x["passed"], x
         records = [json.loads(line) for line in open(out / x["name"] / "run" / "metrics.jsonl")]
         assert [rec["loss"] for rec in records if rec["split"] == "train"] == x["losses"]
+        # one evaluation, after the last step; all three are dp1, so they evaluate the same samples
+        assert [(rec["step"], rec["loss"]) for rec in records if rec["split"] == "valid"] == [
+            (2, x["eval_loss"])
+        ]
+        assert x["eval_rel"] <= TOLERANCES["fp32"].eval_rel
         assert x["max_weight_rel"] <= TOLERANCES["fp32"].weight_rel
-    assert report["layouts"][0]["max_weight_rel"] == 0.0  # the reference against itself
+    assert report["layouts"][0]["max_weight_rel"] == report["layouts"][0]["eval_rel"] == 0.0  # ref vs itself
+    print(
+        "eval_rel",
+        [x["eval_rel"] for x in report["layouts"]],
+        "loss_rel",
+        [x["max_loss_rel"] for x in report["layouts"]],
+    )
     assert (out / "seed" / "iter_0000000" / "manifest.json").is_file()
     text = " ".join(r.output.split())
     assert "mlm parity: 2 steps, fp32, against tp1" in text and "PASS; details in" in text
     assert "tp1: 2 steps in" in text and ", reference" in text and ", PASS pp2: 2 steps in" in text
+    assert f"eval loss {report['layouts'][0]['eval_loss']:.6f}, reference" in text
+    assert "│ eval │" in text and "|Δeval|/eval ≤ 1e-06 after the last" in text
     assert "warning" not in text
     # the same OUT again: refused, nothing touched
     again = CliRunner().invoke(app, [*args, "--out", str(out)])
@@ -171,7 +219,7 @@ def test_a_failing_layout_reports_its_output_tail(tmp_path, tiny_data, monkeypat
             "import sys; print('error: rank 1 is unwell', file=sys.stderr); sys.exit(5)",
         ]
 
-    monkeypatch.setattr(parity, "train_command", failing)
+    monkeypatch.setattr(runner, "train_command", failing)
     with pytest.raises(MlmError) as e:
         parity.run_parity(None, _sets(tmp_path, tiny_data), parse_layouts("tp1,tp2"), 2, tmp_path / "out")
     assert "layout 'tp1': `mlm train` under torchrun exited with code 5" in str(e.value)
@@ -181,5 +229,17 @@ def test_a_failing_layout_reports_its_output_tail(tmp_path, tiny_data, monkeypat
 
 def test_dropout_is_warned_about(tmp_path, tiny_data):
     cfg = load_config(None, _sets(tmp_path, tiny_data, **{"model.attention_dropout": 0.1}))
-    (warning,) = parity._warnings(cfg)
+    (warning,) = runner._warnings(cfg)
     assert warning.startswith("model.attention_dropout=0.1: each layout draws its own dropout masks")
+
+
+def test_one_evaluation_after_the_last_step_where_there_is_a_validation_split(tmp_path, tiny_data):
+    cfg = resolve(None, _sets(tmp_path, tiny_data, **{"train.eval_interval": 1}), 3, tmp_path)
+    assert (cfg.train.eval_interval, cfg.train.eval_iters) == (3, 3)  # eval_iters 4 capped at K
+    cfg = resolve(None, _sets(tmp_path, tiny_data, **{"train.eval_iters": 2}), 3, tmp_path)
+    assert (cfg.train.eval_interval, cfg.train.eval_iters) == (3, 2)
+    assert runner._warnings(cfg) == []
+    cfg = resolve(None, _sets(tmp_path, tiny_data, **{"data.split": "'100,0,0'"}), 3, tmp_path)
+    assert cfg.train.eval_interval == 0
+    (warning,) = runner._warnings(cfg)
+    assert warning.startswith("data.split='100,0,0' has no validation share, so no eval loss is compared")

@@ -43,10 +43,8 @@ from mlm.train.checkpointing import TrainerCheckpoints
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optimizer import TrainOptimizer
 from mlm.train.scaler import LossScaler
+from mlm.units import DTYPES
 from mlm.train.schedule import lr_at
-
-_AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 PREEMPTED_EXIT_CODE = 3  # SIGTERM/SIGUSR1: the step finished, a checkpoint was saved, exit to be requeued
 
@@ -175,7 +173,7 @@ class Trainer(TrainerCheckpoints):
     def _autocast(self):
         precision = self.cfg.train.precision
         return torch.autocast(
-            self.device.type, dtype=_AMP.get(precision, torch.float32), enabled=precision != "fp32"
+            self.device.type, dtype=DTYPES[precision], enabled=precision != "fp32"
         )
 
     def _dp_mean(self, t: torch.Tensor) -> float:

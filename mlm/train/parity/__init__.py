@@ -1,0 +1,39 @@
+"""`mlm parity`: does the same training run give the same losses and weights on every parallel layout?
+
+From one seed checkpoint (written once, in this process, at step 0) and one data order, each
+layout (`tp2`, `tp2dp2`, `pp2vpp2`, ...) runs K steps of `mlm train` under torchrun and one
+evaluation after the last; its per-step losses and eval loss (from `metrics.jsonl`) and final
+weights (from its checkpoint, read whole) are compared with the first layout's, against a
+tolerance that depends on `train.precision`. See docs/parity.md.
+
+    from mlm.train.parity import parse_layouts, render, run_parity
+    result = run_parity("run.toml", [], parse_layouts("tp1,tp2,dp2"), steps=5, out="runs/parity")
+    render(result)              # the report; result.passed is False when a layout is out of tolerance
+
+The package, one responsibility a module: `layouts` (the `tp2pp2dp2` grammar), `tolerances` (the
+bounds per precision), `results` (the comparison and its verdict), `runner` (seed checkpoint,
+torchrun per layout) and `report` (the tables).
+"""
+
+from mlm.train.parity.layouts import TERMS_HELP, Layout, parse_layout, parse_layouts
+from mlm.train.parity.report import render
+from mlm.train.parity.results import LayoutResult, Measured, ParityResult, compare
+from mlm.train.parity.runner import resolve, run_parity, train_command
+from mlm.train.parity.tolerances import TOLERANCES, Tolerance
+
+__all__ = [
+    "TERMS_HELP",
+    "TOLERANCES",
+    "Layout",
+    "LayoutResult",
+    "Measured",
+    "ParityResult",
+    "Tolerance",
+    "compare",
+    "parse_layout",
+    "parse_layouts",
+    "render",
+    "resolve",
+    "run_parity",
+    "train_command",
+]

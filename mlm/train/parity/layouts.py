@@ -1,0 +1,82 @@
+"""The layout grammar of `mlm parity --layouts`: `tp2pp2dp2sp` → a `Layout` and its `--set` items.
+
+    parse_layouts("tp1,tp2,dp2zero1")
+    # [Layout('tp1'), Layout('tp2', tp=2), Layout('dp2zero1', dp=2, zero1=True)]
+
+A layout is terms written together, `tp<N>`, `pp<N>`, `vpp<N>`, `dp<N>`, `sp` and `zero1`; missing
+sizes are 1 and the world size is tp × pp × dp. Junk is an MlmError naming the bad term.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from mlm.errors import MlmError
+
+TERMS_HELP = "use tp<N>, pp<N>, vpp<N>, dp<N>, sp, zero1"
+_TERM = re.compile(r"(vpp|tp|pp|dp)(\d*)|sp|zero1")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout to compare, e.g. `tp2dp2sp` (missing sizes are 1)."""
+
+    name: str
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    sp: bool = False
+    """parallel.sequence_parallel"""
+    zero1: bool = False
+    """parallel.distributed_optimizer"""
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def overrides(self) -> list[str]:
+        """`--set` items for `mlm train` (dp follows from the world size)."""
+        sets = [
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.vpp={self.vpp}",
+            f"parallel.sequence_parallel={str(self.sp).lower()}",
+            f"parallel.distributed_optimizer={str(self.zero1).lower()}",
+        ]
+        if self.pp == 1:  # stage sizes of the user's config mean nothing without a pipeline
+            sets += ["parallel.first_stage_layers=none", "parallel.last_stage_layers=none"]
+        return sets
+
+
+def parse_layout(text: str) -> Layout:
+    """'tp2dp2sp' → Layout(tp=2, dp=2, sp=True); MlmError naming the bad term otherwise."""
+    name, sizes, flags, i = text.strip(), {}, set(), 0
+    if not name:
+        raise MlmError(f"empty layout in --layouts; {TERMS_HELP}, e.g. tp2dp2")
+    while i < len(name):
+        m = _TERM.match(name, i)
+        if m is None:
+            j = next((j for j in range(i + 1, len(name)) if _TERM.match(name, j)), len(name))
+            raise MlmError(f"layout {name!r}: unknown term {name[i:j]!r}; {TERMS_HELP}")
+        term, (dim, digits) = m.group(0), m.groups()
+        if (dim or term) in sizes.keys() | flags:
+            raise MlmError(f"layout {name!r}: {dim or term} is given twice")
+        if dim is None:
+            flags.add(term)
+        elif not digits or int(digits) < 1:
+            raise MlmError(f"layout {name!r}: {term!r} needs a size of at least 1, e.g. {dim}2")
+        else:
+            sizes[dim] = int(digits)
+        i = m.end()
+    return Layout(name, **sizes, sp="sp" in flags, zero1="zero1" in flags)
+
+
+def parse_layouts(text: str) -> list[Layout]:
+    """'tp1,tp2,dp2' → layouts in order (the first is the reference)."""
+    layouts = [parse_layout(t) for t in text.split(",")]
+    names = [lay.name for lay in layouts]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise MlmError(f"--layouts lists {', '.join(dupes)} more than once")
+    return layouts

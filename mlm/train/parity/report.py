@@ -1,0 +1,58 @@
+"""The `mlm parity` report: a summary table (one row per layout), the per-step losses and the eval
+loss after the last step, the tolerance and the verdict, printed from a `ParityResult` with rich.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlm.train.parity.results import ParityResult
+
+
+def render(result: ParityResult, console=None) -> None:
+    """The report: a summary table (one row per layout), the per-step losses and the eval loss, the
+    tolerance. Without a validation split the eval cells are "-"."""
+    from rich.table import Table
+
+    from mlm.console import make_console
+
+    console = console or make_console(stderr=False)  # stdout; unwrapped in a file
+    tol, ref = result.tolerance, result.layouts[0].layout.name
+    summary = Table(title=f"mlm parity: {result.steps} steps, {result.precision}, against {ref}")
+    # |Δloss|/loss and ‖Δw‖/‖w‖: the largest over the steps and the tensors
+    for name in ("layout", "world", "|Δloss|/loss", "|Δeval|/eval", "‖Δw‖/‖w‖"):
+        summary.add_column(name, no_wrap=True, justify="left" if name == "layout" else "right")
+    summary.add_column("in tensor", overflow="fold")
+    summary.add_column("result", no_wrap=True)
+    for i, r in enumerate(result.layouts):
+        summary.add_row(
+            r.layout.name,
+            str(r.layout.world),
+            f"{r.max_loss_rel:.2e}",
+            "-" if r.eval_rel is None else f"{r.eval_rel:.2e}",
+            f"{r.max_weight_rel:.2e}",
+            r.worst_tensor if i else "",
+            "ref" if i == 0 else "[green]PASS[/]" if r.passed else "[red]FAIL[/]",
+        )
+    steps = Table(title=f"per step: {ref} loss, |Δloss|/loss of the others")
+    for name in ("step", f"{ref} loss", *(r.layout.name for r in result.layouts[1:])):
+        steps.add_column(name, justify="right")
+    for i in range(result.steps):
+        cells = [f"{result.layouts[0].losses[i]:.6f}"]
+        cells += [f"{r.loss_rel[i]:.1e}" for r in result.layouts[1:]]
+        steps.add_row(str(i + 1), *cells)
+    if (ref_eval := result.layouts[0].eval_loss) is not None:
+        steps.add_row("eval", f"{ref_eval:.6f}", *(f"{r.eval_rel:.1e}" for r in result.layouts[1:]))
+    console.print(summary)
+    console.print(steps)
+    console.print(
+        f"tolerance for {result.precision}: |Δloss|/loss ≤ {tol.loss_rel:.0e} at every step, "
+        f"|Δeval|/eval ≤ {tol.eval_rel:.0e} after the last, "
+        f"‖Δw‖/‖w‖ ≤ {tol.weight_rel:.0e} for every tensor ({tol.why}; see docs/parity.md)",
+        highlight=False,
+    )
+    for w in result.warnings:
+        console.print(f"[bold yellow]warning:[/] {w}", highlight=False)
+    failed = [r.layout.name for r in result.layouts if not r.passed]
+    verdict = f"[red]FAIL[/]: {', '.join(failed)}" if failed else "[green]PASS[/]"
+    console.print(f"{verdict}; details in {Path(result.out) / 'parity.json'}", highlight=False)

@@ -1,0 +1,327 @@
+"""The runner of `mlm parity`: one seed checkpoint, then `mlm train` under torchrun per layout.
+
+`run_parity` resolves the run config with the parity settings forced, checks every layout before
+anything runs, writes the step-0 seed checkpoint once in this process, trains each layout from it
+(its log, metrics and final checkpoint under OUT/LAYOUT/) with one evaluation after the last step,
+reads back its losses, eval loss and whole weights, compares them with the first layout's and
+writes OUT/parity.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mlm.config import Config, load_config, to_toml, toml_value
+from mlm.datasets.gpt import parse_split
+from mlm.errors import MlmError
+from mlm.fileio import atomic_write_text
+from mlm.train.parity.layouts import Layout
+from mlm.train.parity.results import LayoutResult, Measured, ParityResult, compare
+from mlm.train.parity.tolerances import TOLERANCES
+
+
+def resolve(config: str | Path | None, overrides: list[str], steps: int, out: Path) -> Config:
+    """The user's config with the parity settings forced: K steps, a record every step, one
+    evaluation after the last step (over at most K batches) where data.split has a validation
+    share, no samples, TensorBoard or intermediate checkpoints."""
+    if steps < 1:
+        raise MlmError(f"--steps {steps}: must be at least 1")
+    forced = [
+        f"train.train_iters={steps}",
+        "train.train_tokens=none",
+        "train.eval_interval=0",
+        "logging.log_interval=1",
+        "logging.tensorboard=false",
+        'logging.sample_prompt=""',
+        "checkpoint.save_interval=0",
+        'checkpoint.load=""',
+        f"run_dir={toml_value(str(out / 'run'))}",
+        f"checkpoint.save={toml_value(str(out / 'seed'))}",
+    ]
+    cfg = load_config(config, [*overrides, *forced])
+    if not _has_validation(cfg):
+        return cfg
+    # eval_iters ≤ K: the evaluation costs less than the training it checks
+    evaluate = {"eval_interval": steps, "eval_iters": min(cfg.train.eval_iters, steps)}
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **evaluate))
+
+
+def _has_validation(cfg: Config) -> bool:
+    return parse_split(cfg.data.split)[1] > 0
+
+
+def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
+    """Everything that would make a layout's run fail at start, before anything is run or written.
+    `resolve_with(overrides)` is the resolved config with more `--set` items."""
+    from mlm.parallel import Mesh
+    from mlm.parallel.launch import pick_device
+    from mlm.train.trainer import check_supported
+
+    device = pick_device(cfg.train.device)
+    pad = cfg.model.padded_vocab_size(1)
+    for lay in layouts:
+        try:
+            lcfg = resolve_with(lay.overrides())
+            shape = Mesh.shape_for(lcfg.parallel, lay.world * lcfg.parallel.cp)
+            check_supported(Mesh(world_size=lay.world, rank=0, **shape), lcfg)
+        except MlmError as e:
+            raise MlmError(f"layout {lay.name!r}: {e}") from None
+        if lcfg.model.padded_vocab_size(lay.tp) != pad:
+            m, tps = cfg.model.make_vocab_size_divisible_by, {1, *(x.tp for x in layouts)}
+            divisors = [d for d in range(m, 0, -1) if m % d == 0]  # the nicer suggestions first
+            others = [d for d in range(m, 0, -1) if m % d]
+            v = cfg.model.vocab_size
+            fits = [d for d in divisors + others if len({math.ceil(v / (d * t)) * d * t for t in tps}) == 1]
+            hint = f"--set model.make_vocab_size_divisible_by={fits[0]}" if fits else "another vocab size"
+            raise MlmError(
+                f"layout {lay.name!r}: the vocabulary pads to {lcfg.model.padded_vocab_size(lay.tp)} rows at "
+                f"tp={lay.tp} but to {pad} in the one-process seed checkpoint, so the seed cannot load; "
+                f"use {hint} so that every layout pads to the same size"
+            )
+        if device.type == "cuda":
+            import torch
+
+            if lay.world > torch.cuda.device_count():
+                raise MlmError(
+                    f"layout {lay.name!r} needs {lay.world} GPUs (one per rank); "
+                    f"{torch.cuda.device_count()} are visible"
+                )
+
+
+def _write_seed(cfg: Config, out: Path) -> Path:
+    """Step 0 of one process (the same init every mesh starts from), saved once."""
+    from mlm.train.trainer import Trainer
+
+    single = dataclasses.replace(
+        cfg.parallel,
+        tp=1,
+        pp=1,
+        vpp=1,
+        cp=1,
+        ep=1,
+        first_stage_layers=None,
+        last_stage_layers=None,
+        sequence_parallel=False,
+        distributed_optimizer=False,
+    )
+    trainer = Trainer(dataclasses.replace(cfg, parallel=single))
+    path = trainer.save(str(out / "seed"))
+    if trainer.device.type == "cuda":  # leave the GPU memory to the ranks
+        import torch
+
+        del trainer
+        torch.cuda.empty_cache()
+    return path
+
+
+def train_command(layout: Layout, resolved: Path, seed: Path, run_dir: Path, ckpt: Path) -> list[str]:
+    """`mlm train` under torchrun for one layout, from the seed checkpoint."""
+    sets = [
+        *layout.overrides(),
+        f"run_dir={toml_value(str(run_dir))}",
+        f"checkpoint.save={toml_value(str(ckpt))}",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={layout.world}",
+        "--local-addr=127.0.0.1",  # the workers meet on loopback, whatever the host name resolves to
+        "-m",
+        "cli.main",
+        "train",
+        "--config",
+        str(resolved),
+        *[a for s in sets for a in ("--set", s)],
+        "--load",
+        str(seed),
+    ]
+
+
+def _env(world: int) -> dict[str, str]:
+    import importlib.util
+
+    env = dict(os.environ)
+    root = str(Path(importlib.util.find_spec("cli.main").origin).parents[1])  # this mlm, whatever the cwd
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))  # ranks share the cores
+    if Path("/sys/class/net/lo").exists():
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback, as --local-addr
+    env.setdefault("COLUMNS", "200")  # one step line per line in the log
+    return env
+
+
+def _records(run_dir: Path, split: str) -> list[dict]:
+    """The records of one split ("train", "valid") in RUN_DIR/metrics.jsonl, in order."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    return [r for r in map(json.loads, filter(None, lines)) if r.get("split") == split]
+
+
+def _measured(layout: Layout, run_dir: Path, ckpt: Path, log: Path, steps: int, evaluated: bool) -> Measured:
+    """A finished layout's losses, eval loss (after step K, where `evaluated`) and final weights."""
+    losses = [float(r["loss"]) for r in _records(run_dir, "train")]
+    if len(losses) != steps:
+        raise MlmError(f"layout {layout.name!r} logged {len(losses)} of {steps} steps; see {log}")
+    eval_loss = None
+    if evaluated:
+        last = [float(r["loss"]) for r in _records(run_dir, "valid") if r.get("step") == steps]
+        if not last:
+            raise MlmError(f"layout {layout.name!r} logged no eval loss at step {steps}; see {log}")
+        eval_loss = last[-1]
+    return Measured(losses, eval_loss, _weights(ckpt))
+
+
+def _tail(log: Path, n: int = 30) -> str:
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    errors = [x for x in lines if x.lstrip().startswith("error:")]  # mlm's own message, if there was one
+    return "\n".join([*errors[:3], *(["..."] if errors else []), *lines[-n:]])
+
+
+def _run_layout(layout: Layout, cmd: list[str], log: Path, run_dir: Path, steps: int, progress) -> float:
+    task = progress.add_task(f"{layout.name} (world {layout.world})", total=steps)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=_env(layout.world), stdin=subprocess.DEVNULL, stdout=f, stderr=f)
+        try:
+            while proc.poll() is None:
+                progress.update(task, completed=len(_records(run_dir, "train")))
+                time.sleep(0.25)
+        finally:
+            if proc.poll() is None:  # Ctrl-C or an error here: torchrun passes SIGTERM on to the ranks
+                proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    progress.update(task, completed=len(_records(run_dir, "train")))
+    if proc.returncode != 0:
+        raise MlmError(
+            f"layout {layout.name!r}: `mlm train` under torchrun exited with code {proc.returncode}; "
+            f"last lines of {log}:\n{_tail(log)}"
+        )
+    return time.perf_counter() - t0
+
+
+def _weights(ckpt: Path) -> dict:
+    """The model tensors of a checkpoint in their global shapes (fp32), whatever mesh wrote them."""
+    import torch
+
+    from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint
+
+    it_dir = resolve_checkpoint(ckpt)
+    tensors = read_manifest(it_dir)["tensors"]
+    out = {
+        k.removeprefix("model/"): torch.empty(v["shape"], dtype=torch.float32)
+        for k, v in tensors.items()
+        if k.startswith("model/")
+    }
+    load_checkpoint(it_dir, {"model": [ShardedTensor.full(k, v) for k, v in out.items()]})
+    return out
+
+
+def _warnings(cfg: Config) -> list[str]:
+    m, found = cfg.model, []
+    drop = {k: getattr(m, k) for k in ("hidden_dropout", "attention_dropout") if getattr(m, k) > 0}
+    if drop:
+        what = ", ".join(f"model.{k}={v}" for k, v in drop.items())
+        found.append(
+            f"{what}: each layout draws its own dropout masks, so losses differ by more than rounding; "
+            "compare with --set model.hidden_dropout=0 --set model.attention_dropout=0"
+        )
+    if not _has_validation(cfg):
+        found.append(
+            f"data.split={cfg.data.split!r} has no validation share, so no eval loss is compared; "
+            "give it one, e.g. --set data.split='98,2,0'"
+        )
+    return found
+
+
+def run_parity(
+    config: str | Path | None,
+    overrides: list[str],
+    layouts: list[Layout],
+    steps: int = 5,
+    out: str | Path | None = None,
+) -> ParityResult:
+    """Run every layout from one seed checkpoint and compare it with the first; writes OUT/parity.json.
+
+    OUT holds config.toml (the resolved config each run reads), seed/ (the step-0 checkpoint) and
+    per layout LAYOUT/train.log, LAYOUT/run/metrics.jsonl (its train and eval losses) and LAYOUT/ckpt/.
+    """
+    from mlm.console import console
+
+    if not layouts:
+        raise MlmError("--layouts is empty; e.g. --layouts tp1,tp2,dp2")
+    shown = Path(out or f"runs/parity-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = shown.absolute()  # every path handed to the runs is absolute
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MlmError(f"{shown} already exists and is not empty; pass a new --out DIR")
+    cfg = resolve(config, overrides, steps, out)
+    _check_layouts(cfg, layouts, lambda sets: resolve(config, [*overrides, *sets], steps, out))
+    tol = TOLERANCES[cfg.train.precision]
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = out / "config.toml"
+    # preset "": the resolved [model] is complete, and a preset would refill its unset (None) fields
+    cfg = dataclasses.replace(cfg, preset="")
+    atomic_write_text(resolved, to_toml(cfg))
+    assert load_config(resolved) == cfg, "the resolved config does not read back the same"
+
+    console.print(
+        f"[bold]mlm parity[/] {len(layouts)} layouts × {steps} steps, {cfg.train.precision}, "
+        f"reference {layouts[0].name}; writing {shown}",
+        highlight=False,
+    )
+    seed = _write_seed(cfg, shown).absolute()  # the folder as the user named it, in the "saved" line
+    results: list[LayoutResult] = []
+    ref: Measured | None = None
+    with _progress() as progress:
+        for lay in layouts:
+            d = out / lay.name
+            d.mkdir()
+            run_dir, ckpt, log = d / "run", d / "ckpt", d / "train.log"
+            seconds = _run_layout(
+                lay, train_command(lay, resolved, seed, run_dir, ckpt), log, run_dir, steps, progress
+            )
+            got = _measured(lay, run_dir, ckpt, log, steps, evaluated=bool(cfg.train.eval_interval))
+            ref = ref or got
+            r = compare(lay, got, ref, tol)
+            r.seconds, r.run_dir, r.checkpoint, r.log = seconds, str(run_dir), str(ckpt), str(log)
+            results.append(r)
+            verdict = "reference" if len(results) == 1 else "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
+            eval_text = "" if got.eval_loss is None else f", eval loss {got.eval_loss:.6f}"
+            progress.console.print(
+                f"{lay.name}: {steps} steps in {seconds:.1f} s, final loss {got.losses[-1]:.6f}{eval_text}, "
+                f"{verdict}",
+                highlight=False,
+            )
+    result = ParityResult(cfg.train.precision, tol, steps, results, _warnings(cfg), str(shown))
+    atomic_write_text(out / "parity.json", json.dumps(result.to_json(), indent=2) + "\n")
+    return result
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mlm.console import console
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("steps"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not console.is_terminal,
+    )
