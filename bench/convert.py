@@ -32,10 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mlm.checkpoint.keys import MOMENTS, moment_key  # noqa: E402
 from mlm.checkpoint.manager import save_streaming  # noqa: E402
 from mlm.config import Config, ModelConfig  # noqa: E402
 from mlm.convert.hf import import_hf  # noqa: E402
-from mlm.checkpoint.keys import MOMENTS, moment_key  # noqa: E402
 from mlm.convert.reshard import reshard, target_chunk  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
 

@@ -126,9 +126,9 @@ def generate(
     from mlm.inference.chat import load_chat_template
     from mlm.inference.engine import Engine, EngineConfig, build_runner
     from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config
-    from mlm.parallel.launch import pick_device
     from mlm.inference.lockstep import serving_mesh
     from mlm.inference.sampling import SamplingParams
+    from mlm.parallel.launch import pick_device
 
     dev = pick_device(device, "--device")
     cfg = model_config(ckpt)

@@ -183,7 +183,10 @@ class ModelConfig:
             i >= self.first_k_dense and (freq[i] == 1 if isinstance(freq, list) else i % freq == 0)
             for i in range(self.num_layers)
         ]
-        return [LayerSpec(self.attention_kind, self.mlp_kind if c else "dense", self.normalization) for c in chosen]
+        return [
+            LayerSpec(self.attention_kind, self.mlp_kind if c else "dense", self.normalization)
+            for c in chosen
+        ]
 
     @property
     def ffn_size(self) -> int:

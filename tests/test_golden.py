@@ -108,5 +108,7 @@ def test_golden_losses(tmp_path, golden_data):
         write_golden(losses)
     golden = read_golden()
     for name, got in losses.items():
-        assert got == golden[name], f"{name}: losses moved from the golden file {GOLDEN}:\n{got}\n{golden[name]}"
+        assert got == golden[name], (
+            f"{name}: losses moved from the golden file {GOLDEN}:\n{got}\n{golden[name]}"
+        )
     assert losses["tp1"][-1] < losses["tp1"][0] - 1.0  # it learns: the file guards a working run

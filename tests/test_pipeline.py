@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from mlm.config import ParallelConfig, load_config
 from mlm.errors import MlmError

@@ -12,7 +12,6 @@ file through `mlm train --plan`.
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 import torch

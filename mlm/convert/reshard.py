@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from mlm.checkpoint import read_group, read_manifest, resolve_checkpoint, store
+from mlm.checkpoint.keys import param_of
 from mlm.checkpoint.manager import CHECKSUMS, RESERVED, save_streaming
 from mlm.config import config_from_dict
 from mlm.convert.common import TOLERANCE, Progress, noop
@@ -38,6 +39,7 @@ from mlm.parallel.pipeline import stage_layer_counts
 from mlm.parallel.schedules import micro_batches_per_step
 from mlm.units import DTYPES
 from mlm.verify import prompt_logits
+
 
 def split_dims(cfg, consolidate: bool) -> dict[str, int | None]:
     """Parameter name → the dim a tp-way mesh splits it along (None: whole; all None when
@@ -140,7 +142,9 @@ def reshard(
 
         def tensors():
             nonlocal done
-            for group, key, *item in _converted(it_dir, infos, padded, tp, cast, split_dims(cfg.model, consolidate), verify):
+            for group, key, *item in _converted(
+                it_dir, infos, padded, tp, cast, split_dims(cfg.model, consolidate), verify
+            ):
                 yield group, key, *item
                 done += store.nbytes(infos[f"{group}/{key}"])
                 progress(f"{group}/{key}", done, total)

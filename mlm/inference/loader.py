@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
+from mlm.build import build_sharded
 from mlm.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
 from mlm.checkpoint.manager import tokenizer_path
 from mlm.config import ModelConfig, ParallelConfig, config_from_dict
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
-from mlm.build import build_sharded
 from mlm.parallel.launch import pick_device
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import model_shards
@@ -48,7 +48,9 @@ def load_model(
     manifest, it_dir = _manifest(ckpt)
     cfg = config_from_dict(manifest["config"]).model
     mesh = mesh or Mesh.single()
-    model = build_sharded(cfg, ParallelConfig(tp=mesh.tp), mesh, pick_device(device, "--device"), DTYPES[dtype])
+    model = build_sharded(
+        cfg, ParallelConfig(tp=mesh.tp), mesh, pick_device(device, "--device"), DTYPES[dtype]
+    )
     load_checkpoint(it_dir, {"model": model_shards(model, mesh)})
     return model.eval().requires_grad_(False), manifest, it_dir
 

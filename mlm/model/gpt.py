@@ -200,7 +200,9 @@ class GPT(nn.Module):
                 )
             x_BTD = self.embed(x)
             if self.pos_embed is not None:
-                x_BTD = x_BTD + self.pos_embed(torch.arange(T, device=x.device) if positions is None else positions)
+                x_BTD = x_BTD + self.pos_embed(
+                    torch.arange(T, device=x.device) if positions is None else positions
+                )
             x_BTD = self.enter_layers(self.dropout(x_BTD))
         else:
             x_BTD = x

@@ -44,7 +44,6 @@ from mlm.parallel.data import GradBuckets, all_gather
 from mlm.parallel.grad_norm import clip_, global_grad_norm
 
 
-
 @dataclass
 class Segment:
     """This rank's part of one parameter: a flat range that is also a range of the shard."""

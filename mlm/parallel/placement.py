@@ -76,12 +76,16 @@ def sharded(mesh: Mesh, global_shape: tuple[int, ...], dim: int, over: str = "tp
     shape[dim] //= size
     offset[dim] = rank * shape[dim]
     rest = tuple(d for d in DATA_DIMS if d != over)
-    return Placement(tuple(global_shape), tuple(offset), tuple(shape), (over,), rest, replica_index(mesh, rest))
+    return Placement(
+        tuple(global_shape), tuple(offset), tuple(shape), (over,), rest, replica_index(mesh, rest)
+    )
 
 
 def replicated(mesh: Mesh, shape: tuple[int, ...], grad_sum_tp: bool = False) -> Placement:
     shape = tuple(shape)
-    return Placement(shape, (0,) * len(shape), shape, (), DATA_DIMS, replica_index(mesh, DATA_DIMS), grad_sum_tp)
+    return Placement(
+        shape, (0,) * len(shape), shape, (), DATA_DIMS, replica_index(mesh, DATA_DIMS), grad_sum_tp
+    )
 
 
 def placements(model: nn.Module, mesh: Mesh) -> dict[str, Placement]:

@@ -44,9 +44,11 @@ def apply_recompute(model: nn.Module, mode: str, layers: list[str] | None = None
     for key, layer in model.layers.items():
         if layers is not None and key not in layers:
             continue
-        targets = [("", layer)] if mode == "full" else [
-            (n, m) for n, m in layer.named_modules() if getattr(type(m), "selective_recompute", False)
-        ]
+        targets = (
+            [("", layer)]
+            if mode == "full"
+            else [(n, m) for n, m in layer.named_modules() if getattr(type(m), "selective_recompute", False)]
+        )
         for name, module in targets:
             if "forward" in module.__dict__:
                 raise MlmError(f"layers.{key}.{name}: recompute is already applied")

@@ -18,8 +18,8 @@ from mlm.errors import MlmError
 from mlm.inference.chat import load_chat_template
 from mlm.inference.engine import Engine, EngineConfig, build_runner
 from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config
-from mlm.parallel.launch import pick_device
 from mlm.inference.lockstep import serving_mesh, stop_followers
+from mlm.parallel.launch import pick_device
 from mlm.parallel.mesh import Mesh
 from mlm.serve.app import Limits, ServerState, create_app
 

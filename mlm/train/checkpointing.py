@@ -25,7 +25,6 @@ class TrainerCheckpoints:
     """Mixed into `Trainer` (which provides cfg, mesh, model, optimizer, scaler, iteration,
     consumed_samples, total_iters, `_print` and `_barrier`)."""
 
-
     def _groups(self, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
         """Every parameter and its Adam moments as this rank's slices of the global tensors, each
         written by its replica 0."""

@@ -60,7 +60,9 @@ class TrainOptimizer:
         g = self.grads
         if self.dist is None:
             return [
-                (p.grad, self._is_tp(i)) for i, p in enumerate(g.params) if not (counted_once and p is self.copy)
+                (p.grad, self._is_tp(i))
+                for i, p in enumerate(g.params)
+                if not (counted_once and p is self.copy)
             ]
         return [
             (g.buffer[s.start : s.start + s.numel], self._is_tp(s.index))

@@ -43,8 +43,8 @@ from mlm.train.checkpointing import TrainerCheckpoints
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optimizer import TrainOptimizer
 from mlm.train.scaler import LossScaler
-from mlm.units import DTYPES
 from mlm.train.schedule import lr_at
+from mlm.units import DTYPES
 
 PREEMPTED_EXIT_CODE = 3  # SIGTERM/SIGUSR1: the step finished, a checkpoint was saved, exit to be requeued
 
@@ -172,9 +172,7 @@ class Trainer(TrainerCheckpoints):
 
     def _autocast(self):
         precision = self.cfg.train.precision
-        return torch.autocast(
-            self.device.type, dtype=DTYPES[precision], enabled=precision != "fp32"
-        )
+        return torch.autocast(self.device.type, dtype=DTYPES[precision], enabled=precision != "fp32")
 
     def _dp_mean(self, t: torch.Tensor) -> float:
         if self.mesh.dp_group is not None:
