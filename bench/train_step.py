@@ -32,7 +32,7 @@ from mlm.config import OptimizerConfig, load_config  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.hf import mlm_to_hf  # noqa: E402
 from mlm.model import build_model  # noqa: E402
-from mlm.train.optim import make_optimizer  # noqa: E402
+from mlm.train.adamw import make_optimizer  # noqa: E402
 
 
 def build_pair(preset: str, seq: int, seed: int = 1234):

@@ -44,14 +44,15 @@ def show(
     config: Path | None = typer.Option(None, "--config", "-c", help="A run config TOML file."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),
 ) -> None:
-    """Print the resolved config as TOML, with parameter count and FLOPs per token."""
-    from mlm.config import load_config, to_toml
+    """Print the resolved config as TOML, with the layers' module kinds, parameter count and FLOPs per token."""
+    from mlm.config import describe_layers, load_config, to_toml
     from mlm.model import flops_per_token, parameter_count
 
     sets = ([f"preset={preset}"] if preset else []) + list(overrides)
     cfg = load_config(config, sets)
     n = parameter_count(cfg.model)
     f = flops_per_token(cfg.model, cfg.data.seq_length)
+    print(f"# layers: {describe_layers(cfg.model.layer_specs())}")
     print(f"# parameters: {n:,} ({n / 1e9:.3f} B)")
     print(f"# training FLOPs per token at seq {cfg.data.seq_length}: {f:.4g}")
     print(to_toml(cfg), end="")

@@ -317,7 +317,7 @@ class TrainConfig:
     eval_interval: int = 0
     """Evaluate on the validation split every this many steps; 0 disables."""
     eval_iters: int = 4
-    """Micro batches per evaluation."""
+    """Global batches per evaluation (each split over the dp ranks as in training)."""
     seed: int = 1234
     """Seed of initialisation, dropout and data order."""
     device: str = "auto"
@@ -482,17 +482,12 @@ def _merge(base: dict, path: list[str], value) -> None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """TOML file (optional) → preset → overrides → validated Config."""
+    from mlm.fileio import read_toml
     from mlm.presets import preset_tables
 
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise MlmError(f"config file not found: {p}")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise MlmError(f"{p}: not valid TOML ({e})") from None
+        data = read_toml(path, missing="config file not found; check the path given to --config")
     for item in overrides:
         keys, value = parse_override(item)
         _merge(data, keys, value)

@@ -78,3 +78,34 @@ def check_new_dir(out: Path) -> None:
     """Refuse an output folder that exists."""
     if out.exists():
         raise MlmError(f"{out} already exists; pass a new output path, or remove it first (rm -r {out})")
+
+
+def _read(path: Path, kind: str, parse, errors, missing: str | None, fix: str) -> dict:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        if missing is None:
+            raise
+        raise MlmError(f"{path}: {missing}") from None
+    try:
+        return parse(text)
+    except errors as e:
+        raise MlmError(f"{path}: not valid {kind} ({e}){'; ' + fix if fix else ''}") from None
+
+
+def read_json(path: str | os.PathLike, missing: str | None = None, fix: str = ""):
+    """The JSON in `path`; MlmError naming the file (and `fix`) when it is not valid JSON, and,
+    given `missing` (what to say), when it does not exist."""
+    import json
+
+    return _read(Path(path), "JSON", json.loads, (json.JSONDecodeError, UnicodeDecodeError), missing, fix)
+
+
+def read_toml(path: str | os.PathLike, missing: str | None = None, fix: str = "") -> dict:
+    """The TOML in `path`; MlmError naming the file (and `fix`) when it is not valid TOML, and,
+    given `missing`, when it does not exist."""
+    import tomllib
+
+    return _read(
+        Path(path), "TOML", tomllib.loads, (tomllib.TOMLDecodeError, UnicodeDecodeError), missing, fix
+    )

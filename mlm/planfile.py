@@ -16,12 +16,11 @@ under a temporary name and renamed into place; a reader refuses a version it doe
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 from mlm.config import toml_value
 from mlm.errors import MlmError, check_version
-from mlm.fileio import atomic_write_text
+from mlm.fileio import atomic_write_text, read_toml
 
 FORMAT = "mlm-plan"
 VERSION = 1
@@ -78,12 +77,7 @@ def check(plan: dict, where: str) -> None:
 def read_plan(path: str | Path) -> dict:
     """The plan in `path`; MlmError naming the file when it is not a plan this mlm reads."""
     p = Path(path)
-    if not p.is_file():
-        raise MlmError(f"plan file not found: {p} (make one with `mlm plan ... -o {p}`)")
-    try:
-        plan = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise MlmError(f"{p}: not valid TOML ({e})") from None
+    plan = read_toml(p, missing=f"plan file not found (make one with `mlm plan ... -o {p}`)")
     if plan.get("format") != FORMAT:
         raise MlmError(f"{p}: format={plan.get('format')!r}, not an mlm plan (format = {FORMAT!r})")
     check_version(p, plan.get("version"), READS, "plan version")

@@ -26,9 +26,9 @@ from torch import nn
 from mlm.config import ModelConfig, OptimizerConfig
 from mlm.errors import MlmError
 from mlm.model import build_model
-from mlm.parallel.data import ALL_GATHER, REDUCE_SCATTER, GradBuckets
+from mlm.parallel.data_parallel import ALL_GATHER, REDUCE_SCATTER, GradBuckets
 from mlm.parallel.dist_optim import DistributedOptimizer, owned_range
-from mlm.train.optim import adam_state_tensors, make_optimizer
+from mlm.train.adamw import adam_state_tensors, make_optimizer
 
 from distributed import run_ranks
 

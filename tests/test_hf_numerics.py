@@ -85,6 +85,7 @@ def gpt2(tie: bool) -> torch.nn.Module:
 MODELS = {
     "llama": lambda: llama(tie=False),
     "llama-tied": lambda: llama(tie=True),
+    "llama-head-dim": lambda: llama(tie=False, head_dim=32),  # head_dim ≠ hidden / heads (kv_channels)
     "gpt2": lambda: gpt2(tie=True),
     "gpt2-untied": lambda: gpt2(tie=False),
 }
@@ -189,7 +190,6 @@ def test_unknown_model_type():
         ({"attention_bias": True}, "attention_bias=true"),
         ({"mlp_bias": True}, "mlp_bias=true"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"head_dim": 32}, "head_dim=32"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type='yarn'"),
         ({"hidden_size": None}, "'hidden_size'"),
     ],

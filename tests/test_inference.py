@@ -317,3 +317,42 @@ def test_generate_cli(llama):
     (expected,) = Engine(model, tok).generate([tok.encode("def main(")], SamplingParams(max_tokens=8))
     assert r.stdout == f"def main({expected.text}\n"
     assert f"{expected.completion_tokens} tokens in" in r.stderr
+
+
+def test_serving_runner_runs_the_training_forward(tmp_path, tiny_data, monkeypatch):
+    """On a checkpoint trained by `mlm train`: the serving runner (paged cache, a prompt prefilled
+    in two parts packed with another sequence, then one decode step) gives the training forward's
+    logits at every sampled position, and it gets them by calling the model's own forward."""
+    from mlm.config import load_config
+    from mlm.inference.kv_cache import PagedKVCache
+    from mlm.inference.model_runner import ModelRunner, Segment
+    from mlm.train.trainer import Trainer
+
+    from conftest import tiny_sets
+
+    sets = tiny_sets(
+        tmp_path / "run", tiny_data, **{"train.train_iters": 2, "checkpoint.save": f"'{tmp_path}/ckpt'"}
+    )
+    trainer = Trainer(load_config(None, sets))
+    trainer.train()
+    a, b = [int(t) for t in torch.arange(30) * 13 % 500], [int(t) for t in torch.arange(9) * 7 % 500]
+    with torch.no_grad():
+        want_a = trainer.pipeline.logits(torch.tensor([a]))[0, :, :512]
+        want_b = trainer.pipeline.logits(torch.tensor([b]))[0, :, :512]
+
+    model, _, _ = load_model(tmp_path / "ckpt", device="cpu")
+    calls = []
+    real = type(model).hidden_states
+    monkeypatch.setattr(type(model), "hidden_states", lambda m, *args: calls.append(1) or real(m, *args))
+    cache = PagedKVCache(
+        model.cfg, num_blocks=16, block_size=4, dtype=torch.float32, device=torch.device("cpu")
+    )
+    runner = ModelRunner(model, cache)
+    blocks_a, blocks_b = cache.allocator.allocate(8), cache.allocator.allocate(3)
+    runner.forward([Segment(a[:17], 0, blocks_a, sample=False)])  # the first part of a's prompt
+    got = runner.forward([Segment(a[17:29], 17, blocks_a), Segment(b, 0, blocks_b)])  # its rest, and b
+    step = runner.forward([Segment(a[29:], 29, blocks_a)])  # decoding a's next token
+    assert len(calls) == 3  # one model forward per step
+    torch.testing.assert_close(got[0], want_a[28], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want_b[8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step[0], want_a[29], rtol=1e-5, atol=1e-5)

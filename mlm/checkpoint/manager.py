@@ -27,7 +27,7 @@ import zarr
 from mlm import __version__
 from mlm.checkpoint import store
 from mlm.errors import MlmError, check_version
-from mlm.fileio import atomic_outputs
+from mlm.fileio import atomic_outputs, read_json
 
 FORMAT = "mlm-checkpoint"
 FORMAT_VERSIONS = [1]
@@ -285,12 +285,7 @@ def _found(root: Path) -> str:
 
 def read_manifest(iter_dir: str | os.PathLike) -> dict:
     path = Path(iter_dir) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MlmError(f"{path}: not found; {iter_dir} is not a complete checkpoint") from None
-    except json.JSONDecodeError as e:
-        raise MlmError(f"{path}: not valid JSON ({e})") from None
+    manifest = read_json(path, missing=f"not found; {iter_dir} is not a complete checkpoint")
     if manifest.get("format") != FORMAT:
         raise MlmError(f"{path}: format {manifest.get('format')!r}, not {FORMAT!r}; not an mlm checkpoint")
     check_version(path, manifest.get("format_version"), FORMAT_VERSIONS, "checkpoint format_version")

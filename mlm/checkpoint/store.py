@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import json
 import math
 import mmap
 import os
@@ -33,6 +32,7 @@ import torch
 import zarr
 
 from mlm.errors import MlmError
+from mlm.fileio import read_json
 
 # Logical dtypes zarr cannot hold, and the same-width integer dtype whose bits they are stored as.
 BIT_PATTERN = {
@@ -103,12 +103,7 @@ def create_array(path: Path, shape: tuple[int, ...], chunk: tuple[int, ...], dty
 def open_array(path: Path, where: str) -> Array:
     """Read an array's zarr.json; refuse the kinds of zarr array mlm does not write."""
     meta_path = Path(path) / "zarr.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        raise MlmError(f"{where}: {meta_path} is missing; the checkpoint is incomplete or damaged") from None
-    except json.JSONDecodeError as e:
-        raise MlmError(f"{where}: {meta_path} is not valid JSON ({e})") from None
+    meta = read_json(meta_path, missing=f"missing ({where}); the checkpoint is incomplete or damaged")
     plain = (
         meta.get("node_type") == "array"
         and meta.get("codecs") == _PLAIN_CODECS

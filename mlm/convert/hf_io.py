@@ -18,6 +18,7 @@ import torch
 
 from mlm import units
 from mlm.errors import MlmError
+from mlm.fileio import read_json
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -47,10 +48,7 @@ def read_hf_config(hf_dir: Path) -> dict:
     if not path.is_file():
         found = ", ".join(sorted(p.name for p in hf_dir.iterdir())[:10]) or "nothing"
         raise MlmError(f"{path}: not found (the folder holds {found}); is {hf_dir} a Hugging Face model?")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise MlmError(f"{path}: not valid JSON ({e})") from None
+    return read_json(path)
 
 
 def weight_files(hf_dir: Path) -> list[Path]:

@@ -6,11 +6,11 @@ Megatron-made datasets have no such file; readers treat it as optional. A file w
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from mlm.errors import MlmError, check_version
+from mlm.fileio import read_json
 
 META_FORMAT = "mlm-indexed-dataset"
 META_VERSION = 1
@@ -25,10 +25,7 @@ def read_meta(prefix: str | os.PathLike) -> dict | None:
     p = meta_path(prefix)
     if not p.is_file():
         return None
-    try:
-        meta = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MlmError(f"{p}: not valid JSON ({e}); rebuild the dataset or delete the file") from None
+    meta = read_json(p, fix="rebuild the dataset or delete the file")
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
         raise MlmError(
             f"{p}: not an mlm dataset description (format {meta.get('format')!r}, expected {META_FORMAT!r})"

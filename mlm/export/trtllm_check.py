@@ -14,7 +14,6 @@ load the config with the same mapping.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from safetensors import safe_open
 from mlm.errors import MlmError
 from mlm.export.trtllm_config import read_trt_config
 from mlm.export.trtllm_names import rank_rules, shard, sources
+from mlm.fileio import read_json
 from mlm.model.gpt import GPT
 
 CONFIG = "config.json"
@@ -36,12 +36,7 @@ def rank_file(rank: int) -> str:
 
 
 def read_config(path: Path) -> dict:
-    try:
-        return json.loads((path / CONFIG).read_text())
-    except FileNotFoundError:
-        raise MlmError(f"{path}: no {CONFIG}; is it a TensorRT-LLM checkpoint folder?") from None
-    except json.JSONDecodeError as e:
-        raise MlmError(f"{path / CONFIG}: not valid JSON ({e})") from None
+    return read_json(path / CONFIG, missing="not found; is it a TensorRT-LLM checkpoint folder?")
 
 
 def expected_shapes(config: dict) -> list[dict[str, tuple[int, ...]]]:

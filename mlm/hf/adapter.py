@@ -54,10 +54,14 @@ class Adapter(ABC):
         return c[key]
 
     def require(self, cfg: ModelConfig, rules: dict[str, object]) -> None:
-        """MlmError naming each `cfg` field that differs from what this architecture needs."""
+        """MlmError naming each `cfg` field that differs from what this architecture needs (and
+        every layer must be the dense kinds it has: grouped-query attention, dense MLP)."""
         bad = [
             f"model.{k}={getattr(cfg, k)!r} (needs {v!r})" for k, v in rules.items() if getattr(cfg, k) != v
         ]
+        kinds = {(s.attention, s.mlp) for s in cfg.layer_specs()}
+        if kinds != {("gqa", "dense")}:
+            bad.append(f"layer kinds {sorted(kinds)} (needs only ('gqa', 'dense'))")
         if bad:
             raise MlmError(
                 f"this model cannot be written as Hugging Face {self.model_type}: {'; '.join(bad)}"

@@ -144,6 +144,10 @@ class Sequence:
 
 
 class Engine:
+    """Continuous batching over the paged KV cache: `submit` queues a request, each `step` admits
+    what fits, runs one model forward over every scheduled segment and samples the next token of
+    every sequence that finished its pending tokens; `has_work` says whether steps remain."""
+
     def __init__(
         self,
         model: GPT,

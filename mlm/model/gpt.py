@@ -193,10 +193,11 @@ class GPT(nn.Module):
         T = x.shape[1] if spec.first else x.shape[1] * self.sequence_shards
         if spec.first:
             limit = self.cfg.max_position_embeddings
-            if T > limit or (positions is not None and positions.numel() and int(positions.max()) >= limit):
+            last = T - 1 if positions is None else int(positions.max()) if positions.numel() else 0
+            if last >= limit:
                 raise MlmError(
-                    f"sequence of {T} tokens (or a position) beyond model.max_position_embeddings="
-                    f"{limit}; shorten it or raise the limit"
+                    f"position {last} (a sequence of {last + 1} tokens) is beyond "
+                    f"model.max_position_embeddings={limit}; shorten it or raise the limit"
                 )
             x_BTD = self.embed(x)
             if self.pos_embed is not None:

@@ -1,6 +1,6 @@
 """Where each parameter's gradient lies in the flat data-parallel buffer: the bucket layout.
 
-Pure arithmetic (no torch), shared by `mlm.parallel.data.GradBuckets`, which allocates the buffer,
+Pure arithmetic (no torch), shared by `mlm.parallel.data_parallel.GradBuckets`, which allocates the buffer,
 and the planner, which predicts its size to the element. Parameters are laid out in reverse
 order (the order backward produces their gradients); a bucket closes once it holds at least
 `bucket_elems` elements (or at the first parameter) and is padded to a multiple of `pad`

@@ -23,7 +23,7 @@ Per step:
     opt.zero_grad()
 
 Checkpoints keep one process's layout (`exp_avg.NAME`, `exp_avg_sq.NAME` in each parameter's
-global shape, as `mlm.train.optim.adam_state_tensors`), so they load under any dp and with the
+global shape, as `mlm.train.adamw.adam_state_tensors`), so they load under any dp and with the
 optimizer sharded or not: `checkpoint_save_tensors()` gathers each parameter's state onto one dp
 rank (round robin) which writes it whole; `checkpoint_load_targets()` reads, for each parameter,
 the rows covering this rank's flat range, and `finish_load()` copies that range into the shard.
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from mlm.checkpoint import ShardedTensor
 from mlm.checkpoint.keys import MOMENTS, moment_key
-from mlm.parallel.data import GradBuckets, all_gather
+from mlm.parallel.data_parallel import GradBuckets, all_gather
 from mlm.parallel.grad_norm import clip_, global_grad_norm
 
 
@@ -72,7 +72,7 @@ class DistributedOptimizer:
     """AdamW whose fp32 master weights and moments are sharded over dp.
 
     `param_groups` as for `torch.optim.AdamW` (`{"params": [...], "weight_decay": wd}`), covering
-    exactly the parameters of `grads`; `from_adamw` takes them from `mlm.train.optim.make_optimizer`.
+    exactly the parameters of `grads`; `from_adamw` takes them from `mlm.train.adamw.make_optimizer`.
     """
 
     def __init__(

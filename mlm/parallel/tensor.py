@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlm.errors import MlmError
-from mlm.parallel.data import all_gather, reduce_scatter
+from mlm.parallel.data_parallel import all_gather, reduce_scatter
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.placement import Placement, replicated, sharded
 

@@ -9,10 +9,10 @@ and FLOP/s), optionally starting from a built-in one with `base = "h100-80g"`.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from pathlib import Path
 
 from mlm.errors import MlmError
+from mlm.fileio import read_toml
 from mlm.hardware import PROFILES, Hardware, profile_name
 
 
@@ -26,10 +26,7 @@ def load_hardware(spec: str) -> Hardware:
             f"--hardware {spec!r}: not a known profile ({', '.join(PROFILES)}) nor a TOML file; "
             "see docs/plan.md for the custom profile keys"
         )
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise MlmError(f"{path}: not valid TOML ({e})") from None
+    data = read_toml(path)
     base = data.pop("base", None)
     known = {f.name for f in dataclasses.fields(Hardware)}
     unknown = sorted(set(data) - known)

@@ -15,12 +15,12 @@ from torch import nn
 from mlm.checkpoint import ShardedTensor
 from mlm.checkpoint.keys import param_of
 from mlm.config import Config
-from mlm.parallel.data import GradBuckets
+from mlm.parallel.data_parallel import GradBuckets
 from mlm.parallel.dist_optim import DistributedOptimizer
 from mlm.parallel.grad_norm import any_nonfinite, clip_, global_grad_norm
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.placement import placements
-from mlm.train.optim import adam_state_tensors, make_optimizer, set_adam_step
+from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step
 
 
 class TrainOptimizer:

@@ -16,7 +16,7 @@ mlm data corpus stdlib "$OUT/corpus.jsonl" --overwrite
 mlm data tokenizer train -i "$OUT/corpus.jsonl" -o "$OUT/tokenizer.model" --vocab-size 4096 --overwrite
 mlm data build -i "$OUT/corpus.jsonl" -o "$OUT/data/stdlib" -t "$OUT/tokenizer.model" --append-eod --overwrite
 mlm data inspect "$OUT/data/stdlib" --docs 1
-mlm data index "$OUT/data/stdlib" --seq-length 256 --train-samples 4800 --valid-samples 32 --split 98,2,0
+mlm data index "$OUT/data/stdlib" --seq-length 256 --train-samples 4800 --valid-samples 64 --split 98,2,0
 mlm train --config pipelines/tiny/train.toml --set run_dir="'$OUT/train'" --set data.data_path="['$OUT/data/stdlib']" \
     --set checkpoint.save="'$OUT/checkpoints'"
 mlm generate "$OUT/checkpoints" -p "    def __init__(self" --max-tokens 48   # `mlm serve` serves the same checkpoint
