@@ -9,6 +9,7 @@ each rank does to find `_train_rank`. Tolerance: fp32, 1e-5 relative on losses a
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -24,7 +25,7 @@ from mlm.model.layers import TP_INPUT, register_mlp
 from mlm.train.trainer import Trainer
 
 from distributed import run_ranks
-from test_parallel_training import _assert_matches, _sets, _train_rank, reference_run
+from test_parallel_training import RTOL, _assert_matches, _sets, _train_rank, reference_run
 
 AUX_COEF = 1e-3
 
@@ -132,9 +133,16 @@ def _train_with_the_new_kind(rank, world, sets):
     return _train_rank(rank, world, sets)
 
 
+def logged_aux(run_dir) -> list[float]:
+    """The auxiliary loss of every logged training step, from RUN_DIR/metrics.jsonl."""
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [r["aux.squared_relu"] for r in records if r["split"] == "train"]
+
+
 @pytest.fixture(scope="module")
 def mixed_reference(tmp_path_factory, tiny_data):
-    return reference_run(tmp_path_factory.mktemp("reference"), tiny_data, **MIXED_RUN)
+    tmp = tmp_path_factory.mktemp("reference")
+    return (*reference_run(tmp, tiny_data, **MIXED_RUN), logged_aux(tmp / "one"))
 
 
 @pytest.mark.parametrize(
@@ -145,9 +153,13 @@ def mixed_reference(tmp_path_factory, tiny_data):
 def test_new_mlp_kind_trains_in_parallel_as_one_process(
     tmp_path, tiny_data, mixed_reference, world, parallel
 ):
-    """Layers 1 and 3 squared ReLU (with its auxiliary loss), 0 and 2 dense; 3 steps."""
+    """Layers 1 and 3 squared ReLU (with its auxiliary loss), 0 and 2 dense; 3 steps. The logged
+    auxiliary loss (summed over pipeline stages) equals one process's too."""
     sets = _sets(tmp_path, tiny_data, "mesh", **MIXED_RUN, **parallel)
-    _assert_matches(tmp_path, run_ranks(world, _train_with_the_new_kind, sets), *mixed_reference)
+    losses, weights, aux = mixed_reference
+    _assert_matches(tmp_path, run_ranks(world, _train_with_the_new_kind, sets), losses, weights)
+    assert len(aux) == 3 and min(aux) > 0
+    assert logged_aux(tmp_path / "mesh") == pytest.approx(aux, rel=RTOL)
 
 
 def test_the_config_selects_the_new_kind(tmp_path, tiny_data):

@@ -151,32 +151,26 @@ def _args(sets: list[str]) -> list[str]:
 
 def test_tp_pp_and_dp_layouts_match_one_process(tmp_path, tiny_data):
     out = tmp_path / "parity"
-    args = ["parity", *_args(_sets(tmp_path, tiny_data)), "--layouts", "tp1,tp2,pp2", "--steps", "2"]
+    args = ["parity", *_args(_sets(tmp_path, tiny_data)), "--layouts", "tp1,tp2,pp2,dp2", "--steps", "2"]
     r = CliRunner().invoke(app, [*args, "--out", str(out)])
     assert r.exit_code == 0, r.output + repr(r.exception)
     report = json.loads((out / "parity.json").read_text())
     assert report["passed"] and report["precision"] == "fp32" and report["reference"] == "tp1"
     assert report["tolerance"]["loss_rel"] == TOLERANCES["fp32"].loss_rel
-    assert [x["name"] for x in report["layouts"]] == ["tp1", "tp2", "pp2"]
-    assert [x["world_size"] for x in report["layouts"]] == [1, 2, 2]
+    assert [x["name"] for x in report["layouts"]] == ["tp1", "tp2", "pp2", "dp2"]
+    assert [x["world_size"] for x in report["layouts"]] == [1, 2, 2, 2]
     assert report["tolerance"]["eval_rel"] == TOLERANCES["fp32"].eval_rel == 1e-6
     for x in report["layouts"]:
         assert len(x["losses"]) == 2 and x["passed"], x
         records = [json.loads(line) for line in open(out / x["name"] / "run" / "metrics.jsonl")]
         assert [rec["loss"] for rec in records if rec["split"] == "train"] == x["losses"]
-        # one evaluation, after the last step; all three are dp1, so they evaluate the same samples
+        # one evaluation, after the last step, over the same global batches on every layout
         assert [(rec["step"], rec["loss"]) for rec in records if rec["split"] == "valid"] == [
             (2, x["eval_loss"])
         ]
         assert x["eval_rel"] <= TOLERANCES["fp32"].eval_rel
         assert x["max_weight_rel"] <= TOLERANCES["fp32"].weight_rel
     assert report["layouts"][0]["max_weight_rel"] == report["layouts"][0]["eval_rel"] == 0.0  # ref vs itself
-    print(
-        "eval_rel",
-        [x["eval_rel"] for x in report["layouts"]],
-        "loss_rel",
-        [x["max_loss_rel"] for x in report["layouts"]],
-    )
     assert (out / "seed" / "iter_0000000" / "manifest.json").is_file()
     text = " ".join(r.output.split())
     assert "mlm parity: 2 steps, fp32, against tp1" in text and "PASS; details in" in text

@@ -61,7 +61,6 @@ class GPT(nn.Module):
     # (styles in `mlm.model.layers`): the embedding and the output projection split by vocabulary,
     # the sequence split on entering the layers under sequence parallelism, the output layer's
     # input entering the tp region, the loss computed from vocabulary shards.
-    padded_rows = VOCAB_ROWS
     tp_plan = {
         "embed": "vocab",
         "pos_embed": "full_sequence",
@@ -71,6 +70,7 @@ class GPT(nn.Module):
         "output": "column",
         "cross_entropy": "vocab_loss",
     }
+    padded_rows = VOCAB_ROWS  # checkpoint tensors whose rows are padded per tp (load across paddings)
 
     def __init__(self, cfg: ModelConfig, padded_vocab: int | None = None):
         super().__init__()

@@ -111,6 +111,9 @@ class Trainer(TrainerCheckpoints):
         self.attention_backend = self.model.set_attention_backend(cfg.model.attention_backend, self.device)
         self.optimizer = TrainOptimizer(self.model, cfg, self.mesh, self.device)
         self.pipeline = Pipeline(self.model, self.mesh, cfg.parallel.vpp)
+        # whether any stage has modules with auxiliary losses (then every step gathers them)
+        has_aux = any(hasattr(m, "aux_losses") for m in self.model.modules() if m is not self.model)
+        self.has_aux = bool(self._max_over_ranks(has_aux))
         self.scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
         self.iteration = 0
         self.consumed_samples = 0
@@ -174,6 +177,13 @@ class Trainer(TrainerCheckpoints):
         precision = self.cfg.train.precision
         return torch.autocast(self.device.type, dtype=DTYPES[precision], enabled=precision != "fp32")
 
+    def _max_over_ranks(self, value: float) -> float:
+        if self.mesh.world_size == 1:
+            return value
+        t = torch.tensor([float(value)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
     def _dp_mean(self, t: torch.Tensor) -> float:
         if self.mesh.dp_group is not None:
             dist.all_reduce(t, group=self.mesh.dp_group)
@@ -203,7 +213,24 @@ class Trainer(TrainerCheckpoints):
             self.scaler.update(overflow)
         opt.zero_grad()
         loss = self._dp_mean(self.pipeline.sum_over_stages(total) / self.num_micro)
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": overflow}
+        aux = self._aux_losses()
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": overflow, "aux": aux}
+
+    def _aux_losses(self) -> dict[str, float]:
+        """This step's auxiliary losses (`model.aux_losses`: e.g. MoE balancing), each the mean per
+        micro-batch, summed over pipeline stages and averaged over dp (tp ranks hold the same)."""
+        values = {k: v / self.num_micro for k, v in self.model.aux_losses.pop().items()}
+        if not self.has_aux:
+            return values
+        for dim, combine in (("pp", sum), ("dp", lambda vs: sum(vs) / len(vs))):
+            group = self.mesh.group(dim)
+            if group is not None:
+                parts: list[dict] = [{}] * getattr(self.mesh, dim)
+                dist.all_gather_object(parts, values, group=group)
+                values = {
+                    k: combine([p.get(k, 0.0) for p in parts]) for k in sorted({k for p in parts for k in p})
+                }
+        return values
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -219,6 +246,7 @@ class Trainer(TrainerCheckpoints):
             for start in range(i * G + self.dp_rank * m, (i + 1) * G, m * self.dp_size)
         ]
         total = self.pipeline.eval_step(micro, self._autocast)
+        self.model.aux_losses.pop()  # training's to log
         return self._dp_mean(self.pipeline.sum_over_stages(total) / len(micro))
 
     def sample(self) -> str | None:
@@ -322,16 +350,14 @@ class Trainer(TrainerCheckpoints):
         }
         if self.scaler:
             rec["loss_scale"] = self.scaler.scale
+        for name in window[-1]["aux"]:  # auxiliary losses: JSONL and TensorBoard (train/aux.NAME)
+            rec[f"aux.{name}"] = sum(r["aux"].get(name, 0.0) for r in window) / len(window)
         log.train_line(self.iteration, self.total_iters, rec)
         log.log(self.iteration, rec)
 
     def _agreed_stop(self) -> int | None:
         """The stop signal if any rank got one (ranks may receive it a step apart: all stop together)."""
-        if self.mesh.world_size == 1:
-            return self._stop_signal
-        flag = torch.tensor([float(self._stop_signal or 0)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag) or None
+        return int(self._max_over_ranks(self._stop_signal or 0)) or None
 
     def _install_signal_handlers(self) -> None:
         """SIGTERM and SIGUSR1 (SLURM's warning before the time limit) stop after the current step."""
