@@ -362,7 +362,7 @@ def test_bad_input(ckpts, tmp_path, monkeypatch, capsys):
     assert code == 2 and err.startswith("error: --tp 3 does not divide model.num_attention_heads=4"), err
     assert not (tmp_path / "e").exists()
     code, _, err = mlm(monkeypatch, capsys, "export", "trtllm", "--check", tmp_path / "erf")
-    assert code == 2 and "no config.json; is it a TensorRT-LLM checkpoint folder?" in err, err
+    assert code == 2 and "config.json: not found; is it a TensorRT-LLM checkpoint folder?" in err, err
 
 
 @pytest.mark.gpu

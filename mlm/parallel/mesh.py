@@ -39,7 +39,22 @@ class Mesh:
     extra_groups: dict = field(default_factory=dict)
     """Process groups beyond the mesh dims, made by `build`: "pp_grad" (a second communicator
     per pipeline, for gradients), "embedding" (each pipeline's first and last stage), "gloo" (all
-    ranks, on gloo: background checkpoint saves synchronise there)."""
+    ranks, on gloo: background checkpoint saves synchronise there), and under expert parallelism
+    "ep" and "edp" (see `expert_groups`)."""
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (dp × cp folded as edp × ep, ep fastest)."""
+        return (self.dp_rank * self.cp + self.cp_rank) % self.ep
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the ranks holding the same experts, dp × cp / ep."""
+        return self.dp * self.cp // self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return (self.dp_rank * self.cp + self.cp_rank) // self.ep
 
     @classmethod
     def single(cls) -> Mesh:
@@ -87,12 +102,16 @@ class Mesh:
             pipelines = mesh.all_pipelines()
             mesh.extra_groups["pp_grad"] = _new_groups(pipelines, rank)
             mesh.extra_groups["embedding"] = _new_groups([[p[0], p[-1]] for p in pipelines], rank)
+        if mesh.ep > 1:
+            ep_lists, edp_lists = mesh.expert_groups()
+            mesh.extra_groups["ep"] = _new_groups(ep_lists, rank)
+            mesh.extra_groups["edp"] = _new_groups(edp_lists, rank) if mesh.edp > 1 else None
         return mesh
 
     def group(self, dim: str):
         """The process group of a mesh dim ("tp", "dp", "cp", "pp"; None when it has one rank) or
-        of an extra group ("pp_grad", "embedding", "gloo"; None in one process)."""
-        if dim in ("pp_grad", "embedding", "gloo"):
+        of an extra group ("pp_grad", "embedding", "gloo", "ep", "edp"; None where there is none)."""
+        if dim in ("pp_grad", "embedding", "gloo", "ep", "edp"):
             return self.extra_groups.get(dim)
         if self.device_mesh is None or getattr(self, dim) == 1:
             return None
@@ -104,6 +123,21 @@ class Mesh:
         return [
             grid[:, d, c, t].tolist() for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)
         ]
+
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Every expert-parallel group and every expert-data-parallel group, as global ranks.
+
+        Megatron's parallel folding: in each pipeline stage and tp coordinate, the dp × cp ranks
+        (cp fastest) are laid out as edp × ep with ep fastest; an ep group holds different experts,
+        an edp group the same ones (their gradients are reduced there)."""
+        grid = self.device_mesh.mesh  # [pp, dp, cp, tp] global ranks
+        ep_lists, edp_lists = [], []
+        for p in range(self.pp):
+            for t in range(self.tp):
+                folded = grid[p, :, :, t].reshape(self.edp, self.ep)
+                ep_lists += folded.tolist()
+                edp_lists += folded.T.tolist()
+        return ep_lists, edp_lists
 
     def pipeline_ranks(self) -> list[int]:
         """The global ranks of this rank's pipeline, in stage order."""
