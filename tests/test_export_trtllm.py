@@ -58,6 +58,9 @@ MODELS = {
         rope_original_max_position_embeddings=32,
         tie_embeddings=True,
     ),
+    "llama-head-dim": dict(  # head_size 32 ≠ hidden / heads (kv_channels)
+        num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, kv_channels=32
+    ),
     "gpt2": dict(
         num_layers=2,
         num_attention_heads=4,

@@ -166,3 +166,14 @@ def test_the_config_selects_the_new_kind(tmp_path, tiny_data):
     trainer = Trainer(load_config(None, _sets(tmp_path, tiny_data, "one", **MIXED_RUN)))
     kinds = [type(layer.mlp).__name__ for layer in trainer.model.layers.values()]
     assert kinds == ["MLP", "SquaredReLU", "MLP", "SquaredReLU"]
+
+
+def test_exports_refuse_kinds_their_formats_lack():
+    from mlm.export.trtllm_config import architecture
+    from mlm.hf import config_to_hf
+
+    cfg = ModelConfig(num_layers=2, mlp_kind="squared_relu", mlp_kind_freq=[0, 1])
+    with pytest.raises(MlmError, match=r"layer kinds \[\('gqa', 'dense'\), \('gqa', 'squared_relu'\)\]"):
+        config_to_hf(cfg, "llama")
+    with pytest.raises(MlmError, match="layer kinds .* have no TensorRT-LLM architecture"):
+        architecture(cfg)

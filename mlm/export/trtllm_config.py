@@ -42,6 +42,12 @@ def architecture(cfg: ModelConfig) -> str:
     """The TensorRT-LLM architecture mlm writes `cfg` as, or an MlmError saying why there is none."""
     llama = dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", add_bias=False)
     gpt = dict(normalization="layernorm", position_embedding="learned", activation="gelu_tanh", add_bias=True)
+    kinds = sorted({(s.attention, s.mlp) for s in cfg.layer_specs()})
+    if kinds != [("gqa", "dense")]:
+        raise MlmError(
+            f"this model's layer kinds {kinds} have no TensorRT-LLM architecture mlm exports; "
+            "it writes grouped-query attention with dense MLPs only"
+        )
     for arch, rules in ((LLAMA, llama), (GPT, gpt)):
         if all(getattr(cfg, k) == v for k, v in rules.items()):
             return arch
@@ -158,9 +164,10 @@ def read_trt_config(c: dict) -> tuple[ModelConfig, str, int, int]:
             "(context parallelism is not read)"
         )
     D, H = _need(c, "hidden_size"), _need(c, "num_attention_heads")
+    head_size = c.get("head_size")
+    kv_channels = head_size if head_size is not None and (D % H or head_size != D // H) else None
     common = dict(
         use_parallel_embedding=(False, False),
-        head_size=(D // H, D // H),
         rotary_pct=(1.0, 1.0),
         qk_layernorm=(False, False),
     )
@@ -205,6 +212,7 @@ def read_trt_config(c: dict) -> tuple[ModelConfig, str, int, int]:
         hidden_size=D,
         num_attention_heads=H,
         num_query_groups=c.get("num_key_value_heads") or H,
+        kv_channels=kv_channels,
         ffn_hidden_size=c.get("intermediate_size") or 4 * D,
         vocab_size=_need(c, "vocab_size"),
         max_position_embeddings=_need(c, "max_position_embeddings"),
