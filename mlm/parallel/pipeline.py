@@ -20,6 +20,12 @@ parallelism), with batched isend/irecv. They travel on two communicators per pip
 activations, one for gradients), so that on each link the order messages are sent in is the
 order they are received in (every rank runs its forwards, and its backwards, in the same
 micro-batch order), which NCCL needs and gloo then matches without tags.
+
+The executor knows the model only through what every stage model provides (`mlm.model.GPT`
+does): `chunks` (its model chunks, each `first` / `last`), `forward(x, chunk=c)` (tokens or
+hidden states in, hidden states or logits out), `hidden_states` and `head_loss(h, labels)` (the
+last stage's loss), `keep_chunks`, `tied_weight()`, `sequence_shards`, `padded_vocab`, `cfg`,
+and optionally `aux_losses`.
 """
 
 from __future__ import annotations
