@@ -1,4 +1,5 @@
-"""The plain decoder-only transformer and what is computed from its config."""
+"""The plain decoder-only transformer (`gpt`), the module kinds its layers are built from
+(`layers`), and what is computed from its config (`stats`)."""
 
 from mlm.model.gpt import GPT, Chunk, build_model
 from mlm.model.stats import flops_per_token, parameter_count

@@ -1,1 +1,2 @@
-"""The training stage: `mlm train` (one process in this version; the mesh slots in later)."""
+"""The training stage: `mlm train` (`trainer`, its checkpoints in `checkpointing`, AdamW and its
+state in `adamw` and `optimizer`), `mlm parity` (`parity/`), `mlm train --dry-run` and `mlm slurm`."""
