@@ -23,7 +23,7 @@ from mlm.errors import MlmError
 from mlm.model.attention import resolve_backend
 from mlm.model.aux_loss import AuxLosses
 from mlm.model.layers import AttentionCore, Block, make_norm
-from mlm.model.rope import rope_tables
+from mlm.model.rope import inv_frequencies, rope_tables
 
 # Parameters whose rows are the vocabulary, padded to a multiple of make_vocab_size_divisible_by × tp
 # (the padding rows are zeros and stay zero in training).
@@ -102,6 +102,7 @@ class GPT(nn.Module):
         self.chunks = [Chunk(list(self.layers))]
         # Hidden states between chunks are [B, T / sequence_shards, D] (tp under sequence parallelism).
         self.sequence_shards = 1
+        self._inv_freq: torch.Tensor | None = None  # RoPE frequencies, computed once per device
 
     def set_attention_backend(self, requested: str, device: torch.device) -> str:
         backend = resolve_backend(requested, device)
@@ -209,7 +210,9 @@ class GPT(nn.Module):
             x_BTD = x
         rope = None
         if self.pos_embed is None and spec.layers:
-            rope = rope_tables(self.cfg, T, x.device, positions)
+            if self._inv_freq is None or self._inv_freq.device != x.device:
+                self._inv_freq = inv_frequencies(self.cfg).to(x.device)
+            rope = rope_tables(self.cfg, T, x.device, positions, self._inv_freq)
         for key in spec.layers:
             x_BTD = self.layers[key](x_BTD, rope, cache)
         return x_BTD

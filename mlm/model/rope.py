@@ -26,11 +26,16 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(
-    cfg: ModelConfig, seq_len: int, device=None, positions: torch.Tensor | None = None
+    cfg: ModelConfig,
+    seq_len: int,
+    device=None,
+    positions: torch.Tensor | None = None,
+    inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [T, head_dim] in fp32 for positions 0 .. seq_len - 1, or of the shape of
-    `positions` + [head_dim] for those positions (each row is the same either way)."""
-    inv = inv_frequencies(cfg).to(device)
+    `positions` + [head_dim] for those positions (each row is the same either way). `inv`: the
+    frequencies (`inv_frequencies(cfg)` on `device`), when the caller keeps them."""
+    inv = inv_frequencies(cfg).to(device) if inv is None else inv
     if positions is not None:
         freqs = positions.to(torch.float32)[..., None] * inv
         emb = torch.cat([freqs, freqs], dim=-1)
