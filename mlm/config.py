@@ -192,6 +192,12 @@ class ModelConfig:
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    @staticmethod
+    def kv_channels_from(hidden: int, heads: int, head_dim: int | None) -> int | None:
+        """`kv_channels` for another format's head dim: None when it is absent or the default
+        hidden / heads (so that configs read back compare equal), else the head dim."""
+        return head_dim if head_dim is not None and (hidden % heads or head_dim != hidden // heads) else None
+
     def padded_vocab_size(self, tp: int = 1) -> int:
         multiple = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / multiple) * multiple

@@ -26,6 +26,7 @@ from mlm.config import load_config  # noqa: E402
 from mlm.convert import hf as convert  # noqa: E402
 from mlm.convert import hf_io  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
+from mlm.units import parse_size  # noqa: E402
 
 from test_bad_input import ROOT, assert_error, mlm  # noqa: E402
 
@@ -178,11 +179,14 @@ def test_tokenizer_files_travel_and_generation_config(tmp_path):
 
 
 def test_parse_size():
-    assert hf_io.parse_size("5GB") == 5 * 10**9 and hf_io.parse_size("500MB") == 5 * 10**8
-    assert hf_io.parse_size("2GiB") == 2 * 2**30 and hf_io.parse_size("1000") == 1000
+    def size(text):
+        return parse_size(text, "--max-shard-size")
+
+    assert size("5GB") == 5 * 10**9 and size("500MB") == 5 * 10**8
+    assert size("2GiB") == 2 * 2**30 and size("1000") == 1000
     for bad in ("", "5XB", "-1GB", "0"):
         with pytest.raises(MlmError, match="--max-shard-size"):
-            hf_io.parse_size(bad)
+            size(bad)
 
 
 def test_verification_failure_removes_output(tmp_path, monkeypatch, capsys):

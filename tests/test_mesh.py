@@ -41,7 +41,7 @@ def _expert_groups(rank, world):
     import torch
     import torch.distributed as dist
 
-    mesh = Mesh.build(ParallelConfig(tp=2, ep=2))
+    mesh = Mesh.build(ParallelConfig(tp=2, ep=2), gloo_group=True)
     sums = {}
     for name in ("ep", "edp", "gloo"):
         t = torch.tensor([float(rank)])

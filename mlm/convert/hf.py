@@ -32,7 +32,7 @@ from mlm.convert import hf_io
 from mlm.convert.common import TOLERANCE, Progress, noop
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
-from mlm.units import DTYPES
+from mlm.units import DTYPES, parse_size
 from mlm.verify import prompt, prompt_logits
 
 TOKENIZER_DIR = "tokenizer"
@@ -206,7 +206,7 @@ def export_hf(
     check_new_dir(out)
     if dtype is not None and dtype not in DTYPES:
         raise MlmError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)} (default: the stored dtype)")
-    max_bytes = hf_io.parse_size(max_shard_size)
+    max_bytes = parse_size(max_shard_size, "--max-shard-size")
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise MlmError(
             f"--tokenizer {tokenizer}: not a directory; pass the folder holding tokenizer.json etc."

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from mlm import units
 from mlm.errors import MlmError
 from mlm.fileio import read_json
 
@@ -33,11 +32,6 @@ TOKENIZER_FILES = (
     "merges.txt",
     "generation_config.json",
 )
-
-
-def parse_size(text: str | int) -> int:
-    """--max-shard-size in bytes: '5GB' → 5·10⁹, '2GiB' → 2·2³⁰ (`mlm.units.parse_size`)."""
-    return units.parse_size(text, "--max-shard-size")
 
 
 def read_hf_config(hf_dir: Path) -> dict:

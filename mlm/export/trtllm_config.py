@@ -164,8 +164,6 @@ def read_trt_config(c: dict) -> tuple[ModelConfig, str, int, int]:
             "(context parallelism is not read)"
         )
     D, H = _need(c, "hidden_size"), _need(c, "num_attention_heads")
-    head_size = c.get("head_size")
-    kv_channels = head_size if head_size is not None and (D % H or head_size != D // H) else None
     common = dict(
         use_parallel_embedding=(False, False),
         rotary_pct=(1.0, 1.0),
@@ -212,7 +210,7 @@ def read_trt_config(c: dict) -> tuple[ModelConfig, str, int, int]:
         hidden_size=D,
         num_attention_heads=H,
         num_query_groups=c.get("num_key_value_heads") or H,
-        kv_channels=kv_channels,
+        kv_channels=ModelConfig.kv_channels_from(D, H, c.get("head_size")),
         ffn_hidden_size=c.get("intermediate_size") or 4 * D,
         vocab_size=_need(c, "vocab_size"),
         max_position_embeddings=_need(c, "max_position_embeddings"),

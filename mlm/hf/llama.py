@@ -68,8 +68,6 @@ class LlamaAdapter(Adapter):
                 f"Hugging Face config hidden_act={c['hidden_act']!r}: mlm's Llama MLP is SwiGLU ('silu')"
             )
         D, H = self.get(c, "hidden_size"), self.get(c, "num_attention_heads")
-        head_dim = c.get("head_dim")
-        kv_channels = head_dim if head_dim is not None and (D % H or head_dim != D // H) else None
         theta, scaling = rope(c)
         scaled = {}
         if scaling is not None:
@@ -84,7 +82,7 @@ class LlamaAdapter(Adapter):
             hidden_size=D,
             num_attention_heads=H,
             num_query_groups=c.get("num_key_value_heads") or H,
-            kv_channels=kv_channels,
+            kv_channels=ModelConfig.kv_channels_from(D, H, c.get("head_dim")),
             ffn_hidden_size=self.get(c, "intermediate_size"),
             vocab_size=self.get(c, "vocab_size"),
             max_position_embeddings=self.get(c, "max_position_embeddings"),

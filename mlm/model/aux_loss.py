@@ -17,18 +17,20 @@ class AuxLosses:
     def __init__(self):
         self.scale = 1.0
         """Gradient factor of every auxiliary loss (set by the pipeline before a step)."""
-        self.values: dict[str, float] = {}
+        self.values: dict[str, torch.Tensor] = {}
 
     def attach(self, out: torch.Tensor, aux: torch.Tensor, name: str) -> torch.Tensor:
-        """`out`, carrying `aux` (a scalar) into backward; records its value under `name`."""
-        self.values[name] = self.values.get(name, 0.0) + float(aux.detach())
+        """`out`, carrying `aux` (a scalar) into backward; records its value under `name` (kept on
+        the device until `pop`, so that attaching never waits for the device)."""
+        self.values[name] = self.values.get(name, 0.0) + aux.detach()
         if not (out.requires_grad and aux.requires_grad):
             return out
         return _Attach.apply(out, aux, self)
 
     def pop(self) -> dict[str, float]:
+        """The values recorded since the last pop, as numbers; starts over."""
         values, self.values = self.values, {}
-        return values
+        return {k: float(v) for k, v in values.items()}
 
 
 class _Attach(torch.autograd.Function):

@@ -39,7 +39,7 @@ class Mesh:
     extra_groups: dict = field(default_factory=dict)
     """Process groups beyond the mesh dims, made by `build`: "pp_grad" (a second communicator
     per pipeline, for gradients), "embedding" (each pipeline's first and last stage), "gloo" (all
-    ranks, on gloo: background checkpoint saves synchronise there), and under expert parallelism
+    ranks, on gloo, when asked for: background checkpoint saves synchronise there), and under expert parallelism
     "ep" and "edp" (see `expert_groups`)."""
 
     @property
@@ -75,8 +75,10 @@ class Mesh:
         return {"pp": cfg.pp, "dp": dp, "cp": cfg.cp, "tp": cfg.tp}
 
     @classmethod
-    def build(cls, cfg: ParallelConfig, device_type: str = "cpu") -> Mesh:
-        """The mesh of the initialised default process group (or `single()` without one)."""
+    def build(cls, cfg: ParallelConfig, device_type: str = "cpu", gloo_group: bool = False) -> Mesh:
+        """The mesh of the initialised default process group (or `single()` without one), with
+        every process group; `gloo_group`: also the all-ranks gloo group (for background
+        checkpoint saves; one more rendezvous over every rank at start-up, so only when asked)."""
         import torch.distributed as dist  # here, so that the planner can use shape_for without torch
 
         if not dist.is_available() or not dist.is_initialized():
@@ -97,7 +99,8 @@ class Mesh:
             **{f"{d}_rank": coords[d] for d in DIMS},
         )
         # Every other group, created here on every rank in the same order (new_group is collective).
-        mesh.extra_groups["gloo"] = dist.new_group(backend="gloo")
+        if gloo_group:
+            mesh.extra_groups["gloo"] = dist.new_group(backend="gloo")
         if mesh.pp > 1:
             pipelines = mesh.all_pipelines()
             mesh.extra_groups["pp_grad"] = _new_groups(pipelines, rank)

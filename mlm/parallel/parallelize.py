@@ -35,7 +35,7 @@ from mlm.checkpoint import ShardedTensor
 from mlm.errors import MlmError
 from mlm.model.layers import TP_INPUT
 from mlm.parallel.mesh import Mesh, check_tensor_parallel
-from mlm.parallel.placement import placements, replicated
+from mlm.parallel.placement import Placement, placements, replicated
 from mlm.parallel.tensor import (
     ColumnParallelLinear,
     CopyToTP,
@@ -167,14 +167,17 @@ def _vocab_parallel_mean(logits_BTv, labels_BT, vocab_size: int, mesh: Mesh) -> 
     return vocab_parallel_cross_entropy(logits_BTv, labels_BT, mesh, vocab_size).mean()
 
 
-def allreduce_sequence_parallel_grads(model: nn.Module, mesh: Mesh) -> None:
+def allreduce_sequence_parallel_grads(
+    model: nn.Module, mesh: Mesh, places: dict[str, Placement] | None = None
+) -> None:
     """Sum over tp the gradients of the replicated parameters inside the sequence-parallel region
     (placements with `grad_sum_tp`: norms, row-parallel biases), which each tp rank computed from
     its sequence shard; call after backward, before clipping and the optimizer step (it commutes
-    with the data-parallel reduction). A no-op at tp = 1 and without sequence parallelism."""
+    with the data-parallel reduction). `places`: the model's placements, if the caller keeps them.
+    A no-op at tp = 1 and without sequence parallelism."""
     if mesh.tp == 1:
         return
-    places = placements(model, mesh)
+    places = places or placements(model, mesh)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for name, p in model.named_parameters():
         if places[name].grad_sum_tp and p.grad is not None:

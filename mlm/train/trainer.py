@@ -94,7 +94,7 @@ class Trainer(TrainerCheckpoints):
         t = cfg.train
         self.device = pick_device(t.device)
         self.launch = init_distributed(self.device)
-        self.mesh = Mesh.build(cfg.parallel, self.device.type)
+        self.mesh = Mesh.build(cfg.parallel, self.device.type, gloo_group=cfg.checkpoint.async_save)
         check_supported(self.mesh, cfg)
         self.rank0 = self.mesh.rank == 0
         self._stop_signal: int | None = None
@@ -200,7 +200,7 @@ class Trainer(TrainerCheckpoints):
         total = self.pipeline.train_step(micro, scale / self.num_micro, opt.grads, self._autocast)
         self.pipeline.sync_tied_embedding()
         opt.grads.finish()
-        allreduce_sequence_parallel_grads(self.model, self.mesh)
+        allreduce_sequence_parallel_grads(self.model, self.mesh, opt.placements)
         overflow = bool(self.scaler) and opt.found_inf()
         if self.scaler and not overflow:
             opt.unscale(1.0 / scale)
