@@ -3,8 +3,9 @@ outside in a fixed order (torchtitan's `parallelize`):
 
     1. cut to this rank's pipeline stage        mlm.parallel.pipeline.split_for_pipeline
     2. tensor / sequence parallelism             mlm.parallel.parallelize (each module's tp_plan)
-    3. activation recompute, per layer           mlm.parallel.recompute
-    4. materialise: only the local shards take memory
+    3. expert parallelism (MoE layers)           mlm.parallel.expert
+    4. activation recompute, per layer           mlm.parallel.recompute
+    5. materialise: only the local shards take memory
 
 Used by training (then `init_weights`) and by serving (then `load_checkpoint` of `model_shards`).
 """
@@ -15,6 +16,7 @@ import torch
 
 from mlm.config import ModelConfig, ParallelConfig
 from mlm.model import GPT
+from mlm.parallel.expert import apply_expert_parallel
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import parallelize
 from mlm.parallel.pipeline import split_for_pipeline
@@ -33,5 +35,6 @@ def build_sharded(
         model = GPT(cfg, padded_vocab=cfg.padded_vocab_size(mesh.tp)).to(dtype)
     split_for_pipeline(model, mesh, parallel)
     parallelize(model, mesh, parallel.sequence_parallel)
+    apply_expert_parallel(model, mesh, parallel.sequence_parallel, cfg.moe.token_dispatcher)
     apply_recompute(model, cfg.recompute)
     return model.to_empty(device=device)

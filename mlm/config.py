@@ -57,6 +57,105 @@ def describe_layers(specs: list[LayerSpec]) -> str:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts (the layers whose mlp kind is "moe"): Megatron's --moe-* options."""
+
+    num_experts: int = 0
+    """Routed experts per MoE layer (Megatron's num_moe_experts, HF's num_local_experts)."""
+    ffn_hidden_size: int | None = None
+    """Each expert's MLP width (moe_ffn_hidden_size, HF's moe_intermediate_size); unset: model.ffn_hidden_size."""
+    router_topk: int = 2
+    """Experts each token goes to (k)."""
+    router_score_function: str = "softmax"
+    """softmax or sigmoid over the router logits (computed in fp32)."""
+    router_pre_softmax: bool = False
+    """softmax over all experts before top-k, weights not renormalised (Qwen2-MoE); else top-k, then softmax over the k."""
+    router_num_groups: int | None = None
+    """Group-limited routing: experts form this many groups (DeepSeek's n_group); unset: off."""
+    router_group_topk: int | None = None
+    """Group-limited routing: the groups each token may use (DeepSeek's topk_group)."""
+    router_topk_scaling_factor: float | None = None
+    """Multiply the top-k weights by this (DeepSeek's routed_scaling_factor); unset: 1."""
+    router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias used only to select experts, updated once per step."""
+    router_bias_update_rate: float = 1e-3
+    """Expert bias update: bias += rate · sign(mean load − load), per global batch."""
+    aux_loss_coeff: float = 0.0
+    """Load-balancing loss (Switch/GShard, per micro-batch) coefficient; 0: off."""
+    seq_aux_loss_coeff: float = 0.0
+    """Sequence-wise load-balancing loss (DeepSeek-V2/V3) coefficient; 0: off."""
+    z_loss_coeff: float = 0.0
+    """Router z-loss (mean logsumexp² of the logits) coefficient; 0: off."""
+    capacity_factor: float | None = None
+    """Token dropping: each expert takes at most ceil(tokens · k / experts · factor) tokens per micro-batch; unset: dropless."""
+    pad_to_capacity: bool = False
+    """With capacity_factor: every expert computes exactly its capacity (padded), for static shapes."""
+    token_drop_policy: str = "probs"
+    """Which tokens an over-full expert keeps: probs (the highest weights) or position (the first ones)."""
+    shared_expert_ffn_hidden_size: int | None = None
+    """Shared experts' total MLP width (moe_shared_expert_intermediate_size); unset: none."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x · w) (Qwen2-MoE's shared_expert_gate)."""
+    token_dispatcher: str = "alltoall"
+    """Expert parallelism's token exchange: alltoall (tokens to their experts' ranks) or allgather (all tokens to all ranks)."""
+    experts_impl: str = "auto"
+    """Expert matmuls: grouped_mm (torch._grouped_mm), bmm (padded batched matmul), loop (one per expert) or auto."""
+
+    def __post_init__(self):
+        s = "model.moe"
+        _check(self.num_experts >= 0, f"{s}.num_experts={self.num_experts}: must be >= 0")
+        for name in ("ffn_hidden_size", "shared_expert_ffn_hidden_size"):
+            n = getattr(self, name)
+            _check(n is None or n > 0, f"{s}.{name}={n}: must be positive (or unset)")
+        _check(self.router_topk >= 1, f"{s}.router_topk={self.router_topk}: must be at least 1")
+        _choice(s, "router_score_function", self.router_score_function, ("softmax", "sigmoid"))
+        _check(
+            not (self.router_pre_softmax and self.router_score_function == "sigmoid"),
+            f"{s}.router_pre_softmax=true needs router_score_function=softmax (a sigmoid has no 'before top-k')",
+        )
+        _choice(s, "token_drop_policy", self.token_drop_policy, ("probs", "position"))
+        _choice(s, "token_dispatcher", self.token_dispatcher, ("alltoall", "allgather"))
+        _choice(s, "experts_impl", self.experts_impl, ("auto", "grouped_mm", "bmm", "loop"))
+        _check(
+            self.capacity_factor is None or self.capacity_factor > 0,
+            f"{s}.capacity_factor={self.capacity_factor}: must be positive (or unset for dropless)",
+        )
+        _check(
+            not self.pad_to_capacity or self.capacity_factor is not None,
+            f"{s}.pad_to_capacity=true needs {s}.capacity_factor (the capacity to pad to)",
+        )
+        for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "router_bias_update_rate"):
+            _check(getattr(self, name) >= 0, f"{s}.{name}={getattr(self, name)}: must be >= 0")
+        groups, group_topk = self.router_num_groups, self.router_group_topk
+        _check(
+            (groups is None) == (group_topk is None),
+            f"{s}.router_num_groups={groups}, router_group_topk={group_topk}: set both (group-limited routing) or neither",
+        )
+        if not self.num_experts:
+            return
+        E, k = self.num_experts, self.router_topk
+        _check(
+            k <= E,
+            f"{s}.router_topk={k} exceeds {s}.num_experts={E}: a token cannot go to more experts than exist",
+        )
+        if groups is not None:
+            _check(
+                groups >= 1 and E % groups == 0,
+                f"{s}.router_num_groups={groups} does not divide {s}.num_experts={E}; choose a divisor of {E}",
+            )
+            _check(
+                1 <= group_topk <= groups,
+                f"{s}.router_group_topk={group_topk} exceeds {s}.router_num_groups={groups}: "
+                f"a token can use at most all {groups} groups",
+            )
+            _check(
+                k % group_topk == 0 and k // group_topk <= E // groups,
+                f"{s}.router_topk={k} over router_group_topk={group_topk} groups: k must be a multiple of "
+                f"group_topk with at most {E // groups} (experts per group) from each group",
+            )
+
+
+@dataclass
 class ModelConfig:
     """The transformer: GPT-2 or Llama style, from the same fields."""
 
@@ -118,6 +217,12 @@ class ModelConfig:
     """Which layers get mlp_kind (Megatron's moe_layer_freq): every Nth layer from 0, or a 0/1 list per layer."""
     first_k_dense: int = 0
     """The first k layers keep the dense MLP whatever mlp_kind_freq says (HF's first_k_dense_replace)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2); add_bias puts them everywhere."""
+    qk_norm: bool = False
+    """RMSNorm over each head's query and key before RoPE (Qwen3's q_norm / k_norm)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts options, used by the layers whose mlp kind is moe."""
 
     def __post_init__(self):
         s = "model"
@@ -159,6 +264,11 @@ class ModelConfig:
             0 <= self.first_k_dense <= self.num_layers,
             f"model.first_k_dense={self.first_k_dense}: must be within [0, num_layers={self.num_layers}]",
         )
+        if any(spec.mlp == "moe" for spec in self.layer_specs()):
+            _check(
+                self.moe.num_experts >= 1,
+                "model.mlp_kind=moe needs experts: set model.moe.num_experts (and model.moe.router_topk)",
+            )
         _choice(s, "normalization", self.normalization, ("layernorm", "rmsnorm"))
         _choice(s, "position_embedding", self.position_embedding, ("learned", "rope"))
         _choice(s, "activation", self.activation, ("swiglu", "gelu_tanh", "gelu"))
@@ -191,6 +301,10 @@ class ModelConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe.ffn_hidden_size or self.ffn_size
 
     @staticmethod
     def kv_channels_from(hidden: int, heads: int, head_dim: int | None) -> int | None:
@@ -499,11 +613,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _merge(data, keys, value)
     preset = data.get("preset") or ""
     if preset:
-        base = preset_tables(preset)
-        for section, table in base.items():
-            merged = {**table, **data.get(section, {})}
-            data[section] = merged
+        data = _overlay(preset_tables(preset), data)
     return _build(Config, data, "")
+
+
+def _overlay(base: dict, top: dict) -> dict:
+    """`base` with `top`'s keys on it, table by table (a preset under the user's config)."""
+    out = dict(base)
+    for key, value in top.items():
+        both = isinstance(value, dict) and isinstance(base.get(key), dict)
+        out[key] = _overlay(base[key], value) if both else value
+    return out
 
 
 def config_from_dict(data: dict) -> Config:

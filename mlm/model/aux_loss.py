@@ -1,14 +1,36 @@
-"""Auxiliary losses (MoE load balancing, to come) on their way to the total loss, through the
+"""Auxiliary losses (MoE load balancing) on their way to the total loss, through the
 pipeline: Megatron's approach (`MoEAuxLossAutoScaler`). A module that computes an auxiliary
 loss `aux` from its input returns its output through `attach(out, aux)`: the identity forward;
 in backward, `aux` also receives the gradient `scale` (the factor the pipeline multiplies the
 main loss by: loss scale / micro-batches), so the gradients are those of loss + Σ aux whatever
-stage the module sits on, with nothing sent between stages. The values are kept for logging.
+stage the module sits on, with nothing sent between stages. The values are kept for logging
+(not again when activation recompute reruns a forward: see `recomputing`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+_RECOMPUTING = contextvars.ContextVar("mlm_recomputing", default=False)
+
+
+def recomputing() -> bool:
+    """Whether this forward is activation recompute's rerun (inside backward): statistics that a
+    forward records must not be counted twice."""
+    return _RECOMPUTING.get()
+
+
+@contextlib.contextmanager
+def recompute_pass():
+    """Mark the forwards inside as recompute reruns (`mlm.parallel.recompute` uses it)."""
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
 
 
 class AuxLosses:
@@ -18,11 +40,17 @@ class AuxLosses:
         self.scale = 1.0
         """Gradient factor of every auxiliary loss (set by the pipeline before a step)."""
         self.values: dict[str, torch.Tensor] = {}
+        self.partial: set[str] = set()
+        """Names whose values are this tp rank's share (sequence parallelism): summed over tp to log."""
 
-    def attach(self, out: torch.Tensor, aux: torch.Tensor, name: str) -> torch.Tensor:
+    def attach(self, out: torch.Tensor, aux: torch.Tensor, name: str, partial: bool = False) -> torch.Tensor:
         """`out`, carrying `aux` (a scalar) into backward; records its value under `name` (kept on
-        the device until `pop`, so that attaching never waits for the device)."""
-        self.values[name] = self.values.get(name, 0.0) + aux.detach()
+        the device until `pop`, so that attaching never waits for the device). `partial`: `aux`
+        is this tp rank's share of the loss (its sequence shard's); the shares add up to it."""
+        if not recomputing():
+            self.values[name] = self.values.get(name, 0.0) + aux.detach()
+            if partial:
+                self.partial.add(name)
         if not (out.requires_grad and aux.requires_grad):
             return out
         return _Attach.apply(out, aux, self)

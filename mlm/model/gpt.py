@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mlm.model.moe  # noqa: F401  (registers the "moe" MLP kind)
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
 from mlm.model.attention import resolve_backend
@@ -167,7 +168,7 @@ class GPT(nn.Module):
                 # one stream per parameter name: a pipeline stage holding some layers draws what
                 # one process draws for them
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-                s = out_std if name.endswith(("attn.out.weight", "mlp.down.weight")) else std
+                s = out_std if name.endswith(("attn.out.weight", "down.weight")) else std
                 place = described.get(local)
                 shape = place.global_shape if place else p.shape
                 full = torch.zeros(shape, dtype=torch.float32)

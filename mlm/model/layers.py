@@ -7,7 +7,7 @@ each layer gets comes from `ModelConfig.layer_specs()` (names) and the registrie
     @register_mlp("squared_relu")
     class SquaredReLU(nn.Module):
         tp_plan = {TP_INPUT: "enter", "up": "column", "down": "row"}
-        def __init__(self, cfg: ModelConfig): ...
+        def __init__(self, cfg: ModelConfig, layer: int): ...
         def forward(self, x_BTD): ...
 
 and `--set model.mlp_kind=squared_relu` selects it (for the layers `mlp_kind_freq` and
@@ -17,7 +17,10 @@ and `--set model.mlp_kind=squared_relu` selects it (for the layers `mlp_kind_fre
 "column" / "row" (an `nn.Linear` split by output / input features), "vocab" (an `nn.Embedding`
 split by rows), "replicated" (parameters replicated over tp; under sequence parallelism their
 gradients are summed over tp, which every undeclared parameter gets too), "full_sequence"
-(replicated, but fed the whole sequence on every rank), "enter" (an `nn.Identity` placeholder,
+(replicated, but fed the whole sequence on every rank), "head_shared" (replicated, applied to
+each tp rank's own heads: gradients always summed over tp), "sp_group" (an attribute set to the
+tp process group under sequence parallelism, for a module that reduces statistics over the
+sequence shards), "enter" (an `nn.Identity` placeholder,
 or the module's own input for the key `TP_INPUT`, that enters the tp region), "scatter_sequence"
 (a placeholder that splits the sequence under sequence parallelism) and "tp_rng" (an attribute
 holding the context-manager factory for randomness inside the tp region).
@@ -127,16 +130,28 @@ class Attention(nn.Module):
     RoPE. Under a KV cache (`cache`, from serving) the keys and values of the new tokens go to
     the cache and attention runs over what it holds (`cache.attend`); otherwise causal over T."""
 
-    tp_plan = {TP_INPUT: "enter", "q": "column", "k": "column", "v": "column", "out": "row"}
+    tp_plan = {
+        TP_INPUT: "enter",
+        "q": "column",
+        "k": "column",
+        "v": "column",
+        "out": "row",
+        "q_norm": "head_shared",
+        "k_norm": "head_shared",
+    }
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.layer, self.head_dim = layer, cfg.head_dim
         K, H, G = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
-        self.q = nn.Linear(cfg.hidden_size, H * K, bias=cfg.add_bias)
-        self.k = nn.Linear(cfg.hidden_size, G * K, bias=cfg.add_bias)
-        self.v = nn.Linear(cfg.hidden_size, G * K, bias=cfg.add_bias)
+        qkv_bias = cfg.add_bias or cfg.qkv_bias
+        self.q = nn.Linear(cfg.hidden_size, H * K, bias=qkv_bias)
+        self.k = nn.Linear(cfg.hidden_size, G * K, bias=qkv_bias)
+        self.v = nn.Linear(cfg.hidden_size, G * K, bias=qkv_bias)
         self.out = nn.Linear(H * K, cfg.hidden_size, bias=cfg.add_bias)
+        # Qwen3: RMSNorm over each head's query and key (weights [K], shared by the heads)
+        self.q_norm = nn.RMSNorm(K, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(K, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = AttentionCore(cfg)
 
     def forward(self, x_BTD: torch.Tensor, rope=None, cache=None) -> torch.Tensor:
@@ -145,6 +160,8 @@ class Attention(nn.Module):
         q_BTHK = self.q(x_BTD).view(B, T, -1, K)
         k_BTGK = self.k(x_BTD).view(B, T, -1, K)
         v_BTGK = self.v(x_BTD).view(B, T, -1, K)
+        if self.q_norm is not None:
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         if rope is not None:
             q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
         if cache is None:
@@ -163,10 +180,10 @@ class MLP(nn.Module):
 
     tp_plan = {TP_INPUT: "enter", "gate": "column", "up": "column", "down": "row"}
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, ffn_size: int | None = None):
         super().__init__()
         self.gated = cfg.activation == "swiglu"
-        D, F_ = cfg.hidden_size, cfg.ffn_size
+        D, F_ = cfg.hidden_size, ffn_size or cfg.ffn_size
         self.gate = nn.Linear(D, F_, bias=cfg.add_bias) if self.gated else None
         self.up = nn.Linear(D, F_, bias=cfg.add_bias)
         self.down = nn.Linear(F_, D, bias=cfg.add_bias)
@@ -195,7 +212,7 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg, spec.norm)
         self.attn = _lookup(ATTENTION_KINDS, spec.attention, "attention_kind")(cfg, layer)
         self.mlp_norm = make_norm(cfg, spec.norm)
-        self.mlp = _lookup(MLP_KINDS, spec.mlp, "mlp_kind")(cfg)
+        self.mlp = _lookup(MLP_KINDS, spec.mlp, "mlp_kind")(cfg, layer)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x_BTD, rope=None, cache=None):

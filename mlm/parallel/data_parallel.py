@@ -81,7 +81,10 @@ class GradBuckets:
     buffer still backs `param.grad`, so the trainer runs the same code at any dp.
     `reduce_dtype` bfloat16 halves the traffic: a bucket is scaled by 1/dp, cast, reduced and cast
     back (Megatron's `--grad-reduce-in-bf16`). `average` divides by dp (the loss is a mean over
-    this rank's share of the global batch, so the average is the global-batch gradient).
+    this rank's share of the global batch, so the average is the global-batch gradient);
+    `divisor` replaces the group size there (expert gradients are reduced over the expert-data-
+    parallel group but averaged over all dp replicas). `names`: only these parameters (default
+    every trainable one).
     """
 
     def __init__(
@@ -93,6 +96,8 @@ class GradBuckets:
         average: bool = True,
         reduce_scatter: bool = False,
         held: tuple[nn.Parameter, ...] = (),
+        names: set[str] | None = None,
+        divisor: int | None = None,
     ):
         if reduce_dtype not in REDUCE_DTYPES:
             raise MlmError(
@@ -109,8 +114,11 @@ class GradBuckets:
         self.reduce_dtype = reduce_dtype
         self.average = average
         self.reduce_scatter = reduce_scatter
+        self.divisor = divisor or self.dp
 
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [
+            (n, p) for n, p in model.named_parameters() if p.requires_grad and (names is None or n in names)
+        ]
         if not named:
             raise MlmError("the model has no trainable parameters; there is nothing to reduce")
         odd = [f"{n} ({p.dtype})" for n, p in named if p.dtype != torch.float32]
@@ -217,11 +225,11 @@ class GradBuckets:
 
     def _launch(self, bucket: Bucket) -> None:
         """Start the asynchronous reduction of one bucket (pre-scaled by 1/dp, as Megatron does)."""
+        g = self.bucket_view(bucket)
+        if self.average and self.divisor != 1:
+            g.mul_(1.0 / self.divisor)
         if self.dp == 1:
             return
-        g = self.bucket_view(bucket)
-        if self.average:
-            g.mul_(1.0 / self.dp)
         lo, hi = self.shard_range(bucket)
         if self.reduce_dtype == torch.float32:
             if self.reduce_scatter:  # in place: the output is this rank's shard of the input
@@ -238,3 +246,23 @@ class GradBuckets:
         else:
             work = dist.all_reduce(low, group=self.group, async_op=True)
             self._inflight.append((work, low, g))
+
+
+class GradBucketSet:
+    """Several `GradBuckets` driven as one by the pipeline and the trainer (dense gradients over
+    dp, expert gradients over edp)."""
+
+    def __init__(self, *buckets: GradBuckets | None):
+        self.buckets = [b for b in buckets if b is not None]
+
+    def set_last_microbatch(self, is_last: bool) -> None:
+        for b in self.buckets:
+            b.set_last_microbatch(is_last)
+
+    def finish(self) -> None:
+        for b in self.buckets:
+            b.finish()
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.zero_grad()

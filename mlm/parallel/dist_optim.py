@@ -151,14 +151,25 @@ class DistributedOptimizer:
         self._load_targets: list[tuple[Segment, str, torch.Tensor, int]] = []
 
     @classmethod
-    def from_adamw(cls, opt: torch.optim.AdamW, grads: GradBuckets) -> DistributedOptimizer:
-        """The same groups and hyper-parameters as an AdamW that has not stepped yet."""
+    def from_adamw(
+        cls, opt: torch.optim.AdamW, grads: GradBuckets, subset: bool = False
+    ) -> DistributedOptimizer:
+        """The same groups and hyper-parameters as an AdamW that has not stepped yet; `subset`:
+        only the parameters of `grads` (the AdamW may hold more, e.g. dense and expert weights
+        whose gradients live in two buffers)."""
         assert not opt.state, "wrap the AdamW before its first step (its state would be lost)"
         g0 = opt.param_groups[0]
         assert all(g["betas"] == g0["betas"] and g["eps"] == g0["eps"] for g in opt.param_groups)
+        mine = {id(p) for p in grads.params}
         return cls(
             grads,
-            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups],
+            [
+                {
+                    "params": [p for p in g["params"] if not subset or id(p) in mine],
+                    "weight_decay": g["weight_decay"],
+                }
+                for g in opt.param_groups
+            ],
             lr=g0["lr"],
             betas=g0["betas"],
             eps=g0["eps"],

@@ -3,7 +3,9 @@
 A gradient piece is either tensor-parallel (each tp rank holds a different slice: sum over tp)
 or replicated over tp (identical on every tp rank: count once). With the distributed optimizer
 each rank holds only its dp shard of the reduced gradient (sum over dp); otherwise every dp
-rank holds all of it (count once). Pipeline stages hold different parameters (sum over pp).
+rank holds all of it (count once). Expert weights are sharded over ep (sum over ep) and, under
+the distributed optimizer, their edp shards too (sum over edp). Pipeline stages hold different
+parameters (sum over pp).
 """
 
 from __future__ import annotations
@@ -19,15 +21,21 @@ def _sum_sq(grads: list[torch.Tensor], device) -> torch.Tensor:
 
 
 def global_grad_norm(
-    pieces: list[tuple[torch.Tensor, bool]], tp_group, dp_shard_group, device, pp_group=None
+    pieces: list[tuple[torch.Tensor, bool | str]],
+    tp_group,
+    dp_shard_group,
+    device,
+    pp_group=None,
+    expert_groups: tuple = (),
 ) -> torch.Tensor:
-    """L2 norm of the full gradient from (gradient piece, is tensor-parallel) pairs. `dp_shard_group`:
-    the dp group when each rank holds only its dp shard of the gradient (distributed optimizer),
-    else None; `tp_group`: None at tp = 1; `pp_group`: None at pp = 1 (each stage holds other
-    parameters; a tied embedding's last-stage copy must not be among the pieces)."""
-    sq = torch.stack(
-        [_sum_sq([g for g, tp in pieces if tp], device), _sum_sq([g for g, tp in pieces if not tp], device)]
-    )
+    """L2 norm of the full gradient from (gradient piece, kind) pairs, kind True (tensor-parallel),
+    False (replicated over tp) or "expert" (expert weights). `dp_shard_group`: the dp group when
+    each rank holds only its dp shard of the gradient (distributed optimizer), else None;
+    `tp_group`: None at tp = 1; `expert_groups`: the groups whose ranks hold other parts of the
+    expert gradients (ep, and edp under the distributed optimizer); `pp_group`: None at pp = 1
+    (each stage holds other parameters; a tied embedding's last-stage copy must not be among
+    the pieces)."""
+    sq = torch.stack([_sum_sq([g for g, kind in pieces if kind is k], device) for k in (True, False)])
     if dp_shard_group is not None:
         dist.all_reduce(sq, group=dp_shard_group)
     if tp_group is not None:
@@ -35,6 +43,11 @@ def global_grad_norm(
         dist.all_reduce(tp_sq, group=tp_group)
         sq = torch.stack([tp_sq, sq[1]])
     total = sq.sum()
+    if expert_groups:
+        expert_sq = _sum_sq([g for g, kind in pieces if kind == "expert"], device)
+        for group in expert_groups:
+            dist.all_reduce(expert_sq, group=group)
+        total = total + expert_sq
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()

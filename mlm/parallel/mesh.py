@@ -3,7 +3,8 @@
 Megatron's rank order: tp varies fastest, then cp, then dp, then pp, so a tensor-parallel
 group is `tp` consecutive ranks (one node's NVLink domain). Built on
 `torch.distributed.device_mesh` with dims ("pp", "dp", "cp", "tp"); expert parallelism is
-folded over dp × cp for MoE layers. One process without torch.distributed is the mesh of
+folded over each pipeline stage's dp × cp × tp ranks for MoE layers (Megatron's parallel
+folding, expert tensor parallelism 1). One process without torch.distributed is the mesh of
 size 1 (`Mesh.single()`), whose groups are None and whose collectives are no-ops.
 Importing this module does not import torch, so that `mlm plan` can check meshes with
 `shape_for` and `check_tensor_parallel` in well under a second.
@@ -43,18 +44,23 @@ class Mesh:
     "ep" and "edp" (see `expert_groups`)."""
 
     @property
+    def stage_index(self) -> int:
+        """This rank's index among its pipeline stage's dp × cp × tp ranks (tp fastest)."""
+        return (self.dp_rank * self.cp + self.cp_rank) * self.tp + self.tp_rank
+
+    @property
     def ep_rank(self) -> int:
-        """This rank's place in its expert-parallel group (dp × cp folded as edp × ep, ep fastest)."""
-        return (self.dp_rank * self.cp + self.cp_rank) % self.ep
+        """This rank's place in its expert-parallel group (the stage folded as edp × ep, ep fastest)."""
+        return self.stage_index % self.ep
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel size: the ranks holding the same experts, dp × cp / ep."""
-        return self.dp * self.cp // self.ep
+        """Expert-data-parallel size: the ranks holding the same experts, dp × cp × tp / ep."""
+        return self.dp * self.cp * self.tp // self.ep
 
     @property
     def edp_rank(self) -> int:
-        return (self.dp_rank * self.cp + self.cp_rank) // self.ep
+        return self.stage_index // self.ep
 
     @classmethod
     def single(cls) -> Mesh:
@@ -70,8 +76,12 @@ class Mesh:
                 "choose sizes whose product divides the number of processes"
             )
         dp = world_size // inner
-        if (dp * cfg.cp) % cfg.ep:
-            raise MlmError(f"ep({cfg.ep}) must divide dp({dp}) × cp({cfg.cp}) = {dp * cfg.cp}")
+        stage = dp * cfg.cp * cfg.tp
+        if stage % cfg.ep:
+            raise MlmError(
+                f"ep({cfg.ep}) must divide dp({dp}) × cp({cfg.cp}) × tp({cfg.tp}) = {stage}, the ranks of a "
+                "pipeline stage that experts are spread over; choose an ep that divides it"
+            )
         return {"pp": cfg.pp, "dp": dp, "cp": cfg.cp, "tp": cfg.tp}
 
     @classmethod
@@ -130,16 +140,16 @@ class Mesh:
     def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
         """Every expert-parallel group and every expert-data-parallel group, as global ranks.
 
-        Megatron's parallel folding: in each pipeline stage and tp coordinate, the dp × cp ranks
-        (cp fastest) are laid out as edp × ep with ep fastest; an ep group holds different experts,
-        an edp group the same ones (their gradients are reduced there)."""
+        Megatron's parallel folding with expert tensor parallelism 1: each pipeline stage's
+        dp × cp × tp ranks (in rank order, tp fastest) are laid out as edp × ep with ep fastest; an
+        ep group holds different experts, an edp group the same ones (their gradients are
+        reduced there). At tp = ep an ep group is a tp group."""
         grid = self.device_mesh.mesh  # [pp, dp, cp, tp] global ranks
         ep_lists, edp_lists = [], []
         for p in range(self.pp):
-            for t in range(self.tp):
-                folded = grid[p, :, :, t].reshape(self.edp, self.ep)
-                ep_lists += folded.tolist()
-                edp_lists += folded.T.tolist()
+            folded = grid[p].reshape(self.edp, self.ep)
+            ep_lists += folded.tolist()
+            edp_lists += folded.T.tolist()
         return ep_lists, edp_lists
 
     def pipeline_ranks(self) -> list[int]:

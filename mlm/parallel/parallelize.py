@@ -17,9 +17,11 @@ only its shard ("column", "row", "vocab"; a materialised model gives each its sl
 weights), its input or a placeholder turned into the entry into the tp region ("enter": once
 per module input, as Megatron's fused QKV enters once for q, k and v), the sequence split under
 sequence parallelism ("scatter_sequence"), its in-region randomness forked per tp rank
-("tp_rng"), its loss made vocabulary-parallel ("vocab_loss"). Every parameter left replicated
-gets a placement whose gradient is summed over tp under sequence parallelism, except those
-declared "full_sequence" (fed the whole sequence on every rank, before the split).
+("tp_rng"), its loss made vocabulary-parallel ("vocab_loss"), its statistics reduced over the
+sequence shards ("sp_group"). Every parameter left replicated gets a placement whose gradient is
+summed over tp under sequence parallelism, except those declared "full_sequence" (fed the whole
+sequence on every rank, before the split); "head_shared" ones (applied to each rank's heads)
+always.
 """
 
 from __future__ import annotations
@@ -48,7 +50,17 @@ from mlm.parallel.tensor import (
 )
 
 SHARDED = ("column", "row", "vocab")
-STYLES = (*SHARDED, "replicated", "full_sequence", "enter", "scatter_sequence", "tp_rng", "vocab_loss")
+STYLES = (
+    *SHARDED,
+    "replicated",
+    "full_sequence",
+    "head_shared",
+    "sp_group",
+    "enter",
+    "scatter_sequence",
+    "tp_rng",
+    "vocab_loss",
+)
 
 
 def _plans(model: nn.Module):
@@ -128,11 +140,16 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
     enter = GatherFromSP if sequence_parallel else CopyToTP
     rng = TensorParallelRNG(mesh)
     full_sequence: set[int] = set()
+    head_shared: set[int] = set()
     for _, module, attr, style in plans:
         if attr == TP_INPUT:
             assert style == "enter", f"{type(module).__name__}: its input can only 'enter' the tp region"
             module.enter_tp = enter(mesh)
             module.register_forward_pre_hook(_enter_tp_hook)
+            continue
+        if style == "sp_group":
+            if sequence_parallel:
+                setattr(module, attr, mesh.tp_group)
             continue
         child = getattr(module, attr, None)
         if child is None:  # absent on this pipeline stage, or not in this configuration
@@ -150,14 +167,17 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
             setattr(module, attr, functools.partial(_vocab_parallel_mean, mesh=mesh))
         elif style == "full_sequence":
             full_sequence.update(id(p) for p in child.parameters())
+        elif style == "head_shared":
+            head_shared.update(id(p) for p in child.parameters())
 
     # Replicated parameters: under sequence parallelism each tp rank computes their gradient from
-    # its sequence shard, so it is summed over tp (except those fed the full sequence).
+    # its sequence shard, so it is summed over tp (except those fed the full sequence); those
+    # applied to each rank's own heads always are.
     for module in model.modules():
         for local, p in module.named_parameters(recurse=False):
             described = module.__dict__.setdefault("placements", {})
             if local not in described:
-                grad_sum = sequence_parallel and id(p) not in full_sequence
+                grad_sum = (sequence_parallel and id(p) not in full_sequence) or id(p) in head_shared
                 described[local] = replicated(mesh, tuple(p.shape), grad_sum_tp=grad_sum)
     model.tp_rng = rng
     return model

@@ -4,7 +4,7 @@ A placement says the parameter's global shape, this rank's slice of it (offset; 
 shape is the parameter's), the mesh dims whose ranks hold other slices (`sharded_over`), the
 dims whose ranks hold the same slice (`replicated_over`) and which of those copies this rank's
 is (`replica_id`). The checkpoint writer of each slice is its replica 0, so a tensor sharded
-over any group (tp today, experts over ep or dp next) is written exactly once, by exactly the
+over any group (tp; experts over ep, see `expert_sharded`) is written exactly once, by exactly the
 ranks that hold its distinct slices.
 
 Modules that hold sharded parameters describe them in a `placements` dict (local parameter name
@@ -50,6 +50,11 @@ class Placement:
     def tensor_parallel(self) -> bool:
         return "tp" in self.sharded_over
 
+    @property
+    def expert_parallel(self) -> bool:
+        """Sharded over ep (its gradient is reduced over edp, not dp)."""
+        return "ep" in self.sharded_over
+
     def writer_without(self, mesh: Mesh, dim: str) -> bool:
         """Whether this rank writes the slice once the replicas over `dim` are one (e.g. the
         distributed optimizer gathers the moments over dp and picks the dp rank that writes)."""
@@ -79,6 +84,16 @@ def sharded(mesh: Mesh, global_shape: tuple[int, ...], dim: int, over: str = "tp
     return Placement(
         tuple(global_shape), tuple(offset), tuple(shape), (over,), rest, replica_index(mesh, rest)
     )
+
+
+def expert_sharded(mesh: Mesh, global_shape: tuple[int, ...]) -> Placement:
+    """This rank's experts of stacked expert weights [E, ...]: split over ep along dim 0, the
+    same on the edp ranks (expert parallelism folds the stage's dp × cp × tp ranks as edp × ep)."""
+    E = global_shape[0]
+    assert E % mesh.ep == 0, f"{E} experts over ep={mesh.ep}"
+    n = E // mesh.ep
+    offset = (mesh.ep_rank * n,) + (0,) * (len(global_shape) - 1)
+    return Placement(tuple(global_shape), offset, (n, *global_shape[1:]), ("ep",), ("edp",), mesh.edp_rank)
 
 
 def replicated(mesh: Mesh, shape: tuple[int, ...], grad_sum_tp: bool = False) -> Placement:

@@ -6,7 +6,9 @@
 
 The wrapped module keeps its parameters and names: its `forward` is replaced on the instance by
 one that runs under `torch.utils.checkpoint` while training with gradients (the RNG state is
-restored for the recompute, so dropout masks repeat). Evaluation and serving run it plainly.
+restored for the recompute, so dropout masks repeat; the rerun runs under
+`mlm.model.aux_loss.recompute_pass`, so statistics are not counted twice). Evaluation and
+serving run it plainly.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mlm.errors import MlmError
+from mlm.model.aux_loss import recompute_pass
 
 MODES = ("none", "selective", "full")
 
@@ -26,7 +29,17 @@ def _checkpointed(module: nn.Module, forward):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if module.training and torch.is_grad_enabled():
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            calls = 0
+
+            def once_then_recompute(*a, **kw):  # the second call is the rerun inside backward
+                nonlocal calls
+                calls += 1
+                if calls == 1:
+                    return forward(*a, **kw)
+                with recompute_pass():
+                    return forward(*a, **kw)
+
+            return checkpoint(once_then_recompute, *args, use_reentrant=False, **kwargs)
         return forward(*args, **kwargs)
 
     return run

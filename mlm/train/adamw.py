@@ -17,6 +17,8 @@ def no_decay(name: str, p: nn.Parameter) -> bool:
 def make_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
     decay, exempt = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # e.g. the MoE router's expert bias (updated by its own rule)
+            continue
         (exempt if cfg.no_decay_norms_biases_embeddings and no_decay(name, p) else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
     if exempt:
@@ -36,6 +38,8 @@ def adam_state_tensors(model: nn.Module, opt: torch.optim.AdamW, step: int) -> d
     out = {}
     fused = opt.defaults.get("fused") or False
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         state = opt.state[p]
         if not state:
             state["step"] = torch.tensor(

@@ -86,6 +86,7 @@ class MetricsLogger:
         )
         if r.get("skipped"):
             line += f"  skipped {r['skipped']}"
+        line += expert_load_summary(r)
         console.print(line, highlight=False)
 
     def close(self) -> None:
@@ -93,3 +94,15 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+
+
+def expert_load_summary(r: dict) -> str:
+    """The console's compact view of MoE load: the worst layer's busiest expert over the mean
+    (1.00 is balanced) and the share of token copies dropped; empty without MoE layers."""
+    loads = {k.rsplit(".", 1)[1]: v for k, v in r.items() if k.startswith("moe.load_max_mean.")}
+    if not loads:
+        return ""
+    worst = max(loads, key=loads.get)
+    dropped = max((v for k, v in r.items() if k.startswith("moe.dropped.")), default=0.0)
+    text = f"  moe load max/mean {loads[worst]:.2f} (layer {worst})"
+    return text + (f" dropped {100 * dropped:.1f}%" if dropped else "")

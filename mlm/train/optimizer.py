@@ -1,7 +1,8 @@
 """AdamW over the mesh behind one interface: replicated over dp, or the distributed optimizer.
 
 Both keep gradients in `GradBuckets` (one flat buffer, reduced in buckets during the last
-backward of a step). `pieces()` gives the gradient this rank is responsible for, tagged
+backward of a step): one for the dense parameters, reduced over dp, and under expert
+parallelism a second for the expert weights, reduced over edp (`all_grads` drives both). `pieces()` gives the gradient this rank is responsible for, tagged
 tensor-parallel or not, so that unscaling, inf checks and the global norm are written once.
 The checkpoint holds the optimizer as one process would: `exp_avg.NAME`, `exp_avg_sq.NAME` in
 each parameter's global shape, whatever the mesh.
@@ -15,7 +16,7 @@ from torch import nn
 from mlm.checkpoint import ShardedTensor
 from mlm.checkpoint.keys import param_of
 from mlm.config import Config
-from mlm.parallel.data_parallel import GradBuckets
+from mlm.parallel.data_parallel import GradBuckets, GradBucketSet
 from mlm.parallel.dist_optim import DistributedOptimizer
 from mlm.parallel.grad_norm import any_nonfinite, clip_, global_grad_norm
 from mlm.parallel.mesh import Mesh
@@ -34,41 +35,64 @@ class TrainOptimizer:
         self.placements = placements(model, mesh)
         self.padded_rows = getattr(model, "padded_rows", ())
         tied = model.tied_weight()
-        self.grads = GradBuckets(
-            model,
-            mesh.dp_group,
+        trainable = {n for n, q in model.named_parameters() if q.requires_grad}
+        experts = {n for n in trainable if self.placements[n].expert_parallel}
+        common = dict(
             bucket_size_bytes=p.bucket_size_mb * 2**20,
             reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32,
             reduce_scatter=self.distributed,
-            held=(tied,) if tied is not None else (),  # reduced once both pipeline copies are summed
         )
+        self.grads = GradBuckets(
+            model,
+            mesh.dp_group,
+            held=(tied,) if tied is not None else (),  # reduced once both pipeline copies are summed
+            names=trainable - experts,
+            **common,
+        )
+        # expert weights (sharded over ep): reduced over edp, averaged over all dp replicas
+        self.expert_grads = (
+            GradBuckets(model, mesh.group("edp"), names=experts, divisor=mesh.dp * mesh.cp, **common)
+            if experts
+            else None
+        )
+        self.all_grads = GradBucketSet(self.grads, self.expert_grads)
+        """Every gradient buffer, driven as one (by the pipeline and `finish`)."""
         # the last pipeline stage's copy of a tied embedding: updated like the original, counted once
         self.copy = model.tied_copy()
         self.adamw = make_optimizer(model, cfg.optimizer, device)
-        self.dist = DistributedOptimizer.from_adamw(self.adamw, self.grads) if self.distributed else None
-        if self.dist is not None:
-            self.dist.placements = self.placements
+        self.dists: list[DistributedOptimizer] = []
+        if self.distributed:
+            for g in self.all_grads.buckets:
+                self.dists.append(DistributedOptimizer.from_adamw(self.adamw, g, subset=True))
+                self.dists[-1].placements = self.placements
 
-    def _is_tp(self, index: int) -> bool:
-        return self.placements[self.grads.names[index]].tensor_parallel
+    def _kind(self, name: str) -> bool | str:
+        place = self.placements[name]
+        return "expert" if place.expert_parallel else place.tensor_parallel
 
     # ------------------------------------------------------------------ one step
 
-    def pieces(self, counted_once: bool = False) -> list[tuple[torch.Tensor, bool]]:
-        """(gradient this rank owns, is tensor-parallel) after `finish()`; `counted_once` leaves out
-        the gradient of a tied embedding's last-stage copy (for the norm)."""
-        g = self.grads
-        if self.dist is None:
-            return [
-                (p.grad, self._is_tp(i))
-                for i, p in enumerate(g.params)
-                if not (counted_once and p is self.copy)
+    def pieces(self, counted_once: bool = False) -> list[tuple[torch.Tensor, bool | str]]:
+        """(gradient this rank owns, kind: tensor-parallel, replicated or "expert") after
+        `finish()`; `counted_once` leaves out the gradient of a tied embedding's last-stage copy
+        (for the norm)."""
+        out = []
+        if not self.dists:
+            for g in self.all_grads.buckets:
+                out += [
+                    (p.grad, self._kind(n))
+                    for n, p in zip(g.names, g.params, strict=True)
+                    if not (counted_once and p is self.copy)
+                ]
+            return out
+        for d in self.dists:
+            g = d.grads
+            out += [
+                (g.buffer[s.start : s.start + s.numel], self._kind(s.name))
+                for s in d.segments
+                if not (counted_once and g.params[s.index] is self.copy)
             ]
-        return [
-            (g.buffer[s.start : s.start + s.numel], self._is_tp(s.index))
-            for s in self.dist.segments
-            if not (counted_once and g.params[s.index] is self.copy)
-        ]
+        return out
 
     def found_inf(self) -> bool:
         return any_nonfinite([t for t, _ in self.pieces()], self.device)
@@ -77,25 +101,29 @@ class TrainOptimizer:
         torch._foreach_mul_([t for t, _ in self.pieces()], factor)
 
     def clip(self, max_norm: float) -> float:
-        dp_shards = self.mesh.dp_group if self.distributed else None
         m = self.mesh
+        dp_shards = m.dp_group if self.distributed else None
+        experts = ()
+        if self.expert_grads is not None:
+            experts = tuple(g for g in (m.group("edp") if self.distributed else None, m.group("ep")) if g)
         norm = global_grad_norm(
-            self.pieces(counted_once=True), m.tp_group, dp_shards, self.device, m.group("pp")
+            self.pieces(counted_once=True), m.tp_group, dp_shards, self.device, m.group("pp"), experts
         )
         clip_([t for t, _ in self.pieces()], norm, max_norm)
         return float(norm)
 
     def step(self, lr: float) -> None:
-        if self.dist is not None:
-            self.dist.set_lr(lr)
-            self.dist.step()
+        if self.dists:
+            for d in self.dists:
+                d.set_lr(lr)
+                d.step()
             return
         for group in self.adamw.param_groups:
             group["lr"] = lr
         self.adamw.step()
 
     def zero_grad(self) -> None:
-        self.grads.zero_grad()
+        self.all_grads.zero_grad()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -104,13 +132,16 @@ class TrainOptimizer:
         under the distributed optimizer); vocabulary rows padded per tp, as the weights."""
         for t in tensors:
             name, place = param_of(t.key), self.placements[param_of(t.key)]
-            t.writer = t.writer and (place.writer_without(self.mesh, "dp") if self.dist else place.writer)
+            sharded_over = "edp" if place.expert_parallel else "dp"
+            t.writer = t.writer and (
+                place.writer_without(self.mesh, sharded_over) if self.dists else place.writer
+            )
             t.padded_rows = name in self.padded_rows
         return tensors
 
     def save_tensors(self, step: int) -> list[ShardedTensor]:
-        if self.dist is not None:
-            return self._placed(self.dist.checkpoint_save_tensors())
+        if self.dists:
+            return self._placed([t for d in self.dists for t in d.checkpoint_save_tensors()])
         out = []
         for key, t in adam_state_tensors(self.model, self.adamw, step).items():
             place = self.placements[param_of(key)]
@@ -118,12 +149,13 @@ class TrainOptimizer:
         return self._placed(out)
 
     def load_targets(self, step: int) -> list[ShardedTensor]:
-        if self.dist is not None:
-            return self._placed(self.dist.checkpoint_load_targets())
+        if self.dists:
+            return self._placed([t for d in self.dists for t in d.checkpoint_load_targets()])
         return self.save_tensors(step)
 
     def finish_load(self, step: int) -> None:
-        if self.dist is not None:
-            self.dist.finish_load(step)
+        if self.dists:
+            for d in self.dists:
+                d.finish_load(step)
         else:
             set_adam_step(self.adamw, step)

@@ -35,6 +35,7 @@ from mlm.errors import MlmError
 from mlm.model import flops_per_token, parameter_count
 from mlm.model.gpt import GPT
 from mlm.parallel import Mesh
+from mlm.parallel.expert import expert_load_step
 from mlm.parallel.launch import init_distributed, pick_device
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads
 from mlm.parallel.pipeline import Pipeline
@@ -68,10 +69,10 @@ def resume_path(cfg: Config, load: str | None, auto_resume: bool) -> str | None:
 
 
 def check_supported(mesh: Mesh, cfg: Config) -> None:
-    if mesh.cp > 1 or mesh.ep > 1:
+    if mesh.cp > 1:
         raise MlmError(
-            f"parallel.cp={mesh.cp}, ep={mesh.ep}: this mlm trains with tensor, sequence, pipeline and "
-            "data parallelism; set cp and ep to 1"
+            f"parallel.cp={mesh.cp}: this mlm trains with tensor, sequence, pipeline, data and expert "
+            "parallelism; set cp to 1"
         )
     t = cfg.train
     micro_batches_per_step(t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.pp, cfg.parallel.vpp)
@@ -197,10 +198,11 @@ class Trainer(TrainerCheckpoints):
         opt = self.optimizer
         scale = self.scaler.scale if self.scaler else 1.0
         micro = [self._batch(self.train_data, indices) for indices in batches]
-        total = self.pipeline.train_step(micro, scale / self.num_micro, opt.grads, self._autocast)
+        total = self.pipeline.train_step(micro, scale / self.num_micro, opt.all_grads, self._autocast)
         self.pipeline.sync_tied_embedding()
-        opt.grads.finish()
+        opt.all_grads.finish()
         allreduce_sequence_parallel_grads(self.model, self.mesh, opt.placements)
+        load = expert_load_step(self.model, self.mesh)  # and the aux-loss-free bias update
         overflow = bool(self.scaler) and opt.found_inf()
         if self.scaler and not overflow:
             opt.unscale(1.0 / scale)
@@ -213,15 +215,26 @@ class Trainer(TrainerCheckpoints):
             self.scaler.update(overflow)
         opt.zero_grad()
         loss = self._dp_mean(self.pipeline.sum_over_stages(total) / self.num_micro)
-        aux = self._aux_losses()
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": overflow, "aux": aux}
+        extra = self._step_metrics(load)
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": overflow, "extra": extra}
 
-    def _aux_losses(self) -> dict[str, float]:
-        """This step's auxiliary losses (`model.aux_losses`: e.g. MoE balancing), each the mean per
-        micro-batch, summed over pipeline stages and averaged over dp (tp ranks hold the same)."""
-        values = {k: v / self.num_micro for k, v in self.model.aux_losses.pop().items()}
+    def _step_metrics(self, load: dict[str, float]) -> dict[str, float]:
+        """This step's auxiliary losses (`model.aux_losses`: e.g. MoE balancing) as `aux.NAME`, each
+        the mean per micro-batch, summed over tp where each tp rank holds its share (sequence
+        parallelism), over pipeline stages, and averaged over dp; with the expert `load` metrics
+        of every stage (already the same on the stage's ranks)."""
+        aux = self.model.aux_losses
+        partial = set(aux.partial)
+        values = {f"aux.{k}": v / self.num_micro for k, v in aux.pop().items()}
+        values.update(load)
         if not self.has_aux:
             return values
+        if self.mesh.tp > 1 and partial:
+            parts: list[dict] = [{}] * self.mesh.tp
+            dist.all_gather_object(parts, values, group=self.mesh.tp_group)
+            for k in values:
+                if k.removeprefix("aux.") in partial:
+                    values[k] = sum(p[k] for p in parts)
         for dim, combine in (("pp", sum), ("dp", lambda vs: sum(vs) / len(vs))):
             group = self.mesh.group(dim)
             if group is not None:
@@ -350,8 +363,9 @@ class Trainer(TrainerCheckpoints):
         }
         if self.scaler:
             rec["loss_scale"] = self.scaler.scale
-        for name in window[-1]["aux"]:  # auxiliary losses: JSONL and TensorBoard (train/aux.NAME)
-            rec[f"aux.{name}"] = sum(r["aux"].get(name, 0.0) for r in window) / len(window)
+        # auxiliary losses (aux.NAME) and expert load (moe.*): JSONL and TensorBoard (train/NAME)
+        for name in window[-1]["extra"]:
+            rec[name] = sum(r["extra"].get(name, 0.0) for r in window) / len(window)
         log.train_line(self.iteration, self.total_iters, rec)
         log.log(self.iteration, rec)
 
