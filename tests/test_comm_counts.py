@@ -110,8 +110,8 @@ def worker(rank: int, world: int, sets: dict[str, list[str]]) -> dict:
         res["numel"] = sum(p.numel() for p in g.params)
         res["buffer_bytes"] = g.buffer.numel() * g.buffer.element_size()
         res["bucket_params"] = [sum(g.params[i].numel() for i in b.params) for b in g.buckets]
-        if trainer.optimizer.dist is not None:
-            res["param_buffer_bytes"] = trainer.optimizer.dist.buffer.numel() * FP32
+        if trainer.optimizer.dists:
+            res["param_buffer_bytes"] = trainer.optimizer.dists[0].buffer.numel() * FP32
         out[name] = res
     return out
 

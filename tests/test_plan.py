@@ -132,9 +132,10 @@ def _measure(cfg, mesh, autocast=None) -> dict:
     opt.grads.finish()
     opt.clip(1.0)
     opt.step(1e-3)
-    if opt.dist is not None:
-        steps = [st["step"] for st in opt.dist._adam.state.values()] if opt.dist._adam else []
-        optimizer = _storages([opt.dist.exp_avg, opt.dist.exp_avg_sq, *steps])
+    if opt.dists:
+        (d,) = opt.dists  # a dense model: one gradient buffer
+        steps = [st["step"] for st in d._adam.state.values()] if d._adam else []
+        optimizer = _storages([d.exp_avg, d.exp_avg_sq, *steps])
     else:
         optimizer = _storages([t for st in opt.adamw.state.values() for t in st.values()])
     counted = {
