@@ -33,7 +33,7 @@ def test_shape_errors_show_the_product():
     with pytest.raises(MlmError, match=r"tp\(2\) × pp\(2\) × cp\(1\) = 4 does not divide world size 6"):
         Mesh.shape_for(ParallelConfig(tp=2, pp=2), 6)
     assert Mesh.shape_for(ParallelConfig(tp=2), 6) == {"pp": 1, "dp": 3, "cp": 1, "tp": 2}
-    with pytest.raises(MlmError, match=r"ep\(4\) must divide dp\(2\)"):
+    with pytest.raises(MlmError, match=r"ep\(4\) must divide dp\(2\) × cp\(1\) × tp\(1\) = 2"):
         Mesh.shape_for(ParallelConfig(ep=4), 2)
 
 
@@ -50,13 +50,13 @@ def _expert_groups(rank, world):
     return mesh.ep_rank, mesh.edp_rank, mesh.edp, sums, mesh.group("pp_grad")
 
 
-def test_expert_groups_fold_dp_as_edp_by_ep():
-    """World 8 = dp 4 × tp 2 with ep 2 (Megatron's folding): for tp coordinate t, the dp ranks
-    t, 2+t, 4+t, 6+t form ep groups {t, 2+t}, {4+t, 6+t} and edp groups {t, 4+t}, {2+t, 6+t}."""
+def test_expert_groups_fold_the_stage_as_edp_by_ep():
+    """World 8 = dp 4 × tp 2 with ep 2 (Megatron's folding, expert tensor parallelism 1): the
+    stage's ranks in rank order (tp fastest) as edp 4 × ep 2, so an ep group is a tp group
+    {2d, 2d+1} and an edp group holds every other rank {e, 2+e, 4+e, 6+e}."""
     for rank, (ep_rank, edp_rank, edp, sums, pp_grad) in enumerate(run_ranks(8, _expert_groups)):
-        dp, t = rank // 2, rank % 2
-        assert (ep_rank, edp_rank, edp) == (dp % 2, dp // 2, 2), rank
-        ep_mates = [2 * (2 * (dp // 2) + e) + t for e in range(2)]
-        edp_mates = [2 * (2 * d + dp % 2) + t for d in range(2)]
+        assert (ep_rank, edp_rank, edp) == (rank % 2, rank // 2, 4), rank
+        ep_mates = [2 * (rank // 2) + e for e in range(2)]
+        edp_mates = [2 * d + rank % 2 for d in range(4)]
         assert sums == {"ep": sum(ep_mates), "edp": sum(edp_mates), "gloo": sum(range(8))}, rank
         assert pp_grad is None  # pp 1: no pipeline groups

@@ -31,14 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mlm.config import ModelConfig
 from mlm.errors import MlmError
 from mlm.model.moe.experts import GroupedExperts
 from mlm.model.moe.layer import MoE, combine
 from mlm.parallel.data_parallel import all_gather, reduce_scatter
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.placement import expert_sharded
-
-DISPATCHERS = ("alltoall", "allgather")
 
 
 class _GatherRows(torch.autograd.Function):
@@ -149,27 +148,32 @@ class AllGatherDispatcher:
         return _ReduceScatterRows.apply(out_all, self.group, ep)
 
 
+def check_expert_parallel(cfg: ModelConfig, ep: int, tp: int, sequence_parallel: bool) -> None:
+    """MlmError unless `cfg`'s MoE layers split over `ep` ranks (at `tp`, with or without
+    sequence parallelism)."""
+    if ep == 1 or not any(spec.mlp == "moe" for spec in cfg.layer_specs()):
+        return
+    if tp > 1 and not sequence_parallel:
+        raise MlmError(
+            f"parallel.ep={ep} with tp={tp}: the tp ranks are expert-parallel ranks too and must "
+            "hold different tokens; set parallel.sequence_parallel=true (Megatron requires it as well)"
+        )
+    E = cfg.moe.num_experts
+    if E % ep:
+        raise MlmError(
+            f"model.moe.num_experts={E} is not divisible by parallel.ep={ep}: each ep rank holds "
+            f"E / ep whole experts; choose an ep that divides {E}"
+        )
+
+
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool, dispatcher: str) -> None:
     """Give every MoE layer of `model` (on the meta device) its 1/ep of the experts, with their
     placements, and the `dispatcher` ("alltoall" or "allgather") over `mesh`'s ep group. A no-op
     at ep = 1. Checks run before any change."""
     if mesh.ep == 1:
         return
+    check_expert_parallel(model.cfg, mesh.ep, mesh.tp, sequence_parallel)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if dispatcher not in DISPATCHERS:
-        raise MlmError(f"model.moe.token_dispatcher={dispatcher!r}: must be one of {', '.join(DISPATCHERS)}")
-    if mesh.tp > 1 and not sequence_parallel and moes:
-        raise MlmError(
-            f"parallel.ep={mesh.ep} with tp={mesh.tp}: the tp ranks are expert-parallel ranks too and must "
-            "hold different tokens; set parallel.sequence_parallel=true (Megatron requires it as well)"
-        )
-    for moe in moes:
-        E = moe.moe.num_experts
-        if E % mesh.ep:
-            raise MlmError(
-                f"model.moe.num_experts={E} is not divisible by parallel.ep={mesh.ep}: each ep rank holds "
-                f"E / ep whole experts; choose an ep that divides {E}"
-            )
     group = mesh.group("ep")
     for moe in moes:
         for w in (moe.experts.gate, moe.experts.up, moe.experts.down):
@@ -206,13 +210,14 @@ def expert_load_step(model: nn.Module, mesh: Mesh) -> dict[str, float]:
     for group in groups:
         if group is not None:
             dist.all_reduce(counts, group=group)
+    loads, dropped = counts[:, :-1], counts[:, -1]
+    for (moe, _), load in zip(taken, loads, strict=True):
+        if moe.router.expert_bias is not None:
+            moe.router.expert_bias.add_(torch.sign(load.mean() - load) * moe.moe.router_bias_update_rate)
+    ratio = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).tolist()
+    share = (dropped / loads.sum(1).clamp(min=1)).tolist()  # one device sync for all layers
     out = {}
-    for (moe, _), row in zip(taken, counts, strict=True):
-        load, dropped = row[:-1], row[-1]
-        mean = load.mean()
-        bias = moe.router.expert_bias
-        if bias is not None:
-            bias.add_(torch.sign(mean - load) * moe.moe.router_bias_update_rate)
-        out[f"moe.load_max_mean.{moe.layer}"] = float(load.max() / mean.clamp(min=1e-9))
-        out[f"moe.dropped.{moe.layer}"] = float(dropped / load.sum().clamp(min=1))
+    for (moe, _), r, d in zip(taken, ratio, share, strict=True):
+        out[f"moe.load_max_mean.{moe.layer}"] = r
+        out[f"moe.dropped.{moe.layer}"] = d
     return out

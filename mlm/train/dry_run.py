@@ -14,6 +14,7 @@ from rich.text import Text
 
 from mlm.config import Config
 from mlm.model.gpt import GPT
+from mlm.parallel.expert import check_expert_parallel
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import check_tensor_parallel
 from mlm.parallel.pipeline import split_for_pipeline, stage_layer_counts
@@ -35,11 +36,13 @@ def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
     shape = Mesh.shape_for(p, world_size)
     padded = cfg.model.padded_vocab_size(p.tp)
     check_tensor_parallel(cfg.model, padded, p.tp)
+    check_expert_parallel(cfg.model, p.ep, p.tp, p.sequence_parallel)
     num_micro = micro_batches_per_step(t.global_batch_size, t.micro_batch_size, shape["dp"], p.pp, p.vpp)
     counts = stage_layer_counts(cfg.model.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
 
     mesh_line = Text(
-        f"mesh tp={p.tp} pp={p.pp}{f' vpp={p.vpp}' if p.vpp > 1 else ''} dp={shape['dp']} cp={p.cp} "
+        f"mesh tp={p.tp} pp={p.pp}{f' vpp={p.vpp}' if p.vpp > 1 else ''} dp={shape['dp']} cp={p.cp}"
+        f"{f' ep={p.ep}' if p.ep > 1 else ''} "
         f"(world {world_size}); micro-batch {t.micro_batch_size}, global batch {t.global_batch_size}, "
         f"{num_micro} micro-batches per step per dp rank; layers per virtual stage {counts}"
     )
