@@ -113,6 +113,11 @@ class MoEConfig:
             not (self.router_pre_softmax and self.router_score_function == "sigmoid"),
             f"{s}.router_pre_softmax=true needs router_score_function=softmax (a sigmoid has no 'before top-k')",
         )
+        _check(
+            not self.router_enable_expert_bias or self.router_score_function == "sigmoid",
+            f"{s}.router_enable_expert_bias=true needs router_score_function=sigmoid (the bias selects "
+            "among sigmoid scores, as in DeepSeek-V3 and Megatron)",
+        )
         _choice(s, "token_drop_policy", self.token_drop_policy, ("probs", "position"))
         _choice(s, "token_dispatcher", self.token_dispatcher, ("alltoall", "allgather"))
         _choice(s, "experts_impl", self.experts_impl, ("auto", "grouped_mm", "bmm", "loop"))

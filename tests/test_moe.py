@@ -284,6 +284,10 @@ def test_recompute_does_not_count_the_load_twice():
         ),
         ({"router_num_groups": 4}, r"set both .* or neither"),
         ({"pad_to_capacity": True}, r"pad_to_capacity=true needs model.moe.capacity_factor"),
+        (
+            {"router_enable_expert_bias": True},
+            r"router_enable_expert_bias=true needs router_score_function=sigmoid",
+        ),
         ({"router_pre_softmax": True, "router_score_function": "sigmoid"}, r"router_pre_softmax=true needs"),
     ],
 )
