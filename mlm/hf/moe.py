@@ -10,7 +10,8 @@ Router (config.json → `model.moe`):
     norm_topk_prob true (Mixtral: always) router_pre_softmax false: softmax over the top-k logits
                                          (= softmax over all, top-k, renormalise)
     norm_topk_prob false                 router_pre_softmax true: softmax over all, top-k as is
-    router_aux_loss_coef                 aux_loss_coeff, the same number (as Megatron-Bridge maps it)
+    router_aux_loss_coef                 aux_loss_coeff, the same number (as mbridge's Qwen-MoE bridges
+                                         do; Megatron-LM's Qwen3-30B-A3B example uses 1e-3, its HF value)
 
 The balancing losses are not the same function of that number. Hugging Face adds one loss,
 coef · E · Σ_e f_e · P_e over the tokens of all layers together (k at perfect balance), and
