@@ -94,13 +94,13 @@ def test_a_missing_expert_is_named():
         km.plan(hf)
     assert str(e.value) == (
         "Hugging Face synthetic state lacks model.layers.1.mlp.experts.2.gate_proj.weight "
-        "(expert 2 of num_experts=4, stacked into layers.1.mlp.experts.gate.weight)"
+        "(expert 2 of moe.num_experts=4, stacked into layers.1.mlp.experts.gate.weight)"
     )
 
 
 def test_an_expert_beyond_the_count_and_an_unknown_key():
     km = KeyMap(TABLE, {"layer": L, "expert": E - 1}, "Hugging Face synthetic")
-    with pytest.raises(MlmError, match=r"experts\.3\.gate_proj\.weight \(expert 3, but num_experts=3\)"):
+    with pytest.raises(MlmError, match=r"experts\.3\.gate_proj\.weight \(expert 3, but moe\.num_experts=3\)"):
         km.plan(hf_state())
     km = KeyMap(TABLE, {"layer": L, "expert": E}, "Hugging Face synthetic")
     with pytest.raises(MlmError, match=r"does not know: model\.layers\.0\.mlp\.experts\.0\.foo; known"):

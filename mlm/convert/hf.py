@@ -222,11 +222,7 @@ def export_hf(
     cfg = config_from_dict(manifest["config"]).model
     padded = mlm_state["embed.weight"].shape[0] if "embed.weight" in mlm_state else None
     source = (manifest.get("source") or {}).get("architecture", "")
-    arch = (
-        "mistral"
-        if source == "MistralForCausalLM" and "mistral" in adapters.ADAPTERS
-        else adapters.arch_of(cfg)
-    )
+    arch = adapters.arch_of(cfg, source)
     hf_state, hf_config = adapters.mlm_to_hf(mlm_state, cfg, arch, padded)
     stored = {t.dtype for t in hf_state.values()}
     target = DTYPES[dtype] if dtype else (stored.pop() if len(stored) == 1 else torch.float32)

@@ -1,7 +1,10 @@
 """Hugging Face ⇄ mlm: configs and state dicts of Llama (`LlamaForCausalLM`), Mistral
-(`MistralForCausalLM`, Llama's layout; full attention only) and GPT-2 (`GPT2LMHeadModel`).
+(`MistralForCausalLM`, Llama's layout; full attention only), GPT-2 (`GPT2LMHeadModel`) and the
+mixtures of experts Mixtral (`MixtralForCausalLM`), Qwen2-MoE (`Qwen2MoeForCausalLM`) and
+Qwen3-MoE (`Qwen3MoeForCausalLM`).
 
-One adapter per architecture (`llama`, `mistral`, `gpt2`, on the base in `adapter`), in the style
+One adapter per architecture (`llama`, `mistral`, `gpt2`, `mixtral`, `qwen2_moe`, `qwen3_moe`,
+on the base in `adapter`; `moe` holds what the MoE ones share), in the style
 of torchtitan's `state_dict_adapter.py` and litgpt's `convert_hf_checkpoint.py`: a map from
 Hugging Face key templates to mlm key templates (`templates`: `{layer}` and `{expert}` index the
 keys, None drops one, a rule splits, transposes or stacks tensors), plus the translation of
@@ -15,10 +18,13 @@ vocabulary rows to `cfg.padded_vocab_size()`.
 """
 
 from mlm.hf.adapter import Adapter
-from mlm.hf.engine import LazyTensor, hf_to_mlm, iter_hf_to_mlm, load_hf_into, mlm_to_hf
+from mlm.hf.engine import LazyTensor, hf_to_mlm, iter_hf_to_mlm, load_hf_into, mlm_to_hf, saved_state
 from mlm.hf.gpt2 import GPT2
 from mlm.hf.llama import LLAMA
 from mlm.hf.mistral import MISTRAL
+from mlm.hf.mixtral import MIXTRAL
+from mlm.hf.qwen2_moe import QWEN2_MOE
+from mlm.hf.qwen3_moe import QWEN3_MOE
 from mlm.hf.registry import ADAPTERS, adapter, arch_of, config_from_hf, config_to_hf
 from mlm.hf.templates import KeyMap, Rule, stacked, transposed
 
@@ -27,6 +33,9 @@ __all__ = [
     "GPT2",
     "LLAMA",
     "MISTRAL",
+    "MIXTRAL",
+    "QWEN2_MOE",
+    "QWEN3_MOE",
     "Adapter",
     "KeyMap",
     "LazyTensor",
@@ -39,6 +48,7 @@ __all__ = [
     "iter_hf_to_mlm",
     "load_hf_into",
     "mlm_to_hf",
+    "saved_state",
     "stacked",
     "transposed",
 ]

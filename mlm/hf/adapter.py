@@ -26,6 +26,8 @@ class Adapter(ABC):
     """HF key template → mlm key template(s) or rule, or None to drop the key."""
     prefix: str = ""
     """A prefix some checkpoints of this architecture leave out (GPT-2's `transformer.`)."""
+    hint: str = ""
+    """Said after the list of known templates when a state has keys none names."""
 
     @abstractmethod
     def config_from_hf(self, c: dict) -> ModelConfig:
@@ -37,12 +39,14 @@ class Adapter(ABC):
         this architecture cannot express `cfg`."""
 
     def counts(self, cfg: ModelConfig) -> dict[str, int]:
-        """How many values each template placeholder takes (`{layer}`; MoE adapters add `{expert}`)."""
+        """How many values each template placeholder takes (`{layer}`; `mlm.hf.moe` adds `{expert}`)."""
         return {"layer": cfg.num_layers}
 
     def keymap(self, cfg: ModelConfig) -> KeyMap:
         """The template table for `cfg`'s counts."""
-        return KeyMap(self.from_hf, self.counts(cfg), f"Hugging Face {self.model_type}", self.prefix)
+        return KeyMap(
+            self.from_hf, self.counts(cfg), f"Hugging Face {self.model_type}", self.prefix, self.hint
+        )
 
     def get(self, c: dict, key: str):
         """config.json's `key`, which must be there."""
@@ -53,16 +57,24 @@ class Adapter(ABC):
             )
         return c[key]
 
-    def require(self, cfg: ModelConfig, rules: dict[str, object]) -> None:
-        """MlmError naming each `cfg` field that differs from what this architecture needs (and
-        every layer must be the dense kinds it has: grouped-query attention, dense MLP)."""
-        bad = [
-            f"model.{k}={getattr(cfg, k)!r} (needs {v!r})" for k, v in rules.items() if getattr(cfg, k) != v
-        ]
+    def require(self, cfg: ModelConfig, rules: dict[str, object], mlp: tuple[str, ...] = ("dense",)) -> None:
+        """MlmError naming each `cfg` field that differs from what this architecture needs (`rules`:
+        field → value, `moe.` fields of `cfg.moe` included), and each layer kind it lacks: attention
+        must be grouped-query, the MLP one of `mlp` (an MoE adapter passes ("dense", "moe"), or
+        ("moe",) when every layer has experts)."""
+        bad = [f"model.{k}={_field(cfg, k)!r} (needs {v!r})" for k, v in rules.items() if _field(cfg, k) != v]
         kinds = {(s.attention, s.mlp) for s in cfg.layer_specs()}
-        if kinds != {("gqa", "dense")}:
-            bad.append(f"layer kinds {sorted(kinds)} (needs only ('gqa', 'dense'))")
+        if not kinds <= {("gqa", m) for m in mlp}:
+            needs = " or ".join(repr(("gqa", m)) for m in mlp)
+            bad.append(f"layer kinds {sorted(kinds)} (needs only {needs})")
         if bad:
             raise MlmError(
                 f"this model cannot be written as Hugging Face {self.model_type}: {'; '.join(bad)}"
             )
+
+
+def _field(cfg: ModelConfig, name: str):
+    """`cfg`'s field `name`, a dotted one ("moe.router_topk") from its sub-config."""
+    for part in name.split("."):
+        cfg = getattr(cfg, part)
+    return cfg

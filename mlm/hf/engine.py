@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mlm.config import ModelConfig
+from mlm.config import ModelConfig, describe_layers
 from mlm.errors import MlmError
 from mlm.hf.registry import adapter, arch_of, config_from_hf
 from mlm.model.gpt import GPT, VOCAB_ROWS
@@ -59,12 +59,22 @@ def mlm_to_hf(
     _check_mlm_state(mlm_state, cfg, padded_vocab)
     keymap = a.keymap(cfg)
     out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
     for unit in keymap.units():
-        if unit.mlm[0] not in mlm_state:  # lm_head when tied
+        present = [k in mlm_state for k in unit.mlm]
+        if not any(present):  # lm_head when tied; a dense MLP's keys in an MoE layer, and back
             continue
+        assert all(present), f"{unit.template}: only some of {unit.mlm} in the state"
         mlm = [mlm_state[k][: cfg.vocab_size] if k in VOCAB_ROWS else mlm_state[k] for k in unit.mlm]
         for hf_key, t in keymap.to_hf(unit, mlm):
             out[hf_key] = t.contiguous()
+        used.update(unit.mlm)
+    unnamed = [k for k in mlm_state if k not in used]
+    if unnamed:  # never drop a tensor: the adapter's require() should have refused the config
+        raise MlmError(
+            f"mlm tensors {', '.join(unnamed)} have no Hugging Face {a.model_type} name, so the export "
+            f"would lose them; this model cannot be written as {a.hf_class}"
+        )
     return out, hf_config
 
 
@@ -118,6 +128,13 @@ def iter_hf_to_mlm(
     by_mlm = {r.mlm: t for t, r in keymap.rules.items() if r is not None}
     embed, head = by_mlm[("embed.weight",)], by_mlm[("output.weight",)]
     tied = {embed, head} if cfg.tie_embeddings else set()  # a stored head is checked, then dropped
+    homeless = [stored[k] for u in units if u.template not in tied for k in u.hf if k not in want]
+    if homeless:  # e.g. a dense MLP's key in a layer the config gives experts
+        raise MlmError(
+            f"Hugging Face {a.model_type} state has {', '.join(homeless)}, which the config has no "
+            f"tensor for (its layers: {describe_layers(cfg.layer_specs())}); build the config with "
+            "config_from_hf from the checkpoint's own config.json"
+        )
     bad = [
         f"{stored[k]}: shape {list(hf_tensors[stored[k]][0])} in the Hugging Face state, but the config "
         f"needs {list(want[k])}"
@@ -164,6 +181,22 @@ def _digest(t: torch.Tensor) -> int:
     return google_crc32c.value(data.reshape(-1))
 
 
+_MOE_NUMERICS = (
+    "num_experts",
+    "router_topk",
+    "router_score_function",
+    "router_pre_softmax",
+    "router_num_groups",
+    "router_group_topk",
+    "router_topk_scaling_factor",
+    "router_enable_expert_bias",
+    "capacity_factor",
+    "shared_expert_ffn_hidden_size",
+    "shared_expert_gate",
+)
+"""The `model.moe` fields that change what an MoE layer computes (not the losses or kernels)."""
+
+
 def _numerics(cfg: ModelConfig) -> dict[str, object]:
     """The config values that change what the model computes (not dropout, init or max length)."""
     d = dict(
@@ -180,6 +213,11 @@ def _numerics(cfg: ModelConfig) -> dict[str, object]:
         add_bias=cfg.add_bias,
         tie_embeddings=cfg.tie_embeddings,
     )
+    d.update(head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
+    d["layers"] = describe_layers(cfg.layer_specs())
+    if any(s.mlp == "moe" for s in cfg.layer_specs()):
+        m = cfg.moe
+        d.update({f"moe.{k}": getattr(m, k) for k in _MOE_NUMERICS}, expert_ffn_size=cfg.expert_ffn_size)
     if cfg.position_embedding == "rope":
         d.update(rope_base=cfg.rope_base, rope_scaling_factor=cfg.rope_scaling_factor)
         if cfg.rope_scaling_factor is not None:
@@ -195,7 +233,9 @@ def load_hf_into(model: GPT, hf_model_or_state: nn.Module | dict[str, torch.Tens
     """Load a transformers model (or its state dict) into an mlm model with `strict=True`.
 
     Given a model, its config must describe the same network as `model.cfg` (build that with
-    `config_from_hf(hf_model.config.to_dict())`); a state dict is checked by its shapes only."""
+    `config_from_hf(hf_model.config.to_dict())`) and its tensors are taken as `save_pretrained`
+    writes them (`saved_state`); a state dict is checked by its shapes only, and must use the
+    names of the saved files."""
     cfg = model.cfg
     state = hf_model_or_state
     if isinstance(hf_model_or_state, nn.Module):
@@ -211,6 +251,21 @@ def load_hf_into(model: GPT, hf_model_or_state: nn.Module | dict[str, torch.Tens
                 + "; ".join(diff)
                 + " (build the mlm model from config_from_hf(hf_model.config.to_dict()))"
             )
-        state = hf_model_or_state.state_dict()
+        state = saved_state(hf_model_or_state)
     model.load_state_dict(hf_to_mlm(state, cfg, padded_vocab=model.embed.weight.shape[0]), strict=True)
     return model
+
+
+def saved_state(hf_model: nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers model's tensors under the names and layouts `save_pretrained` writes.
+
+    transformers 5 holds some weights otherwise in memory than in its files (the experts of
+    Mixtral and Qwen-MoE fused as `mlp.experts.gate_up_proj` [E, 2F, D]) and converts them back
+    when saving (`revert_weight_conversion`); mlm's adapters name the saved files' keys, so the
+    same conversion is applied here. transformers 4 holds the saved layout already."""
+    state = hf_model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x: no in-memory conversions
+        return state
+    return dict(revert_weight_conversion(hf_model, state))

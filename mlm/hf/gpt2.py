@@ -81,7 +81,9 @@ class GPT2Adapter(Adapter):
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
-        self.require(cfg, dict(normalization="layernorm", position_embedding="learned", add_bias=True))
+        self.require(
+            cfg, dict(normalization="layernorm", position_embedding="learned", add_bias=True, qk_norm=False)
+        )
         if cfg.activation not in ("gelu_tanh", "gelu") or cfg.query_groups != cfg.num_attention_heads:
             raise MlmError(
                 f"this model cannot be written as Hugging Face gpt2: model.activation={cfg.activation!r} "

@@ -9,8 +9,13 @@ from mlm.hf.adapter import Adapter
 from mlm.hf.gpt2 import GPT2
 from mlm.hf.llama import LLAMA
 from mlm.hf.mistral import MISTRAL
+from mlm.hf.mixtral import MIXTRAL
+from mlm.hf.qwen2_moe import QWEN2_MOE
+from mlm.hf.qwen3_moe import QWEN3_MOE
 
-ADAPTERS: dict[str, Adapter] = {a.model_type: a for a in (LLAMA, GPT2, MISTRAL)}
+ADAPTERS: dict[str, Adapter] = {
+    a.model_type: a for a in (LLAMA, GPT2, MISTRAL, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+}
 _ALIASES = {a.hf_class: a.model_type for a in ADAPTERS.values()}
 
 
@@ -45,8 +50,16 @@ def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
     return adapter(arch).config_to_hf(cfg)
 
 
-def arch_of(cfg: ModelConfig) -> str:
-    """The Hugging Face model_type a config converts to (Llama-style models export as llama)."""
+def arch_of(cfg: ModelConfig, source: str = "") -> str:
+    """The Hugging Face model_type a config converts to: `source` (the transformers class or
+    model_type it was imported from) when supported; else learned positions: gpt2; MoE layers:
+    qwen3_moe with q/k norms, qwen2_moe with shared experts, else mixtral; otherwise llama."""
+    if _ALIASES.get(source, source) in ADAPTERS:
+        return _ALIASES.get(source, source)
     if cfg.position_embedding == "learned":
         return "gpt2"
+    if any(s.mlp == "moe" for s in cfg.layer_specs()):
+        if cfg.qk_norm:
+            return "qwen3_moe"
+        return "qwen2_moe" if cfg.moe.shared_expert_ffn_hidden_size else "mixtral"
     return "llama"

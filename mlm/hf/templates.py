@@ -33,7 +33,7 @@ import torch
 
 from mlm.errors import MlmError
 
-PLACEHOLDERS = {"layer": "num_layers", "expert": "num_experts"}
+PLACEHOLDERS = {"layer": "num_layers", "expert": "moe.num_experts"}
 """Each placeholder a template may hold → the config field that counts its values."""
 
 
@@ -113,10 +113,17 @@ class Unit:
 class KeyMap:
     """An adapter's template table for given placeholder counts, e.g. {"layer": 32}.
 
-    `name` ("Hugging Face llama") starts the error messages; `prefix` is one some checkpoints
-    leave out of their keys (GPT-2's `transformer.`)."""
+    `name` ("Hugging Face llama") starts the error messages, `hint` ends the one about unknown
+    keys; `prefix` is one some checkpoints leave out of their keys (GPT-2's `transformer.`)."""
 
-    def __init__(self, table: Mapping[str, Target], counts: Mapping[str, int], name: str, prefix: str = ""):
+    def __init__(
+        self,
+        table: Mapping[str, Target],
+        counts: Mapping[str, int],
+        name: str,
+        prefix: str = "",
+        hint: str = "",
+    ):
         self.rules: dict[str, Rule | None] = {}
         for template, target in table.items():
             r = _rule(target)
@@ -127,7 +134,7 @@ class KeyMap:
                 assert r.stack is None or r.stack in fields, f"{template}: stacks over {r.stack!r}"
                 assert all(set(_fields(m)) == inner for m in r.mlm), f"{template} → {r.mlm}"
             self.rules[template] = r
-        self.counts, self.name, self.prefix = dict(counts), name, prefix
+        self.counts, self.name, self.prefix, self.hint = dict(counts), name, prefix, hint
         self._patterns = [(_pattern(t), t) for t in self.rules]
 
     def locate(self, key: str) -> tuple[str, dict[str, int], str] | None:
@@ -184,7 +191,7 @@ class KeyMap:
         if unknown:
             raise MlmError(
                 f"{self.name} state has keys mlm does not know: {', '.join(unknown)}; "
-                f"known templates: {', '.join(self.rules)}"
+                f"known templates: {', '.join(self.rules)}{self.hint}"
             )
         lacking = [
             f"{k} ({u.rule.stack} {i} of {PLACEHOLDERS[u.rule.stack]}={len(u.hf)}, stacked into {u.mlm[0]})"
