@@ -316,8 +316,10 @@ def test_memory_model_against_real_ranks_and_train_from_plan(tmp_path, tiny_data
         {"train.precision": "bf16"},
         {"model.hidden_dropout": 0.1},
         GPT2,
+        {**MOE, "model.moe.shared_expert_ffn_hidden_size": 64, "model.moe.shared_expert_gate": True},
+        {**MOE, "train.precision": "bf16"},
     ],
-    ids=["none", "selective", "full", "bf16-autocast", "dropout", "gpt2"],
+    ids=["none", "selective", "full", "bf16-autocast", "dropout", "gpt2", "moe-shared", "moe-bf16"],
 )
 def test_memory_model_one_process(extra):
     from mlm.parallel import Mesh
@@ -527,6 +529,10 @@ def test_search_chooses_ep_for_qwen3_moe(tmp_path, capsys):
     spec = read_plan(path)
     assert spec["mesh"]["ep"] == lo.ep
     assert f"parallel.ep={lo.ep}" in train_overrides(spec)
+    inner = lo.tp * lo.pp
+    odd = next(n for n in range(inner, 1000, inner) if (n // lo.pp) % lo.ep)  # a whole dp, ep does not fold
+    assert f"ep={lo.ep} does not divide dp × cp × tp = {odd // lo.pp}" in world_size_note(spec, odd)
+    assert "does not divide" not in world_size_note(spec, 2 * job.gpus)
     pinned = plan(job, ep=4).ranked
     assert pinned and all(c.layout.ep == 4 for c in pinned)
 
