@@ -11,12 +11,12 @@ app = typer.Typer(help="Model presets and resolved run configs.", no_args_is_hel
 
 @app.command("list")
 def list_presets() -> None:
-    """Presets with their parameter counts and sources."""
+    """Presets with their parameter counts (MoE: total and active per token) and sources."""
     from rich.table import Table
 
     from mlm.config import load_config
     from mlm.console import console, human
-    from mlm.model import flops_per_token, parameter_count
+    from mlm.model import flops_per_token, parameter_counts
     from mlm.presets import PRESETS
 
     table = Table(
@@ -25,9 +25,10 @@ def list_presets() -> None:
     for name, (source, _, _) in PRESETS.items():
         cfg = load_config(overrides=[f"preset={name}"])
         m = cfg.model
+        total, active = parameter_counts(m)
         table.add_row(
             name,
-            human(parameter_count(m)),
+            f"total {human(total)}, active {human(active)}" if active != total else human(total),
             str(m.num_layers),
             str(m.hidden_size),
             f"{m.num_attention_heads}/{m.query_groups}",
@@ -46,13 +47,18 @@ def show(
 ) -> None:
     """Print the resolved config as TOML, with the layers' module kinds, parameter count and FLOPs per token."""
     from mlm.config import describe_layers, load_config, to_toml
-    from mlm.model import flops_per_token, parameter_count
+    from mlm.model import flops_per_token, parameter_counts
 
     sets = ([f"preset={preset}"] if preset else []) + list(overrides)
     cfg = load_config(config, sets)
-    n = parameter_count(cfg.model)
+    n, active = parameter_counts(cfg.model)
     f = flops_per_token(cfg.model, cfg.data.seq_length)
     print(f"# layers: {describe_layers(cfg.model.layer_specs())}")
-    print(f"# parameters: {n:,} ({n / 1e9:.3f} B)")
+    if active != n:  # MoE: a token uses k of the E routed experts
+        print(
+            f"# parameters: total {n:,} ({n / 1e9:.3f} B), active {active:,} ({active / 1e9:.3f} B) per token"
+        )
+    else:
+        print(f"# parameters: {n:,} ({n / 1e9:.3f} B)")
     print(f"# training FLOPs per token at seq {cfg.data.seq_length}: {f:.4g}")
     print(to_toml(cfg), end="")

@@ -2,6 +2,7 @@
 
 mlm plan --preset llama3-70b --gpus 512 --hardware h100-80g --global-batch 1024 -o plan.toml
 mlm plan --preset llama3-70b --gpus 512 --explain --png plan.png
+mlm plan --preset mixtral-8x7b --gpus 64 --global-batch 512 --ep 8
 mlm plan --config run.toml --gpus 8 --calibrate runs/x/metrics.jsonl --save-profile mine.toml
 """
 
@@ -30,6 +31,9 @@ def plan(
     optimizer: str = typer.Option(
         "auto", "--optimizer", help="adam (replicated), distributed (sharded over dp) or auto (try both)."
     ),
+    ep: int | None = typer.Option(
+        None, "--ep", help="Expert-parallel size to use (MoE models; default: search every valid one)."
+    ),
     top: int = typer.Option(10, "--top", help="Plans to show."),
     pick: int = typer.Option(1, "--pick", help="Which ranked plan to explain and write (1 = the best)."),
     explain: bool = typer.Option(False, "--explain", help="Every memory and time term of the picked plan."),
@@ -48,7 +52,8 @@ def plan(
         None, "--save-profile", help="Write the calibrated profile here."
     ),
 ) -> None:
-    """Choose tp × pp × dp, micro-batch, recompute and optimizer sharding; predict memory and speed."""
+    """Choose tp × pp × dp (and ep for MoE models), micro-batch, recompute and optimizer sharding;
+    predict memory and speed."""
     from mlm.console import console
     from mlm.errors import MlmError
     from mlm.plan import report
@@ -85,7 +90,7 @@ def plan(
             atomic_write_text(save_profile, hardware_toml(hw))
             console.print(f"wrote {save_profile}; plan with --hardware {save_profile}")
         return
-    result = search(job, optimizer)
+    result = search(job, optimizer, ep)
     if not 1 <= pick <= len(result.ranked):
         raise MlmError(f"--pick {pick}: {len(result.ranked)} plans fit; choose 1 to {len(result.ranked)}")
     chosen = result.ranked[pick - 1]

@@ -113,8 +113,13 @@ def world_size_note(plan: dict, world_size: int) -> str | None:
         return None
     inner = mesh["tp"] * mesh["pp"] * mesh["cp"]
     dp = f"dp={world_size // inner}" if world_size % inner == 0 else "no whole dp (the run will stop)"
+    ep = mesh.get("ep", 1)
+    stage = world_size // mesh["pp"]  # the dp × cp × tp ranks ep folds over
+    if world_size % inner == 0 and stage % ep:
+        dp += f", but ep={ep} does not divide dp × cp × tp = {stage} (the run will stop)"
+    keep = f"tp={mesh['tp']} pp={mesh['pp']} cp={mesh['cp']}" + (f" ep={ep}" if ep > 1 else "")
     return (
         f"the plan was made for {gpus} GPUs (dp={mesh['dp']}) but this run has {world_size} ranks: "
-        f"keeping tp={mesh['tp']} pp={mesh['pp']} cp={mesh['cp']}, {dp}; its memory and speed "
+        f"keeping {keep}, {dp}; its memory and speed "
         "predictions do not apply"
     )

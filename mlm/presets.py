@@ -6,6 +6,8 @@ device (`mlm config list`), so they can never disagree with what trains.
 
 from __future__ import annotations
 
+import copy
+
 from mlm.errors import MlmError
 
 _GPT2 = dict(
@@ -32,6 +34,7 @@ _LLAMA3 = dict(
     rope_original_max_position_embeddings=8192,
     max_position_embeddings=131072,
 )
+_SWIGLU_ROPE = dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", add_bias=False)
 
 # name: (source, model fields, data fields)
 PRESETS: dict[str, tuple[str, dict, dict]] = {
@@ -100,6 +103,51 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
         ),
         {"seq_length": 8192},
     ),
+    # MoE: every layer's MLP is the routed experts; top-k then a softmax over the k (Megatron's
+    # default router; HF's softmax → top-k → renormalise, norm_topk_prob=true, is the same).
+    # Balancing losses are a training choice, left off here: set model.moe.aux_loss_coeff.
+    # Totals and active parameters per token (`mlm config list`, tests/test_presets_moe.py):
+    # Mixtral-8x7B 46,702,792,704 / 12,879,925,248 (Mistral's "46.7B / 12.9B"); Qwen3-30B-A3B
+    # 30,532,122,624 / 3,353,032,704 ("30.5B / 3.3B"). Sequence length: 4096, a common
+    # pretraining length (both models support longer, see max_position_embeddings).
+    "mixtral-8x7b": (
+        "HF mistralai/Mixtral-8x7B-v0.1 config.json",
+        dict(
+            _SWIGLU_ROPE,
+            num_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_query_groups=8,
+            ffn_hidden_size=14336,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            norm_eps=1e-5,
+            rope_base=1e6,
+            mlp_kind="moe",
+            moe=dict(num_experts=8, router_topk=2),
+        ),
+        {"seq_length": 4096},
+    ),
+    "qwen3-30b-a3b": (
+        "HF Qwen/Qwen3-30B-A3B config.json",
+        dict(
+            _SWIGLU_ROPE,
+            num_layers=48,
+            hidden_size=2048,
+            num_attention_heads=32,
+            num_query_groups=4,
+            kv_channels=128,
+            ffn_hidden_size=6144,  # intermediate_size: unused (decoder_sparse_step 1, no mlp_only_layers)
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            norm_eps=1e-6,
+            rope_base=1e6,
+            qk_norm=True,
+            mlp_kind="moe",
+            moe=dict(num_experts=128, router_topk=8, ffn_hidden_size=768),
+        ),
+        {"seq_length": 4096},
+    ),
     "tiny-llama": (
         "mlm: CPU demo and tests (GQA, RoPE, SwiGLU)",
         dict(
@@ -114,6 +162,30 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
             position_embedding="rope",
             activation="swiglu",
             rope_base=10000.0,
+        ),
+        {"seq_length": 256},
+    ),
+    "tiny-moe": (
+        "mlm: CPU demo and tests (MoE: first layer dense, 8 experts top-2, a shared expert)",
+        dict(
+            _SWIGLU_ROPE,
+            num_layers=4,
+            hidden_size=128,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=352,
+            vocab_size=4096,
+            max_position_embeddings=256,
+            rope_base=10000.0,
+            mlp_kind="moe",
+            first_k_dense=1,
+            moe=dict(
+                num_experts=8,
+                router_topk=2,
+                ffn_hidden_size=96,
+                shared_expert_ffn_hidden_size=96,
+                aux_loss_coeff=1e-2,
+            ),
         ),
         {"seq_length": 256},
     ),
@@ -139,4 +211,4 @@ def preset_tables(name: str) -> dict[str, dict]:
             f"unknown preset {name!r}; known presets: {', '.join(PRESETS)} (see `mlm config list`)"
         )
     _, model, data = PRESETS[name]
-    return {"model": dict(model), "data": dict(data)}
+    return copy.deepcopy({"model": model, "data": data})  # nested tables (moe) are the caller's

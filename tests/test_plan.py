@@ -55,6 +55,17 @@ GPT2 = {
     "model.tie_embeddings": True,
     "model.num_query_groups": "none",
 }
+# an MoE model: layer 0 dense, 8 experts top-2 (the loop implementation: on CPU `auto` is bmm,
+# which pads every expert to the busiest one's tokens; GPUs run grouped_mm, unpadded)
+MOE = {
+    "model.mlp_kind": "moe",
+    "model.first_k_dense": 1,
+    "model.moe.num_experts": 8,
+    "model.moe.router_topk": 2,
+    "model.moe.ffn_hidden_size": 96,
+    "model.moe.aux_loss_coeff": 0.01,
+    "model.moe.experts_impl": "loop",
+}
 # world 4: (name, extra settings); dp is what is left of 4 ranks
 MESHES = [
     ("tp2 dp2", {"parallel.tp": 2}),
@@ -82,6 +93,20 @@ MESHES = [
         "dp4 distopt bf16-reduce",
         {"parallel.distributed_optimizer": True, "parallel.grad_reduce_dtype": "bf16"},
     ),
+    # MoE: ep folded over tp and dp (edp 1), and over dp alone with the experts' optimizer state
+    # sharded over edp 2
+    (
+        "tp2 dp2 sp ep4 moe shared",
+        {
+            "parallel.tp": 2,
+            "parallel.sequence_parallel": True,
+            "parallel.ep": 4,
+            **MOE,
+            "model.moe.shared_expert_ffn_hidden_size": 64,
+            "model.moe.shared_expert_gate": True,
+        },
+    ),
+    ("dp4 ep2 moe distopt", {"parallel.ep": 2, "parallel.distributed_optimizer": True, **MOE}),
 ]
 
 
@@ -102,6 +127,7 @@ def _layout(cfg, world: int) -> Layout:
         p.sequence_parallel,
         cfg.model.recompute,
         p.distributed_optimizer,
+        ep=p.ep,
     )
 
 
@@ -127,20 +153,22 @@ def _measure(cfg, mesh, autocast=None) -> dict:
     )
     gen = torch.Generator().manual_seed(mesh.dp_rank)
     micro = [torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=gen) for _ in range(n)]
-    pipe.train_step(micro, 1.0 / n, opt.grads)
+    pipe.train_step(micro, 1.0 / n, opt.all_grads)
     pipe.sync_tied_embedding()
-    opt.grads.finish()
+    opt.all_grads.finish()
     opt.clip(1.0)
     opt.step(1e-3)
-    if opt.dists:
-        (d,) = opt.dists  # a dense model: one gradient buffer
-        steps = [st["step"] for st in d._adam.state.values()] if d._adam else []
-        optimizer = _storages([d.exp_avg, d.exp_avg_sq, *steps])
+    if opt.dists:  # one per gradient buffer (dense over dp, experts over edp)
+        tensors = []
+        for d in opt.dists:
+            steps = [st["step"] for st in d._adam.state.values()] if d._adam else []
+            tensors += [d.exp_avg, d.exp_avg_sq, *steps]
+        optimizer = _storages(tensors)
     else:
         optimizer = _storages([t for st in opt.adamw.state.values() for t in st.values()])
     counted = {
         "weights": _storages(list(model.parameters())),
-        "gradients": opt.grads.buffer.untyped_storage().nbytes(),
+        "gradients": sum(g.buffer.untyped_storage().nbytes() for g in opt.all_grads.buckets),
         "optimizer": optimizer,
         "names": [(k, v.numel()) for k, v in model.named_parameters()],
     }
@@ -178,7 +206,7 @@ def _ranks_main(rank, world, data, run_dir, plan_path):
     for name, extra in MESHES:
         cfg = _cfg(extra)
         mesh = Mesh.build(cfg.parallel)
-        results.append((name, mesh.pp_rank, mesh.dp_rank, _measure(cfg, mesh)))
+        results.append((name, mesh.pp_rank, (mesh.dp_rank, mesh.edp_rank), _measure(cfg, mesh)))
     batching = ("train.micro_batch_size", "train.global_batch_size")  # the plan's, not tiny_sets'
     sets = [s for s in tiny_sets(run_dir, data, **{"train.train_iters": 3}) if not s.startswith(batching)]
     train(
@@ -222,6 +250,7 @@ def _tiny_plan(tmp_path):
         tokens=None,
         precision="fp32",
         optimizer="auto",
+        ep=None,
         top=3,
         pick=pick,
         explain=True,
@@ -241,15 +270,15 @@ def test_memory_model_against_real_ranks_and_train_from_plan(tmp_path, tiny_data
 
     errors = {}
     for rank_results in per_rank:
-        for (name, extra), (got_name, pp_rank, dp_rank, counted) in zip(MESHES, rank_results, strict=True):
+        for (name, extra), (got_name, pp_rank, ranks, counted) in zip(MESHES, rank_results, strict=True):
             assert name == got_name
             cfg = _cfg(extra)
             lo = _layout(cfg, 4)
-            stage = rank_stage(cfg, lo.tp, lo.pp, lo.vpp, pp_rank)
+            stage = rank_stage(cfg, lo.tp, lo.pp, lo.vpp, pp_rank, ep=lo.ep)
             assert [(p.name, p.numel) for p in stage.params] == counted["names"], name
-            predicted = model_state_bytes(cfg, stage, lo, dp_rank)
+            predicted = model_state_bytes(cfg, stage, lo, *ranks)
             for k in ("weights", "gradients", "optimizer"):
-                assert predicted[k] == counted[k], (name, pp_rank, dp_rank, k, predicted[k], counted[k])
+                assert predicted[k] == counted[k], (name, pp_rank, ranks, k, predicted[k], counted[k])
             act = micro_batch_activation_bytes(cfg, lo, stage)
             err = act / counted["activations"] - 1
             errors[(name, pp_rank)] = err
@@ -287,8 +316,10 @@ def test_memory_model_against_real_ranks_and_train_from_plan(tmp_path, tiny_data
         {"train.precision": "bf16"},
         {"model.hidden_dropout": 0.1},
         GPT2,
+        {**MOE, "model.moe.shared_expert_ffn_hidden_size": 64, "model.moe.shared_expert_gate": True},
+        {**MOE, "train.precision": "bf16"},
     ],
-    ids=["none", "selective", "full", "bf16-autocast", "dropout", "gpt2"],
+    ids=["none", "selective", "full", "bf16-autocast", "dropout", "gpt2", "moe-shared", "moe-bf16"],
 )
 def test_memory_model_one_process(extra):
     from mlm.parallel import Mesh
@@ -412,3 +443,113 @@ def test_evaluate_penalises_tp_across_nodes():
     wide = evaluate(Job(cfg, 16, 4, job.hardware), Layout(8, 1, 2, 1, 64, sequence_parallel=True))
     assert wide.timing.terms["tp collectives"] > 5 * inside.timing.terms["tp collectives"]
     assert wide.timing.terms["compute"] == inside.timing.terms["compute"]
+
+
+# ---------------------------------------------------------------- MoE: expert parallelism
+
+
+def _moe_job(preset: str, gpus: int, gpus_per_node: int = 8, sets=()) -> Job:
+    return make_job(
+        None,
+        [f"preset={preset}", *sets],
+        gpus,
+        gpus_per_node,
+        load_hardware("h100-80g"),
+        4096,
+        512,
+        None,
+        "bf16",
+    )
+
+
+def test_ep_divides_expert_state_over_ranks():
+    """Mixtral-8x7B on 64 GPUs, tp2 pp4 dp8: the experts (96 % of the weights) split over ep; the
+    distributed optimizer shards their Adam state over edp = dp·tp / ep instead of dp."""
+    job = _moe_job("mixtral-8x7b", 64)
+    by_ep = {}
+    for ep in (1, 2, 4, 8):
+        lo = Layout(2, 4, 8, 1, 512, sequence_parallel=True, distributed_optimizer=True, ep=ep)
+        check_layout(job, lo)
+        by_ep[ep] = evaluate(job, lo).memory.components
+    weights = [by_ep[ep]["weights"] for ep in (1, 2, 4, 8)]
+    assert all(a > b for a, b in zip(weights, weights[1:], strict=False)), weights
+    # 8 layers per stage of 8 experts × 3 × 4096 × 14336 fp32 weights: 11.3 GB at ep 1, a 1/ep share
+    experts = 8 * 8 * 3 * 4096 * 14336 * 4
+    assert weights[0] - weights[3] == pytest.approx(experts * (1 - 1 / 8), rel=1e-3)
+    assert by_ep[8]["gradients"] < by_ep[1]["gradients"] / 4
+    # the optimizer: at ep 1 every expert is sharded over dp 8; at ep 8 each rank's one expert
+    # per layer over edp = 16 / 8 = 2 ranks; the experts' Adam state per rank: 8 B · E/ep/edp
+    assert by_ep[1]["optimizer"] / by_ep[8]["optimizer"] == pytest.approx(2, rel=0.1)
+    assert by_ep[8]["optimizer"] < by_ep[1]["optimizer"]
+    assert by_ep[1].get("communication buffers", 0) < by_ep[8]["communication buffers"]  # a2a buffers
+
+
+def test_all_to_all_time_grows_with_the_nodes_ep_spans():
+    job = _moe_job("qwen3-30b-a3b", 64)
+    lo = lambda ep: Layout(1, 1, 64, 1, 512, distributed_optimizer=True, ep=ep)  # noqa: E731
+    a2a = {ep: evaluate(job, lo(ep)).timing.terms["ep all-to-all"] for ep in (1, 2, 4, 8, 16, 32, 64)}
+    assert a2a[1] == 0 and a2a[2] > 0
+    # about 4 · tokens · k · D · bytes · (ep − 1)/ep per MoE layer: inside a node the bytes grow
+    # as (ep − 1)/ep, across nodes most of them move to the ~9× slower network
+    assert a2a[2] < a2a[4] < a2a[8] < a2a[16] < a2a[32] < a2a[64]
+    assert a2a[16] > 3 * a2a[8]
+    tokens, k, D, layers = 4096 * 512 // 64, 8, 2048, 48
+    # dispatch fp32, combine bf16, backward the same: 12 bytes per copy and element; 8 micro-batches
+    in_node = layers * tokens * k * D * (4 + 2 + 2 + 4) * (8 - 1) / 8 / job.hardware.intra_bandwidth
+    latency = layers * 8 * 4 * job.hardware.intra_latency
+    assert a2a[8] == pytest.approx(in_node + latency, rel=1e-9)
+    # the same ep 8 spanning two nodes of 4 GPUs costs more than inside one node of 8
+    wide = evaluate(_moe_job("qwen3-30b-a3b", 64, 4), lo(8)).timing.terms["ep all-to-all"]
+    assert wide > 3 * a2a[8]
+    # a dense model has no exchange
+    dense = make_job(None, ["preset=llama3-8b"], 64, 8, load_hardware("h100-80g"), 4096, 512, None, "bf16")
+    assert evaluate(dense, Layout(1, 1, 64, 1, 512)).timing.terms["ep all-to-all"] == 0
+
+
+def test_search_chooses_ep_for_qwen3_moe(tmp_path, capsys):
+    job = _moe_job("qwen3-30b-a3b", 64)
+    result = plan(job)
+    best = result.ranked[0]
+    lo = best.layout
+    check_layout(job, lo)
+    assert lo.ep > 1 and 128 % lo.ep == 0 and (lo.dp * lo.cp * lo.tp) % lo.ep == 0
+    assert {c.layout.ep for c in result.ranked} > {1, lo.ep}  # several sizes were tried and fit
+    assert f" ep{lo.ep}" in lo.short()
+    # MFU counts the active parameters' FLOPs: the same step at the dense count would be ~9× more
+    assert 0.1 < best.timing.mfu < 0.75
+    from rich.console import Console
+
+    from mlm.plan.report import explain, plan_dict
+
+    Console(width=200).print(explain(job, best))
+    out = capsys.readouterr().out
+    assert "ep all-to-all" in out and f"experts: 128 over ep {lo.ep}" in out and "expert outputs" in out
+    path = tmp_path / "moe.toml"
+    write_plan(path, plan_dict(job, best, "qwen3-30b-a3b", []))
+    spec = read_plan(path)
+    assert spec["mesh"]["ep"] == lo.ep
+    assert f"parallel.ep={lo.ep}" in train_overrides(spec)
+    inner = lo.tp * lo.pp
+    odd = next(n for n in range(inner, 1000, inner) if (n // lo.pp) % lo.ep)  # a whole dp, ep does not fold
+    assert f"ep={lo.ep} does not divide dp × cp × tp = {odd // lo.pp}" in world_size_note(spec, odd)
+    assert "does not divide" not in world_size_note(spec, 2 * job.gpus)
+    pinned = plan(job, ep=4).ranked
+    assert pinned and all(c.layout.ep == 4 for c in pinned)
+
+
+def test_bad_ep_is_rejected():
+    job = _moe_job("qwen3-30b-a3b", 64)
+    with pytest.raises(
+        MlmError, match=r"ep=3 does not divide model.moe.num_experts=128: .* choose one of 1, 2, 4"
+    ):
+        plan(job, ep=3)
+    with pytest.raises(MlmError, match="ep=3 does not divide model.moe.num_experts=128"):
+        check_layout(job, Layout(1, 1, 64, 1, 512, ep=3))
+    # ep must divide the stage's dp × cp × tp ranks it folds over
+    with pytest.raises(MlmError, match=r"ep\(128\) must divide dp\(64\)"):
+        check_layout(job, Layout(1, 1, 64, 1, 512, ep=128))
+    with pytest.raises(MlmError, match="turn sequence parallelism on"):
+        check_layout(job, Layout(2, 1, 32, 1, 512, ep=4))
+    dense = make_job(None, ["preset=llama3-8b"], 8, 8, load_hardware("h100-80g"), 4096, 64, None, "bf16")
+    with pytest.raises(MlmError, match="no MoE layers"):
+        plan(dense, ep=2)

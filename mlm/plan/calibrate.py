@@ -84,6 +84,7 @@ def load_run(metrics: str | Path, gpus: int, gpus_per_node: int, hw: Hardware) -
         p.distributed_optimizer,
         p.first_stage_layers,
         p.last_stage_layers,
+        ep=p.ep,
     )
     job = Job(cfg, gpus, gpus_per_node, hw)
     check_layout(job, layout)

@@ -3,11 +3,13 @@ what it is given (a `Job`: the run config, the cluster)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlm.config import Config, load_config
 from mlm.errors import MlmError
+from mlm.flops import flops_per_token
 from mlm.hardware import Hardware
 
 
@@ -28,11 +30,22 @@ class Job:
     def global_batch(self) -> int:
         return self.cfg.train.global_batch_size
 
+    @functools.cached_property
+    def mlp_kinds(self) -> tuple[str, ...]:
+        """Each layer's MLP kind ("dense", "moe"), computed once per job."""
+        return tuple(spec.mlp for spec in self.cfg.model.layer_specs())
+
+    @functools.cached_property
+    def flops_per_token(self) -> float:
+        """Model training FLOPs per token (`mlm.flops`), computed once per job."""
+        return flops_per_token(self.cfg.model, self.seq)
+
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate: the mesh and the per-rank choices that go with it (cp = ep = 1: mlm train
-    refuses anything else)."""
+    """One candidate: the mesh and the per-rank choices that go with it (cp = 1: mlm train refuses
+    anything else). ep folds over each pipeline stage's dp × cp × tp ranks (`edp` = dp·cp·tp / ep
+    hold the same experts)."""
 
     tp: int
     pp: int
@@ -57,9 +70,14 @@ class Layout:
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the ranks of a stage holding the same experts."""
+        return self.dp * self.cp * self.tp // self.ep
+
     def short(self) -> str:
         s = f"tp{self.tp} pp{self.pp}" + (f"×{self.vpp}" if self.vpp > 1 else "") + f" dp{self.dp}"
-        return s + (" sp" if self.sequence_parallel else "")
+        return s + (f" ep{self.ep}" if self.ep > 1 else "") + (" sp" if self.sequence_parallel else "")
 
 
 def make_job(

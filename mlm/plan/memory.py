@@ -13,6 +13,12 @@ Model state (exact, to the byte, checked against the real objects in tests/test_
                 parameters, so there is no extra copy) + one 4-byte step counter per parameter
                 tensor (per owned segment when sharded).
 
+Under expert parallelism (ep > 1) the routed experts' weights (E / ep whole experts per MoE layer;
+expert tensor parallelism is 1, so at ep = 1 every tp rank holds all E) have a second gradient
+buffer, laid out and padded the same way but reduced over edp = dp·cp·tp / ep (padding lcm(edp,
+128), Adam state sharded 1/edp with the distributed optimizer); the router's selection-only
+expert bias is a weight without gradient or optimizer state.
+
 A rank holds its pipeline stage's layers (Megatron's interleaved assignment for vpp > 1), the
 vocabulary-padded embedding (make_vocab_size_divisible_by × tp rows, split over tp) on the first
 stage, the final norm and output layer on the last, and with tied embeddings a copy of the
@@ -32,6 +38,13 @@ fp32), per layer:
     attention          output e·h/t·A (the out-projection's input) + logsumexp b·(H/t)·s·4: the
                        SDPA/flash kernels keep no s×s matrix
     MLP                SwiGLU: gate, up, silu(gate), product: 4·e·f/t·A; GeLU: up, gelu: 2·e·f/t·A
+    MoE MLP            N = e/u tokens routed on this rank, M = N·k copies (balanced routing; the
+                       copies this rank's experts receive under ep): the router's fp32 input N·h·4,
+                       scores N·E·4, top-k weights/indices and per-copy index/weight; the copies'
+                       inputs M·h·A; the experts' 4·M·F·A (gated); their outputs M·h·(A + 4) (and
+                       the fp32 weighted copy); shared experts as a dense MLP of their width. mlm's
+                       grouped_mm / loop experts; `bmm` (CPU's auto) pads every expert to the
+                       busiest, up to +25 % measured in bf16.
     dropout masks      e·h/u bytes after attention and after the MLP, when hidden_dropout > 0
 
 Recompute: `full` keeps only each layer's input (e·h/u·R); `selective` re-runs the attention core
@@ -49,7 +62,7 @@ The last stage's logits and loss live for one micro-batch (its backward follows 
 
 Communication buffers and headroom are estimates, not counts (see `component notes` in
 docs/plan.md): bf16 gradient-reduction copies of the whole buffer (all buckets can be in flight),
-pipeline send/receive buffers, one tp collective output; headroom 1 GB (CUDA context, cuBLAS
+pipeline send/receive buffers, one tp collective output, one MoE layer's ep exchange buffers; headroom 1 GB (CUDA context, cuBLAS
 workspaces) + 5 % of HBM (caching-allocator fragmentation).
 """
 
@@ -74,29 +87,70 @@ class Param:
     numel: int
     linear: bool = False
     """A linear layer's weight (cast to bf16/fp16 under autocast)."""
+    expert_parallel: bool = False
+    """Routed experts' weights sharded over ep (> 1): their own gradient buffer, reduced over edp."""
+    trainable: bool = True
+    """False for the router's selection-only expert bias: a weight, with no gradient or Adam state."""
 
 
-def _layer_params(cfg: ModelConfig, i: int, tp: int) -> list[Param]:
-    h, f, K = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
+def _mlp_params(cfg: ModelConfig, prefix: str, f: int, tp: int) -> list[Param]:
+    """A dense MLP of width `f` split over tp (column gate/up, row down: its bias replicated)."""
+    h, out = cfg.hidden_size, []
+    names = (["gate"] if cfg.activation == "swiglu" else []) + ["up"]
+    for name in names:
+        out.append(Param(f"{prefix}.{name}.weight", f // tp * h, linear=True))
+        if cfg.add_bias:
+            out.append(Param(f"{prefix}.{name}.bias", f // tp))
+    out.append(Param(f"{prefix}.down.weight", h * (f // tp), linear=True))
+    if cfg.add_bias:
+        out.append(Param(f"{prefix}.down.bias", h))
+    return out
+
+
+def _moe_params(cfg: ModelConfig, prefix: str, tp: int, ep: int) -> list[Param]:
+    """An MoE MLP: the router and the shared experts' gate replicated over tp, E / ep whole experts
+    (expert tensor parallelism 1: replicated over tp at ep = 1), the shared experts split over tp."""
+    h, moe, F = cfg.hidden_size, cfg.moe, cfg.expert_ffn_size
+    E = moe.num_experts
+    out = [Param(f"{prefix}.router.weight", E * h)]
+    if moe.router_enable_expert_bias:
+        out.append(Param(f"{prefix}.router.expert_bias", E, trainable=False))
+    names = (["gate", "up"] if cfg.activation == "swiglu" else ["up"]) + ["down"]
+    out += [
+        Param(f"{prefix}.experts.{n}.weight", E // ep * F * h, linear=True, expert_parallel=ep > 1)
+        for n in names
+    ]
+    if moe.shared_expert_ffn_hidden_size:
+        out += _mlp_params(cfg, f"{prefix}.shared", moe.shared_expert_ffn_hidden_size, tp)
+        if moe.shared_expert_gate:
+            out.append(Param(f"{prefix}.shared_gate.weight", h, linear=True))
+    return out
+
+
+def _layer_params(cfg: ModelConfig, i: int, tp: int, ep: int, mlp: str) -> list[Param]:
+    h, K = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * K // tp, cfg.query_groups * K // tp
     out: list[Param] = []
     norm = ["weight", "bias"] if cfg.normalization == "layernorm" else ["weight"]
 
-    def linear(name: str, rows: int, cols: int, bias: int) -> None:
+    def linear(name: str, rows: int, cols: int, bias: int, has_bias: bool = cfg.add_bias) -> None:
         out.append(Param(f"layers.{i}.{name}.weight", rows * cols, linear=True))
-        if cfg.add_bias:
+        if has_bias:
             out.append(Param(f"layers.{i}.{name}.bias", bias))
 
     out += [Param(f"layers.{i}.attn_norm.{k}", h) for k in norm]
-    linear("attn.q", q, h, q)
-    linear("attn.k", kv, h, kv)
-    linear("attn.v", kv, h, kv)
+    qkv_bias = cfg.add_bias or cfg.qkv_bias
+    linear("attn.q", q, h, q, qkv_bias)
+    linear("attn.k", kv, h, kv, qkv_bias)
+    linear("attn.v", kv, h, kv, qkv_bias)
     linear("attn.out", h, q, h)  # row-parallel: the bias is replicated
+    if cfg.qk_norm:  # one [K] weight each, shared by the heads: replicated over tp
+        out += [Param(f"layers.{i}.attn.q_norm.weight", K), Param(f"layers.{i}.attn.k_norm.weight", K)]
     out += [Param(f"layers.{i}.mlp_norm.{k}", h) for k in norm]
-    if cfg.activation == "swiglu":
-        linear("mlp.gate", f // tp, h, f // tp)
-    linear("mlp.up", f // tp, h, f // tp)
-    linear("mlp.down", h, f // tp, h)
+    if mlp == "moe":
+        out += _moe_params(cfg, f"layers.{i}.mlp", tp, ep)
+    else:
+        out += _mlp_params(cfg, f"layers.{i}.mlp", cfg.ffn_size, tp)
     return out
 
 
@@ -109,24 +163,43 @@ class Stage:
     first: bool
     last: bool
     params: list[Param] = field(repr=False)
+    kinds: tuple[str, ...] = ()
+    """The MLP kind of each of the model's layers ("dense", "moe")."""
     numels: tuple[int, ...] = field(init=False, repr=False)
+    """The trainable parameters of the dense gradient buffer (reduced over dp)."""
+    expert_numels: tuple[int, ...] = field(init=False, repr=False)
+    """The expert-parallel parameters (their own buffer, reduced over edp); empty at ep = 1."""
+    frozen: int = field(init=False)
+    """Elements of parameters that never train (no gradient, no optimizer state)."""
     layer_linear: int = field(init=False)
     """Elements of the layers' linear weights."""
     output_linear: int = field(init=False)
     """Elements of the output layer's weight (or the tied embedding's) on the last stage."""
 
     def __post_init__(self):
-        object.__setattr__(self, "numels", tuple(p.numel for p in self.params))
-        layers = sum(p.numel for p in self.params if p.linear and p.name.startswith("layers."))
-        object.__setattr__(self, "layer_linear", layers)
-        object.__setattr__(self, "output_linear", sum(p.numel for p in self.params if p.linear) - layers)
+        ps = self.params
+        put = functools.partial(object.__setattr__, self)
+        put("numels", tuple(p.numel for p in ps if p.trainable and not p.expert_parallel))
+        put("expert_numels", tuple(p.numel for p in ps if p.trainable and p.expert_parallel))
+        put("frozen", sum(p.numel for p in ps if not p.trainable))
+        layers = sum(p.numel for p in ps if p.linear and p.name.startswith("layers."))
+        put("layer_linear", layers)
+        put("output_linear", sum(p.numel for p in ps if p.linear) - layers)
 
 
 def rank_stage(
-    cfg: Config, tp: int, pp: int, vpp: int, pp_rank: int, first: int | None = None, last: int | None = None
+    cfg: Config,
+    tp: int,
+    pp: int,
+    vpp: int,
+    pp_rank: int,
+    first: int | None = None,
+    last: int | None = None,
+    ep: int = 1,
 ) -> Stage:
     """The parameters of pipeline rank `pp_rank` in `model.named_parameters()` order (`first` /
-    `last`: layers on the first / last virtual stage, as parallel.first_stage_layers / last_…)."""
+    `last`: layers on the first / last virtual stage, as parallel.first_stage_layers / last_…;
+    `ep`: the expert-parallel size, over which each MoE layer's experts are split)."""
     m = cfg.model
     counts = stage_layer_counts(m.num_layers, pp, vpp, first, last)
     starts = [sum(counts[:s]) for s in range(len(counts))]
@@ -134,6 +207,7 @@ def rank_stage(
     chunks = [list(range(starts[s], starts[s] + counts[s])) for s in stages]
     first, last = 0 in stages, len(counts) - 1 in stages
     V, h = m.padded_vocab_size(tp), m.hidden_size
+    kinds = tuple(spec.mlp for spec in m.layer_specs())
     params: list[Param] = []
     if first or (last and m.tie_embeddings):
         params.append(Param("embed.weight", V // tp * h, linear=last and m.tie_embeddings))
@@ -141,17 +215,21 @@ def rank_stage(
         params.append(Param("pos_embed.weight", m.max_position_embeddings * h))
     layers = sorted(i for c in chunks for i in c)
     for i in layers:
-        params += _layer_params(m, i, tp)
+        params += _layer_params(m, i, tp, ep, kinds[i])
     if last:
         norm = ["weight", "bias"] if m.normalization == "layernorm" else ["weight"]
         params += [Param(f"final_norm.{k}", h) for k in norm]
         if not m.tie_embeddings:
             params.append(Param("output.weight", V // tp * h, linear=True))
-    return Stage(layers, chunks, first, last, params)
+    return Stage(layers, chunks, first, last, params, kinds)
 
 
 @functools.lru_cache(maxsize=4096)
 def _state_bytes(numels: tuple[int, ...], bucket_elems: int, dp: int, distributed: bool, dp_rank: int):
+    """(weights, gradients, optimizer) bytes of one gradient buffer's parameters, reduced over `dp`
+    ranks (this one `dp_rank`); the buffer's elements are gradients / 4."""
+    if not numels:
+        return 0, 0, 0
     pad = math.lcm(dp, 128) if distributed else 1
     ranges, buckets = bucket_layout(list(numels), bucket_elems, pad)
     buffer = buckets[-1][1]
@@ -166,18 +244,37 @@ def _state_bytes(numels: tuple[int, ...], bucket_elems: int, dp: int, distribute
     return 4 * buffer, 4 * buffer, 8 * local + 4 * segments
 
 
-def model_state_bytes(cfg: Config, stage: Stage, layout: Layout, dp_rank: int = 0) -> dict[str, int]:
-    """{"weights", "gradients", "optimizer"} bytes of one rank, as allocated."""
+def buffer_bytes(cfg: Config, stage: Stage, layout: Layout, dp_rank: int = 0, edp_rank: int = 0):
+    """{"dense": (weights, gradients, optimizer), "expert": (...)} bytes of one rank: the dense
+    buffer reduced over dp, the expert-parallel one over edp (zeros at ep = 1)."""
     elems = max(1, int(cfg.parallel.bucket_size_mb * 2**20) // 4)
-    w, g, o = _state_bytes(stage.numels, elems, layout.dp, layout.distributed_optimizer, dp_rank)
-    return {"weights": w, "gradients": g, "optimizer": o}
+    dist = layout.distributed_optimizer
+    return {
+        "dense": _state_bytes(stage.numels, elems, layout.dp, dist, dp_rank),
+        "expert": _state_bytes(stage.expert_numels, elems, layout.edp, dist, edp_rank),
+    }
+
+
+def model_state_bytes(
+    cfg: Config, stage: Stage, layout: Layout, dp_rank: int = 0, edp_rank: int = 0
+) -> dict[str, int]:
+    """{"weights", "gradients", "optimizer"} bytes of one rank, as allocated: the dense gradient
+    buffer over dp, the experts' over edp (each with its own padding and, with the distributed
+    optimizer, its own 1/dp or 1/edp shard of Adam state), plus any frozen parameters' weights."""
+    return _state(buffer_bytes(cfg, stage, layout, dp_rank, edp_rank), stage)
+
+
+def _state(parts: dict[str, tuple[int, int, int]], stage: Stage) -> dict[str, int]:
+    w, g, o = (sum(x) for x in zip(*parts.values(), strict=True))
+    return {"weights": w + 4 * stage.frozen, "gradients": g, "optimizer": o}
 
 
 # ---------------------------------------------------------------- activations
 
 
-def layer_activation_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
-    """Bytes one transformer layer saves for backward per micro-batch, by part (see the module doc)."""
+def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> dict[str, float]:
+    """Bytes one transformer layer saves for backward per micro-batch, by part (see the module
+    doc); `kind`: the layer's MLP kind ("dense" or "moe")."""
     m = cfg.model
     t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
     e = layout.micro_batch * cfg.data.seq_length
@@ -189,18 +286,54 @@ def layer_activation_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
     rms = m.normalization == "rmsnorm"
     norm = e * h / u * (4 + (4 if rms else 0)) + e / u * 4 * (1 if rms else 2)
     gated = m.activation == "swiglu"
+    moe = kind == "moe"
+    mlp_inputs = (2 if gated else 1) if autocast else 1
     parts = {
         "norms": 2 * norm,
-        "linear inputs": e * h * A * ((3 + (2 if gated else 1)) if autocast else 2),
+        "linear inputs": e * h * A * ((3 if autocast else 1) + (0 if moe else mlp_inputs)),
         "q, k, v": e * h / t * (1 + 2 * G / H) * A,
         "attention output": e * h / t * A,
-        "mlp": (4 if gated else 2) * e * f / t * A,
     }
+    if moe:
+        parts.update(moe_activation_bytes(cfg, layout, e, u, A, mlp_inputs))
+    else:
+        parts["mlp"] = (4 if gated else 2) * e * f / t * A
     if layout.recompute != "selective":
         parts["attention logsumexp"] = layout.micro_batch * H / t * cfg.data.seq_length * 4
     if m.hidden_dropout > 0:
         parts["dropout masks"] = 2 * e * h / u
     return parts
+
+
+def moe_activation_bytes(
+    cfg: Config, layout: Layout, e: int, u: int, A: int, inputs: int
+) -> dict[str, float]:
+    """An MoE MLP's saved tensors (measured on mlm's MoE layer, see the module doc): each rank
+    routes its N = e/u tokens (its sequence shard under sequence parallelism) and its experts
+    compute M = N·k token copies (balanced routing; under ep the copies it receives)."""
+    m, moe = cfg.model, cfg.model.moe
+    h, F, E, k = m.hidden_size, m.expert_ffn_size, moe.num_experts, moe.router_topk
+    N = e / u
+    M = N * k
+    gated = m.activation == "swiglu"
+    out = {
+        # the router's fp32 input and scores, the top-k weights and indices, each copy's token
+        # index and weight
+        "router": N * h * 4 + N * E * 4 + N * k * 12 + M * 12,
+        "expert inputs": M * h * A,
+        "experts": (4 if gated else 2) * M * F * A,
+        # the experts' output and its fp32 copy, weighted and summed home
+        "expert outputs": M * h * (A + 4),
+    }
+    shared = moe.shared_expert_ffn_hidden_size
+    if shared:
+        t = layout.tp
+        autocast = A == 2
+        # its input is all-gathered over tp under sequence parallelism (as a dense MLP's)
+        linear_in = e * h * A * inputs if autocast else (e * h * 4 if u > 1 else 0)
+        gate = N * h * A + N * 4 if moe.shared_expert_gate else 0
+        out["shared experts"] = linear_in + (4 if gated else 2) * e * shared / t * A + gate
+    return out
 
 
 def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
@@ -239,9 +372,16 @@ def weight_cast_bytes(cfg: Config, stage: Stage, layout: Layout) -> tuple[float,
 def micro_batch_activation_bytes(cfg: Config, layout: Layout, stage: Stage) -> float:
     """Everything one micro-batch's forward on this rank saves for backward (all its chunks): the
     number tests compare with saved_tensors_hooks."""
-    per_layer = sum(layer_activation_bytes(cfg, layout).values())
+    per_kind = kind_activation_bytes(cfg, layout, stage)
+    layers = sum(per_kind[stage.kinds[i]] for i in stage.layers)
     casts = sum(weight_cast_bytes(cfg, stage, layout))
-    return per_layer * len(stage.layers) + sum(stage_extras(cfg, layout, stage).values()) + casts
+    return layers + sum(stage_extras(cfg, layout, stage).values()) + casts
+
+
+def kind_activation_bytes(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
+    """{mlp kind: bytes one such layer saves per micro-batch} for the kinds on `stage`."""
+    kinds = {stage.kinds[i] for i in stage.layers} or {"dense"}
+    return {k: sum(layer_activation_bytes(cfg, layout, k).values()) for k in kinds}
 
 
 @dataclass
@@ -272,17 +412,28 @@ def rank_memory(
     cfg: Config, layout: Layout, pp_rank: int, hbm: float, stage: Stage | None = None
 ) -> MemoryReport:
     stage = stage or rank_stage(
-        cfg, layout.tp, layout.pp, layout.vpp, pp_rank, layout.first_stage_layers, layout.last_stage_layers
+        cfg,
+        layout.tp,
+        layout.pp,
+        layout.vpp,
+        pp_rank,
+        layout.first_stage_layers,
+        layout.last_stage_layers,
+        layout.ep,
     )
-    comps: dict[str, float] = dict(model_state_bytes(cfg, stage, layout))
-    chunk_layers = max(len(c) for c in stage.chunks)
+    parts = buffer_bytes(cfg, stage, layout)
+    comps: dict[str, float] = dict(_state(parts, stage))
     in_flight = _in_flight(layout.pp, pp_rank, layout.num_micro, layout.vpp) if layout.pp > 1 else 1
-    per_layer = layer_activation_bytes(cfg, layout)
+    per_kind = kind_activation_bytes(cfg, layout, stage)
+    chunk_bytes = max(sum(per_kind[stage.kinds[i]] for i in c) for c in stage.chunks)
+    # the parts of the layer kind that needs the most (an MoE layer where there is one), for --explain
+    big = max(per_kind, key=per_kind.__getitem__)
+    per_layer = layer_activation_bytes(cfg, layout, big)
     extras = stage_extras(cfg, layout, stage)
     first_extra = extras.get("embedding", 0.0) + extras.get("rope tables", 0.0) / max(1, len(stage.chunks))
     last_extra = sum(v for k, v in extras.items() if k in ("final norm", "output input", "loss"))
     layer_casts, output_cast = weight_cast_bytes(cfg, stage, layout)
-    comps["activations"] = in_flight * (chunk_layers * sum(per_layer.values()) + first_extra) + last_extra
+    comps["activations"] = in_flight * (chunk_bytes + first_extra) + last_extra
     comps["weight casts"] = in_flight * layer_casts / len(stage.chunks) + output_cast
     e, h, t = layout.micro_batch * cfg.data.seq_length, cfg.model.hidden_size, layout.tp
     u = t if layout.sequence_parallel else 1
@@ -290,8 +441,16 @@ def rank_memory(
         A = 2 if cfg.train.precision in _AUTOCAST else 4
         comps["logits (transient)"] = e * cfg.model.padded_vocab_size(t) / t * (A + 4)
     comm = 0.0
-    if cfg.parallel.grad_reduce_dtype == "bf16" and layout.dp > 1:
-        comm += comps["gradients"] / 2
+    if cfg.parallel.grad_reduce_dtype == "bf16":  # a bf16 copy of every bucket, all may be in flight
+        comm += (parts["dense"][1] if layout.dp > 1 else 0) / 2
+        comm += (parts["expert"][1] if layout.edp > 1 else 0) / 2
+    if layout.ep > 1 and "moe" in per_kind:  # one MoE layer's exchange buffers (fp32 tokens)
+        m = cfg.model
+        n = e / u
+        if m.moe.token_dispatcher == "alltoall":  # the copies sent and received
+            comm += 2 * n * m.moe.router_topk * h * 4
+        else:  # the gathered tokens and the outputs to reduce-scatter
+            comm += layout.ep * n * h * (4 + (2 if cfg.train.precision in _AUTOCAST else 4))
     if layout.pp > 1:
         comm += 2 * e * h / u * 4
     if t > 1:

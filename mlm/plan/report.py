@@ -27,6 +27,8 @@ MEMORY_ORDER = (
 
 def _mesh(lo: Layout) -> str:
     s = f"tp{lo.tp} pp{lo.pp}" + (f" vpp{lo.vpp}" if lo.vpp > 1 else "") + f" dp{lo.dp}"
+    if lo.ep > 1:
+        s += f" ep{lo.ep}"
     if lo.first_stage_layers is not None:
         s += f" ({lo.first_stage_layers}/…/{lo.last_stage_layers} layers)"
     return s
@@ -86,6 +88,14 @@ def explain(job: Job, c: Candidate) -> Group:
         f"optimizer, {cfg.train.precision}; {job.gpus} × {job.hardware.name}",
         style="bold",
     )
+    if lo.ep > 1:
+        moe = m.moe
+        head.append(
+            f"\nexperts: {moe.num_experts} over ep {lo.ep} ({moe.num_experts // lo.ep} per rank), gradients "
+            f"reduced over edp {lo.edp}; {moe.token_dispatcher} dispatcher, top-{moe.router_topk}, "
+            "balanced routing assumed",
+            style="bold",
+        )
     mt = Table(
         title=f"memory per GPU (pipeline rank {mem.pp_rank}, {mem.in_flight} micro-batch chunks in flight)",
         title_justify="left",
@@ -96,7 +106,11 @@ def explain(job: Job, c: Candidate) -> Group:
         if k in mem.components:
             mt.add_row(k, f"{mem.components[k] / GB:.2f}")
     mt.add_row("total", f"{mem.total / GB:.2f} of {mem.hbm / GB:.0f}", style="bold")
-    lt = Table(title="activations per layer and micro-batch (mlm's layers)", title_justify="left")
+    moe_layer = "expert outputs" in mem.per_layer
+    lt = Table(
+        title=f"activations per {'MoE ' if moe_layer else ''}layer and micro-batch (mlm's layers)",
+        title_justify="left",
+    )
     lt.add_column("part")
     lt.add_column("MB", justify="right")
     for k, v in mem.per_layer.items():
@@ -113,7 +127,8 @@ def explain(job: Job, c: Candidate) -> Group:
     )
     lt.add_row(
         "total",
-        f"{sum(mem.per_layer.values()) / 1e6:.1f}  (Korthikanti et al. {mode}: {paper / 1e6:.1f})",
+        f"{sum(mem.per_layer.values()) / 1e6:.1f}  ({'a dense GPT layer, ' if moe_layer else ''}"
+        f"Korthikanti et al. {mode}: {paper / 1e6:.1f})",
         style="bold",
     )
     tt = Table(title="time per step", title_justify="left")

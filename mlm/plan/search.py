@@ -6,7 +6,10 @@ network, never competitive), or when none of its layouts fits (the reason names 
 need). Within a family every vpp (layers divisible by pp × vpp; micro-batches a multiple of pp),
 micro-batch (a divisor of global batch / dp, up to 16), recompute (none, selective, full) and
 optimizer sharding is tried; sequence parallelism is always on with tp > 1 (it moves the same
-bytes as tp's all-reduces and stores 1/tp of the norms' activations). cp = ep = 1.
+bytes as tp's all-reduces and stores 1/tp of the norms' activations; expert parallelism over tp
+ranks needs it too). For a model with MoE layers every expert-parallel size is tried that divides
+both the stage's dp × cp × tp ranks (ep folds over them) and the number of experts (each rank holds
+E / ep whole experts); `ep=` pins one. cp = 1.
 """
 
 from __future__ import annotations
@@ -82,16 +85,48 @@ def stage_split(num_layers: int, pp: int, vpp: int) -> tuple[int | None, int | N
 
 
 class _Stages:
-    """`rank_stage` computed once per (tp, pp, vpp, first, last, rank)."""
+    """`rank_stage` computed once per (tp, pp, vpp, first, last, ep, rank)."""
 
     def __init__(self, job: Job):
         self.job, self.cache = job, {}
 
     def __call__(self, lo: Layout, rank: int) -> Stage:
-        key = (lo.tp, lo.pp, lo.vpp, lo.first_stage_layers, lo.last_stage_layers, rank)
+        key = (lo.tp, lo.pp, lo.vpp, lo.first_stage_layers, lo.last_stage_layers, lo.ep, rank)
         if key not in self.cache:
-            self.cache[key] = rank_stage(self.job.cfg, *key[:3], rank, *key[3:5])
+            self.cache[key] = rank_stage(self.job.cfg, *key[:3], rank, *key[3:6])
         return self.cache[key]
+
+
+def has_moe(cfg) -> bool:
+    return any(spec.mlp == "moe" for spec in cfg.model.layer_specs())
+
+
+def check_ep(cfg, ep: int) -> None:
+    """MlmError unless `ep` can split the model's experts (whatever the mesh)."""
+    E = cfg.model.moe.num_experts
+    if ep < 1:
+        raise MlmError(f"ep={ep}: must be at least 1")
+    if ep > 1 and not has_moe(cfg):
+        raise MlmError(
+            f"ep={ep}: the model has no MoE layers (model.mlp_kind={cfg.model.mlp_kind!r}); "
+            "expert parallelism needs experts: use ep=1"
+        )
+    if ep > 1 and E % ep:
+        raise MlmError(
+            f"ep={ep} does not divide model.moe.num_experts={E}: each expert-parallel rank holds "
+            f"E / ep whole experts; choose one of {', '.join(map(str, _divisors(E)))}"
+        )
+
+
+def expert_parallel_sizes(cfg, stage_ranks: int, ep: int | None = None) -> list[int]:
+    """The ep values to try on a stage of `stage_ranks` (dp × cp × tp) ranks: divisors of it that
+    divide the number of experts ([1] for a dense model; [ep] when pinned)."""
+    if ep is not None:
+        return [ep]
+    if not has_moe(cfg):
+        return [1]
+    E = cfg.model.moe.num_experts
+    return [d for d in _divisors(stage_ranks) if E % d == 0]
 
 
 def evaluate(job: Job, layout: Layout, stages: _Stages | None = None) -> Candidate:
@@ -110,6 +145,13 @@ def check_layout(job: Job, layout: Layout) -> None:
             f"tp({layout.tp}) × pp({layout.pp}) × dp({layout.dp}) = {layout.gpus} ≠ --gpus {job.gpus}"
         )
     check_tensor_parallel(cfg.model, cfg.model.padded_vocab_size(layout.tp), layout.tp)
+    check_ep(cfg, layout.ep)
+    Mesh.shape_for(cfg.parallel.__class__(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep), job.gpus)
+    if layout.ep > 1 and layout.tp > 1 and not layout.sequence_parallel:
+        raise MlmError(
+            f"ep={layout.ep} with tp={layout.tp}: the tp ranks are expert-parallel ranks too and must "
+            "hold different tokens; turn sequence parallelism on"
+        )
     stage_layer_counts(
         cfg.model.num_layers, layout.pp, layout.vpp, layout.first_stage_layers, layout.last_stage_layers
     )
@@ -121,9 +163,12 @@ def check_layout(job: Job, layout: Layout) -> None:
     check_pipeline(layout.pp, layout.vpp, layout.num_micro)
 
 
-def _family_layouts(job: Job, tp: int, pp: int, optimizers: tuple[bool, ...], smallest: bool = False):
+def _family_layouts(
+    job: Job, tp: int, pp: int, optimizers: tuple[bool, ...], smallest: bool = False, ep: int | None = None
+):
     L, gb = job.cfg.model.num_layers, job.global_batch
     dp = job.gpus // (tp * pp)
+    eps = expert_parallel_sizes(job.cfg, dp * tp, ep)
     vpps = [1] + [v for v in range(2, 9) if L // (pp * v) >= 2] if pp > 1 else [1]
     for vpp in vpps:
         try:
@@ -136,14 +181,18 @@ def _family_layouts(job: Job, tp: int, pp: int, optimizers: tuple[bool, ...], sm
                 continue
             for rc in ("full",) if smallest else RECOMPUTE:
                 for dist in (False,) if dp == 1 else optimizers[-1:] if smallest else optimizers:
-                    yield Layout(tp, pp, dp, mb, gb, vpp, tp > 1, rc, dist, first, last)
+                    for e in eps:
+                        yield Layout(tp, pp, dp, mb, gb, vpp, tp > 1, rc, dist, first, last, ep=e)
 
 
-def search(job: Job, optimizer: str = "auto", smallest: bool = False) -> SearchResult:
+def search(job: Job, optimizer: str = "auto", smallest: bool = False, ep: int | None = None) -> SearchResult:
     """Every valid layout of `job`; `optimizer`: adam (replicated), distributed, or auto (both).
     `smallest`: only the least memory of each mesh (micro-batch 1, full recompute, the optimizer
-    sharded if allowed), enough to tell whether anything fits."""
+    sharded if allowed), enough to tell whether anything fits. `ep`: only this expert-parallel
+    size (default: every valid one)."""
     cfg, N, g = job.cfg, job.gpus, job.gpus_per_node
+    if ep is not None:
+        check_ep(cfg, ep)
     optimizers = {"adam": (False,), "distributed": (True,), "auto": (False, True)}[optimizer]
     stages = _Stages(job)
     result = SearchResult([])
@@ -154,7 +203,7 @@ def search(job: Job, optimizer: str = "auto", smallest: bool = False) -> SearchR
             key = (tp, pp)
             dp = N // (tp * pp)
             try:
-                Mesh.shape_for(cfg.parallel.__class__(tp=tp, pp=pp), N)
+                Mesh.shape_for(cfg.parallel.__class__(tp=tp, pp=pp, ep=ep or 1), N)
                 check_tensor_parallel(cfg.model, cfg.model.padded_vocab_size(tp), tp)
                 stage_split(cfg.model.num_layers, pp, 1)
             except MlmError as e:
@@ -168,7 +217,7 @@ def search(job: Job, optimizer: str = "auto", smallest: bool = False) -> SearchR
                 continue
             smallest: Candidate | None = None
             fitting = []
-            for layout in _family_layouts(job, tp, pp, optimizers, smallest):
+            for layout in _family_layouts(job, tp, pp, optimizers, smallest, ep):
                 c = evaluate(job, layout, stages)
                 result.evaluated += 1
                 if c.fits:
@@ -193,15 +242,17 @@ def why_not(c: Candidate) -> str:
     how = f"mb={lo.micro_batch}, {lo.recompute} recompute" + (
         ", dist. optimizer" if lo.distributed_optimizer else ""
     )
+    if lo.ep > 1:
+        how += f", ep={lo.ep}"
     return f"needs {_gb(c.memory.total)} > {_gb(c.memory.hbm)} at best ({how}): {big}"
 
 
-def plan(job: Job, optimizer: str = "auto") -> SearchResult:
+def plan(job: Job, optimizer: str = "auto", ep: int | None = None) -> SearchResult:
     """`search`, or an MlmError saying what would be needed when nothing fits."""
-    result = search(job, optimizer)
+    result = search(job, optimizer, ep=ep)
     if result.ranked:
         return result
-    need = _gpus_needed(job, optimizer)
+    need = _gpus_needed(job, optimizer, ep)
     reasons = "; ".join(f"tp={tp} pp={pp}: {r}" for (tp, pp), r in list(result.rejected.items())[:4])
     more = (
         f"it needs at least {need} GPUs ({need // job.gpus_per_node} nodes of {job.gpus_per_node})"
@@ -214,7 +265,7 @@ def plan(job: Job, optimizer: str = "auto") -> SearchResult:
     )
 
 
-def _gpus_needed(job: Job, optimizer: str) -> int | None:
+def _gpus_needed(job: Job, optimizer: str, ep: int | None = None) -> int | None:
     """The smallest multiple of gpus_per_node on which some layout fits (doubling, then bisecting),
     the global batch raised to a multiple of the GPU count where needed; None beyond 64×."""
 
@@ -222,7 +273,7 @@ def _gpus_needed(job: Job, optimizer: str) -> int | None:
         cfg = job.cfg
         if job.global_batch % n:
             cfg = replace(cfg, train=replace(cfg.train, global_batch_size=math.lcm(job.global_batch, n)))
-        return bool(search(replace(job, gpus=n, cfg=cfg), optimizer, smallest=True).ranked)
+        return bool(search(replace(job, gpus=n, cfg=cfg), optimizer, smallest=True, ep=ep).ranked)
 
     g = job.gpus_per_node
     lo, hi = max(job.gpus, g) // g, max(job.gpus, g) // g * 2

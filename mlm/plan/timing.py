@@ -3,19 +3,26 @@
     compute     per micro-batch and pipeline rank: tokens × (its layers' FLOPs + the logits' on the
                 last stage; Megatron's count, `mlm.flops`), plus recompute (full: one more forward
                 of each layer; selective: one more forward of the attention core), over
-                tp × peak(precision) × efficiency(smallest GEMM side)  (`Hardware.efficiency`)
+                tp × peak(precision) × efficiency(smallest GEMM side)  (`Hardware.efficiency`);
+                an MoE layer's router and k routed experts run whole on each rank over its e/u
+                tokens, at the efficiency of the expert GEMMs' smallest side (rows per expert
+                = e/u · k · ep / E: ep raises it)
     tp          per layer and micro-batch 4 all-reduces of [b, s, h] (2 forward, 2 backward; under
                 sequence parallelism the same bytes as all-gathers + reduce-scatters; 6 with full
                 recompute), ring cost 2(t−1)/t · bytes / bandwidth + latency, on NVLink when the tp
                 group fits in a node and on the network (much slower) when it does not
+    ep          per MoE layer and micro-batch the token exchange (`ep_exchange_time`): alltoall
+                about 4 · (e/u) · k · h · bytes · (ep − 1)/ep, the shares for ranks in the node
+                over NVLink, the rest over the network; not overlapped with compute (as in mlm)
     p2p         per micro-batch and model chunk one activation forward and one gradient backward,
                 [b, s/sp, h] fp32, on NVLink if a pipeline neighbour is in the node, else the network
-    bubble      the pipeline step is m · (compute + tp + p2p) / (1 − bubble_fraction(pp, m, vpp)),
+    bubble      the pipeline step is m · (compute + tp + ep + p2p) / (1 − bubble_fraction(pp, m, vpp)),
                 i.e. (pp − 1)/(vpp · m) more than the work itself (Narayanan et al. 2021)
     dp          gradient all-reduce (or reduce-scatter with the distributed optimizer) of the fp32
-                (or bf16) gradient buffer, overlapped with the last micro-batch's backward (only the
-                excess counts); the distributed optimizer's all-gather of the fp32 parameters after
-                the step is not overlapped in mlm and counts in full
+                (or bf16) gradient buffer, and under ep of the experts' buffer over edp, overlapped
+                with the last micro-batch's backward (only the excess counts); the distributed
+                optimizer's all-gather of the fp32 parameters after the step is not overlapped in
+                mlm and counts in full
     optimizer   fused AdamW is memory-bound: 28 bytes read or written per local element / HBM bandwidth
 
 Tokens/s per GPU = global batch × seq / step / GPUs; MFU = Megatron model FLOPs (no recompute)
@@ -24,13 +31,14 @@ per step / (step × GPUs × peak).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mlm.config import Config
-from mlm.flops import flops_per_token
+from mlm.flops import attention_flops, mlp_flops
 from mlm.parallel.schedules import bubble_fraction
 from mlm.plan.layout import Job, Layout
-from mlm.plan.memory import Stage, model_state_bytes
+from mlm.plan.memory import Stage, buffer_bytes
 
 _AUTOCAST = ("bf16", "fp16")
 
@@ -59,6 +67,60 @@ def _collective(bytes_: float, ranks: int, bandwidth: float, latency: float, fac
     return factor * (ranks - 1) / ranks * bytes_ / bandwidth + latency
 
 
+def _link(hw, in_node: bool) -> tuple[float, float]:
+    """(bandwidth, latency) of NVLink inside a node, else of the network."""
+    return (hw.intra_bandwidth, hw.intra_latency) if in_node else (hw.inter_bandwidth, hw.inter_latency)
+
+
+def ep_ranks_per_node(ep: int, gpus_per_node: int) -> int:
+    """Ranks of one expert-parallel group that share a node (at least): the group is ep consecutive
+    ranks of a pipeline stage (Mesh.expert_groups: ep fastest), aligned to multiples of ep."""
+    return math.gcd(ep, gpus_per_node)
+
+
+def all_to_all_time(bytes_away: float, ep: int, gpus_per_node: int, hw) -> float:
+    """One all-to-all in which a rank sends `bytes_away` to the other ep − 1 ranks of its group in
+    equal shares: the shares for ranks in its node over NVLink, the rest over the network, one
+    after the other (the network's share dominates once the group spans nodes)."""
+    if ep <= 1:
+        return 0.0
+    local = ep_ranks_per_node(ep, gpus_per_node)
+    near, far = bytes_away * (local - 1) / (ep - 1), bytes_away * (ep - local) / (ep - 1)
+    latency = hw.intra_latency if local == ep else hw.inter_latency
+    return near / hw.intra_bandwidth + far / hw.inter_bandwidth + latency
+
+
+def ep_exchange_time(cfg: Config, job: Job, layout: Layout) -> float:
+    """One MoE layer's token exchanges for one micro-batch, forward and backward (and the forward
+    again under full recompute). Each rank routes N = e/u tokens (its sequence shard).
+
+    alltoall: dispatch and combine forward, their reverse backward; each moves this rank's N·k
+    copies, (ep − 1)/ep of them to other ranks: the dispatch in fp32 (the residual stream's norm
+    output), the combine in the autocast dtype, the backward likewise, i.e. about
+    4 · N · k · D · bytes · (ep − 1)/ep per layer and micro-batch.
+    allgather: all-gather the tokens (fp32), weights and mask of the group, reduce-scatter the
+    outputs; (ep − 1)·N·D·bytes each, whatever the routing; the backward the reverse."""
+    ep = layout.ep
+    if ep <= 1:
+        return 0.0
+    m, hw = cfg.model, job.hardware
+    u = layout.tp if layout.sequence_parallel else 1
+    N = layout.micro_batch * cfg.data.seq_length / u
+    h, k, E = m.hidden_size, m.moe.router_topk, m.moe.num_experts
+    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    passes = 2 if layout.recompute == "full" else 1  # forward exchanges (recompute repeats them)
+    if m.moe.token_dispatcher == "alltoall":
+        away = N * k * h * (ep - 1) / ep
+        g = job.gpus_per_node
+        forward = all_to_all_time(away * 4, ep, g, hw) + all_to_all_time(away * A, ep, g, hw)
+        backward = all_to_all_time(away * A, ep, g, hw) + all_to_all_time(away * 4, ep, g, hw)
+        return passes * forward + backward
+    bw, lat = _link(hw, ep_ranks_per_node(ep, job.gpus_per_node) == ep)
+    gather = _collective(ep * N * (h * 4 + E * 5), ep, bw, lat, 1.0)
+    scatter = _collective(ep * N * h * A, ep, bw, lat, 1.0)
+    return passes * (gather + scatter) + (gather + scatter)
+
+
 def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     """The step of `layout`; `stages`: the pipeline ranks to consider (the slowest sets the pace)."""
     cfg: Config = job.cfg
@@ -66,61 +128,77 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     s, t, u = cfg.data.seq_length, layout.tp, layout.tp if layout.sequence_parallel else 1
     e, h = layout.micro_batch * s, m.hidden_size
     A = 2 if cfg.train.precision in _AUTOCAST else 4
-    total_per_token = flops_per_token(m, s)
+    total_per_token = job.flops_per_token
     logits_per_token = 6 * h * m.padded_vocab_size()
-    layer_per_token = (total_per_token - logits_per_token) / m.num_layers
-    extra = {"full": layer_per_token / 3, "selective": 4 * s * h, "none": 0.0}[layout.recompute]
+    attention = attention_flops(m, s)
+    peak = hw.peak(cfg.train.precision)
     side = min(e, h / t, m.ffn_size / t)
     eff = hw.efficiency(side)
-    rate = t * hw.peak(cfg.train.precision) * eff
+    rate = t * peak * eff
+    rerun = {"full": 4 / 3, "selective": 1.0, "none": 1.0}[layout.recompute]  # full: one more forward
+    core = 4 * s * h if layout.recompute == "selective" else 0.0  # the attention core again
+    # per MLP kind: seconds per token of one layer (tp-split GEMMs at `rate`; the router and the
+    # routed experts run whole on each rank, on its e/u tokens, at the experts' GEMM efficiency:
+    # rows per expert = the copies a rank's E/ep experts receive from the ep ranks)
+    kinds = job.mlp_kinds
+    per_token: dict[str, float] = {}
+    for kind in set(kinds):
+        f = mlp_flops(m, kind)
+        dense = (attention + f.tp) * rerun + core
+        sec = dense / rate
+        if kind == "moe":
+            E, k = m.moe.num_experts, m.moe.router_topk
+            rows = e / u * k * layout.ep / E
+            eff_e = hw.efficiency(min(rows, h, m.expert_ffn_size))
+            sec += (f.routed * rerun / eff_e + f.router * rerun / eff) / (peak * u)
+        per_token[kind] = sec
 
     def compute(stage: Stage) -> float:
-        flops = len(stage.layers) * (layer_per_token + extra) + (logits_per_token if stage.last else 0.0)
-        return e * flops / rate
+        layers = sum(per_token[kinds[i]] for i in stage.layers)
+        return e * (layers + (logits_per_token / rate if stage.last else 0.0))
 
-    in_node = t <= job.gpus_per_node
-    tp_bw, tp_lat = (
-        (hw.intra_bandwidth, hw.intra_latency) if in_node else (hw.inter_bandwidth, hw.inter_latency)
-    )
+    tp_bw, tp_lat = _link(hw, t <= job.gpus_per_node)
     per_layer_collectives = 6 if layout.recompute == "full" else 4
     tp_one = _collective(e * h * A, t, tp_bw, tp_lat, 2.0)
-    pp_in_node = t * layout.cp * layout.dp < job.gpus_per_node
-    pp_bw, pp_lat = (
-        (hw.intra_bandwidth, hw.intra_latency) if pp_in_node else (hw.inter_bandwidth, hw.inter_latency)
-    )
+    pp_bw, pp_lat = _link(hw, t * layout.cp * layout.dp < job.gpus_per_node)
     p2p = 2 * layout.vpp * (e * h / u * 4 / pp_bw + pp_lat) if layout.pp > 1 else 0.0
+    ep_one = ep_exchange_time(cfg, job, layout)
 
     per_micro = []
     for stage in stages:
         c = compute(stage)
         tp_s = len(stage.layers) * per_layer_collectives * tp_one
-        per_micro.append((c + tp_s + p2p, c, tp_s))
+        ep_s = sum(1 for i in stage.layers if kinds[i] == "moe") * ep_one
+        per_micro.append((c + tp_s + ep_s + p2p, c, tp_s, ep_s))
     slowest = max(per_micro)
-    c_mb, tp_mb = slowest[1], slowest[2]
+    c_mb, tp_mb, ep_mb = slowest[1], slowest[2], slowest[3]
     stretch = layout.num_micro / (1 - bubble_fraction(layout.pp, layout.num_micro, layout.vpp))
     bubble = (stretch - layout.num_micro) * slowest[0]
 
-    state = max((model_state_bytes(cfg, st, layout) for st in stages), key=lambda d: d["gradients"])
-    buffer_elems = state["gradients"] / 4
-    grad_bytes = buffer_elems * (2 if cfg.parallel.grad_reduce_dtype == "bf16" else 4)
-    dp_in_node = t * layout.cp * layout.dp <= job.gpus_per_node
-    dp_bw, dp_lat = (
-        (hw.intra_bandwidth, hw.intra_latency) if dp_in_node else (hw.inter_bandwidth, hw.inter_latency)
+    # gradients: the dense buffer over dp, the experts' over edp (a stage's ranks with the same
+    # experts, every ep-th; both groups span the stage's dp × cp × tp ranks)
+    parts = max(
+        (buffer_bytes(cfg, st, layout) for st in stages), key=lambda d: d["dense"][1] + d["expert"][1]
     )
-    if layout.distributed_optimizer:
-        reduce = _collective(grad_bytes, layout.dp, dp_bw, dp_lat, 1.0)
-        gather = _collective(buffer_elems * 4, layout.dp, dp_bw, dp_lat, 1.0)
-        local = buffer_elems / layout.dp
-    else:
-        reduce = _collective(grad_bytes, layout.dp, dp_bw, dp_lat, 2.0)
-        gather = 0.0
-        local = buffer_elems
+    dp_bw, dp_lat = _link(hw, t * layout.cp * layout.dp <= job.gpus_per_node)
+    reduce = gather = local = 0.0
+    for (_, grad_bytes, _), ranks in ((parts["dense"], layout.dp), (parts["expert"], layout.edp)):
+        elems = grad_bytes / 4
+        wire = elems * (2 if cfg.parallel.grad_reduce_dtype == "bf16" else 4)
+        if layout.distributed_optimizer:
+            reduce += _collective(wire, ranks, dp_bw, dp_lat, 1.0)
+            gather += _collective(elems * 4, ranks, dp_bw, dp_lat, 1.0)
+            local += elems / ranks
+        else:
+            reduce += _collective(wire, ranks, dp_bw, dp_lat, 2.0)
+            local += elems
     dp_exposed = max(0.0, reduce - c_mb * 2 / 3) + gather
     optimizer = 28 * local / hw.hbm_bandwidth
 
     terms = {
         "compute": layout.num_micro * c_mb,
         "tp collectives": layout.num_micro * tp_mb,
+        "ep all-to-all": layout.num_micro * ep_mb,
         "pp p2p": layout.num_micro * p2p,
         "pipeline bubble": bubble,
         "dp (exposed)": dp_exposed,
@@ -139,6 +217,6 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         fixed_s=optimizer,
         step_s=step,
         tokens_per_s_per_gpu=tokens / step / gpus,
-        mfu=total_per_token * tokens / (step * gpus * hw.peak(cfg.train.precision)),
+        mfu=total_per_token * tokens / (step * gpus * peak),
         gemm_efficiency=eff,
     )
