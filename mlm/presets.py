@@ -166,7 +166,7 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
         {"seq_length": 256},
     ),
     "tiny-moe": (
-        "mlm: CPU demo and tests (MoE: first layer dense, 8 experts top-2, a shared expert)",
+        "mlm: CPU demo and tests (MoE: first layer dense, 8 experts top-2, a gated shared expert; Qwen2-MoE's layout)",
         dict(
             _SWIGLU_ROPE,
             num_layers=4,
@@ -184,6 +184,7 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
                 router_topk=2,
                 ffn_hidden_size=96,
                 shared_expert_ffn_hidden_size=96,
+                shared_expert_gate=True,
                 aux_loss_coeff=1e-2,
             ),
         ),

@@ -175,7 +175,8 @@ class Mesh:
         }
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} (world {self.world_size})"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp}{ep} (world {self.world_size})"
 
 
 def _new_groups(rank_lists: list[list[int]], rank: int):

@@ -32,7 +32,7 @@ from mlm.datasets.gpt import GPTDatasetConfig
 from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.sampler import PretrainingSampler
 from mlm.errors import MlmError
-from mlm.model import flops_per_token, parameter_count
+from mlm.model import flops_per_token, parameter_counts
 from mlm.model.gpt import GPT
 from mlm.parallel import Mesh
 from mlm.parallel.expert import expert_load_step
@@ -295,11 +295,12 @@ class Trainer(TrainerCheckpoints):
             self.dp_size,
         )
         micro_batches = iter(sampler)
-        n_params = parameter_count(cfg.model)
+        n_params, n_active = parameter_counts(cfg.model)
         self._print(
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
             f"mesh {self.mesh}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''}, attention {self.attention_backend}, {cfg.train.precision}, "
-            f"{n_params / 1e6:.2f}M parameters",
+            f"{n_params / 1e6:.2f}M parameters"
+            + (f" ({n_active / 1e6:.2f}M active per token)" if n_active != n_params else ""),
             highlight=False,
         )
         self._install_signal_handlers()
