@@ -1,16 +1,18 @@
 """`mlm export trtllm`: TensorRT-LLM checkpoints written as TensorRT-LLM's own converters write them.
 
-Tiny random Llama (GQA), Llama-3.1 RoPE scaling (one KV head, tied) and GPT-2 checkpoints are
-exported at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)} and read back: every global tensor bit for bit
-and the same logits. The names and per-rank shapes are checked against tables written by hand
-from TensorRT-LLM's converters (not from mlm's code), as are config.json's fields, the crossed
-SwiGLU names, the per-rank QKV with KV heads repeated over tp, and lm_head's padding. `--check`
-must catch a wrong name, shape, dtype and mapping; a checkpoint trained at tp 2 exports to tp 1
-and tp 4; bad input gives one message.
+Tiny random Llama (GQA), Llama-3.1 RoPE scaling (one KV head, tied), GPT-2 and Mixtral (MoE)
+checkpoints are exported at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)} and read back: every global
+tensor bit for bit and the same logits. The names and per-rank shapes are checked against tables
+written by hand from TensorRT-LLM's converters (not from mlm's code), as are config.json's fields,
+the crossed SwiGLU names, the per-rank QKV with KV heads repeated over tp, lm_head's padding, and
+Mixtral's float32 router and stacked experts (up then gate, F split over tp). `--check` must catch
+a wrong name, shape, dtype and mapping; a checkpoint trained at tp 2 exports to tp 1 and tp 4; bad
+input, and every MoE variant TensorRT-LLM's layout cannot hold, gives one message.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -21,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from mlm.checkpoint import read_group
 from mlm.checkpoint.manager import save_streaming
-from mlm.config import Config, DataConfig, ModelConfig, load_config
+from mlm.config import Config, DataConfig, ModelConfig, MoEConfig, load_config
 from mlm.errors import MlmError
 from mlm.export.trtllm import export_trtllm
 from mlm.export.trtllm_check import check_trtllm
@@ -60,6 +62,13 @@ MODELS = {
     ),
     "llama-head-dim": dict(  # head_size 32 ≠ hidden / heads (kv_channels)
         num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, kv_channels=32
+    ),
+    "mixtral": dict(  # every layer MoE: 4 experts of F 48, top-2 (ffn_hidden_size is unused)
+        num_layers=3,
+        num_attention_heads=4,
+        num_query_groups=2,
+        mlp_kind="moe",
+        moe=MoEConfig(num_experts=4, ffn_hidden_size=48, router_topk=2),
     ),
     "gpt2": dict(
         num_layers=2,
@@ -179,6 +188,23 @@ GPT2_TP2 = {
 }
 
 
+# Mixtral (tensorrt_llm/models/llama/convert.py `load_weights_from_hf_model`, the MoE branch;
+# tensorrt_llm/layers/moe.py `MixtureOfExperts`): E 4, F 48, D 64 at tp 2 (moe_tp_size = tp):
+# router [E, D] whole and float32, fc [E, 2·F/tp, D], proj [E, D, F/tp]
+MIXTRAL_LAYER = {
+    **{k: s for k, s in LLAMA_LAYER.items() if not k.startswith("mlp.")},
+    "mlp.router.weight": (4, 64),
+    "mlp.fc.weight": (4, 48, 64),
+    "mlp.proj.weight": (4, 64, 24),
+}
+MIXTRAL_TP2 = {
+    "transformer.vocab_embedding.weight": (301, 64),
+    **{f"transformer.layers.{i}.{k}": s for i in (0, 1, 2) for k, s in MIXTRAL_LAYER.items()},
+    "transformer.ln_f.weight": (64,),
+    "lm_head.weight": (151, 64),
+}
+
+
 def _shapes(path, rank):
     return {k: tuple(t.shape) for k, t in load_file(path / f"rank{rank}.safetensors").items()}
 
@@ -190,6 +216,37 @@ def test_names_and_shapes_match_tensorrt_llm(ckpts, tmp_path):
     export_trtllm(ckpts["gpt2"][0], tmp_path / "gpt2", tp=2)
     for rank in range(2):
         assert _shapes(tmp_path / "gpt2", rank) == GPT2_TP2, rank
+    export_trtllm(ckpts["mixtral"][0], tmp_path / "mixtral", tp=2)
+    for rank in range(2):
+        assert _shapes(tmp_path / "mixtral", rank) == MIXTRAL_TP2, rank
+
+
+def test_mixtral_experts_land_where_tensorrt_llm_puts_them(ckpts, tmp_path):
+    src, state = ckpts["mixtral"]
+    export_trtllm(src, tmp_path / "tp2", tp=2, dtype="bf16")
+    ranks = [load_file(tmp_path / "tp2" / f"rank{r}.safetensors") for r in (0, 1)]
+    s = {k: t.bfloat16() for k, t in state.items()}
+    up, gate, down = (s[f"layers.1.mlp.experts.{x}.weight"] for x in ("up", "gate", "down"))  # [E, F, D]
+    for r, f in enumerate(ranks):  # fc = [w3 (HF up, linear); w1 (HF gate, SiLU'd)], F split first
+        rows = slice(24 * r, 24 * (r + 1))
+        fc = f["transformer.layers.1.mlp.fc.weight"]
+        assert torch.equal(fc, torch.cat([up[:, rows], gate[:, rows]], 1)), r
+        assert torch.equal(f["transformer.layers.1.mlp.proj.weight"], down[:, :, rows]), r
+        router = f["transformer.layers.1.mlp.router.weight"]
+        assert router.dtype == torch.float32  # TensorRT-LLM's router is float32 whatever the dtype
+        assert torch.equal(router, state["layers.1.mlp.router.weight"]), r
+    c = json.loads((tmp_path / "tp2" / "config.json").read_text())
+    # LLaMAConfig.from_hugging_face for HF mixtral: hidden_act swiglu, intermediate_size the
+    # experts', MoeConfig(num_experts, top_k, normalization_mode=RENORMALIZE = 1)
+    assert c["architecture"] == "MixtralForCausalLM" and c["hidden_act"] == "swiglu"
+    assert c["intermediate_size"] == 48 and c["dtype"] == "bfloat16"
+    assert c["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
+    assert c["mapping"] == {"world_size": 2, "tp_size": 2, "pp_size": 1}  # moe_tp_size defaults to tp
+    assert check_trtllm(tmp_path / "tp2") == []
+    back_cfg, back = read_trtllm(tmp_path / "tp2")
+    assert back_cfg.layer_specs()[0].mlp == "moe" and back_cfg.expert_ffn_size == 48
+    assert (back_cfg.moe.num_experts, back_cfg.moe.router_topk) == (4, 2)
+    assert back["layers.1.mlp.router.weight"].dtype == torch.float32
 
 
 def test_values_land_where_tensorrt_llm_puts_them(ckpts, tmp_path):
@@ -292,6 +349,103 @@ def test_check_catches_each_kind_of_damage(ckpts, tmp_path):
     assert "world_size=3 must equal tp_size(2) × pp_size(1)" in got
     got = damaged("missing", lambda d: (d / "rank1.safetensors").unlink())
     assert got == "rank1.safetensors is missing (mapping world_size=2)"
+
+
+def test_a_moe_trained_with_token_dropping_exports_dropless(tmp_path):
+    dropless = model_config("mixtral")
+    cfg = dataclasses.replace(dropless, moe=dataclasses.replace(dropless.moe, capacity_factor=0.5))
+    state = write_checkpoint(tmp_path / "src", cfg)
+    rows = state["embed.weight"].shape[0]
+    assert not torch.equal(prompt_logits(state, cfg, rows), prompt_logits(state, dropless, rows))  # it drops
+    report = export_trtllm(tmp_path / "src", tmp_path / "trt")  # verified against the dropless model
+    assert report.max_abs_diff == 0.0
+    back_cfg, back = read_trtllm(tmp_path / "trt")
+    assert back_cfg.moe.capacity_factor is None
+    assert_same_model(state, dropless, back, back_cfg)
+
+
+def test_check_and_reader_refuse_moe_they_cannot_hold(ckpts, tmp_path):
+    export_trtllm(ckpts["mixtral"][0], tmp_path / "good", tp=2)
+
+    def damaged(name, fn):
+        d = tmp_path / name
+        shutil.copytree(tmp_path / "good", d)
+        fn(d)
+        return " | ".join(check_trtllm(d))
+
+    def bf16_router(t):
+        t["transformer.layers.0.mlp.router.weight"] = t["transformer.layers.0.mlp.router.weight"].bfloat16()
+
+    def config(**fields):
+        def edit(d):
+            c = json.loads((d / "config.json").read_text())
+            for k, v in fields.items():
+                c[k] = {**c[k], **v}
+            (d / "config.json").write_text(json.dumps(c))
+
+        return edit
+
+    got = damaged("router", lambda d: _edit(d / "rank0.safetensors", bf16_router))
+    assert got == (
+        "rank0.safetensors: transformer.layers.0.mlp.router.weight is bfloat16, TensorRT-LLM stores it in float32"
+    )
+    got = damaged("mode", config(moe={"normalization_mode": 0}))
+    assert got == "config.json moe: normalization_mode=0 (mlm reads 1, RENORMALIZE)"
+    got = damaged("ep", config(mapping={"moe_tp_size": 1, "moe_ep_size": 2}))
+    assert "config.json moe: mapping {'moe_tp_size': 1, 'moe_ep_size': 2, 'moe_cluster_size': -1}" in got
+    assert "moe_tp_size = tp_size, moe_ep_size 1" in got
+
+
+MOE = dict(num_layers=2, hidden_size=64, mlp_kind="moe", moe=MoEConfig(num_experts=4, router_topk=2))
+
+
+@pytest.mark.parametrize(
+    "model,moe,message",
+    [
+        (
+            {},
+            {"shared_expert_ffn_hidden_size": 32, "shared_expert_gate": True},
+            "(a shared expert with a gate)",
+        ),
+        (
+            {},
+            {"router_pre_softmax": True},
+            "model.moe.router_pre_softmax=true (top-k weights not renormalised)",
+        ),
+        (
+            {},
+            {"router_num_groups": 2, "router_group_topk": 1},
+            "model.moe.router_num_groups=2 (group-limited routing)",
+        ),
+        (
+            {},
+            {"router_score_function": "sigmoid", "router_enable_expert_bias": True},
+            "model.moe.router_score_function='sigmoid' (needs 'softmax'); "
+            "model.moe.router_enable_expert_bias=true (a selection bias on the router)",
+        ),
+        ({}, {"router_topk_scaling_factor": 2.5}, "model.moe.router_topk_scaling_factor=2.5"),
+        (
+            {},
+            {"num_experts": 1, "router_topk": 1},
+            "model.moe.num_experts=1 (TensorRT-LLM builds a dense MLP",
+        ),
+        ({"activation": "gelu"}, {}, "model.activation='gelu'"),
+        ({"first_k_dense": 1}, {}, "this model mixes dense and MoE layers (model.first_k_dense"),
+        ({"qk_norm": True}, {}, "this model (model.qk_norm=true) has no TensorRT-LLM architecture"),
+    ],
+)
+def test_moe_variants_mixtral_cannot_hold_are_refused(model, moe, message):
+    from mlm.export.trtllm_config import architecture
+
+    cfg = ModelConfig(**{**MOE, **model, "moe": MoEConfig(**{"num_experts": 4, "router_topk": 2, **moe})})
+    with pytest.raises(MlmError) as e:
+        architecture(cfg)
+    assert message in str(e.value)
+    if "mixes" not in message and "qk_norm" not in message:
+        assert str(e.value).startswith("this MoE model has no TensorRT-LLM layout mlm exports: ")
+        assert "MixtralForCausalLM (every layer MoE" in str(e.value)
+    if "qk_norm" not in message:
+        assert str(e.value).endswith("export it to Hugging Face instead (mlm convert CKPT --to-hf OUT)")
 
 
 def test_cli_export_check_and_import_back(ckpts, tmp_path, monkeypatch, capsys):

@@ -356,3 +356,20 @@ def test_serving_runner_runs_the_training_forward(tmp_path, tiny_data, monkeypat
     torch.testing.assert_close(got[0], want_a[28], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], want_b[8], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(step[0], want_a[29], rtol=1e-5, atol=1e-5)
+
+
+def test_moe_checkpoint_generates_as_the_plain_model(tmp_path):
+    """A mixture-of-experts checkpoint (trained with a capacity factor) served with continuous
+    batching: greedy tokens equal the cache-less forward of the plain model, which is dropless."""
+    from test_inference_tp import MOE, _checkpoint
+
+    from mlm.model.moe.layer import MoE
+
+    model, _, _ = load_model(_checkpoint(tmp_path, MOE), device="cpu")
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert len(moes) == 2 and all(m.moe.capacity_factor is None for m in moes)  # served dropless
+    ps = prompts(model.cfg.vocab_size, [5, 30, 1, 12])
+    engine = Engine(model, None, EngineConfig(max_seqs=3, max_tokens_per_step=16, block_size=4))
+    for p, r in zip(ps, staggered(engine, [(p, GREEDY) for p in ps]), strict=True):
+        assert r.token_ids == greedy(model, p, GREEDY.max_tokens)
+    assert engine.cache.allocator.num_used == 0

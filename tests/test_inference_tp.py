@@ -4,9 +4,11 @@ Rank 0 runs the engine with continuous batching (requests of different lengths a
 different steps, a prompt prefilled over two steps); rank 1 follows its broadcast steps. The
 greedy tokens must equal the one-process engine's on the same checkpoint, token for token, and
 every step's logits within TOL; every cache block goes back, and both ranks leave their loop at
-the stop message. Two models in one `run_ranks` call: a Llama-style GQA model whose 2 query groups
-split over the 2 ranks (untied output), and a GPT-2-style one (tied embeddings, biases, learned
-positions).
+the stop message. Three models in one `run_ranks` call: a Llama-style GQA model whose 2 query groups
+split over the 2 ranks (untied output), a GPT-2-style one (tied embeddings, biases, learned
+positions), and a mixture of experts (a dense first layer, then 4 experts, top-2, and a gated
+shared expert; trained with a capacity factor, served dropless): its experts are whole on both
+ranks, which route the same tokens, while attention and the shared expert split over tp.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import pytest
 import torch
 
 from mlm.checkpoint import ShardedTensor, save_checkpoint
-from mlm.config import Config, DataConfig, ModelConfig
+from mlm.config import Config, DataConfig, ModelConfig, MoEConfig
 from mlm.errors import MlmError
 from mlm.inference.engine import Completion, Engine, EngineConfig, build_runner
 from mlm.inference.loader import load_model
 from mlm.inference.lockstep import serving_mesh
 from mlm.inference.sampling import SamplingParams
 from mlm.model.gpt import build_model
+from mlm.model.moe.layer import MoE
 
 from distributed import run_ranks
 
@@ -46,6 +49,20 @@ GPT2 = dict(
     activation="gelu_tanh",
     add_bias=True,
     tie_embeddings=True,
+)
+MOE = dict(
+    LLAMA,
+    num_layers=3,
+    mlp_kind="moe",
+    first_k_dense=1,
+    moe=MoEConfig(
+        num_experts=4,
+        ffn_hidden_size=48,
+        router_topk=2,
+        shared_expert_ffn_hidden_size=32,
+        shared_expert_gate=True,
+        capacity_factor=1.0,  # a training setting: serving is dropless
+    ),
 )
 # 3 sequences and 16 tokens a step: requests queue, join and leave mid-run; the 30-token prompt is
 # prefilled over two steps (a chunk that samples nothing)
@@ -99,11 +116,14 @@ def _tp_rank(rank: int, world_size: int, ckpts: list[str]) -> list[dict]:
             cache = runner.cache
             out.append(dict(steps=runner.follow()))  # returns at the stop message
         out[-1]["cache"] = tuple(cache.k_LNSGK.shape)
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        out[-1]["experts"] = [(tuple(m.experts.up.weight.shape), m.moe.capacity_factor) for m in moes]
     return out
 
 
 def test_tp2_engine_equals_tp1(tmp_path):
-    ckpts = [_checkpoint(tmp_path / name, kw) for name, kw in (("llama", LLAMA), ("gpt2", GPT2))]
+    models = (("llama", LLAMA), ("gpt2", GPT2), ("moe", MOE))
+    ckpts = [_checkpoint(tmp_path / name, kw) for name, kw in models]
     ranks = run_ranks(2, _tp_rank, ckpts)
     for i, ckpt in enumerate(ckpts):
         model, _, _ = load_model(ckpt, device="cpu")
@@ -120,6 +140,8 @@ def test_tp2_engine_equals_tp1(tmp_path):
         G = model.cfg.query_groups
         assert lead["cache"][3] == follower["cache"][3] == G // 2  # each rank: its own heads
         assert lead["cache"][:3] == follower["cache"][:3]  # the same blocks
+        if models[i][0] == "moe":  # every expert whole on both ranks, dropless
+            assert lead["experts"] == follower["experts"] == [((4, 48, 64), None)] * 2
 
 
 def test_serving_mesh_refusals(monkeypatch):

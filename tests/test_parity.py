@@ -1,6 +1,6 @@
-"""`mlm parity`: layout parsing, the comparison and its verdict, and a real run of tp1, tp2
-and pp2 from one seed checkpoint (3 torchrun launches, ~10 s each on 2 cores; the README shows
-four layouts up to 4 ranks).
+"""`mlm parity`: layout parsing, the comparison and its verdict, and a real run of tp1, tp2, pp2
+and dp2 from one seed checkpoint (4 torchrun launches, ~10 s each on 2 cores; the README shows
+four layouts up to 4 ranks), and of a tiny MoE at ep2 against tp1 (2 launches).
 
 The real run is fp32 without dropout, so every layout must pass the fp32 tolerance, the eval loss
 after the last step included; a failing comparison is tested on numbers made to differ (one loss
@@ -50,12 +50,18 @@ def test_layouts_parse_to_the_parallel_config():
     assert parse_layout("pp2").pp == 2 and parse_layout("vpp2").vpp == 2  # vpp without pp: the config says no
     assert [lay.name for lay in parse_layouts("tp1,tp2, dp2")] == ["tp1", "tp2", "dp2"]
     assert parse_layout("tp1") == Layout("tp1")  # every size 1: one process
+    # ep folds over the stage's dp × tp ranks: without dp<N>, the fewest it folds over
+    assert parse_layout("ep2") == Layout("ep2", dp=2, ep=2) and parse_layout("ep2").world == 2
+    assert parse_layout("tp2spep2") == Layout("tp2spep2", tp=2, ep=2, sp=True)  # ep over the tp ranks
+    assert (parse_layout("tp2ep4").dp, parse_layout("ep2dp4").dp) == (2, 4)
+    assert load_config(None, parse_layout("ep2").overrides()).parallel.ep == 2
 
 
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("tp2x", "layout 'tp2x': unknown term 'x'; use tp<N>, pp<N>, vpp<N>, dp<N>, sp, zero1"),
+        ("tp2x", "layout 'tp2x': unknown term 'x'; use tp<N>, pp<N>, vpp<N>, dp<N>, ep<N>, sp, zero1"),
+        ("ep", "layout 'ep': 'ep' needs a size of at least 1, e.g. ep2"),
         ("tp2foodp2", "unknown term 'foo'"),
         ("tp", "layout 'tp': 'tp' needs a size of at least 1, e.g. tp2"),
         ("dp0", "'dp0' needs a size of at least 1"),
@@ -199,6 +205,54 @@ def test_tp_pp_and_dp_layouts_match_one_process(tmp_path, tiny_data):
 )
 def test_a_layout_that_cannot_run_is_refused_before_anything_runs(tmp_path, tiny_data, layouts, message):
     sets = _sets(tmp_path, tiny_data, **{"model.vocab_size": 1100})
+    with pytest.raises(MlmError) as e:
+        parity.run_parity(None, sets, parse_layouts(layouts), 2, tmp_path / "out")
+    assert message in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_moe_model_at_ep2_matches_one_process(tmp_path, tiny_data):
+    from test_moe_parallel import MOE
+
+    out = tmp_path / "parity"
+    sets = _sets(tmp_path, tiny_data, **MOE)
+    r = CliRunner().invoke(
+        app, ["parity", *_args(sets), "--layouts", "tp1,ep2", "--steps", "2", "--out", str(out)]
+    )
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    report = json.loads((out / "parity.json").read_text())
+    assert report["passed"] and [(x["name"], x["ep"], x["dp"]) for x in report["layouts"]] == [
+        ("tp1", 1, 1),
+        ("ep2", 2, 2),
+    ]
+    ep2 = report["layouts"][1]
+    assert "layers.1.mlp.experts.up.weight" in ep2["weight_rel"]  # experts compared on their global axis
+    assert (
+        ep2["max_loss_rel"] <= TOLERANCES["fp32"].loss_rel and ep2["eval_rel"] <= TOLERANCES["fp32"].eval_rel
+    )
+
+
+@pytest.mark.parametrize(
+    "moe,layouts,message",
+    [
+        (
+            None,
+            "tp1,ep2",
+            "layout 'ep2': parallel.ep=2: the model has no MoE layers (model.mlp_kind='dense')",
+        ),
+        (
+            {"model.moe.num_experts": 3},
+            "tp1,ep2",
+            "layout 'ep2': model.moe.num_experts=3 is not divisible by parallel.ep=2",
+        ),
+        ({}, "tp1,tp2ep2", "layout 'tp2ep2': parallel.ep=2 with tp=2: the tp ranks are expert-parallel"),
+        ({}, "tp1,ep2dp3", "layout 'ep2dp3': ep(2) must divide dp(3) × cp(1) × tp(1) = 3"),
+    ],
+)
+def test_an_expert_parallel_layout_that_cannot_run_is_refused(tmp_path, tiny_data, moe, layouts, message):
+    from test_moe_parallel import MOE
+
+    sets = _sets(tmp_path, tiny_data, **({} if moe is None else {**MOE, **moe}))
     with pytest.raises(MlmError) as e:
         parity.run_parity(None, sets, parse_layouts(layouts), 2, tmp_path / "out")
     assert message in str(e.value)

@@ -13,6 +13,7 @@ Memory holds the model twice (the source and the cast copy).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -29,7 +30,7 @@ from mlm.errors import MlmError
 from mlm.export.trtllm_check import CONFIG, check_or_raise, rank_file
 from mlm.export.trtllm_config import DTYPES, dtype_choice, trt_config
 from mlm.export.trtllm_import import read_trtllm
-from mlm.export.trtllm_names import rank_rules, shard, sources
+from mlm.export.trtllm_names import fixed_dtypes, rank_rules, shard, sources
 from mlm.fileio import check_new_dir, staged_dir
 from mlm.model.gpt import VOCAB_ROWS
 from mlm.verify import prompt_logits
@@ -88,12 +89,17 @@ def export_trtllm(
             f"{it_dir}/manifest.json has no 'config'; it was not written by mlm train or mlm convert"
         )
     cfg = config_from_dict(manifest["config"]).model
+    if cfg.moe.capacity_factor is not None:  # TensorRT-LLM's MoE is dropless: verify that model
+        cfg = dataclasses.replace(
+            cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None, pad_to_capacity=False)
+        )
     if target is None:
         stored = {dtype_name(t.dtype) for t in state.values()}
         target = stored.pop() if len(stored) == 1 and stored <= set(DTYPES) else "float32"
     config = trt_config(cfg, tp, pp, target)  # refuses a model or a mesh TensorRT-LLM's layout has not
     arch = config["architecture"]
-    cast = {k: t.to(getattr(torch, target)) for k, t in state.items()}
+    fixed = fixed_dtypes(arch, cfg)  # Mixtral's router: float32 whatever the dtype
+    cast = {k: t.to(getattr(torch, fixed.get(k, target))) for k, t in state.items()}
     tensors = nbytes = 0
     with staged_dir(out) as tmp:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -4,7 +4,8 @@ as TensorRT-LLM's converters lay it out?
 Checked without TensorRT-LLM, from config.json and the safetensors headers (no tensor is read):
 the config's fields and their consistency (architecture, dtype, mapping world_size = tp × pp,
 heads and ffn divisible by tp, no quantization); exactly `rank0 … rank{W-1}.safetensors`; in
-each, every expected tensor name, no other, each with its per-rank shape and the config's dtype.
+each, every expected tensor name, no other, each with its per-rank shape and the config's dtype
+(Mixtral's router: float32, whatever the config's).
 When `tensorrt_llm` is importable (GPU machines) its own `PretrainedConfig.from_checkpoint` must
 load the config with the same mapping.
 
@@ -39,8 +40,9 @@ def read_config(path: Path) -> dict:
     return read_json(path / CONFIG, missing="not found; is it a TensorRT-LLM checkpoint folder?")
 
 
-def expected_shapes(config: dict) -> list[dict[str, tuple[int, ...]]]:
-    """Per rank: TensorRT-LLM name → shape, for the model config.json describes."""
+def expected_shapes(config: dict) -> list[dict[str, tuple[tuple[int, ...], str | None]]]:
+    """Per rank: TensorRT-LLM name → (shape, the dtype it is stored in whatever config.json's, or
+    None for config.json's), for the model config.json describes."""
     cfg, arch, tp, pp = read_trt_config(config)
     with torch.device("meta"):
         state = GPT(cfg).state_dict()
@@ -49,7 +51,7 @@ def expected_shapes(config: dict) -> list[dict[str, tuple[int, ...]]]:
         shapes = {}
         for name, rule, layer in rank_rules(arch, cfg, tp, pp, rank):
             tensors = [state[k] for k in sources(rule, layer, cfg)]
-            shapes[name] = tuple(shard(rule, tensors, cfg, tp, rank % tp).shape)
+            shapes[name] = (tuple(shard(rule, tensors, cfg, tp, rank % tp).shape), rule.dtype)
         out.append(shapes)
     return out
 
@@ -66,7 +68,6 @@ def check_trtllm(path: str | os.PathLike) -> list[str]:
         want = expected_shapes(config)
     except MlmError as e:
         return [str(e)]
-    dtype = config["dtype"]
     problems = []
     present = {p.name for p in path.glob("rank*.safetensors")}
     names = [rank_file(r) for r in range(len(want))]
@@ -86,14 +87,19 @@ def check_trtllm(path: str | os.PathLike) -> list[str]:
         problems += [
             f"{where}: {k} is not a tensor of this rank" for k in sorted(found.keys() - shapes.keys())
         ]
-        for k, shape in shapes.items():
+        for k, (shape, fixed) in shapes.items():
             if k not in found:
                 continue
             got, got_dtype = found[k]
             if got != shape:
                 problems.append(f"{where}: {k} has shape {list(got)}, the config needs {list(shape)}")
-            if got_dtype != dtype:
-                problems.append(f"{where}: {k} is {got_dtype}, config.json dtype is {dtype}")
+            if got_dtype != (fixed or config["dtype"]):
+                need = (
+                    f"TensorRT-LLM stores it in {fixed}"
+                    if fixed
+                    else f"config.json dtype is {config['dtype']}"
+                )
+                problems.append(f"{where}: {k} is {got_dtype}, {need}")
     if not problems and importlib.util.find_spec("tensorrt_llm") is not None:
         problems += _check_with_tensorrt_llm(path, config)
     return problems

@@ -16,9 +16,17 @@ names the versions):
 - Llama's SwiGLU: `mlp.fc` is the activated projection (HF `gate_proj`, mlm `mlp.gate`) and
   `mlp.gate` the multiplier (HF `up_proj`, mlm `mlp.up`): the names cross;
 - weights stay [out, in]; column-parallel ones split by rows, row-parallel by columns; norms and
-  the biases of row-parallel layers are whole on every rank.
+  the biases of row-parallel layers are whole on every rank;
+- Mixtral (every layer MoE; `tensorrt_llm/models/llama/convert.py` `load_weights_from_hf_model`,
+  `tensorrt_llm/layers/moe.py` `MixtureOfExperts`): `mlp.router` [E, D] is whole on every rank
+  and float32 whatever the checkpoint's dtype; the experts are stacked, `mlp.fc` [E, 2F, D] is
+  each expert's up projection (HF `w3`, mlm `experts.up`: the linear half) then its gate (HF
+  `w1`, mlm `experts.gate`: the SiLU'd half, TensorRT-LLM's `swiglu` takes `x, gate`), and
+  `mlp.proj` [E, D, F]; the default MoE mapping (moe_tp_size = tp, moe_ep_size = 1) splits every
+  expert's F over tp ranks, up and gate each before they are stacked.
 
-Shape legend: V vocabulary, D hidden, H heads, G KV heads, K head dim, F ffn, L layers.
+Shape legend: V vocabulary, D hidden, H heads, G KV heads, K head dim, F ffn (an expert's under
+MoE), L layers, E experts.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import torch
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
 
-LLAMA, GPT = "LlamaForCausalLM", "GPTForCausalLM"
+LLAMA, GPT, MIXTRAL = "LlamaForCausalLM", "GPTForCausalLM", "MixtralForCausalLM"
 
 # How a tensor is laid out over tp ranks.
 WHOLE = "whole"  # the same on every rank
@@ -40,6 +48,8 @@ COLUMN = "column"  # split by rows (dim 0)
 ROW = "row"  # split by columns (dim 1)
 QKV = "qkv"  # q, k, v split by heads and stacked per rank
 LM_HEAD = "lm_head"  # vocabulary rows zero-padded to a multiple of tp, split by rows
+EXPERT_FC = "expert_fc"  # [E, 2F, D]: up then gate, each split over tp along F first
+EXPERT_PROJ = "expert_proj"  # [E, D, F], split over tp along F
 
 
 @dataclass(frozen=True)
@@ -51,24 +61,40 @@ class Rule:
     mlm: tuple[str, ...]
     """mlm key(s); `{}` is the global layer number."""
     split: str
+    dtype: str | None = None
+    """Stored in this TensorRT-LLM dtype whatever the checkpoint's (None: config.json's dtype)."""
 
 
-def _r(trt: str, split: str, *mlm: str) -> Rule:
-    return Rule(trt, mlm, split)
+def _r(trt: str, split: str, *mlm: str, dtype: str | None = None) -> Rule:
+    return Rule(trt, mlm, split, dtype)
 
 
 _L = "transformer.layers.{}."
 _QKV = ("layers.{}.attn.q", "layers.{}.attn.k", "layers.{}.attn.v")
 
+_LLAMA_ATTENTION = (
+    _r(_L + "input_layernorm.weight", WHOLE, "layers.{}.attn_norm.weight"),
+    _r(_L + "attention.qkv.weight", QKV, *(f"{k}.weight" for k in _QKV)),
+    _r(_L + "attention.dense.weight", ROW, "layers.{}.attn.out.weight"),
+    _r(_L + "post_layernorm.weight", WHOLE, "layers.{}.mlp_norm.weight"),
+)
 LAYER_RULES = {
     LLAMA: (
-        _r(_L + "input_layernorm.weight", WHOLE, "layers.{}.attn_norm.weight"),
-        _r(_L + "attention.qkv.weight", QKV, *(f"{k}.weight" for k in _QKV)),
-        _r(_L + "attention.dense.weight", ROW, "layers.{}.attn.out.weight"),
-        _r(_L + "post_layernorm.weight", WHOLE, "layers.{}.mlp_norm.weight"),
+        *_LLAMA_ATTENTION,
         _r(_L + "mlp.fc.weight", COLUMN, "layers.{}.mlp.gate.weight"),  # silu(fc(x)) · gate(x)
         _r(_L + "mlp.gate.weight", COLUMN, "layers.{}.mlp.up.weight"),
         _r(_L + "mlp.proj.weight", ROW, "layers.{}.mlp.down.weight"),
+    ),
+    MIXTRAL: (
+        *_LLAMA_ATTENTION,
+        _r(_L + "mlp.router.weight", WHOLE, "layers.{}.mlp.router.weight", dtype="float32"),
+        _r(
+            _L + "mlp.fc.weight",
+            EXPERT_FC,
+            "layers.{}.mlp.experts.up.weight",
+            "layers.{}.mlp.experts.gate.weight",
+        ),
+        _r(_L + "mlp.proj.weight", EXPERT_PROJ, "layers.{}.mlp.experts.down.weight"),
     ),
     GPT: (
         _r(_L + "input_layernorm.weight", WHOLE, "layers.{}.attn_norm.weight"),
@@ -87,6 +113,7 @@ LAYER_RULES = {
 }
 FIRST_RULES = {
     LLAMA: (_r("transformer.vocab_embedding.weight", EMBED, "embed.weight"),),
+    MIXTRAL: (_r("transformer.vocab_embedding.weight", EMBED, "embed.weight"),),
     GPT: (
         _r("transformer.vocab_embedding.weight", EMBED, "embed.weight"),
         _r("transformer.position_embedding.weight", WHOLE, "pos_embed.weight"),
@@ -95,6 +122,10 @@ FIRST_RULES = {
 # lm_head's source is output.weight, or embed.weight when the embeddings are tied (see sources)
 LAST_RULES = {
     LLAMA: (
+        _r("transformer.ln_f.weight", WHOLE, "final_norm.weight"),
+        _r("lm_head.weight", LM_HEAD, "output.weight"),
+    ),
+    MIXTRAL: (
         _r("transformer.ln_f.weight", WHOLE, "final_norm.weight"),
         _r("lm_head.weight", LM_HEAD, "output.weight"),
     ),
@@ -161,6 +192,11 @@ def shard(rule: Rule, tensors: list[torch.Tensor], cfg: ModelConfig, tp: int, tp
         return t.chunk(tp, 0)[tp_rank]
     if rule.split == ROW:
         return t.chunk(tp, 1)[tp_rank].contiguous()
+    if rule.split == EXPERT_FC:  # [E, F, D] up, gate → this rank's [E, 2F/tp, D]
+        up, gate = (x.chunk(tp, 1)[tp_rank] for x in tensors)
+        return torch.cat([up, gate], 1)
+    if rule.split == EXPERT_PROJ:  # [E, D, F] → [E, D, F/tp]
+        return t.chunk(tp, 2)[tp_rank].contiguous()
     if rule.split == LM_HEAD:
         rows = lm_head_rows(cfg.vocab_size, tp)
         start = tp_rank * rows
@@ -196,6 +232,11 @@ def gather(
         return (t[: cfg.vocab_size] if rule.split == LM_HEAD else t,)
     if rule.split == ROW:
         return (torch.cat(parts, 1),)
+    if rule.split == EXPERT_FC:
+        halves = [p.chunk(2, 1) for p in parts]
+        return torch.cat([h[0] for h in halves], 1), torch.cat([h[1] for h in halves], 1)
+    if rule.split == EXPERT_PROJ:
+        return (torch.cat(parts, 2),)
     assert rule.split == QKV, rule
     K, H, G = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
     local_kv = max(G // tp, 1)
@@ -206,3 +247,15 @@ def gather(
     k_heads = [_same(f"{name} (k of KV head {g})", list(ks[g * dup : (g + 1) * dup])) for g in range(G)]
     v_heads = [_same(f"{name} (v of KV head {g})", list(vs[g * dup : (g + 1) * dup])) for g in range(G)]
     return torch.cat(qs), torch.cat(k_heads), torch.cat(v_heads)
+
+
+def fixed_dtypes(arch: str, cfg: ModelConfig) -> dict[str, str]:
+    """mlm key → the TensorRT-LLM dtype it is stored in whatever config.json's dtype (Mixtral's
+    router: float32, as TensorRT-LLM's MoE layer declares it)."""
+    return {
+        key: rule.dtype
+        for rule in LAYER_RULES[arch]
+        if rule.dtype
+        for layer in range(cfg.num_layers)
+        for key in sources(rule, layer, cfg)
+    }

@@ -1,8 +1,16 @@
 """A checkpoint (trained by `mlm train` or imported by `mlm convert --from-hf`) as a model ready
-for inference (whole, or this rank's tensor-parallel shard of it), and its tokenizer."""
+for inference (whole, or this rank's tensor-parallel shard of it), and its tokenizer.
+
+Mixture-of-experts checkpoints load like any other: the checkpoint keeps the experts on their
+global [E, ...] axis whatever expert parallelism trained them, and serving builds the model with
+ep = 1, so every rank holds every expert whole (replicated over tp ranks, which route the same
+tokens). Serving is dropless: `model.moe.capacity_factor` is a training setting, and with it a
+sequence's output would depend on what shares its batch (capacity counts the step's tokens).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -34,6 +42,15 @@ def model_config(ckpt: str | os.PathLike) -> ModelConfig:
     return config_from_dict(_manifest(ckpt)[0]["config"]).model
 
 
+def serving_config(cfg: ModelConfig) -> ModelConfig:
+    """The model as served: MoE layers dropless (no capacity factor, no padding to capacity)."""
+    if cfg.moe.capacity_factor is None:
+        return cfg
+    return dataclasses.replace(
+        cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None, pad_to_capacity=False)
+    )
+
+
 def load_model(
     ckpt: str | os.PathLike,
     dtype: str = "fp32",
@@ -41,13 +58,15 @@ def load_model(
     mesh: Mesh | None = None,
 ) -> tuple[GPT, dict, Path]:
     """(the model in eval mode on `device` in `dtype`, the manifest, the iter dir) of a checkpoint
-    (DIR or DIR/iter_N). With a tensor-parallel `mesh`, this rank's shard of it (built by
-    `parallelize`, as in training), which reads only its slices of the stored global tensors."""
+    (DIR or DIR/iter_N), as served (`serving_config`). With a tensor-parallel `mesh`, this rank's
+    shard of it (built by `parallelize`, as in training), which reads only its slices of the stored
+    global tensors; experts stay whole on every rank (expert parallelism is 1 for serving)."""
     if dtype not in DTYPES:
         raise MlmError(f"--dtype {dtype}: must be one of {', '.join(DTYPES)}")
     manifest, it_dir = _manifest(ckpt)
-    cfg = config_from_dict(manifest["config"]).model
+    cfg = serving_config(config_from_dict(manifest["config"]).model)
     mesh = mesh or Mesh.single()
+    assert mesh.ep == 1, f"serving keeps every expert whole on each rank; got a mesh with ep={mesh.ep}"
     model = build_sharded(
         cfg, ParallelConfig(tp=mesh.tp), mesh, pick_device(device, "--device"), DTYPES[dtype]
     )

@@ -3,30 +3,36 @@
     parse_layouts("tp1,tp2,dp2zero1")
     # [Layout('tp1'), Layout('tp2', tp=2), Layout('dp2zero1', dp=2, zero1=True)]
 
-A layout is terms written together, `tp<N>`, `pp<N>`, `vpp<N>`, `dp<N>`, `sp` and `zero1`; missing
-sizes are 1 and the world size is tp × pp × dp. Junk is an MlmError naming the bad term.
+A layout is terms written together, `tp<N>`, `pp<N>`, `vpp<N>`, `dp<N>`, `ep<N>`, `sp` and `zero1`;
+missing sizes are 1 and the world size is tp × pp × dp. Expert parallelism folds over each
+pipeline stage's dp × tp ranks (`mlm.parallel.mesh`), so it adds no ranks: where `ep<N>` comes
+without `dp<N>`, dp is the smallest that ep folds over, N / gcd(N, tp) (`ep2` is dp 2, `tp2ep2`
+dp 1). Junk is an MlmError naming the bad term.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 from mlm.errors import MlmError
 
-TERMS_HELP = "use tp<N>, pp<N>, vpp<N>, dp<N>, sp, zero1"
-_TERM = re.compile(r"(vpp|tp|pp|dp)(\d*)|sp|zero1")
+TERMS_HELP = "use tp<N>, pp<N>, vpp<N>, dp<N>, ep<N>, sp, zero1"
+_TERM = re.compile(r"(vpp|tp|pp|dp|ep)(\d*)|sp|zero1")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One parallel layout to compare, e.g. `tp2dp2sp` (missing sizes are 1)."""
+    """One parallel layout to compare, e.g. `tp2dp2sp` (missing sizes are 1; dp with ep, see above)."""
 
     name: str
     tp: int = 1
     pp: int = 1
     vpp: int = 1
     dp: int = 1
+    ep: int = 1
+    """parallel.ep: the MoE layers' experts spread over ep of each stage's dp × tp ranks"""
     sp: bool = False
     """parallel.sequence_parallel"""
     zero1: bool = False
@@ -42,6 +48,7 @@ class Layout:
             f"parallel.tp={self.tp}",
             f"parallel.pp={self.pp}",
             f"parallel.vpp={self.vpp}",
+            f"parallel.ep={self.ep}",
             f"parallel.sequence_parallel={str(self.sp).lower()}",
             f"parallel.distributed_optimizer={str(self.zero1).lower()}",
         ]
@@ -70,6 +77,8 @@ def parse_layout(text: str) -> Layout:
         else:
             sizes[dim] = int(digits)
         i = m.end()
+    if "ep" in sizes and "dp" not in sizes:  # the fewest ranks ep folds over (it adds none)
+        sizes["dp"] = sizes["ep"] // math.gcd(sizes["ep"], sizes.get("tp", 1))
     return Layout(name, **sizes, sp="sp" in flags, zero1="zero1" in flags)
 
 

@@ -70,7 +70,10 @@ def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
         try:
             lcfg = resolve_with(lay.overrides())
             shape = Mesh.shape_for(lcfg.parallel, lay.world * lcfg.parallel.cp)
-            check_supported(Mesh(world_size=lay.world, rank=0, **shape), lcfg)
+            mesh = Mesh(world_size=lay.world, rank=0, ep=lcfg.parallel.ep, **shape)
+            check_supported(mesh, lcfg)
+            if mesh.ep > 1:
+                _check_experts(lcfg, mesh)
         except MlmError as e:
             raise MlmError(f"layout {lay.name!r}: {e}") from None
         if lcfg.model.padded_vocab_size(lay.tp) != pad:
@@ -93,6 +96,25 @@ def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
                     f"layout {lay.name!r} needs {lay.world} GPUs (one per rank); "
                     f"{torch.cuda.device_count()} are visible"
                 )
+
+
+def _check_experts(cfg: Config, mesh) -> None:
+    """Expert parallelism on `mesh`: the model must have MoE layers, and `mlm train`'s own checks
+    (experts divisible by ep, sequence parallelism with tp) run on the model built on meta."""
+    import torch
+
+    from mlm.model import GPT
+    from mlm.parallel.expert import apply_expert_parallel
+
+    m = cfg.model
+    if not any(spec.mlp == "moe" for spec in m.layer_specs()):
+        raise MlmError(
+            f"parallel.ep={mesh.ep}: the model has no MoE layers (model.mlp_kind={m.mlp_kind!r}), so ep "
+            "would change nothing; drop ep from the layout, or compare an MoE model (model.mlp_kind=moe)"
+        )
+    with torch.device("meta"):
+        model = GPT(m, padded_vocab=m.padded_vocab_size(mesh.tp))
+    apply_expert_parallel(model, mesh, cfg.parallel.sequence_parallel, m.moe.token_dispatcher)
 
 
 def _write_seed(cfg: Config, out: Path) -> Path:
