@@ -212,6 +212,12 @@ def check_tensor_parallel(cfg: ModelConfig, padded_vocab: int, tp: int) -> None:
             f"model.ffn_hidden_size={cfg.ffn_size}{given} is not divisible by parallel.tp={tp}; "
             f"choose a tp that divides it, or an ffn_hidden_size that is a multiple of {tp}"
         )
+    shared = cfg.moe.shared_expert_ffn_hidden_size
+    if shared and any(spec.mlp == "moe" for spec in cfg.layer_specs()) and shared % tp:
+        raise MlmError(
+            f"model.moe.shared_expert_ffn_hidden_size={shared} is not divisible by parallel.tp={tp}: the "
+            f"shared experts split over tp like a dense MLP; choose a tp that divides {shared}"
+        )
     if padded_vocab % tp:
         raise MlmError(
             f"padded vocabulary {padded_vocab} (model.vocab_size={cfg.vocab_size}) is not divisible "

@@ -100,11 +100,8 @@ def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
 
 def _check_experts(cfg: Config, mesh) -> None:
     """Expert parallelism on `mesh`: the model must have MoE layers, and `mlm train`'s own checks
-    (experts divisible by ep, sequence parallelism with tp) run on the model built on meta."""
-    import torch
-
-    from mlm.model import GPT
-    from mlm.parallel.expert import apply_expert_parallel
+    (experts divisible by ep, sequence parallelism with tp) must pass."""
+    from mlm.parallel.expert import check_expert_parallel
 
     m = cfg.model
     if not any(spec.mlp == "moe" for spec in m.layer_specs()):
@@ -112,9 +109,7 @@ def _check_experts(cfg: Config, mesh) -> None:
             f"parallel.ep={mesh.ep}: the model has no MoE layers (model.mlp_kind={m.mlp_kind!r}), so ep "
             "would change nothing; drop ep from the layout, or compare an MoE model (model.mlp_kind=moe)"
         )
-    with torch.device("meta"):
-        model = GPT(m, padded_vocab=m.padded_vocab_size(mesh.tp))
-    apply_expert_parallel(model, mesh, cfg.parallel.sequence_parallel, m.moe.token_dispatcher)
+    check_expert_parallel(m, mesh.ep, mesh.tp, cfg.parallel.sequence_parallel)
 
 
 def _write_seed(cfg: Config, out: Path) -> Path:
