@@ -1,6 +1,6 @@
 """`mlm convert`: reshard a checkpoint for another mesh; Hugging Face import and export; verified.
 
-    mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--dtype bf16] [--consolidate]   # another mesh
+    mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--ep 4] [--dtype bf16] [--consolidate]   # another mesh
     mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
     mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
 
@@ -39,6 +39,12 @@ def convert(
         "--dp",
         help="Reshard: target data-parallel size, checked against the batch (default: the source's).",
     ),
+    ep: int | None = typer.Option(
+        None,
+        "--ep",
+        help="Reshard a MoE checkpoint: target expert-parallel size, dividing the experts and dp × tp "
+        "(default: the source's).",
+    ),
     consolidate: bool = typer.Option(
         False, "--consolidate", help="Reshard: write every tensor as one chunk."
     ),
@@ -67,20 +73,20 @@ def convert(
 
     if from_hf and to_hf:
         raise MlmError("mlm convert: pass at most one of --from-hf (HF → mlm) or --to-hf (mlm → HF)")
-    mesh_options = any(v is not None for v in (tp, pp, vpp, dp)) or consolidate
+    mesh_options = any(v is not None for v in (tp, pp, vpp, dp, ep)) or consolidate
     if (from_hf or to_hf) and mesh_options:
         raise MlmError(
-            "--tp, --pp, --vpp, --dp and --consolidate reshard an mlm checkpoint; leave out --from-hf/--to-hf"
+            "--tp, --pp, --vpp, --dp, --ep and --consolidate reshard an mlm checkpoint; leave out --from-hf/--to-hf"
         )
     if from_hf and (dtype is not None or tokenizer is not None or max_shard_size != "5GB"):
         raise MlmError("--dtype, --tokenizer and --max-shard-size apply to --to-hf only")
     if not (from_hf or to_hf):
         if not mesh_options and dtype is None:
             raise MlmError(
-                "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--dp/--consolidate/--dtype (reshard), "
+                "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--dp/--ep/--consolidate/--dtype (reshard), "
                 "--from-hf or --to-hf"
             )
-        return _reshard(src, out, tp, pp, vpp, dp, dtype, consolidate, verify, progress)
+        return _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress)
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -132,7 +138,7 @@ def convert(
     console.print(line, highlight=False, soft_wrap=True)
 
 
-def _reshard(src, out, tp, pp, vpp, dp, dtype, consolidate, verify, progress) -> None:
+def _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress) -> None:
     import time
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
@@ -153,12 +159,25 @@ def _reshard(src, out, tp, pp, vpp, dp, dtype, consolidate, verify, progress) ->
         def show(desc: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total or None)
 
-        diff = reshard(src, out, tp, pp, vpp, dp, dtype, consolidate, verify, show)
+        diff = reshard(
+            src,
+            out,
+            tp,
+            pp,
+            vpp,
+            dp=dp,
+            ep=ep,
+            dtype=dtype,
+            consolidate=consolidate,
+            verify=verify,
+            progress=show,
+        )
+    ep_given, ep = ep is not None, read_manifest(resolve_checkpoint(out))["mesh"]["ep"]
     seconds = time.perf_counter() - start
     nbytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     line = (
         f"[bold green]resharded[/] {src} → {out} for tp={tp} pp={pp}"
-        f"{f' vpp={vpp}' if vpp > 1 else ''} dp={dp}"
+        f"{f' vpp={vpp}' if vpp > 1 else ''} dp={dp}{f' ep={ep}' if ep_given or ep > 1 else ''}"
         f"{' (consolidated)' if consolidate else ''}: {nbytes / 1e9:.3g} GB in {seconds:.1f} s "
         f"({nbytes / 1e9 / max(seconds, 1e-9):.3g} GB/s)"
     )

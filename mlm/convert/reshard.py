@@ -4,11 +4,12 @@ Checkpoints hold every tensor once in its global shape, so any mesh can load any
 directly; what a mesh changes is how the arrays are chunked (each rank writes and reads whole
 chunks of its own slice) and how far the vocabulary rows are padded (to a multiple of
 `make_vocab_size_divisible_by × tp`). `reshard` rewrites a checkpoint for a target tp × pp
-(× vpp): every array chunked by the target's tensor-parallel slices (or whole, `consolidate`),
-the embedding/output rows and their Adam moments re-padded with zeros, the weights optionally
+(× vpp) (× ep): every array chunked by the target's tensor-parallel slices, the stacked expert
+weights [E, ...] by its expert-parallel slices along E (or each whole, `consolidate`), the
+embedding/output rows and their Adam moments re-padded with zeros, the weights optionally
 cast, the manifest's config and mesh updated. Optimizer state and the data position are global
-already (one process's layout; consumed samples), so a run resumed at another dp continues
-the same global sample order.
+already (one process's layout; consumed samples), so a run resumed at another dp or ep
+continues the same global sample order with the same moments.
 
 It streams: one tensor is read, converted and written at a time (memory: the largest tensor),
 into a temporary directory beside OUT that is renamed to OUT only when complete and verified
@@ -34,29 +35,63 @@ from mlm.convert.common import TOLERANCE, Progress, noop
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
 from mlm.model.gpt import GPT, VOCAB_ROWS
+from mlm.model.moe.experts import GroupedExperts
 from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dims
 from mlm.parallel.pipeline import stage_layer_counts
 from mlm.parallel.schedules import micro_batches_per_step
 from mlm.units import DTYPES
 from mlm.verify import prompt_logits
 
+Split = tuple[int, int] | None
+"""(dim, ways) a tensor is split along on the target mesh; None: whole."""
 
-def split_dims(cfg, consolidate: bool) -> dict[str, int | None]:
-    """Parameter name → the dim a tp-way mesh splits it along (None: whole; all None when
-    consolidating), from the model's tensor-parallel plans."""
+
+def split_dims(cfg, consolidate: bool, tp: int = 1, ep: int = 1) -> dict[str, Split]:
+    """Parameter name → how a tp × ep mesh splits it: (dim, tp) from the model's tensor-parallel
+    plans, (0, ep) for the stacked expert weights [E, ...] (expert tensor parallelism is 1), None
+    when whole (all None when consolidating)."""
     with torch.device("meta"):
-        dims = tp_split_dims(GPT(cfg))
+        model = GPT(cfg)
+    dims: dict[str, Split] = {k: None if d is None else (d, tp) for k, d in tp_split_dims(model).items()}
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for local, _ in module.named_parameters():
+                dims[f"{name}.{local}"] = (0, ep)
     return {k: None for k in dims} if consolidate else dims
 
 
-def target_chunk(dim: int | None, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """The chunk shape rank 0 of a tp-way mesh writes for a tensor split along `dim` (None: whole)."""
-    if dim is None or not shape:
+def target_chunk(split: Split, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The chunk shape rank 0 of the target mesh writes for a tensor split as `split` (None: whole)."""
+    if split is None or not shape:
         return shape
-    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+    dim, ways = split
+    return tuple(n // ways if d == dim else n for d, n in enumerate(shape))
 
 
-def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, dims, verify) -> Iterator:
+def has_experts(cfg) -> bool:
+    """Whether any layer of the model `cfg` is a mixture of experts."""
+    return any(spec.mlp == "moe" for spec in cfg.layer_specs())
+
+
+def check_expert_parallel(cfg, ep: int, stage: str, stage_ranks: int) -> None:
+    """MlmError unless `ep` spreads the experts of model `cfg` over a pipeline stage's
+    `stage_ranks` ranks (described by `stage`, e.g. "dp(2) × tp(1)"): E divisible by ep, ep
+    dividing the stage."""
+    E = cfg.moe.num_experts
+    if E % ep:
+        fits = ", ".join(str(n) for n in range(1, E + 1) if E % n == 0)
+        raise MlmError(
+            f"--ep {ep}: model.moe.num_experts={E} is not divisible by ep={ep}; each expert-parallel "
+            f"rank holds E / ep whole experts: choose an ep that divides {E} ({fits})"
+        )
+    if stage_ranks % ep:
+        raise MlmError(
+            f"--ep {ep} must divide {stage} = {stage_ranks}, the ranks of a pipeline stage that the "
+            f"experts are spread over; pass a --dp that makes it a multiple of {ep}"
+        )
+
+
+def _converted(src: Path, infos: dict, padded: int, dtype, dims, verify) -> Iterator:
     """Each tensor of `src`, converted: re-chunked at file level (`store.plan_rechunk`,
     `store.write_pieces`) when that is all it needs, else read into one of two buffers in turn
     (see `save_streaming`)."""
@@ -67,7 +102,7 @@ def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, dims, verify
         arr = store.open_array(src / group / key, where)
         sums = info.get(CHECKSUMS) if verify else None
         name = param_of(key)
-        chunk = target_chunk(dims.get(name), arr.shape, tp)
+        chunk = target_chunk(dims.get(name), arr.shape)
         repad = name in VOCAB_ROWS and arr.shape[0] != padded
         cast = dtype is not None and group == "model" and arr.dtype.is_floating_point and arr.dtype != dtype
         if not repad and not cast and store.can_rechunk(arr, chunk):
@@ -93,7 +128,7 @@ def _converted(src: Path, infos: dict, padded: int, tp: int, dtype, dims, verify
             t = rows
         if cast:
             t = t.to(dtype)
-        yield group, key, t, target_chunk(dims.get(name), tuple(t.shape), tp)
+        yield group, key, t, target_chunk(dims.get(name), tuple(t.shape))
 
 
 def reshard(
@@ -103,13 +138,16 @@ def reshard(
     pp: int,
     vpp: int = 1,
     dp: int | None = None,
+    ep: int | None = None,
     dtype: str | None = None,
     consolidate: bool = False,
     verify: bool = True,
     progress: Progress = noop,
 ) -> float | None:
     """Write `src` (a checkpoint dir or iter_ dir) to the new checkpoint dir `out`, laid out for
-    tp × pp (× vpp) × dp (default: the source's dp; checked against the batch sizes). With
+    tp × pp (× vpp) × dp (default: the source's dp; checked against the batch sizes), with the
+    experts of a MoE model over ep (default: the source's; it must divide the experts and
+    dp × tp; a dense model takes only ep 1, or none given). With
     `verify`, every chunk read must match its checksum and the logits of both on a fixed prompt
     must agree (bitwise without `dtype`, else within the dtype's tolerance) before OUT appears;
     returns the max logit difference (None unverified)."""
@@ -120,7 +158,20 @@ def reshard(
         raise MlmError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     manifest = read_manifest(it_dir)
     cfg = config_from_dict(manifest["config"])
-    parallel = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=vpp)  # checks vpp against pp
+    dp = dp or manifest.get("mesh", {}).get("dp", 1)
+    if ep is not None and ep < 1:
+        raise MlmError(f"--ep {ep}: must be at least 1")
+    if has_experts(cfg.model):
+        ep = cfg.parallel.ep if ep is None else ep
+        check_expert_parallel(cfg.model, ep, f"dp({dp}) × tp({tp})", dp * tp)
+    elif ep not in (None, 1):
+        raise MlmError(
+            f"--ep {ep}: {it_dir} holds a dense model (model.mlp_kind={cfg.model.mlp_kind!r}, no "
+            "experts to spread); leave out --ep, or pass --ep 1"
+        )
+    else:
+        ep = 1  # nothing to spread: a dense model's record says so whatever its run used
+    parallel = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=vpp, ep=ep)  # checks vpp against pp
     padded = cfg.model.padded_vocab_size(tp)
     check_tensor_parallel(cfg.model, padded, tp)
     stage_layer_counts(cfg.model.num_layers, pp, vpp, parallel.first_stage_layers, parallel.last_stage_layers)
@@ -128,10 +179,9 @@ def reshard(
     groups = sorted({k.split("/", 1)[0] for k in infos})
     extra = {k: v for k, v in manifest.items() if k not in RESERVED}
     extra["config"] = dataclasses.replace(cfg, parallel=parallel).to_dict()
-    dp = dp or manifest.get("mesh", {}).get("dp", 1)
     t = cfg.train
     micro_batches_per_step(t.global_batch_size, t.micro_batch_size, dp, pp, vpp)
-    extra["mesh"] = {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": 1, "world_size": tp * pp * dp}
+    extra["mesh"] = {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": ep, "world_size": tp * pp * dp}
     if pp != manifest.get("mesh", {}).get("pp", 1):
         extra["rng_per_stage"] = None  # per-stage RNG states belong to the old pipeline
     cast = DTYPES[dtype] if dtype else None
@@ -143,7 +193,7 @@ def reshard(
         def tensors():
             nonlocal done
             for group, key, *item in _converted(
-                it_dir, infos, padded, tp, cast, split_dims(cfg.model, consolidate), verify
+                it_dir, infos, padded, cast, split_dims(cfg.model, consolidate, tp, ep), verify
             ):
                 yield group, key, *item
                 done += store.nbytes(infos[f"{group}/{key}"])
