@@ -31,6 +31,13 @@ def _moe(**kw) -> MoEConfig:
     return MoEConfig(**{"num_experts": 8, "router_topk": 2, **kw})
 
 
+def _tiny(layers: int = 1, **moe) -> ModelConfig:
+    """A small model whose every layer is MoE with `moe` options."""
+    return ModelConfig(
+        num_layers=layers, hidden_size=32, num_attention_heads=4, mlp_kind="moe", moe=MoEConfig(**moe)
+    )
+
+
 def _sorted(probs, experts):
     """Rows as {expert: weight} for order-free comparison."""
     return [dict(zip(e.tolist(), p.tolist(), strict=True)) for p, e in zip(probs, experts, strict=True)]
@@ -154,13 +161,7 @@ def test_capacity_drops_the_overflow():
 
 
 def test_the_load_counts_dropped_copies(tmp_path):
-    cfg = ModelConfig(
-        num_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        mlp_kind="moe",
-        moe=MoEConfig(num_experts=4, router_topk=2, capacity_factor=0.5),
-    )
+    cfg = _tiny(num_experts=4, router_topk=2, capacity_factor=0.5)
     model = build_model(cfg).train()
     model(torch.randint(0, 256, (2, 16))).sum().backward()
     load = expert_load_step(model, Mesh.single())
@@ -192,18 +193,12 @@ def test_expert_implementations_agree(activation):
 
 
 def test_the_layer_is_the_weighted_sum_of_its_experts_per_token():
-    cfg = ModelConfig(
-        num_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        mlp_kind="moe",
-        moe=MoEConfig(
-            num_experts=4,
-            router_topk=2,
-            ffn_hidden_size=24,
-            shared_expert_ffn_hidden_size=16,
-            shared_expert_gate=True,
-        ),
+    cfg = _tiny(
+        num_experts=4,
+        router_topk=2,
+        ffn_hidden_size=24,
+        shared_expert_ffn_hidden_size=16,
+        shared_expert_gate=True,
     )
     moe = build_model(cfg).layers["0"].mlp.eval().requires_grad_(False)
     x = torch.randn(2, 5, 32)
@@ -225,18 +220,12 @@ def test_the_layer_is_the_weighted_sum_of_its_experts_per_token():
 
 def test_expert_bias_moves_toward_balance():
     """Aux-loss-free balancing: after a step, bias += rate · sign(mean load − load)."""
-    cfg = ModelConfig(
-        num_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        mlp_kind="moe",
-        moe=MoEConfig(
-            num_experts=4,
-            router_topk=1,
-            router_score_function="sigmoid",
-            router_enable_expert_bias=True,
-            router_bias_update_rate=0.01,
-        ),
+    cfg = _tiny(
+        num_experts=4,
+        router_topk=1,
+        router_score_function="sigmoid",
+        router_enable_expert_bias=True,
+        router_bias_update_rate=0.01,
     )
     model = build_model(cfg).train()
     moe = model.layers["0"].mlp
@@ -252,13 +241,7 @@ def test_expert_bias_moves_toward_balance():
 def test_recompute_does_not_count_the_load_twice():
     from mlm.parallel.recompute import apply_recompute
 
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        mlp_kind="moe",
-        moe=MoEConfig(num_experts=4, router_topk=2, aux_loss_coeff=0.1),
-    )
+    cfg = _tiny(num_experts=4, router_topk=2, aux_loss_coeff=0.1, layers=2)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     seen = []
     for mode in ("none", "full"):

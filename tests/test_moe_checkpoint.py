@@ -18,6 +18,7 @@ import json
 import pytest
 import torch
 import zarr
+from test_moe_parallel import MOE as MOE_MODEL
 
 from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint
 from mlm.config import load_config
@@ -30,17 +31,7 @@ from test_bad_input import mlm
 from test_parallel_training import RTOL, _sets
 
 MOE = {  # test_moe_parallel's model, 4 steps
-    "model.num_layers": 4,
-    "model.mlp_kind": "moe",
-    "model.first_k_dense": 1,
-    "model.moe.num_experts": 4,
-    "model.moe.ffn_hidden_size": 48,
-    "model.moe.router_topk": 2,
-    "model.moe.aux_loss_coeff": 1e-2,
-    "model.moe.seq_aux_loss_coeff": 1e-2,
-    "model.moe.z_loss_coeff": 1e-3,
-    "model.moe.shared_expert_ffn_hidden_size": 32,
-    "model.moe.shared_expert_gate": "true",
+    **MOE_MODEL,
     "train.train_iters": 4,
     "logging.hardware": "h100-80g",  # MFU against a profile's peak: no CPU matmul measured per rank
 }
