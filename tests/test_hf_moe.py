@@ -291,7 +291,9 @@ def test_export_of_configs_hf_cannot_express(monkeypatch):
         MlmError, match=r"mixtral: model\.moe\.router_score_function='sigmoid' \(needs 'softmax'\)"
     ):
         config_to_hf(sigmoid, "mixtral")
-    biased = ModelConfig(**base, moe=MoEConfig(num_experts=4, router_enable_expert_bias=True))
+    biased = ModelConfig(
+        **base, moe=MoEConfig(num_experts=4, router_score_function="sigmoid", router_enable_expert_bias=True)
+    )
     with pytest.raises(MlmError, match=r"model\.moe\.router_enable_expert_bias=True \(needs False\)"):
         config_to_hf(biased, "qwen3_moe")
     mixed = ModelConfig(**base, mlp_kind_freq=[1, 0], moe=MoEConfig(num_experts=4))

@@ -3,7 +3,8 @@ with the distributed optimizer, ep 2 × tp 2 with sequence parallelism (× dp 2)
 ep 4 on 4 ranks, each with the all-to-all and the all-gather dispatcher; 3 steps, dropless, with
 every balancing loss on (aux, sequence aux, z-loss: they reach the gradients from every stage)
 and shared experts with their gate. Losses, final weights (read back through the checkpoint,
-experts on their global axis) and the logged balancing losses are compared.
+experts on their global axis), the logged balancing losses and the global gradient norm (each
+expert counted once) are compared.
 
 Every rank is a real gloo process. Tolerance: fp32, 1e-5 relative (test_parallel_training's:
 reductions sum in another order), Adam's eps 1e-4 for the reason given there.
@@ -54,7 +55,7 @@ def logged(run_dir, prefix: str) -> dict[str, list[float]]:
 def moe_reference(tmp_path_factory, tiny_data):
     tmp = tmp_path_factory.mktemp("reference")
     losses, weights = reference_run(tmp, tiny_data, **MOE)
-    return losses, weights, logged(tmp / "one", "aux.")
+    return losses, weights, {**logged(tmp / "one", "aux."), **logged(tmp / "one", "grad_norm")}
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
@@ -73,11 +74,12 @@ def test_expert_parallel_matches_one_process(tmp_path, tiny_data, moe_reference,
     sets = _sets(tmp_path, tiny_data, "mesh", **MOE, **parallel, **{"model.moe.token_dispatcher": dispatcher})
     losses, weights, aux = moe_reference
     _assert_matches(tmp_path, run_ranks(world, _train_rank, sets), losses, weights)
-    assert set(aux) == {
+    assert set(aux) - {"grad_norm"} == {
         f"aux.{kind}.{i}" for kind in ("load_balancing", "seq_load_balancing", "z_loss") for i in (1, 2, 3)
     }
-    got = logged(tmp_path / "mesh", "aux.")
-    for name, values in aux.items():
+    got = {**logged(tmp_path / "mesh", "aux."), **logged(tmp_path / "mesh", "grad_norm")}
+    assert max(aux["grad_norm"]) > 1.0  # clipping at 1.0 acted: a wrong norm would move the weights
+    for name, values in aux.items():  # the balancing losses and the global gradient norm
         assert got[name] == pytest.approx(values, rel=RTOL), name
 
 

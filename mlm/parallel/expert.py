@@ -151,8 +151,13 @@ class AllGatherDispatcher:
 def check_expert_parallel(cfg: ModelConfig, ep: int, tp: int, sequence_parallel: bool) -> None:
     """MlmError unless `cfg`'s MoE layers split over `ep` ranks (at `tp`, with or without
     sequence parallelism)."""
-    if ep == 1 or not any(spec.mlp == "moe" for spec in cfg.layer_specs()):
+    if ep == 1:
         return
+    if not any(spec.mlp == "moe" for spec in cfg.layer_specs()):
+        raise MlmError(
+            f"parallel.ep={ep}: the model has no MoE layers (model.mlp_kind={cfg.mlp_kind!r}), so there are "
+            "no experts to spread; set parallel.ep=1, or use an MoE model (model.mlp_kind=moe)"
+        )
     if tp > 1 and not sequence_parallel:
         raise MlmError(
             f"parallel.ep={ep} with tp={tp}: the tp ranks are expert-parallel ranks too and must "

@@ -61,6 +61,7 @@ def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
     """Everything that would make a layout's run fail at start, before anything is run or written.
     `resolve_with(overrides)` is the resolved config with more `--set` items."""
     from mlm.parallel import Mesh
+    from mlm.parallel.expert import check_expert_parallel
     from mlm.parallel.launch import pick_device
     from mlm.train.trainer import check_supported
 
@@ -72,8 +73,7 @@ def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
             shape = Mesh.shape_for(lcfg.parallel, lay.world * lcfg.parallel.cp)
             mesh = Mesh(world_size=lay.world, rank=0, ep=lcfg.parallel.ep, **shape)
             check_supported(mesh, lcfg)
-            if mesh.ep > 1:
-                _check_experts(lcfg, mesh)
+            check_expert_parallel(lcfg.model, mesh.ep, mesh.tp, lcfg.parallel.sequence_parallel)
         except MlmError as e:
             raise MlmError(f"layout {lay.name!r}: {e}") from None
         if lcfg.model.padded_vocab_size(lay.tp) != pad:
@@ -96,20 +96,6 @@ def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
                     f"layout {lay.name!r} needs {lay.world} GPUs (one per rank); "
                     f"{torch.cuda.device_count()} are visible"
                 )
-
-
-def _check_experts(cfg: Config, mesh) -> None:
-    """Expert parallelism on `mesh`: the model must have MoE layers, and `mlm train`'s own checks
-    (experts divisible by ep, sequence parallelism with tp) must pass."""
-    from mlm.parallel.expert import check_expert_parallel
-
-    m = cfg.model
-    if not any(spec.mlp == "moe" for spec in m.layer_specs()):
-        raise MlmError(
-            f"parallel.ep={mesh.ep}: the model has no MoE layers (model.mlp_kind={m.mlp_kind!r}), so ep "
-            "would change nothing; drop ep from the layout, or compare an MoE model (model.mlp_kind=moe)"
-        )
-    check_expert_parallel(m, mesh.ep, mesh.tp, cfg.parallel.sequence_parallel)
 
 
 def _write_seed(cfg: Config, out: Path) -> Path:
