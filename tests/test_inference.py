@@ -367,7 +367,7 @@ def test_moe_checkpoint_generates_as_the_plain_model(tmp_path):
 
     model, _, _ = load_model(_checkpoint(tmp_path, MOE), device="cpu")
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    assert len(moes) == 2 and all(m.moe.capacity_factor is None for m in moes)  # served dropless
+    assert len(moes) == 2 and all(m.options.capacity_factor is None for m in moes)  # served dropless
     ps = prompts(model.cfg.vocab_size, [5, 30, 1, 12])
     engine = Engine(model, None, EngineConfig(max_seqs=3, max_tokens_per_step=16, block_size=4))
     for p, r in zip(ps, staggered(engine, [(p, GREEDY) for p in ps]), strict=True):

@@ -117,7 +117,7 @@ def _tp_rank(rank: int, world_size: int, ckpts: list[str]) -> list[dict]:
             out.append(dict(steps=runner.follow()))  # returns at the stop message
         out[-1]["cache"] = tuple(cache.k_LNSGK.shape)
         moes = [m for m in model.modules() if isinstance(m, MoE)]
-        out[-1]["experts"] = [(tuple(m.experts.up.weight.shape), m.moe.capacity_factor) for m in moes]
+        out[-1]["experts"] = [(tuple(m.experts.up.weight.shape), m.options.capacity_factor) for m in moes]
     return out
 
 

@@ -25,7 +25,7 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     skipped = 0
     for module in model.modules():
         if isinstance(module, MoE):
-            E, k = module.moe.num_experts, module.moe.router_topk
+            E, k = module.options.num_experts, module.options.router_topk
             routed = sum(p.numel() for p in module.experts.parameters())  # E whole experts
             skipped += routed // E * (E - k)
     return total, total - skipped

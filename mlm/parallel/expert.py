@@ -100,9 +100,10 @@ class _AllToAll(torch.autograd.Function):
 
 
 class AllToAllDispatcher:
+    """Token copies to the ranks holding their experts and back (Megatron's alltoall)."""
+
     def __init__(self, group, ep: int):
         self.group, self.ep = group, ep
-        self.bytes_sent = 0  # token rows sent and received back, forward only (bench/moe.py)
 
     def __call__(self, x_ND, probs_NE, mask_NE, experts: GroupedExperts) -> torch.Tensor:
         ep, L = self.ep, experts.num_local
@@ -121,14 +122,14 @@ class AllToAllDispatcher:
         y_MD = experts(x_MD[order], recv_SL.sum(0).tolist())
         y_MD = y_MD[torch.argsort(order)]
         back_MD = _AllToAll.apply(y_MD, send, recv, self.group)
-        self.bytes_sent += (sum(send) + sum(recv)) * x_ND.shape[1] * x_ND.element_size()
         return combine(back_MD, w_M, token_M, x_ND.shape[0])
 
 
 class AllGatherDispatcher:
+    """Every rank sees the group's tokens and computes its experts' share (Megatron's allgather)."""
+
     def __init__(self, group, ep: int, ep_rank: int):
         self.group, self.ep, self.ep_rank = group, ep, ep_rank
-        self.bytes_sent = 0
 
     def __call__(self, x_ND, probs_NE, mask_NE, experts: GroupedExperts) -> torch.Tensor:
         ep, L = self.ep, experts.num_local
@@ -144,7 +145,6 @@ class AllGatherDispatcher:
         y_MD = experts(x_all[token_M], mine.sum(0).tolist())
         w_M = probs_all[token_M, lo + expert_M]
         out_all = combine(y_MD, w_M, token_M, x_all.shape[0])
-        self.bytes_sent += 2 * (ep - 1) * x_ND.numel() * x_ND.element_size()
         return _ReduceScatterRows.apply(out_all, self.group, ep)
 
 
@@ -218,7 +218,7 @@ def expert_load_step(model: nn.Module, mesh: Mesh) -> dict[str, float]:
     loads, dropped = counts[:, :-1], counts[:, -1]
     for (moe, _), load in zip(taken, loads, strict=True):
         if moe.router.expert_bias is not None:
-            moe.router.expert_bias.add_(torch.sign(load.mean() - load) * moe.moe.router_bias_update_rate)
+            moe.router.expert_bias.add_(torch.sign(load.mean() - load) * moe.options.router_bias_update_rate)
     ratio = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).tolist()
     share = (dropped / loads.sum(1).clamp(min=1)).tolist()  # one device sync for all layers
     out = {}

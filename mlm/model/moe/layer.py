@@ -68,7 +68,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        m = self.moe = cfg.moe
+        m = self.options = cfg.moe
         self.layer = layer
         self.router = Router(cfg)
         self.experts = GroupedExperts(
@@ -92,7 +92,7 @@ class MoE(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
-        m = self.moe
+        m = self.options
         x_ND = x_BTD.reshape(-1, D)
         logits_NE = R.router_logits(x_ND, self.router.weight)
         bias = self.router.expert_bias
@@ -114,7 +114,7 @@ class MoE(nn.Module):
 
     def _balance(self, out, logits_NE, selected_NE, mask_NE, batch: int):
         """Attach the balancing losses to `out`; count the load (not again when recomputing)."""
-        m, group = self.moe, self.sequence_group
+        m, group = self.options, self.sequence_group
         if not recomputing():
             with torch.no_grad():
                 load = selected_NE.sum(0).float()
