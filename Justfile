@@ -45,3 +45,4 @@ bench: setup
     {{bin}}/python bench/pipeline_bubble.py
     {{bin}}/python bench/convert.py
     {{bin}}/python bench/serve.py
+    {{bin}}/python bench/moe.py
