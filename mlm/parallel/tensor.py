@@ -105,6 +105,14 @@ def _region(x: torch.Tensor, mesh: Mesh, fwd: str, bwd: str) -> torch.Tensor:
     return _Region.apply(x, fwd, bwd, group, mesh.tp, mesh.tp_rank)
 
 
+def gather_seq_over(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """[B, t, ...] → [B, size·t, ...] over any `group` (ranks in group order); backward:
+    reduce-scatter (context parallelism's key/value gather)."""
+    if size == 1:
+        return x
+    return _Region.apply(x, "gather_seq", "reduce_scatter_seq", group, size, dist.get_rank(group))
+
+
 def copy_to_tp(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """Enter the tp region: forward identity, backward all-reduce."""
     return _region(x, mesh, "identity", "all_reduce")
