@@ -4,6 +4,7 @@ outside in a fixed order (torchtitan's `parallelize`):
     1. cut to this rank's pipeline stage        mlm.parallel.pipeline.split_for_pipeline
     2. tensor / sequence parallelism             mlm.parallel.parallelize (each module's tp_plan)
     3. expert parallelism (MoE layers)           mlm.parallel.expert
+       context parallelism (attention)           mlm.parallel.context
     4. activation recompute, per layer           mlm.parallel.recompute
     5. materialise: only the local shards take memory
 
@@ -16,6 +17,7 @@ import torch
 
 from mlm.config import ModelConfig, ParallelConfig
 from mlm.model import GPT
+from mlm.parallel.context import apply_context_parallel
 from mlm.parallel.expert import apply_expert_parallel
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import parallelize
@@ -36,5 +38,6 @@ def build_sharded(
     split_for_pipeline(model, mesh, parallel)
     parallelize(model, mesh, parallel.sequence_parallel)
     apply_expert_parallel(model, mesh, parallel.sequence_parallel, cfg.moe.token_dispatcher)
+    apply_context_parallel(model, mesh, parallel.cp_comm_type, parallel.sequence_parallel)
     apply_recompute(model, cfg.recompute)
     return model.to_empty(device=device)

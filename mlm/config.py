@@ -394,7 +394,9 @@ class ParallelConfig:
     last_stage_layers: int | None = None
     """Layers on the last (virtual) pipeline stage, which also holds the output layer; unset: an even share."""
     cp: int = 1
-    """Context-parallel size."""
+    """Context-parallel size: each sequence split over cp ranks (2·cp chunks, load-balanced)."""
+    cp_comm_type: str = "p2p"
+    """Attention under cp (Megatron's cp_comm_type): p2p (a ring of key/value exchanges) or all_gather."""
     ep: int = 1
     """Expert-parallel size."""
     sequence_parallel: bool = False
@@ -418,6 +420,7 @@ class ParallelConfig:
             _check(n is None or n >= 1, f"parallel.{name}={n}: must be at least 1 (or unset)")
             _check(n is None or self.pp > 1, f"parallel.{name}={n}: only meaningful with parallel.pp > 1")
         _choice("parallel", "grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
+        _choice("parallel", "cp_comm_type", self.cp_comm_type, ("p2p", "all_gather"))
         _check(self.bucket_size_mb > 0, f"parallel.bucket_size_mb={self.bucket_size_mb}: must be positive")
 
 

@@ -117,8 +117,11 @@ class AttentionCore(nn.Module):
         self.dropout = cfg.attention_dropout
         self.backend = "sdpa"
         self.rng_region = contextlib.nullcontext
+        self.context = None  # context parallelism: attention over the cp ranks' tokens (mlm.parallel.context)
 
     def forward(self, q_BTHK, k_BTGK, v_BTGK):
+        if self.context is not None:
+            return self.context(q_BTHK, k_BTGK, v_BTGK)
         dropping = self.training and self.dropout > 0
         with self.rng_region(q_BTHK.device) if dropping else contextlib.nullcontext():
             return attention(q_BTHK, k_BTGK, v_BTGK, self.backend, self.dropout, self.training)

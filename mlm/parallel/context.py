@@ -5,13 +5,13 @@ cp rank r holds chunks r and 2·cp − 1 − r, so every rank does the same caus
 labels and positions are split the same way (`zigzag_indices`); the model runs on its T / cp
 tokens with their global positions (RoPE), and only attention sees the other ranks' tokens:
 
-    allgather   the keys and values of all cp ranks gathered before attention (autograd's
+    all_gather  the keys and values of all cp ranks gathered before attention (autograd's
                 backward reduce-scatters their gradients); the mask compares global positions.
-    ring        (mlm.parallel.ring_attention) the keys and values passed around the ring of cp
+    p2p         (mlm.parallel.ring_attention) the keys and values passed around the ring of cp
                 ranks, one chunk pair per step, each step's partial attention merged by its
                 log-sum-exp.
 
-Losses are means over each rank's tokens (equal counts), so their mean over cp is the
+`parallel.cp_comm_type` chooses (Megatron's names). Losses are means over each rank's tokens (equal counts), so their mean over cp is the
 sequence's; gradients are reduced over dp × cp. Checkpoints have no cp axis.
 
 Shape legend: B batch, T whole sequence, t = T / cp this rank's tokens, H heads, G key/value
@@ -20,19 +20,35 @@ groups, K head dim.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mlm.errors import MlmError
+from mlm.model.layers import AttentionCore
+from mlm.parallel.mesh import Mesh
 
-IMPLS = ("allgather", "ring")
+COMM_TYPES = ("all_gather", "p2p")
 
 
-def check_context_parallel(seq_length: int, cp: int) -> None:
-    if cp > 1 and seq_length % (2 * cp):
+def check_context_parallel(seq_length: int, cp: int, sequence_shards: int = 1) -> None:
+    """MlmError unless sequences of `seq_length` split over `cp` ranks (2·cp chunks), each rank's
+    tokens then over `sequence_shards` tp ranks (sequence parallelism)."""
+    if cp == 1:
+        return
+    if seq_length % (2 * cp):
         raise MlmError(
             f"data.seq_length={seq_length} is not divisible by 2 × parallel.cp = {2 * cp}: context "
             f"parallelism cuts each sequence into 2·cp chunks; choose a length that is a multiple of {2 * cp}"
+        )
+    if (seq_length // cp) % sequence_shards:
+        raise MlmError(
+            f"data.seq_length={seq_length} over parallel.cp={cp} leaves {seq_length // cp} tokens per rank, "
+            f"not divisible by tp={sequence_shards} (sequence parallelism); choose a length that is a "
+            f"multiple of {2 * cp * sequence_shards}"
         )
 
 
@@ -59,3 +75,49 @@ def allgather_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int) -> to
     q, k, v = (x.transpose(1, 2) for x in (q_BtHK, k, v))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_tT, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
+
+
+def _impl(name: str):
+    if name == "p2p":
+        from mlm.parallel.ring_attention import ring_attention
+
+        return ring_attention
+    return allgather_attention
+
+
+def apply_context_parallel(model: nn.Module, mesh: Mesh, comm_type: str, sequence_parallel: bool) -> None:
+    """Make every attention core of `model` attend over the whole sequence held across `mesh`'s
+    cp ranks (`comm_type` "all_gather" or "p2p", Megatron's cp_comm_type), and point modules that
+    reduce statistics over a sequence's shards (MoE balancing) at the ranks holding its other
+    parts (cp, × tp under sequence parallelism). A no-op at cp = 1."""
+    if mesh.cp == 1:
+        return
+    if model.cfg.attention_dropout > 0:
+        raise MlmError(
+            f"model.attention_dropout={model.cfg.attention_dropout} with parallel.cp={mesh.cp}: attention "
+            "dropout is not built under context parallelism; set it to 0"
+        )
+    if comm_type not in COMM_TYPES:
+        raise MlmError(f"parallel.cp_comm_type={comm_type!r}: must be one of {', '.join(COMM_TYPES)}")
+    attend = functools.partial(_impl(comm_type), group=mesh.group("cp"), cp=mesh.cp, rank=mesh.cp_rank)
+    shards = mesh.sequence_group(sequence_parallel)
+    for module in model.modules():
+        if isinstance(module, AttentionCore):
+            module.context = attend
+        for attr, style in getattr(type(module), "tp_plan", {}).items():
+            if style == "sp_group":
+                setattr(module, attr, shards)
+
+
+@contextlib.contextmanager
+def whole_sequences(model: nn.Module):
+    """Attention over the local tokens only, for a forward in which every rank holds whole
+    sequences (sampling a prompt during training under cp)."""
+    cores = [(m, m.context) for m in model.modules() if isinstance(m, AttentionCore)]
+    for m, _ in cores:
+        m.context = None
+    try:
+        yield
+    finally:
+        for m, context in cores:
+            m.context = context

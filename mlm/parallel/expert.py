@@ -199,7 +199,7 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool,
 @torch.no_grad()
 def expert_load_step(model: nn.Module, mesh: Mesh) -> dict[str, float]:
     """Once per step, after backward: every MoE layer's tokens per expert of the step, summed over
-    the stage's ranks that routed different tokens (dp; tp under sequence parallelism). Updates
+    the stage's ranks that routed different tokens (dp; cp; tp under sequence parallelism). Updates
     the selection-only expert biases (aux-loss-free balancing, DeepSeek-V3 / Megatron:
     bias += rate · sign(mean load − load)) and returns the load metrics per layer:
     `moe.load_max_mean.L` (the busiest expert's tokens over the mean: 1 is balanced) and
@@ -209,10 +209,10 @@ def expert_load_step(model: nn.Module, mesh: Mesh) -> dict[str, float]:
     if not taken:
         return {}
     counts = torch.stack([torch.cat([load, dropped.view(1)]) for _, (load, dropped) in taken])
-    groups = [mesh.dp_group, mesh.group("cp")]
-    if taken[0][0].sequence_group is not None:
-        groups.append(taken[0][0].sequence_group)
-    for group in groups:
+    # the ranks routing other tokens: dp, and those holding the sequences' other parts (tp under
+    # sequence parallelism, cp), which the layers reduce over themselves
+    shards = taken[0][0].sequence_group
+    for group in (mesh.dp_group, shards if shards is not None else mesh.group("cp")):
         if group is not None:
             dist.all_reduce(counts, group=group)
     loads, dropped = counts[:, :-1], counts[:, -1]

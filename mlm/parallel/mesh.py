@@ -41,7 +41,8 @@ class Mesh:
     """Process groups beyond the mesh dims, made by `build`: "pp_grad" (a second communicator
     per pipeline, for gradients), "embedding" (each pipeline's first and last stage), "gloo" (all
     ranks, on gloo, when asked for: background checkpoint saves synchronise there), and under expert parallelism
-    "ep" and "edp" (see `expert_groups`)."""
+    "ep" and "edp" (see `expert_groups`), under context parallelism "dp_cp" (gradients) and
+    "tp_cp" (a sequence's shards)."""
 
     @property
     def stage_index(self) -> int:
@@ -115,6 +116,14 @@ class Mesh:
             pipelines = mesh.all_pipelines()
             mesh.extra_groups["pp_grad"] = _new_groups(pipelines, rank)
             mesh.extra_groups["embedding"] = _new_groups([[p[0], p[-1]] for p in pipelines], rank)
+        if mesh.cp > 1:  # gradients are reduced over dp × cp; a sequence's shards span tp × cp
+            grid = dm.mesh  # [pp, dp, cp, tp]
+            mesh.extra_groups["dp_cp"] = _new_groups(
+                [grid[p, :, :, t].flatten().tolist() for p in range(mesh.pp) for t in range(mesh.tp)], rank
+            )
+            mesh.extra_groups["tp_cp"] = _new_groups(
+                [grid[p, d].flatten().tolist() for p in range(mesh.pp) for d in range(mesh.dp)], rank
+            )
         if mesh.ep > 1:
             ep_lists, edp_lists = mesh.expert_groups()
             mesh.extra_groups["ep"] = _new_groups(ep_lists, rank)
@@ -123,12 +132,23 @@ class Mesh:
 
     def group(self, dim: str):
         """The process group of a mesh dim ("tp", "dp", "cp", "pp"; None when it has one rank) or
-        of an extra group ("pp_grad", "embedding", "gloo", "ep", "edp"; None where there is none)."""
-        if dim in ("pp_grad", "embedding", "gloo", "ep", "edp"):
+        of an extra group ("pp_grad", "embedding", "gloo", "ep", "edp", and under context
+        parallelism "dp_cp" (the dp group at cp = 1) and "tp_cp"; None where there is none)."""
+        if dim in ("dp_cp", "tp_cp") and self.cp == 1:
+            return self.group(dim[:2])
+        if dim in ("pp_grad", "embedding", "gloo", "ep", "edp", "dp_cp", "tp_cp"):
             return self.extra_groups.get(dim)
         if self.device_mesh is None or getattr(self, dim) == 1:
             return None
         return self.device_mesh.get_group(dim)
+
+    def sequence_group(self, sequence_parallel: bool):
+        """The ranks holding the other parts of this rank's sequences: tp under sequence
+        parallelism, × cp under context parallelism (None when a rank holds whole sequences)."""
+        split_tp = sequence_parallel and self.tp > 1
+        if self.cp > 1:
+            return self.group("tp_cp") if split_tp else self.group("cp")
+        return self.tp_group if split_tp else None
 
     def all_pipelines(self) -> list[list[int]]:
         """The global ranks of every pipeline (pp group), each in stage order, the same on every rank."""

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from mlm.config import ParallelConfig
 from mlm.errors import MlmError
 from mlm.model import Chunk
+from mlm.parallel.context import whole_sequences, zigzag_indices
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.schedules import Action, forward_only, schedule, stage_layer_counts
 from mlm.parallel.tensor import gather_from_tp
@@ -92,6 +93,7 @@ class Pipeline:
         """The last step's actions with their start and end (perf_counter seconds)."""
         self.peak_in_flight = 0
         """The most micro-batches whose activations this rank held at once during the last step."""
+        self._positions: tuple[int, torch.Tensor] | None = None
         if mesh.pp == 1:
             return
         ranks = mesh.pipeline_ranks()
@@ -104,6 +106,16 @@ class Pipeline:
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.pp + self.rank
+
+    def _context_positions(self, seq_length: int) -> torch.Tensor | None:
+        """Under context parallelism, the positions of this rank's tokens (the zigzag split,
+        `mlm.parallel.context`); else None."""
+        if self.mesh.cp == 1:
+            return None
+        if self._positions is None or self._positions[0] != seq_length:
+            idx = zigzag_indices(seq_length, self.mesh.cp, self.mesh.cp_rank, self.device)
+            self._positions = (seq_length, idx)
+        return self._positions[1]
 
     def _p2p_shape(self, seq_length: int, batch: int) -> tuple[int, int, int]:
         return (batch, seq_length // self.model.sequence_shards, self.hidden)
@@ -154,7 +166,10 @@ class Pipeline:
         that the model's modules attach get the same factor, `model.aux_losses.scale`), and `grads`
         (GradBuckets) is told which backward is a chunk's last of the step."""
         num_micro = len(micro_batches)
-        shape = self._p2p_shape(micro_batches[0].shape[1] - 1, micro_batches[0].shape[0])
+        # context parallelism: this rank's tokens of each sequence, at their global positions
+        positions = self._context_positions(micro_batches[0].shape[1] - 1)
+        T = micro_batches[0].shape[1] - 1 if positions is None else positions.numel()
+        shape = self._p2p_shape(T, micro_batches[0].shape[0])
         training = any(a.kind == "B" for a in actions)
         total = torch.zeros((), device=self.device)
         stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -180,18 +195,22 @@ class Pipeline:
             s = self._stage(a.chunk)
             first, last = s == 0, s == self.stages - 1
             tokens = micro_batches[a.micro]
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            if positions is not None:
+                inputs, labels = inputs[:, positions], labels[:, positions]
             ops: list[dist.P2POp] = []
             if a.kind == "F":
-                x = tokens[:, :-1] if first else buf
+                x = inputs if first else buf
                 if training and not first:
                     x.requires_grad_(True)
                 with autocast(), contextlib.nullcontext() if training else torch.no_grad():
                     if last:
-                        loss = self.model.head_loss(self.model.hidden_states(x, chunk=a.chunk), tokens[:, 1:])
+                        h = self.model.hidden_states(x, positions, chunk=a.chunk)
+                        loss = self.model.head_loss(h, labels)
                         total += loss.detach()
                         out = loss * loss_scale
                     else:
-                        out = self.model(x, chunk=a.chunk)
+                        out = self.model(x, positions, chunk=a.chunk)
                 if not last:
                     if out.dtype != self.dtype or tuple(out.shape) != shape:
                         raise MlmError(
@@ -253,6 +272,10 @@ class Pipeline:
             self.model.train(was_training)
 
     def _logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        with whole_sequences(self.model):  # every rank runs the whole prompt, even under cp
+            return self._whole_logits(tokens_BT)
+
+    def _whole_logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         x: torch.Tensor = tokens_BT
         shape = self._p2p_shape(tokens_BT.shape[1], tokens_BT.shape[0])
         sends = []

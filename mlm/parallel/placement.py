@@ -55,10 +55,10 @@ class Placement:
         """Sharded over ep (its gradient is reduced over edp, not dp)."""
         return "ep" in self.sharded_over
 
-    def writer_without(self, mesh: Mesh, dim: str) -> bool:
-        """Whether this rank writes the slice once the replicas over `dim` are one (e.g. the
-        distributed optimizer gathers the moments over dp and picks the dp rank that writes)."""
-        return replica_index(mesh, tuple(d for d in self.replicated_over if d != dim)) == 0
+    def writer_without(self, mesh: Mesh, *dims: str) -> bool:
+        """Whether this rank writes the slice once the replicas over `dims` are one (e.g. the
+        distributed optimizer gathers the moments over dp × cp and picks the rank that writes)."""
+        return replica_index(mesh, tuple(d for d in self.replicated_over if d not in dims)) == 0
 
     def slice_of(self, full):
         """This rank's slice of `full`, a tensor in the global shape."""

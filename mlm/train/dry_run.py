@@ -14,6 +14,7 @@ from rich.text import Text
 
 from mlm.config import Config
 from mlm.model.gpt import GPT
+from mlm.parallel.context import check_context_parallel
 from mlm.parallel.expert import check_expert_parallel
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import check_tensor_parallel
@@ -37,6 +38,7 @@ def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
     padded = cfg.model.padded_vocab_size(p.tp)
     check_tensor_parallel(cfg.model, padded, p.tp)
     check_expert_parallel(cfg.model, p.ep, p.tp, p.sequence_parallel)
+    check_context_parallel(cfg.data.seq_length, p.cp, p.tp if p.sequence_parallel else 1)
     num_micro = micro_batches_per_step(t.global_batch_size, t.micro_batch_size, shape["dp"], p.pp, p.vpp)
     counts = stage_layer_counts(cfg.model.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
 

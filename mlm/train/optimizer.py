@@ -44,7 +44,7 @@ class TrainOptimizer:
         )
         self.grads = GradBuckets(
             model,
-            mesh.dp_group,
+            mesh.group("dp_cp"),  # cp ranks hold other tokens of the same sequences: like dp
             held=(tied,) if tied is not None else (),  # reduced once both pipeline copies are summed
             names=trainable - experts,
             **common,
@@ -102,7 +102,7 @@ class TrainOptimizer:
 
     def clip(self, max_norm: float) -> float:
         m = self.mesh
-        dp_shards = m.dp_group if self.distributed else None
+        dp_shards = m.group("dp_cp") if self.distributed else None
         experts = ()
         if self.expert_grads is not None:
             experts = tuple(g for g in (m.group("edp") if self.distributed else None, m.group("ep")) if g)
@@ -128,13 +128,13 @@ class TrainOptimizer:
     # ------------------------------------------------------------------ checkpoints
 
     def _placed(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
-        """Each moment written by its parameter's replica 0 (and by the dp rank that gathered it
-        under the distributed optimizer); vocabulary rows padded per tp, as the weights."""
+        """Each moment written by its parameter's replica 0 (and by the dp × cp rank that gathered
+        it under the distributed optimizer); vocabulary rows padded per tp, as the weights."""
         for t in tensors:
             name, place = param_of(t.key), self.placements[param_of(t.key)]
-            sharded_over = "edp" if place.expert_parallel else "dp"
+            sharded_over = ("edp",) if place.expert_parallel else ("dp", "cp")
             t.writer = t.writer and (
-                place.writer_without(self.mesh, sharded_over) if self.dists else place.writer
+                place.writer_without(self.mesh, *sharded_over) if self.dists else place.writer
             )
             t.padded_rows = name in self.padded_rows
         return tensors

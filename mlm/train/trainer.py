@@ -35,6 +35,7 @@ from mlm.errors import MlmError
 from mlm.model import flops_per_token, parameter_counts
 from mlm.model.gpt import GPT
 from mlm.parallel import Mesh
+from mlm.parallel.context import check_context_parallel
 from mlm.parallel.expert import expert_load_step
 from mlm.parallel.launch import init_distributed, pick_device
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads
@@ -69,11 +70,7 @@ def resume_path(cfg: Config, load: str | None, auto_resume: bool) -> str | None:
 
 
 def check_supported(mesh: Mesh, cfg: Config) -> None:
-    if mesh.cp > 1:
-        raise MlmError(
-            f"parallel.cp={mesh.cp}: this mlm trains with tensor, sequence, pipeline, data and expert "
-            "parallelism; set cp to 1"
-        )
+    check_context_parallel(cfg.data.seq_length, mesh.cp, mesh.tp if cfg.parallel.sequence_parallel else 1)
     t = cfg.train
     micro_batches_per_step(t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.pp, cfg.parallel.vpp)
 
@@ -186,9 +183,11 @@ class Trainer(TrainerCheckpoints):
         return float(t)
 
     def _dp_mean(self, t: torch.Tensor) -> float:
-        if self.mesh.dp_group is not None:
-            dist.all_reduce(t, group=self.mesh.dp_group)
-            t = t / self.dp_size
+        """The mean over dp (each replica's batch) and cp (each rank's share of the sequences)."""
+        group = self.mesh.group("dp_cp")
+        if group is not None:
+            dist.all_reduce(t, group=group)
+            t = t / (self.dp_size * self.mesh.cp)
         return float(t)
 
     def train_step(self, batches) -> dict:
@@ -229,9 +228,10 @@ class Trainer(TrainerCheckpoints):
         values.update(load)
         if not self.has_aux:
             return values
-        if self.mesh.tp > 1 and partial:
-            parts: list[dict] = [{}] * self.mesh.tp
-            dist.all_gather_object(parts, values, group=self.mesh.tp_group)
+        shards = self.mesh.sequence_group(self.cfg.parallel.sequence_parallel)
+        if shards is not None and partial:
+            parts: list[dict] = [{}] * dist.get_world_size(shards)
+            dist.all_gather_object(parts, values, group=shards)
             for k in values:
                 if k.removeprefix("aux.") in partial:
                     values[k] = sum(p[k] for p in parts)

@@ -1,0 +1,71 @@
+"""Context parallelism equals one process: each sequence split over cp ranks (2·cp chunks, rank r
+holding chunks r and 2cp − 1 − r), attention over the whole sequence through the cp ranks.
+Training at cp 2, cp 2 × tp 2 with sequence parallelism, cp 2 × pp 2, cp 2 × dp 2 with the
+distributed optimizer and cp 4, for each attention implementation (all_gather, p2p), against
+one process over 3 steps: losses and final weights (read back through the checkpoint, which has
+no cp axis). Plus the clear errors.
+
+Every rank is a real gloo process. Tolerance: fp32, 1e-5 relative (test_parallel_training's).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlm.config import load_config
+from mlm.errors import MlmError
+from mlm.parallel.context import check_context_parallel, zigzag_indices
+from mlm.train.dry_run import dry_run
+from mlm.train.trainer import Trainer
+
+from distributed import run_ranks
+from test_parallel_training import _assert_matches, _sets, _train_rank
+
+RUN = {"model.num_layers": 4, "train.train_iters": 3}
+COMM = ["all_gather", "p2p"]
+
+
+def test_zigzag_split_balances_the_causal_work():
+    assert zigzag_indices(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert zigzag_indices(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    held = sorted(i for r in range(4) for i in zigzag_indices(32, 4, r).tolist())
+    assert held == list(range(32))
+    # causal work (keys at or before each query) is the same on every rank
+    work = [sum(p + 1 for p in zigzag_indices(32, 4, r).tolist()) for r in range(4)]
+    assert len(set(work)) == 1
+
+
+@pytest.fixture(scope="module")
+def cp_reference(tmp_path_factory, tiny_data):
+    from test_parallel_training import reference_run
+
+    return reference_run(tmp_path_factory.mktemp("reference"), tiny_data, **RUN)
+
+
+@pytest.mark.parametrize("comm", COMM)
+@pytest.mark.parametrize(
+    "world,parallel",
+    [
+        (2, {"parallel.cp": 2}),
+        (4, {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+        (4, {"parallel.cp": 2, "parallel.pp": 2}),
+        (4, {"parallel.cp": 2, "parallel.distributed_optimizer": "true", "parallel.bucket_size_mb": 0.05}),
+        (4, {"parallel.cp": 4}),
+    ],
+    ids=["cp2", "cp2xtp2-sp", "cp2xpp2", "cp2xdp2-distopt", "cp4"],
+)
+def test_context_parallel_matches_one_process(tmp_path, tiny_data, cp_reference, world, parallel, comm):
+    sets = _sets(tmp_path, tiny_data, "mesh", **RUN, **parallel, **{"parallel.cp_comm_type": comm})
+    _assert_matches(tmp_path, run_ranks(world, _train_rank, sets), *cp_reference)
+
+
+def test_bad_splits_are_refused(tmp_path, tiny_data):
+    with pytest.raises(MlmError, match=r"data.seq_length=30 is not divisible by 2 × parallel.cp = 4"):
+        check_context_parallel(30, 2)
+    with pytest.raises(MlmError, match=r"leaves 12 tokens per rank, not divisible by tp=8"):
+        check_context_parallel(24, 2, 8)
+    with pytest.raises(MlmError, match=r"tp\(1\) × pp\(1\) × cp\(2\) = 2 does not divide world size 1"):
+        Trainer(load_config(None, _sets(tmp_path, tiny_data, "bad", **{"parallel.cp": 2})))
+    cfg = load_config(None, _sets(tmp_path, tiny_data, "bad", **{"parallel.cp": 4, "data.seq_length": 36}))
+    with pytest.raises(MlmError, match=r"data.seq_length=36 is not divisible by 2 × parallel.cp = 8"):
+        dry_run(cfg, world_size=4)
