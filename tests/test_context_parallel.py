@@ -69,3 +69,38 @@ def test_bad_splits_are_refused(tmp_path, tiny_data):
     cfg = load_config(None, _sets(tmp_path, tiny_data, "bad", **{"parallel.cp": 4, "data.seq_length": 36}))
     with pytest.raises(MlmError, match=r"data.seq_length=36 is not divisible by 2 × parallel.cp = 8"):
         dry_run(cfg, world_size=4)
+
+
+@pytest.fixture(scope="module")
+def moe_cp_reference(tmp_path_factory, tiny_data):
+    from test_moe_parallel import MOE, logged
+    from test_parallel_training import reference_run
+
+    tmp = tmp_path_factory.mktemp("reference")
+    losses, weights = reference_run(tmp, tiny_data, **MOE)
+    return losses, weights, logged(tmp / "one", "aux.")
+
+
+@pytest.mark.parametrize(
+    "world,parallel",
+    [
+        (2, {"parallel.cp": 2}),
+        (2, {"parallel.cp": 2, "parallel.ep": 2}),
+        (4, {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.ep": 4}),
+    ],
+    ids=["cp2", "cp2xep2", "cp2xtp2-sp-ep4"],
+)
+def test_moe_under_context_parallelism_matches_one_process(
+    tmp_path, tiny_data, moe_cp_reference, world, parallel
+):
+    """MoE layers route each rank's share of the sequences; the balancing losses count tokens over
+    the whole sequence (summed over cp, and tp under sequence parallelism); experts fold over cp."""
+    from test_moe_parallel import MOE, logged
+
+    sets = _sets(tmp_path, tiny_data, "mesh", **MOE, **parallel)
+    losses, weights, aux = moe_cp_reference
+    _assert_matches(tmp_path, run_ranks(world, _train_rank, sets), losses, weights)
+    got = logged(tmp_path / "mesh", "aux.")
+    assert set(got) == set(aux)
+    for name, values in aux.items():
+        assert got[name] == pytest.approx(values, rel=1e-5), name

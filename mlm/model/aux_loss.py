@@ -41,7 +41,11 @@ class AuxLosses:
         """Gradient factor of every auxiliary loss (set by the pipeline before a step)."""
         self.values: dict[str, torch.Tensor] = {}
         self.partial: set[str] = set()
-        """Names whose values are this tp rank's share (sequence parallelism): summed over tp to log."""
+        """Names whose values are this rank's share of the sequence's loss (sequence or context
+        parallelism): summed over those ranks to log."""
+        self.partial_factor = 1.0
+        """Gradient factor of the shares on top of `scale`: cp under context parallelism, where
+        gradients are averaged over the cp ranks while the shares add up to the loss."""
 
     def attach(self, out: torch.Tensor, aux: torch.Tensor, name: str, partial: bool = False) -> torch.Tensor:
         """`out`, carrying `aux` (a scalar) into backward; records its value under `name` (kept on
@@ -53,7 +57,7 @@ class AuxLosses:
                 self.partial.add(name)
         if not (out.requires_grad and aux.requires_grad):
             return out
-        return _Attach.apply(out, aux, self)
+        return _Attach.apply(out, aux, self.scale * (self.partial_factor if partial else 1.0))
 
     def pop(self) -> dict[str, float]:
         """The values recorded since the last pop, as numbers; starts over."""
@@ -63,12 +67,12 @@ class AuxLosses:
 
 class _Attach(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, aux, losses: AuxLosses):
+    def forward(ctx, out, aux, scale: float):
         ctx.save_for_backward(aux)
-        ctx.losses = losses
+        ctx.scale = scale
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.losses.scale), None
+        return grad, torch.full_like(aux, ctx.scale), None

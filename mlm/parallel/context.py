@@ -101,6 +101,8 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, comm_type: str, sequenc
         raise MlmError(f"parallel.cp_comm_type={comm_type!r}: must be one of {', '.join(COMM_TYPES)}")
     attend = functools.partial(_impl(comm_type), group=mesh.group("cp"), cp=mesh.cp, rank=mesh.cp_rank)
     shards = mesh.sequence_group(sequence_parallel)
+    if getattr(model, "aux_losses", None) is not None:  # shares of a loss whose gradients cp averages
+        model.aux_losses.partial_factor = float(mesh.cp)
     for module in model.modules():
         if isinstance(module, AttentionCore):
             module.context = attend
