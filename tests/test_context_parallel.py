@@ -11,6 +11,7 @@ Every rank is a real gloo process. Tolerance: fp32, 1e-5 relative (test_parallel
 from __future__ import annotations
 
 import pytest
+from test_moe_parallel import MOE, logged
 
 from mlm.config import load_config
 from mlm.errors import MlmError
@@ -19,7 +20,7 @@ from mlm.train.dry_run import dry_run
 from mlm.train.trainer import Trainer
 
 from distributed import run_ranks
-from test_parallel_training import _assert_matches, _sets, _train_rank
+from test_parallel_training import _assert_matches, _sets, _train_rank, reference_run
 
 RUN = {"model.num_layers": 4, "train.train_iters": 3}
 COMM = ["all_gather", "p2p"]
@@ -37,8 +38,6 @@ def test_zigzag_split_balances_the_causal_work():
 
 @pytest.fixture(scope="module")
 def cp_reference(tmp_path_factory, tiny_data):
-    from test_parallel_training import reference_run
-
     return reference_run(tmp_path_factory.mktemp("reference"), tiny_data, **RUN)
 
 
@@ -73,9 +72,6 @@ def test_bad_splits_are_refused(tmp_path, tiny_data):
 
 @pytest.fixture(scope="module")
 def moe_cp_reference(tmp_path_factory, tiny_data):
-    from test_moe_parallel import MOE, logged
-    from test_parallel_training import reference_run
-
     tmp = tmp_path_factory.mktemp("reference")
     losses, weights = reference_run(tmp, tiny_data, **MOE)
     return losses, weights, logged(tmp / "one", "aux.")
@@ -95,8 +91,6 @@ def test_moe_under_context_parallelism_matches_one_process(
 ):
     """MoE layers route each rank's share of the sequences; the balancing losses count tokens over
     the whole sequence (summed over cp, and tp under sequence parallelism); experts fold over cp."""
-    from test_moe_parallel import MOE, logged
-
     sets = _sets(tmp_path, tiny_data, "mesh", **MOE, **parallel)
     losses, weights, aux = moe_cp_reference
     _assert_matches(tmp_path, run_ranks(world, _train_rank, sets), losses, weights)
