@@ -336,6 +336,10 @@ class DataConfig:
     """Tokenizer for generated samples; default: the one recorded in the dataset's PREFIX.json."""
     cache_dir: str = ""
     """Sample-index cache; default: cache/ beside the first dataset."""
+    reset_position_ids: bool = False
+    """Positions restart after each end-of-document token (Megatron's --reset-position-ids)."""
+    reset_attention_mask: bool = False
+    """Attention stays within each document packed in a sequence (Megatron's --reset-attention-mask)."""
 
     def __post_init__(self):
         _check(self.seq_length > 0, f"data.seq_length={self.seq_length}: must be positive")

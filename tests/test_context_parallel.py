@@ -11,15 +11,19 @@ Every rank is a real gloo process. Tolerance: fp32, 1e-5 relative (test_parallel
 from __future__ import annotations
 
 import pytest
-from test_moe_parallel import MOE, logged
+import torch
 
-from mlm.config import load_config
+from mlm.config import ModelConfig, load_config
+from mlm.datasets.documents import DocumentLayout
 from mlm.errors import MlmError
+from mlm.model import build_model
 from mlm.parallel.context import check_context_parallel, zigzag_indices
+from mlm.parallel.mesh import Mesh
 from mlm.train.dry_run import dry_run
-from mlm.train.trainer import Trainer
+from mlm.train.trainer import Trainer, check_supported
 
 from distributed import run_ranks
+from test_moe_parallel import MOE, logged
 from test_parallel_training import _assert_matches, _sets, _train_rank, reference_run
 
 RUN = {"model.num_layers": 4, "train.train_iters": 3}
@@ -98,3 +102,64 @@ def test_moe_under_context_parallelism_matches_one_process(
     assert set(got) == set(aux)
     for name, values in aux.items():
         assert got[name] == pytest.approx(values, rel=1e-5), name
+
+
+def test_packed_documents_attend_only_within_themselves():
+    """One process: two documents packed in one sequence (eod closes the first) give the second
+    document the logits it has alone, with positions restarting after the eod."""
+    model = build_model(ModelConfig(num_layers=2, vocab_size=100)).eval()
+    eod = 0
+    first, second = torch.randint(1, 100, (1, 7)), torch.randint(1, 100, (1, 9))
+    packed = torch.cat([first, torch.tensor([[eod]]), second], 1)
+    documents, positions = DocumentLayout(eod, True, True)(packed)
+    assert documents.tolist() == [[0] * 8 + [1] * 9] and positions[0, 8:].tolist() == list(range(9))
+    with torch.no_grad():
+        got = model(packed, positions, documents=documents)[:, 8:]
+        alone = model(second)
+    torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+
+
+def _attention_rank(rank, world, cp, groups):
+    import torch
+    import torch.distributed as dist
+
+    from mlm.model.attention import document_attention
+    from mlm.parallel.context import allgather_attention
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, G, K = 2, 32, 4, groups, 16
+    q, k, v = (torch.randn(B, T, n, K, generator=gen) for n in (H, G, G))
+    documents = torch.cumsum(torch.rand(B, T, generator=gen) < 0.15, 1)  # ~5 documents per row
+    grad = torch.randn(B, T, H, K, generator=gen)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = document_attention(*ref, documents)
+    out.backward(grad)
+    idx = zigzag_indices(T, cp, rank)
+    mine = [x[:, idx].clone().requires_grad_() for x in (q, k, v)]
+    got = allgather_attention(*mine, dist.group.WORLD, cp, rank, documents_BT=documents[:, idx])
+    got.backward(grad[:, idx])
+    errors = [float((got - out[:, idx]).abs().max())]
+    errors += [float((m.grad - r.grad[:, idx]).abs().max()) for m, r in zip(mine, ref, strict=True)]
+    return errors
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa"])
+def test_all_gather_attention_with_packed_documents_equals_one_process(cp, groups):
+    """Output and the q, k, v gradients of each rank's zigzag share, fp32, 1e-5."""
+    for errors in run_ranks(cp, _attention_rank, cp, groups):
+        assert max(errors) < 1e-5, errors
+
+
+def test_training_with_packed_documents_at_cp2_matches_one_process(tmp_path, tiny_data):
+    docs = {"data.reset_position_ids": "true", "data.reset_attention_mask": "true", **RUN}
+    ref = reference_run(tmp_path / "ref", tiny_data, **docs)
+    sets = _sets(
+        tmp_path, tiny_data, "mesh", **docs, **{"parallel.cp": 2, "parallel.cp_comm_type": "all_gather"}
+    )
+    _assert_matches(tmp_path, run_ranks(2, _train_rank, sets), *ref)
+    with pytest.raises(MlmError, match="reset_attention_mask=true with parallel.cp_comm_type=p2p"):
+        check_supported(
+            Mesh(world_size=2, rank=0, cp=2),
+            load_config(None, _sets(tmp_path, tiny_data, "p2p", **docs, **{"parallel.cp": 2})),
+        )

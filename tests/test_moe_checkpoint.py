@@ -18,7 +18,6 @@ import json
 import pytest
 import torch
 import zarr
-from test_moe_parallel import MOE as MOE_MODEL
 
 from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint
 from mlm.config import load_config
@@ -28,6 +27,7 @@ from mlm.train.trainer import Trainer
 
 from distributed import run_ranks
 from test_bad_input import mlm
+from test_moe_parallel import MOE as MOE_MODEL
 from test_parallel_training import RTOL, _sets
 
 MOE = {  # test_moe_parallel's model, 4 steps

@@ -54,6 +54,26 @@ def attention(q_BTHD, k_BTGD, v_BTGD, backend: str, dropout: float, training: bo
     return out.transpose(1, 2)
 
 
+def document_mask(q_documents_BT, k_documents_BT, q_positions_T, k_positions_T):
+    """[B, 1, Tq, Tk] boolean: query i may see key j when j is not after i and both belong to the
+    same document (Megatron's reset_attention_mask)."""
+    causal = k_positions_T[None, :] <= q_positions_T[:, None]
+    same = k_documents_BT[:, None, :] == q_documents_BT[:, :, None]
+    return (causal & same)[:, None]
+
+
+def document_attention(q_BTHD, k_BTGD, v_BTGD, documents_BT):
+    """Causal attention within each packed document (`documents_BT`: the document index of every
+    token), with torch SDPA whatever the backend (flash-attn's and TE's varlen paths are not
+    wired); no dropout."""
+    T = q_BTHD.shape[1]
+    pos = torch.arange(T, device=q_BTHD.device)
+    mask = document_mask(documents_BT, documents_BT, pos, pos)
+    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTGD, v_BTGD))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
+
+
 @functools.cache
 def _te_attention(heads: int, groups: int, head_dim: int, dropout: float):
     import transformer_engine.pytorch as te

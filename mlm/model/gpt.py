@@ -179,18 +179,30 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, chunk: int = 0
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache=None,
+        chunk: int = 0,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run chunk `chunk`: tokens [B, T] in if it is first, else hidden states [B, T', D]; logits
         [B, T, V] (sharded over the vocabulary under tp) out if it is last, else hidden states
         (T' = T / sequence_shards)."""
-        h = self.hidden_states(x, positions, cache, chunk)
+        h = self.hidden_states(x, positions, cache, chunk, documents)
         return self.logits(h) if self.chunks[chunk].last else h
 
     def hidden_states(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, chunk: int = 0
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache=None,
+        chunk: int = 0,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The chunk's layers over tokens (first chunk) or hidden states; before the final norm."""
+        """The chunk's layers over tokens (first chunk) or hidden states; before the final norm.
+        `documents` [B, T]: the document index of every token, when attention stays within the
+        packed documents of a sequence (data.reset_attention_mask)."""
         spec = self.chunks[chunk]
         T = x.shape[1] if spec.first else x.shape[1] * self.sequence_shards
         if spec.first:
@@ -215,7 +227,7 @@ class GPT(nn.Module):
                 self._inv_freq = inv_frequencies(self.cfg).to(x.device)
             rope = rope_tables(self.cfg, T, x.device, positions, self._inv_freq)
         for key in spec.layers:
-            x_BTD = self.layers[key](x_BTD, rope, cache)
+            x_BTD = self.layers[key](x_BTD, rope, cache, documents)
         return x_BTD
 
     def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from torch import nn
 
 from mlm.config import LayerSpec, ModelConfig
 from mlm.errors import MlmError
-from mlm.model.attention import attention
+from mlm.model.attention import attention, document_attention
 from mlm.model.rope import apply_rope
 
 TP_INPUT = "(input)"
@@ -119,9 +119,11 @@ class AttentionCore(nn.Module):
         self.rng_region = contextlib.nullcontext
         self.context = None  # context parallelism: attention over the cp ranks' tokens (mlm.parallel.context)
 
-    def forward(self, q_BTHK, k_BTGK, v_BTGK):
+    def forward(self, q_BTHK, k_BTGK, v_BTGK, documents_BT=None):
         if self.context is not None:
-            return self.context(q_BTHK, k_BTGK, v_BTGK)
+            return self.context(q_BTHK, k_BTGK, v_BTGK, documents_BT=documents_BT)
+        if documents_BT is not None:  # packed documents: causal within each one
+            return document_attention(q_BTHK, k_BTGK, v_BTGK, documents_BT)
         dropping = self.training and self.dropout > 0
         with self.rng_region(q_BTHK.device) if dropping else contextlib.nullcontext():
             return attention(q_BTHK, k_BTGK, v_BTGK, self.backend, self.dropout, self.training)
@@ -157,7 +159,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(K, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = AttentionCore(cfg)
 
-    def forward(self, x_BTD: torch.Tensor, rope=None, cache=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rope=None, cache=None, documents_BT=None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         K = self.head_dim
         q_BTHK = self.q(x_BTD).view(B, T, -1, K)
@@ -168,7 +170,7 @@ class Attention(nn.Module):
         if rope is not None:
             q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
         if cache is None:
-            o_BTHK = self.core(q_BTHK, k_BTGK, v_BTGK)
+            o_BTHK = self.core(q_BTHK, k_BTGK, v_BTGK, documents_BT)
         else:
             o_BTHK = cache.attend(self.layer, q_BTHK, k_BTGK, v_BTGK)
         return self.out(o_BTHK.reshape(B, T, -1))
@@ -218,6 +220,6 @@ class Block(nn.Module):
         self.mlp = _lookup(MLP_KINDS, spec.mlp, "mlp_kind")(cfg, layer)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x_BTD, rope=None, cache=None):
-        x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), rope, cache))
+    def forward(self, x_BTD, rope=None, cache=None, documents_BT=None):
+        x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), rope, cache, documents_BT))
         return x_BTD + self.dropout(self.mlp(self.mlp_norm(x_BTD)))

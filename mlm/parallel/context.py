@@ -24,6 +24,7 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -60,9 +61,11 @@ def zigzag_indices(T: int, cp: int, rank: int, device=None) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-def allgather_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int) -> torch.Tensor:
+def allgather_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None) -> torch.Tensor:
     """Causal attention of this rank's queries over every cp rank's keys and values (gathered),
-    masked by global position; [B, t, H, K] out."""
+    masked by global position (and, with `documents_BT`, this rank's tokens' document indices,
+    within each packed document); [B, t, H, K] out."""
+    from mlm.model.attention import document_mask
     from mlm.parallel.tensor import gather_seq_over
 
     t = q_BtHK.shape[1]
@@ -71,18 +74,22 @@ def allgather_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int) -> to
     T = t * cp
     kpos = torch.cat([zigzag_indices(T, cp, r, q_BtHK.device) for r in range(cp)])
     qpos = zigzag_indices(T, cp, rank, q_BtHK.device)
-    mask_tT = kpos[None, :] <= qpos[:, None]
+    if documents_BT is None:
+        mask = kpos[None, :] <= qpos[:, None]
+    else:
+        parts = [torch.empty_like(documents_BT) for _ in range(cp)]
+        dist.all_gather(parts, documents_BT.contiguous(), group=group)
+        mask = document_mask(documents_BT, torch.cat(parts, 1), qpos, kpos)
     q, k, v = (x.transpose(1, 2) for x in (q_BtHK, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_tT, enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
 
-def _impl(name: str):
-    if name == "p2p":
-        from mlm.parallel.ring_attention import ring_attention
+def _ring(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None) -> torch.Tensor:
+    from mlm.parallel.ring_attention import ring_attention
 
-        return ring_attention
-    return allgather_attention
+    assert documents_BT is None, "packed-document masks under cp_comm_type=p2p are refused at start-up"
+    return ring_attention(q_BtHK, k_BtGK, v_BtGK, group, cp, rank)
 
 
 def apply_context_parallel(model: nn.Module, mesh: Mesh, comm_type: str, sequence_parallel: bool) -> None:
@@ -99,7 +106,8 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, comm_type: str, sequenc
         )
     if comm_type not in COMM_TYPES:
         raise MlmError(f"parallel.cp_comm_type={comm_type!r}: must be one of {', '.join(COMM_TYPES)}")
-    attend = functools.partial(_impl(comm_type), group=mesh.group("cp"), cp=mesh.cp, rank=mesh.cp_rank)
+    impl = _ring if comm_type == "p2p" else allgather_attention
+    attend = functools.partial(impl, group=mesh.group("cp"), cp=mesh.cp, rank=mesh.cp_rank)
     shards = mesh.sequence_group(sequence_parallel)
     if getattr(model, "aux_losses", None) is not None:  # shares of a loss whose gradients cp averages
         model.aux_losses.partial_factor = float(mesh.cp)

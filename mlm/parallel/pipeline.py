@@ -94,6 +94,9 @@ class Pipeline:
         self.peak_in_flight = 0
         """The most micro-batches whose activations this rank held at once during the last step."""
         self._positions: tuple[int, torch.Tensor] | None = None
+        self.documents: Callable | None = None
+        """Packed documents (`mlm.datasets.documents.DocumentLayout`): inputs → (document index,
+        position) of every token; None: one document per sequence."""
         if mesh.pp == 1:
             return
         ranks = mesh.pipeline_ranks()
@@ -196,8 +199,11 @@ class Pipeline:
             first, last = s == 0, s == self.stages - 1
             tokens = micro_batches[a.micro]
             inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            if positions is not None:
+            documents, rope_positions = self.documents(inputs) if self.documents else (None, None)
+            if positions is not None:  # this cp rank's share
                 inputs, labels = inputs[:, positions], labels[:, positions]
+                documents = documents[:, positions] if documents is not None else None
+                rope_positions = rope_positions[:, positions] if rope_positions is not None else positions
             ops: list[dist.P2POp] = []
             if a.kind == "F":
                 x = inputs if first else buf
@@ -205,12 +211,12 @@ class Pipeline:
                     x.requires_grad_(True)
                 with autocast(), contextlib.nullcontext() if training else torch.no_grad():
                     if last:
-                        h = self.model.hidden_states(x, positions, chunk=a.chunk)
+                        h = self.model.hidden_states(x, rope_positions, chunk=a.chunk, documents=documents)
                         loss = self.model.head_loss(h, labels)
                         total += loss.detach()
                         out = loss * loss_scale
                     else:
-                        out = self.model(x, positions, chunk=a.chunk)
+                        out = self.model(x, rope_positions, chunk=a.chunk, documents=documents)
                 if not last:
                     if out.dtype != self.dtype or tuple(out.shape) != shape:
                         raise MlmError(

@@ -28,6 +28,7 @@ from mlm.checkpoint import resolve_checkpoint
 from mlm.config import Config, to_toml
 from mlm.console import console
 from mlm.datasets.builder import build_split_datasets, check_same_tokenizer, parse_blend
+from mlm.datasets.documents import DocumentLayout
 from mlm.datasets.gpt import GPTDatasetConfig
 from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.sampler import PretrainingSampler
@@ -71,6 +72,11 @@ def resume_path(cfg: Config, load: str | None, auto_resume: bool) -> str | None:
 
 def check_supported(mesh: Mesh, cfg: Config) -> None:
     check_context_parallel(cfg.data.seq_length, mesh.cp, mesh.tp if cfg.parallel.sequence_parallel else 1)
+    if mesh.cp > 1 and cfg.data.reset_attention_mask and cfg.parallel.cp_comm_type == "p2p":
+        raise MlmError(
+            "data.reset_attention_mask=true with parallel.cp_comm_type=p2p: the ring has no per-document "
+            "masks yet; set parallel.cp_comm_type=all_gather"
+        )
     t = cfg.train
     micro_batches_per_step(t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.pp, cfg.parallel.vpp)
 
@@ -116,6 +122,7 @@ class Trainer(TrainerCheckpoints):
         self.iteration = 0
         self.consumed_samples = 0
         self.tokenizer_meta = self._open_data()
+        self.pipeline.documents = self._document_layout()
         if load:
             self.load(load)
         self.flops_per_step = flops_per_token(cfg.model, cfg.data.seq_length) * tokens_per_step
@@ -156,6 +163,18 @@ class Trainer(TrainerCheckpoints):
             splits = build_split_datasets(blend, gcfg, counts, build=False)
         self.train_data, self.valid_data = splits["train"], splits.get("valid")
         return tok
+
+    def _document_layout(self) -> DocumentLayout | None:
+        d = self.cfg.data
+        if not (d.reset_position_ids or d.reset_attention_mask):
+            return None
+        eod = (self.tokenizer_meta or {}).get("eod_id")
+        if eod is None:
+            raise MlmError(
+                f"data.reset_position_ids / reset_attention_mask need the end-of-document token id, but "
+                f"{d.data_path} records no tokenizer eod_id; rebuild the dataset with `mlm data build`"
+            )
+        return DocumentLayout(eod, d.reset_position_ids, d.reset_attention_mask)
 
     # ------------------------------------------------------------------ steps
 
