@@ -31,6 +31,7 @@ from torch import nn
 from mlm.errors import MlmError
 from mlm.model.layers import AttentionCore
 from mlm.parallel.mesh import Mesh
+from mlm.parallel.ring_attention import ring_attention
 
 COMM_TYPES = ("all_gather", "p2p")
 
@@ -85,13 +86,6 @@ def allgather_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, docum
     return out.transpose(1, 2)
 
 
-def _ring(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None) -> torch.Tensor:
-    from mlm.parallel.ring_attention import ring_attention
-
-    assert documents_BT is None, "packed-document masks under cp_comm_type=p2p are refused at start-up"
-    return ring_attention(q_BtHK, k_BtGK, v_BtGK, group, cp, rank)
-
-
 def apply_context_parallel(model: nn.Module, mesh: Mesh, comm_type: str, sequence_parallel: bool) -> None:
     """Make every attention core of `model` attend over the whole sequence held across `mesh`'s
     cp ranks (`comm_type` "all_gather" or "p2p", Megatron's cp_comm_type), and point modules that
@@ -106,7 +100,7 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, comm_type: str, sequenc
         )
     if comm_type not in COMM_TYPES:
         raise MlmError(f"parallel.cp_comm_type={comm_type!r}: must be one of {', '.join(COMM_TYPES)}")
-    impl = _ring if comm_type == "p2p" else allgather_attention
+    impl = ring_attention if comm_type == "p2p" else allgather_attention
     attend = functools.partial(impl, group=mesh.group("cp"), cp=mesh.cp, rank=mesh.cp_rank)
     shards = mesh.sequence_group(sequence_parallel)
     if getattr(model, "aux_losses", None) is not None:  # shares of a loss whose gradients cp averages

@@ -47,25 +47,31 @@ def merge(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def _scores(q_BGRqK, k_BGsK, scale: float, causal: bool):
+def _scores(q_BGRqK, k_BGsK, scale: float, causal: bool, same_Bqs=None):
+    """Scaled scores, −inf where the causal mask or (packed documents) `same_Bqs` forbids."""
     s = torch.einsum("bgrqk,bgsk->bgrqs", q_BGRqK, k_BGsK) * scale
     if causal:
         q, k = s.shape[-2:]
         s = s.masked_fill(~torch.ones(q, k, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if same_Bqs is not None:
+        s = s.masked_fill(~same_Bqs[:, None, None], float("-inf"))
     return s
 
 
-def _block_forward(q_BGRqK, k_BGsK, v_BGsK, scale: float, causal: bool):
-    """One block's normalised output [B, G, R, q, K] and lse [B, G, R, q]."""
-    s = _scores(q_BGRqK, k_BGsK, scale, causal)
+def _block_forward(q_BGRqK, k_BGsK, v_BGsK, scale: float, causal: bool, same_Bqs=None):
+    """One block's normalised output [B, G, R, q, K] and lse [B, G, R, q]; a query that may see
+    none of the block's keys (another document) gets output 0 and lse −inf, which `merge` drops."""
+    s = _scores(q_BGRqK, k_BGsK, scale, causal, same_Bqs)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return torch.einsum("bgrqs,bgsk->bgrqk", p, v_BGsK), lse
 
 
-def _block_backward(q_BGRqK, k_BGsK, v_BGsK, do_BGRqK, lse_BGRq, D_BGRq, scale: float, causal: bool):
+def _block_backward(
+    q_BGRqK, k_BGsK, v_BGsK, do_BGRqK, lse_BGRq, D_BGRq, scale: float, causal: bool, same_Bqs=None
+):
     """The block's share of (dq, dk, dv), given the final lse and D = rowsum(dO ∘ O)."""
-    p = torch.exp(_scores(q_BGRqK, k_BGsK, scale, causal) - lse_BGRq[..., None])
+    p = torch.exp(_scores(q_BGRqK, k_BGsK, scale, causal, same_Bqs) - lse_BGRq[..., None])
     dp = torch.einsum("bgrqk,bgsk->bgrqs", do_BGRqK, v_BGsK)
     ds = p * (dp - D_BGRq[..., None]) * scale
     dq = torch.einsum("bgrqs,bgsk->bgrqk", ds, k_BGsK)
@@ -120,12 +126,29 @@ def _unheads(x_BGRtK: torch.Tensor) -> torch.Tensor:
     return x_BGRtK.permute(0, 3, 1, 2, 4).reshape(B, t, G * R, K)
 
 
+def _same_document(docs, rank: int, src: int, qs: slice, ks: slice):
+    """[B, q, s]: whether each query of the block shares its document with each key; None
+    without packed documents (`docs`: every cp rank's document indices, [cp, B, t])."""
+    if docs is None:
+        return None
+    return docs[rank][:, qs, None] == docs[src][:, None, ks]
+
+
+def _gather_documents(documents_BT, group, cp: int):
+    if documents_BT is None:
+        return None
+    parts = [torch.empty_like(documents_BT) for _ in range(cp)]
+    dist.all_gather(parts, documents_BT.contiguous(), group=group)
+    return torch.stack(parts)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int):
+    def forward(ctx, q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None):
         G, c = k_BtGK.shape[2], q_BtHK.shape[1] // 2
         scale = 1.0 / math.sqrt(q_BtHK.shape[-1])
         ring = _Ring(group, cp, rank)
+        docs = _gather_documents(documents_BT, ring.group, cp)
         q = _heads(q_BtHK, G)
         kv_2BGtK = torch.stack([k_BtGK, v_BtGK]).transpose(2, 3).contiguous()  # one message a step
         out = lse = None
@@ -134,7 +157,8 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - i) % cp
             qs, ks, causal = _block(i, src, rank, c)
             k, v = kv_2BGtK[:, :, :, ks].float()
-            o_blk, lse_blk = _block_forward(q[..., qs, :], k, v, scale, causal)
+            same = _same_document(docs, rank, src, qs, ks)
+            o_blk, lse_blk = _block_forward(q[..., qs, :], k, v, scale, causal, same)
             if i == 0:
                 out, lse = o_blk, lse_blk
             else:
@@ -142,7 +166,7 @@ class _RingAttention(torch.autograd.Function):
             if pending:
                 kv_2BGtK = ring.wait(pending)
         ctx.save_for_backward(q_BtHK, k_BtGK, v_BtGK, out, lse)
-        ctx.ring, ctx.cp, ctx.rank = ring, cp, rank
+        ctx.ring, ctx.cp, ctx.rank, ctx.docs = ring, cp, rank, docs
         return _unheads(out).to(q_BtHK.dtype)
 
     @staticmethod
@@ -161,8 +185,9 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - i) % cp
             qs, ks, causal = _block(i, src, rank, c)
             k, v = kv_2BGtK[:, :, :, ks].float()
+            same = _same_document(ctx.docs, rank, src, qs, ks)
             dq_blk, dk_blk, dv_blk = _block_backward(
-                q[..., qs, :], k, v, do[..., qs, :], lse[..., qs], D[..., qs], scale, causal
+                q[..., qs, :], k, v, do[..., qs, :], lse[..., qs], D[..., qs], scale, causal, same
             )
             dq[..., qs, :] += dq_blk
             dkv = ring.wait(dkv_pending) if dkv_pending else torch.zeros(kv_2BGtK.shape, device=q.device)
@@ -173,18 +198,23 @@ class _RingAttention(torch.autograd.Function):
             if kv_pending:
                 kv_2BGtK = ring.wait(kv_pending)
         dk, dv = ring.wait(dkv_pending).transpose(2, 3)
-        return _unheads(dq).to(q_BtHK.dtype), dk.to(k_BtGK.dtype), dv.to(v_BtGK.dtype), None, None, None
+        return _unheads(dq).to(q_BtHK.dtype), dk.to(k_BtGK.dtype), dv.to(v_BtGK.dtype), None, None, None, None
 
 
-def ring_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int) -> torch.Tensor:
+def ring_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None) -> torch.Tensor:
     """Causal attention of this rank's queries over all cp ranks' keys and values (zigzag layout),
     the keys and values passed around the ring of `group` (cp rank → global rank by the group);
-    [B, t, H, K] out, as `mlm.parallel.context.allgather_attention`."""
+    with `documents_BT` (this rank's tokens' document indices, gathered once) within each
+    packed document; [B, t, H, K] out, as `mlm.parallel.context.allgather_attention`."""
     H, G = q_BtHK.shape[2], k_BtGK.shape[2]
     if H % G:
         raise ValueError(f"query heads {H} are not a multiple of key/value groups {G}")
     if cp == 1:
+        if documents_BT is not None:
+            from mlm.model.attention import document_attention
+
+            return document_attention(q_BtHK, k_BtGK, v_BtGK, documents_BT)
         q, k, v = (x.transpose(1, 2) for x in (q_BtHK, k_BtGK, v_BtGK))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != G).transpose(1, 2)
     assert q_BtHK.shape[1] % 2 == 0, q_BtHK.shape
-    return _RingAttention.apply(q_BtHK, k_BtGK, v_BtGK, group, cp, rank)
+    return _RingAttention.apply(q_BtHK, k_BtGK, v_BtGK, group, cp, rank, documents_BT)

@@ -72,11 +72,6 @@ def resume_path(cfg: Config, load: str | None, auto_resume: bool) -> str | None:
 
 def check_supported(mesh: Mesh, cfg: Config) -> None:
     check_context_parallel(cfg.data.seq_length, mesh.cp, mesh.tp if cfg.parallel.sequence_parallel else 1)
-    if mesh.cp > 1 and cfg.data.reset_attention_mask and cfg.parallel.cp_comm_type == "p2p":
-        raise MlmError(
-            "data.reset_attention_mask=true with parallel.cp_comm_type=p2p: the ring has no per-document "
-            "masks yet; set parallel.cp_comm_type=all_gather"
-        )
     t = cfg.train
     micro_batches_per_step(t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.pp, cfg.parallel.vpp)
 
