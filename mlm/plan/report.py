@@ -168,8 +168,9 @@ def context_parallel_line(job: Job, lo: Layout) -> str:
         moved = (cp - 1) * kv
         return split + (
             f"attention all_gather over {link}: per layer and micro-batch {moved / 1e6:,.1f} MB of K and V "
-            f"gathered forward, as much reduce-scattered backward, not overlapped; it saves the whole "
-            f"sequence's K and V and a {s}×{S} mask per layer"
+            f"gathered forward, as much reduce-scattered backward, not overlapped; the whole sequence's K "
+            f"and V and a {s}×{S} mask "
+            + ("saved in every layer" if lo.recompute == "none" else "built again by each recomputed layer")
         )
     return split + (
         f"attention p2p ring over {link}: per layer and micro-batch {cp - 1} steps of {kv / 1e6:,.1f} MB "
