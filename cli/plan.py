@@ -3,6 +3,7 @@
 mlm plan --preset llama3-70b --gpus 512 --hardware h100-80g --global-batch 1024 -o plan.toml
 mlm plan --preset llama3-70b --gpus 512 --explain --png plan.png
 mlm plan --preset mixtral-8x7b --gpus 64 --global-batch 512 --ep 8
+mlm plan --preset llama3-8b --gpus 64 --seq-length 131072 --global-batch 64 --cp 8
 mlm plan --config run.toml --gpus 8 --calibrate runs/x/metrics.jsonl --save-profile mine.toml
 """
 
@@ -34,6 +35,11 @@ def plan(
     ep: int | None = typer.Option(
         None, "--ep", help="Expert-parallel size to use (MoE models; default: search every valid one)."
     ),
+    cp: int | None = typer.Option(
+        None,
+        "--cp",
+        help="Context-parallel size to use (default: search every one that splits the sequence).",
+    ),
     top: int = typer.Option(10, "--top", help="Plans to show."),
     pick: int = typer.Option(1, "--pick", help="Which ranked plan to explain and write (1 = the best)."),
     explain: bool = typer.Option(False, "--explain", help="Every memory and time term of the picked plan."),
@@ -52,8 +58,8 @@ def plan(
         None, "--save-profile", help="Write the calibrated profile here."
     ),
 ) -> None:
-    """Choose tp × pp × dp (and ep for MoE models), micro-batch, recompute and optimizer sharding;
-    predict memory and speed."""
+    """Choose tp × pp × dp × cp (and ep for MoE models), micro-batch, recompute and optimizer
+    sharding; predict memory and speed."""
     from mlm.console import console
     from mlm.errors import MlmError
     from mlm.plan import report
@@ -90,7 +96,7 @@ def plan(
             atomic_write_text(save_profile, hardware_toml(hw))
             console.print(f"wrote {save_profile}; plan with --hardware {save_profile}")
         return
-    result = search(job, optimizer, ep)
+    result = search(job, optimizer, ep, cp)
     if not 1 <= pick <= len(result.ranked):
         raise MlmError(f"--pick {pick}: {len(result.ranked)} plans fit; choose 1 to {len(result.ranked)}")
     chosen = result.ranked[pick - 1]

@@ -4,7 +4,8 @@
     version = 1
     [model]       preset, overrides (the `--set` items the plan was made with)
     [cluster]     gpus, gpus_per_node, hardware
-    [mesh]        tp, pp, vpp, dp, cp, ep, sequence_parallel, first_stage_layers, last_stage_layers
+    [mesh]        tp, pp, vpp, dp, cp, ep, sequence_parallel, first_stage_layers, last_stage_layers,
+                  cp_comm_type (optional: plans from before context parallelism lack it)
     [batching]    micro_batch_size, global_batch_size, accumulation, seq_length
     [choices]     recompute, distributed_optimizer, precision
     [prediction]  step_time_s, tokens_per_s_per_gpu, mfu, and [prediction.memory_gb] by component
@@ -93,6 +94,8 @@ def train_overrides(plan: dict) -> list[str]:
     sets += [
         f"parallel.{k}={toml_value(mesh[k])}" for k in ("tp", "pp", "vpp", "cp", "ep", "sequence_parallel")
     ]
+    if "cp_comm_type" in mesh:
+        sets.append(f"parallel.cp_comm_type={toml_value(mesh['cp_comm_type'])}")
     for k in ("first_stage_layers", "last_stage_layers"):
         sets.append(f"parallel.{k}={mesh[k] if mesh.get(k) is not None else 'none'}")
     sets += [

@@ -55,12 +55,28 @@ def test_layouts_parse_to_the_parallel_config():
     assert parse_layout("tp2spep2") == Layout("tp2spep2", tp=2, ep=2, sp=True)  # ep over the tp ranks
     assert (parse_layout("tp2ep4").dp, parse_layout("ep2dp4").dp) == (2, 4)
     assert load_config(None, parse_layout("ep2").overrides()).parallel.ep == 2
+    # cp adds ranks; p2p / ag choose its attention, no term leaves the config's
+    assert parse_layout("cp2") == Layout("cp2", cp=2) and parse_layout("tp2cp2sp").world == 4
+    assert parse_layout("cp2ag") == Layout("cp2ag", cp=2, cp_comm_type="all_gather")
+    assert parse_layout("cp2p2p").cp_comm_type == "p2p" and parse_layout("cp2pp2p2p").pp == 2
+    assert parse_layout("cp2ep2") == Layout("cp2ep2", cp=2, ep=2)  # ep folds over the cp ranks
+    assert (parse_layout("ep4cp2").dp, parse_layout("ep4cp2").world) == (2, 4)
+    cfg = load_config(None, parse_layout("cp2ag").overrides()).parallel
+    assert (cfg.cp, cfg.cp_comm_type) == (2, "all_gather")
+    cfg = load_config(None, [*parse_layout("cp2").overrides(), 'parallel.cp_comm_type="all_gather"'])
+    assert cfg.parallel.cp_comm_type == "all_gather"
 
 
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("tp2x", "layout 'tp2x': unknown term 'x'; use tp<N>, pp<N>, vpp<N>, dp<N>, ep<N>, sp, zero1"),
+        (
+            "tp2x",
+            "layout 'tp2x': unknown term 'x'; use tp<N>, pp<N>, vpp<N>, dp<N>, cp<N>, ep<N>, sp, zero1, p2p, ag",
+        ),
+        ("ag", "layout 'ag': ag chooses context parallelism's attention (parallel.cp_comm_type) and needs"),
+        ("tp2p2p", "needs cp<N> with N ≥ 2, e.g. cp2p2p"),
+        ("cp2agp2p", "layout 'cp2agp2p': p2p and ag both choose parallel.cp_comm_type; give one"),
         ("ep", "layout 'ep': 'ep' needs a size of at least 1, e.g. ep2"),
         ("tp2foodp2", "unknown term 'foo'"),
         ("tp", "layout 'tp': 'tp' needs a size of at least 1, e.g. tp2"),
@@ -230,6 +246,57 @@ def test_a_moe_model_at_ep2_matches_one_process(tmp_path, tiny_data):
     assert (
         ep2["max_loss_rel"] <= TOLERANCES["fp32"].loss_rel and ep2["eval_rel"] <= TOLERANCES["fp32"].eval_rel
     )
+
+
+def test_cp2_of_either_attention_matches_one_process(tmp_path, tiny_data):
+    """cp 2 (the config's p2p, and all_gather) against one process, with Adam's eps at 1e-4 (as
+    test_parallel_training compares): at the default 1e-8 Adam turns the rounding of near-zero
+    gradient elements into lr-sized steps, which under cp grows fast at this lr of 1e-2 (measured
+    over 5 steps: |Δloss|/loss 9.5e-7, 3.4e-5, 2.2e-4 at steps 3–5 for either cp attention, 2.2e-6
+    for tp2; the eval loss after step 2 already 1.4e-6, over the 1e-6 tolerance). At eps 1e-4 cp2
+    agrees to 8e-8 in the losses and 3.9e-7 in the weights over 5 steps, as tp2 does."""
+    out = tmp_path / "parity"
+    sets = _sets(tmp_path, tiny_data, **{"optimizer.adam_eps": 1e-4})
+    r = CliRunner().invoke(
+        app, ["parity", *_args(sets), "--layouts", "tp1,cp2,cp2ag", "--steps", "2", "--out", str(out)]
+    )
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    report = json.loads((out / "parity.json").read_text())
+    got = [(x["name"], x["world_size"], x["cp"], x["cp_comm_type"]) for x in report["layouts"]]
+    # no term: the config's attention (p2p by default), named in the report
+    assert report["passed"] and got == [
+        ("tp1", 1, 1, None),
+        ("cp2", 2, 2, "p2p"),
+        ("cp2ag", 2, 2, "all_gather"),
+    ]
+    for x in report["layouts"][1:]:
+        assert (
+            x["max_loss_rel"] <= TOLERANCES["fp32"].loss_rel and x["eval_rel"] <= TOLERANCES["fp32"].eval_rel
+        )
+
+
+@pytest.mark.parametrize(
+    "sets,layouts,message",
+    [
+        (
+            {"data.seq_length": 30},
+            "tp1,cp2",
+            "layout 'cp2': data.seq_length=30 is not divisible by 2 × parallel.cp = 4",
+        ),
+        (
+            {"model.attention_dropout": 0.1},
+            "tp1,cp2",
+            "layout 'cp2': model.attention_dropout=0.1 with parallel.cp=2: attention dropout is not built",
+        ),
+    ],
+)
+def test_a_context_parallel_layout_that_cannot_run_is_refused(tmp_path, tiny_data, sets, layouts, message):
+    with pytest.raises(MlmError) as e:
+        parity.run_parity(
+            None, _sets(tmp_path, tiny_data, **sets), parse_layouts(layouts), 2, tmp_path / "out"
+        )
+    assert message in str(e.value)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

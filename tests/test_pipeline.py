@@ -167,6 +167,51 @@ def test_dry_run_shows_stages_and_schedule(tmp_path):
     assert "bubble: measured 11.1% per rank" in out and png.read_bytes().startswith(b"\x89PNG")
 
 
+def test_dry_run_shows_the_context_parallel_split():
+    long = ["data.seq_length=4096", "model.max_position_embeddings=4096", "train.global_batch_size=8"]
+    r = mlm(
+        "train",
+        "--dry-run",
+        "--world-size",
+        "16",
+        *(
+            a
+            for s in [
+                "preset=tiny-llama",
+                "parallel.cp=4",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                *long,
+            ]
+            for a in ("--set", s)
+        ),
+    )
+    assert r.returncode == 0, r.stderr
+    out = " ".join((r.stdout + r.stderr).split())
+    assert "mesh tp=2 pp=1 dp=2 cp=4 (p2p) (world 16)" in out
+    assert (
+        "context parallel: each 4096-token sequence in 8 chunks of 512; cp rank r holds chunks r and 7−r "
+        "(1024 tokens), attention p2p ring" in out
+    )
+    assert (
+        "each tp rank keeps 512 of them (sequence parallel); gradients reduced over dp × cp = 8 ranks" in out
+    )
+    from rich.console import Console
+
+    cfg = load_config(
+        None, ["preset='tiny-llama'", "parallel.cp=8", "parallel.cp_comm_type='all_gather'", *long]
+    )
+    console = Console(width=400, record=True)
+    console.print(dry_run(cfg, 8))
+    text = console.export_text()
+    assert "mesh tp=1 pp=1 dp=1 cp=8 (all_gather) (world 8)" in text
+    assert "16 chunks of 256; cp rank r holds chunks r and 15−r (512 tokens), attention all_gather" in text
+    cfg = load_config(None, ["preset='tiny-llama'", *long])
+    console = Console(width=400, record=True)
+    console.print(dry_run(cfg, 1))
+    assert "context parallel" not in console.export_text()
+
+
 @pytest.mark.parametrize(
     "sets,message",
     [

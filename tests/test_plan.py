@@ -11,6 +11,7 @@ file through `mlm train --plan`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from mlm.config import load_config
 from mlm.errors import MlmError
+from mlm.parallel.context import zigzag_indices
 from mlm.plan.hardware import load_hardware
 from mlm.plan.layout import Job, Layout, make_job
 from mlm.plan.memory import (
@@ -26,7 +28,7 @@ from mlm.plan.memory import (
     model_state_bytes,
     rank_stage,
 )
-from mlm.plan.search import check_layout, evaluate, plan
+from mlm.plan.search import check_cp, check_layout, evaluate, plan
 from mlm.planfile import read_plan, train_overrides, world_size_note, write_plan
 
 from conftest import tiny_sets
@@ -107,6 +109,23 @@ MESHES = [
         },
     ),
     ("dp4 ep2 moe distopt", {"parallel.ep": 2, "parallel.distributed_optimizer": True, **MOE}),
+    # context parallelism: gradients and the optimizer's shards over dp × cp; each attention
+    # implementation's saved tensors, with and without recompute
+    (
+        "cp2 dp2 p2p distopt",
+        {"parallel.cp": 2, "parallel.cp_comm_type": "p2p", "parallel.distributed_optimizer": True},
+    ),
+    (
+        "cp2 tp2 sp all_gather",
+        {
+            "parallel.cp": 2,
+            "parallel.tp": 2,
+            "parallel.sequence_parallel": True,
+            "parallel.cp_comm_type": "all_gather",
+        },
+    ),
+    ("cp2 pp2 p2p selective", {"parallel.cp": 2, "parallel.pp": 2, "model.recompute": "selective"}),
+    ("cp4 all_gather", {"parallel.cp": 4, "parallel.cp_comm_type": "all_gather"}),
 ]
 
 
@@ -120,14 +139,16 @@ def _layout(cfg, world: int) -> Layout:
     return Layout(
         p.tp,
         p.pp,
-        world // (p.tp * p.pp),
+        world // (p.tp * p.pp * p.cp),
         cfg.train.micro_batch_size,
         cfg.train.global_batch_size,
         p.vpp,
         p.sequence_parallel,
         cfg.model.recompute,
         p.distributed_optimizer,
+        cp=p.cp,
         ep=p.ep,
+        cp_comm_type=p.cp_comm_type,
     )
 
 
@@ -184,16 +205,22 @@ def _measure(cfg, mesh, autocast=None) -> dict:
     model.train()
     keep = []  # hold every output, so no storage is freed and its address reused mid-count
     region = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+    # under context parallelism this rank's tokens of the sequence (the pipeline's zigzag split)
+    pos = zigzag_indices(s, mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
+    inputs, labels = micro[0][:, :-1], micro[0][:, 1:]
+    if pos is not None:
+        inputs, labels = inputs[:, pos], labels[:, pos]
+    t = s // mesh.cp
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), region:
         for c, chunk in enumerate(model.chunks):
             if chunk.first:
-                x = micro[0][:, :-1]
+                x = inputs
             else:
-                x = torch.randn(b, s // model.sequence_shards, cfg.model.hidden_size, requires_grad=True)
+                x = torch.randn(b, t // model.sequence_shards, cfg.model.hidden_size, requires_grad=True)
             if chunk.last:
-                keep.append(model.head_loss(model.hidden_states(x, chunk=c), micro[0][:, 1:]))
+                keep.append(model.head_loss(model.hidden_states(x, pos, chunk=c), labels))
             else:
-                keep.append(model(x, chunk=c))
+                keep.append(model(x, pos, chunk=c))
     counted["activations"] = sum(saved.values())
     return counted
 
@@ -206,7 +233,10 @@ def _ranks_main(rank, world, data, run_dir, plan_path):
     for name, extra in MESHES:
         cfg = _cfg(extra)
         mesh = Mesh.build(cfg.parallel)
-        results.append((name, mesh.pp_rank, (mesh.dp_rank, mesh.edp_rank), _measure(cfg, mesh)))
+        dp_cp_rank = (
+            mesh.dp_rank * mesh.cp + mesh.cp_rank
+        )  # the dense buffer's shard (the dp_cp group's order)
+        results.append((name, mesh.pp_rank, (dp_cp_rank, mesh.edp_rank), _measure(cfg, mesh)))
     batching = ("train.micro_batch_size", "train.global_batch_size")  # the plan's, not tiny_sets'
     sets = [s for s in tiny_sets(run_dir, data, **{"train.train_iters": 3}) if not s.startswith(batching)]
     train(
@@ -251,6 +281,7 @@ def _tiny_plan(tmp_path):
         precision="fp32",
         optimizer="auto",
         ep=None,
+        cp=None,
         top=3,
         pick=pick,
         explain=True,
@@ -529,7 +560,7 @@ def test_search_chooses_ep_for_qwen3_moe(tmp_path, capsys):
     spec = read_plan(path)
     assert spec["mesh"]["ep"] == lo.ep
     assert f"parallel.ep={lo.ep}" in train_overrides(spec)
-    inner = lo.tp * lo.pp
+    inner = lo.tp * lo.pp * lo.cp
     odd = next(n for n in range(inner, 1000, inner) if (n // lo.pp) % lo.ep)  # a whole dp, ep does not fold
     assert f"ep={lo.ep} does not divide dp × cp × tp = {odd // lo.pp}" in world_size_note(spec, odd)
     assert "does not divide" not in world_size_note(spec, 2 * job.gpus)
@@ -553,3 +584,202 @@ def test_bad_ep_is_rejected():
     dense = make_job(None, ["preset=llama3-8b"], 8, 8, load_hardware("h100-80g"), 4096, 64, None, "bf16")
     with pytest.raises(MlmError, match="no MoE layers"):
         plan(dense, ep=2)
+
+
+# ---------------------------------------------------------------- context parallelism
+
+
+def _cp_bf16_main(rank, world):
+    from mlm.parallel import Mesh
+
+    out = []
+    for comm in ("p2p", "all_gather"):
+        cfg = _cfg({"parallel.cp": 2, "parallel.cp_comm_type": comm, "train.precision": "bf16"})
+        out.append(_measure(cfg, Mesh.build(cfg.parallel), torch.bfloat16)["activations"])
+    return out
+
+
+def test_memory_model_cp_under_autocast():
+    """cp 2 on 2 ranks in bf16: the ring saves its output and logsumexp in bf16 (its forward runs
+    under autocast), all_gather a bf16 mask; both within 10 % (measured: ±0.0 %)."""
+    per_rank = run_ranks(2, _cp_bf16_main)
+    for i, comm in enumerate(("p2p", "all_gather")):
+        cfg = _cfg({"parallel.cp": 2, "parallel.cp_comm_type": comm, "train.precision": "bf16"})
+        act = micro_batch_activation_bytes(cfg, _layout(cfg, 2), rank_stage(cfg, 1, 1, 1, 0))
+        for counted in per_rank:
+            assert abs(act / counted[i] - 1) < 0.10, (comm, act, counted[i])
+
+
+def _job_8b_128k(gpus_per_node: int = 8) -> Job:
+    return make_job(
+        None, ["preset=llama3-8b"], 64, gpus_per_node, load_hardware("h100-80g"), 131072, 64, None, "bf16"
+    )
+
+
+def test_cp_divides_activations_and_keeps_the_work_per_gpu():
+    """llama3-8b at seq 131072 on 64 H100s, tp 8: cp 8 holds 1/8 of each sequence per rank, so every
+    per-token activation is 1/8 of cp 1's; what attention adds depends on the implementation."""
+    job = _job_8b_128k()
+    lo = lambda cp, dp, comm="p2p", rc="none": Layout(  # noqa: E731
+        8,
+        1,
+        dp,
+        1,
+        64,
+        sequence_parallel=True,
+        recompute=rc,
+        distributed_optimizer=True,
+        cp=cp,
+        cp_comm_type=comm,
+    )
+    one, ring, gather = (evaluate(job, x) for x in (lo(1, 8), lo(8, 1), lo(8, 1, "all_gather")))
+    for c in (ring, gather):
+        check_layout(job, c.layout)
+    assert ring.memory.components["activations"] < one.memory.components["activations"] / 6
+    layer = {
+        k: v for k, v in ring.memory.per_layer.items() if k not in ("ring output", "attention logsumexp")
+    }
+    for k, v in layer.items():  # every tensor over the rank's tokens: exactly 1/8
+        assert v == pytest.approx(one.memory.per_layer[k] / 8), k
+    # the ring keeps its merged output (and a bf16 logsumexp); its by-hand blocks are transient
+    assert ring.memory.per_layer["ring output"] == 16384 * 4096 / 8 * 2
+    assert ring.memory.components["attention workspace (transient)"] == pytest.approx(
+        4 * 4 * 16384**2 * 4 + 16384**2 + 3 * 16384 * 4 * 128 * 4
+    )
+    # all_gather keeps the other ranks' keys and values ([b, S − s, G/t, K] × 2) and a s × S mask
+    assert gather.memory.per_layer["gathered k, v (other cp ranks)"] == 2 * (131072 - 16384) * 1 * 128 * 2
+    assert gather.memory.per_layer["cp attention mask"] == 16384 * 131072 * 2
+    # weights replicated over cp; the distributed optimizer shards over dp × cp (8 either way)
+    for k in ("weights", "gradients", "optimizer"):
+        assert ring.memory.components[k] == one.memory.components[k], k
+    # the same work per GPU (8 × the micro-batches of 1/8 the tokens), plus the cp exchange
+    assert ring.timing.terms["compute"] == pytest.approx(one.timing.terms["compute"])
+    assert one.timing.terms["cp exchange (exposed)"] == 0 < gather.timing.terms["cp exchange (exposed)"]
+
+
+def test_cp_exchange_time():
+    """The ring's transfers hide behind attention while they are shorter than one step's attention
+    compute; all_gather's do not; a cp group across nodes uses the network."""
+    from mlm.plan.timing import cp_exchange_time
+
+    job = _job_8b_128k()
+    hw, m = job.hardware, job.cfg.model
+    lo = Layout(1, 1, 8, 1, 64, cp=8, recompute="none")
+    kv = 2 * 16384 * 8 * 128 * 2  # one message: K and V of 16384 tokens, 8 groups, bf16
+    # at seq 131072 a step's attention (1/8 of 4·s·S·H·K FLOPs) outlasts the transfer: only the
+    # dK/dV accumulators' last send home is exposed
+    rate = hw.peak("bf16") * 0.5
+    step = 16384 * 4 * 131072 * 32 * 128 / rate / 8
+    assert kv / hw.intra_bandwidth < step
+    assert cp_exchange_time(job.cfg, job, lo, rate) == pytest.approx(
+        kv * 2 / hw.intra_bandwidth + hw.intra_latency
+    )
+    # with no compute to hide behind (an infinitely fast GPU) every transfer counts: cp − 1 forward,
+    # cp − 1 backward with the fp32 accumulators (3 × the bf16 bytes), the last send home; and
+    # across nodes of 4 GPUs the ring runs on the network
+    wide = _job_8b_128k(gpus_per_node=4)
+    for j, (bw, lat) in (
+        (job, (hw.intra_bandwidth, hw.intra_latency)),
+        (wide, (hw.inter_bandwidth, hw.inter_latency)),
+    ):
+        every = 7 * (kv / bw + lat) + 7 * (kv * 3 / bw + lat) + kv * 2 / bw + lat
+        assert cp_exchange_time(j.cfg, j, lo, float("inf")) == pytest.approx(every)
+    # recompute repeats the forward ring
+    full = Layout(1, 1, 8, 1, 64, cp=8, recompute="full")
+    assert cp_exchange_time(job.cfg, job, full, float("inf")) == pytest.approx(
+        every_in_node := (
+            14 * (kv / hw.intra_bandwidth + hw.intra_latency)
+            + 7 * (kv * 3 / hw.intra_bandwidth + hw.intra_latency)
+            + kv * 2 / hw.intra_bandwidth
+            + hw.intra_latency
+        )
+    )
+    assert every_in_node > 0
+    # all_gather: K and V all-gathered forward, reduce-scattered backward, 7/8 of the whole each
+    ag = Layout(1, 1, 8, 1, 64, cp=8, recompute="none", cp_comm_type="all_gather")
+    one = 2 * (7 / 8 * kv * 8 / 2 / hw.intra_bandwidth + hw.intra_latency)
+    assert cp_exchange_time(job.cfg, job, ag, rate) == pytest.approx(2 * one)
+    assert m.query_groups == 8
+
+
+def test_search_picks_cp_where_cp1_does_not_fit(tmp_path, capsys):
+    """llama3-70b at seq 131072 on 128 H100s in nodes of 4 (tp ≤ 4): at cp 1 the first pipeline
+    rank holds every layer's input of its in-flight micro-batches, 80 × 131072 × 8192 / 4 × 4 B =
+    86 GB even under full recompute, so nothing fits; cp splits the sequence and it does."""
+    job = make_job(None, ["preset=llama3-70b"], 128, 4, load_hardware("h100-80g"), 131072, 64, None, "bf16")
+    with pytest.raises(MlmError, match="does not fit on 128 × h100-80g"):
+        plan(job, cp=1)
+    best = plan(job).ranked[0]
+    lo = best.layout
+    check_layout(job, lo)
+    assert lo.cp > 1 and best.fits and lo.tp <= 4 and lo.gpus == 128
+    from rich.console import Console
+
+    from mlm.plan.report import explain, plan_dict
+
+    Console(width=250).print(explain(job, best))
+    out = " ".join(capsys.readouterr().out.split())
+    chunks, local = 2 * lo.cp, 131072 // lo.cp
+    assert f"context parallel: each 131072-token sequence in {chunks} chunks of {131072 // chunks}" in out
+    assert f"holds chunks r and {chunks - 1}−r ({local} tokens)" in out
+    assert "cp exchange (exposed)" in out and f"cp{lo.cp} {lo.cp_comm_type}" in out
+    # the plan file carries cp and the attention implementation into the run's config
+    path = tmp_path / "cp.toml"
+    write_plan(path, plan_dict(job, best, "llama3-70b", []))
+    spec = read_plan(path)
+    assert (spec["mesh"]["cp"], spec["mesh"]["cp_comm_type"]) == (lo.cp, lo.cp_comm_type)
+    cfg = load_config(None, train_overrides(spec))
+    assert (cfg.parallel.cp, cfg.parallel.cp_comm_type, cfg.data.seq_length) == (
+        lo.cp,
+        lo.cp_comm_type,
+        131072,
+    )
+    from mlm.train.dry_run import dry_run
+
+    dry_run(cfg, 128)  # mlm train accepts the mesh
+    # a plan written before cp_comm_type existed still reads (the run keeps its config's)
+    path.write_text(path.read_text().replace(f'cp_comm_type = "{lo.cp_comm_type}"\n', ""))
+    assert not any(s.startswith("parallel.cp_comm_type") for s in train_overrides(read_plan(path)))
+    pinned = plan(job, cp=4).ranked
+    assert pinned and {c.layout.cp for c in pinned} == {4}
+    # a pinned cp that leaves too few ranks for the weights: the GPUs it would need
+    with pytest.raises(MlmError, match=r"it needs at least \d+ GPUs"):
+        plan(job, cp=32)
+
+
+def test_bad_cp_is_refused():
+    job = _job_8b_128k()
+    with pytest.raises(MlmError, match=r"data.seq_length=131072 is not divisible by 2 × parallel.cp = 6"):
+        plan(job, cp=3)
+    with pytest.raises(MlmError, match=r"cp=128 does not divide --gpus 64"):
+        plan(job, cp=128)
+    with pytest.raises(MlmError, match=r"tp\(1\) × pp\(1\) × dp\(8\) × cp\(3\) = 24 ≠ --gpus 64"):
+        check_layout(job, Layout(1, 1, 8, 1, 64, cp=3))
+    odd = make_job(None, ["preset=llama3-8b"], 64, 8, load_hardware("h100-80g"), 4000, 64, None, "bf16")
+    with pytest.raises(
+        MlmError, match=r"data.seq_length=4000 is not divisible by 2 × parallel.cp = 64: context"
+    ):
+        check_layout(odd, Layout(1, 1, 2, 1, 64, cp=32))
+    with pytest.raises(MlmError, match=r"leaves 2048 tokens per rank, not divisible by tp=3"):
+        check_cp(job.cfg, 64, 3)
+    dropping = dataclasses.replace(job.cfg, model=dataclasses.replace(job.cfg.model, attention_dropout=0.1))
+    with pytest.raises(MlmError, match=r"attention dropout is not built under context parallelism"):
+        check_cp(dropping, 2)
+    # the planner's torch-free rule is mlm train's
+    from mlm.parallel.context import check_context_parallel
+
+    for seq in (30, 36, 4096, 131072):
+        for cp in (1, 2, 3, 4, 8):
+            for shards in (1, 2, 8):
+                cfg = dataclasses.replace(job.cfg, data=dataclasses.replace(job.cfg.data, seq_length=seq))
+                try:
+                    check_context_parallel(seq, cp, shards)
+                    want = None
+                except MlmError as e:
+                    want = str(e)
+                try:
+                    check_cp(cfg, cp, shards)
+                    got = None
+                except MlmError as e:
+                    got = str(e)
+                assert got == want, (seq, cp, shards)

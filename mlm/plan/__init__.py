@@ -1,11 +1,12 @@
-"""`mlm plan`: choose the mesh (and ep for MoE models), micro-batch, recompute and optimizer
+"""`mlm plan`: choose the mesh (cp for long sequences, ep for MoE models), micro-batch, recompute and optimizer
 sharding for a model on N GPUs from a memory and time model (torch-free: it plans llama3-405b on
 512 GPUs in about a second).
 
     hardware.py   a profile by name (the datasheet table in mlm.hardware) or a custom TOML
     layout.py     the inputs (Job) and one candidate (Layout)
     memory.py     per-GPU memory by component, counting what mlm allocates
-    timing.py     step time by term: compute, tp, ep all-to-all, p2p, bubble, dp, optimizer
+    timing.py     step time by term: compute, tp, ep all-to-all, cp exchange, p2p, bubble, dp,
+                  optimizer
     search.py     enumerate valid layouts, prune by memory, rank by throughput
     report.py     tables, --explain, the plan-file dict, --png
     calibrate.py  refit a profile to measured steps

@@ -84,7 +84,9 @@ def load_run(metrics: str | Path, gpus: int, gpus_per_node: int, hw: Hardware) -
         p.distributed_optimizer,
         p.first_stage_layers,
         p.last_stage_layers,
+        cp=p.cp,
         ep=p.ep,
+        cp_comm_type=p.cp_comm_type,
     )
     job = Job(cfg, gpus, gpus_per_node, hw)
     check_layout(job, layout)

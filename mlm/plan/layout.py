@@ -43,9 +43,10 @@ class Job:
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate: the mesh and the per-rank choices that go with it (cp = 1: mlm train refuses
-    anything else). ep folds over each pipeline stage's dp × cp × tp ranks (`edp` = dp·cp·tp / ep
-    hold the same experts)."""
+    """One candidate: the mesh and the per-rank choices that go with it. cp splits each sequence
+    over cp ranks (`cp_comm_type`: how attention reaches the other ranks' keys and values, as
+    parallel.cp_comm_type); gradients are reduced over dp × cp (`dp_cp`). ep folds over each
+    pipeline stage's dp × cp × tp ranks (`edp` = dp·cp·tp / ep hold the same experts)."""
 
     tp: int
     pp: int
@@ -60,6 +61,8 @@ class Layout:
     last_stage_layers: int | None = None
     cp: int = 1
     ep: int = 1
+    cp_comm_type: str = "p2p"
+    """p2p (a ring of key/value exchanges) or all_gather; meaningless at cp = 1."""
 
     @property
     def num_micro(self) -> int:
@@ -71,12 +74,19 @@ class Layout:
         return self.tp * self.pp * self.dp * self.cp
 
     @property
+    def dp_cp(self) -> int:
+        """The ranks that reduce the dense gradients (and shard them under the distributed
+        optimizer): cp ranks hold other tokens of the same sequences, so they act as dp."""
+        return self.dp * self.cp
+
+    @property
     def edp(self) -> int:
         """Expert-data-parallel size: the ranks of a stage holding the same experts."""
         return self.dp * self.cp * self.tp // self.ep
 
     def short(self) -> str:
         s = f"tp{self.tp} pp{self.pp}" + (f"×{self.vpp}" if self.vpp > 1 else "") + f" dp{self.dp}"
+        s += f" cp{self.cp} {self.cp_comm_type}" if self.cp > 1 else ""
         return s + (f" ep{self.ep}" if self.ep > 1 else "") + (" sp" if self.sequence_parallel else "")
 
 

@@ -13,6 +13,10 @@ Model state (exact, to the byte, checked against the real objects in tests/test_
                 parameters, so there is no extra copy) + one 4-byte step counter per parameter
                 tensor (per owned segment when sharded).
 
+Under context parallelism (cp > 1) the dense gradient buffer is reduced over dp × cp (cp ranks hold
+other tokens of the same sequences), so it is padded to lcm(dp·cp, 128) and Adam's state is
+sharded 1/(dp·cp) under the distributed optimizer; the weights are replicated over cp.
+
 Under expert parallelism (ep > 1) the routed experts' weights (E / ep whole experts per MoE layer;
 expert tensor parallelism is 1, so at ep = 1 every tp rank holds all E) have a second gradient
 buffer, laid out and padded the same way but reduced over edp = dp·cp·tp / ep (padding lcm(edp,
@@ -25,10 +29,11 @@ stage, the final norm and output layer on the last, and with tied embeddings a c
 embedding on the last stage when pp > 1. Row-parallel biases and norms are replicated over tp.
 
 Activations: what autograd saves for backward, per layer and micro-batch, read off mlm's own
-layers (measured with saved_tensors_hooks on one process and under tp/sp; tests/test_plan.py
-checks the formula within 10 %). With e = micro-batch × sequence tokens, u = tp under sequence
-parallelism (else 1), A the autocast dtype's bytes (4 in fp32), R = 4 (the residual stream stays
-fp32), per layer:
+layers (measured with saved_tensors_hooks on one process and under tp/sp/cp; tests/test_plan.py
+checks the formula within 10 %). With s = seq_length / cp the tokens of each sequence a rank holds
+(context parallelism's zigzag split; s = seq_length at cp = 1), e = micro-batch × s, u = tp under
+sequence parallelism (else 1), A the autocast dtype's bytes (4 in fp32), R = 4 (the residual stream
+stays fp32), per layer:
 
     two norms          input e·h/u·R, RMSNorm's x̂ e·h/u·4, stats e/u·4 (LayerNorm: mean+rstd)
     linear inputs      e·h·A per input (q, k, v share one in fp32; autocast casts one copy per
@@ -46,10 +51,16 @@ fp32), per layer:
                        grouped_mm / loop experts; `bmm` (CPU's auto) pads every expert to the
                        busiest, up to +25 % measured in bf16.
     dropout masks      e·h/u bytes after attention and after the MLP, when hidden_dropout > 0
+    cp attention       (cp > 1, S = seq_length) all_gather: the keys and values of the other cp
+                       ranks, 2·b·(S − s)·G/t·K·A (SDPA saves the gathered [b, S, G/t, K] pair),
+                       and the global-position mask s·S·A (one per layer: it is built in each
+                       call); p2p (`mlm.parallel.ring_attention`): the merged output e·h/t·A
+                       (saved beside the out-projection's own input) and its logsumexp in A, not
+                       fp32 (the ring's forward runs under autocast)
 
 Recompute: `full` keeps only each layer's input (e·h/u·R); `selective` re-runs the attention core
 and so drops only the logsumexp (the core saves no s² term to begin with: the checkpoint then keeps
-q, k, v, which RoPE's outputs already are). Differences from Korthikanti et al. 2022 (whose
+q, k, v, which RoPE's outputs already are) and, under cp, the core's cp tensors above. Differences from Korthikanti et al. 2022 (whose
 formula `korthikanti_layer_bytes` gives, and tests pin for GPT-3 175B): no s² softmax and no
 attention-dropout mask (flash attention), SwiGLU's four f-wide tensors instead of GeLU's two,
 RMSNorm's extra x̂, no dropout masks at hidden_dropout = 0, and autocast's per-linear input casts.
@@ -62,14 +73,28 @@ The last stage's logits and loss live for one micro-batch (its backward follows 
 
 Communication buffers and headroom are estimates, not counts (see `component notes` in
 docs/plan.md): bf16 gradient-reduction copies of the whole buffer (all buckets can be in flight),
-pipeline send/receive buffers, one tp collective output, one MoE layer's ep exchange buffers; headroom 1 GB (CUDA context, cuBLAS
-workspaces) + 5 % of HBM (caching-allocator fragmentation).
+pipeline send/receive buffers, one tp collective output, one MoE layer's ep exchange buffers, one
+layer's cp exchange (p2p: the key/value message in flight and its receive buffer, in the backward
+also two fp32 dK/dV accumulators; all_gather: the gathered keys' and values' gradients before their
+reduce-scatter); headroom 1 GB (CUDA context, cuBLAS workspaces) + 5 % of HBM (caching-allocator
+fragmentation).
+
+The p2p ring's attention workspace (transient, one layer at a time): `mlm.parallel.ring_attention`
+computes each block of attention by hand (scores → logsumexp → exp → @ V), not in a flash kernel,
+so a block's fp32 score matrices exist at once: at step 0 the s × s block over both local chunks,
+in the backward (which runs outside autocast, in fp32) the probabilities, dP, and two temporaries
+of dS: 4 · b · H/t · s² · 4 bytes, plus the s² boolean causal mask (measured on CPU with an
+allocation tracker: 4.5 such blocks at s = 512, 5.0 at s = 256, the rest the per-token fp32 copies
+of q, dO and dq counted beside it). all_gather's SDPA keeps no s × S matrix (CPU's flash kernel
+takes the mask; see docs/plan.md for CUDA); under recompute its mask and gathered keys and values
+are this workspace, built again for the one layer being recomputed.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from mlm.config import Config, ModelConfig
@@ -154,6 +179,16 @@ def _layer_params(cfg: ModelConfig, i: int, tp: int, ep: int, mlp: str) -> list[
     return out
 
 
+class _Numels(tuple):
+    """A tuple that hashes once: `_state_bytes` is cached on a stage's (long) numel tuples, looked
+    up for every layout the search evaluates."""
+
+    def __hash__(self) -> int:
+        if "_hash" not in self.__dict__:
+            self.__dict__["_hash"] = tuple.__hash__(self)
+        return self.__dict__["_hash"]
+
+
 @dataclass(frozen=True)
 class Stage:
     """What one pipeline rank holds."""
@@ -175,12 +210,19 @@ class Stage:
     """Elements of the layers' linear weights."""
     output_linear: int = field(init=False)
     """Elements of the output layer's weight (or the tied embedding's) on the last stage."""
+    kind_counts: tuple[tuple[str, int], ...] = field(init=False, repr=False)
+    """(MLP kind, layers of that kind on this rank)."""
+    chunk_kind_counts: tuple[tuple[tuple[str, int], ...], ...] = field(init=False, repr=False)
+    """The same per model chunk."""
 
     def __post_init__(self):
         ps = self.params
         put = functools.partial(object.__setattr__, self)
-        put("numels", tuple(p.numel for p in ps if p.trainable and not p.expert_parallel))
-        put("expert_numels", tuple(p.numel for p in ps if p.trainable and p.expert_parallel))
+        put("numels", _Numels(p.numel for p in ps if p.trainable and not p.expert_parallel))
+        put("expert_numels", _Numels(p.numel for p in ps if p.trainable and p.expert_parallel))
+        count = lambda layers: tuple(Counter(self.kinds[i] for i in layers).items())  # noqa: E731
+        put("kind_counts", count(self.layers))
+        put("chunk_kind_counts", tuple(count(c) for c in self.chunks))
         put("frozen", sum(p.numel for p in ps if not p.trainable))
         layers = sum(p.numel for p in ps if p.linear and p.name.startswith("layers."))
         put("layer_linear", layers)
@@ -246,11 +288,12 @@ def _state_bytes(numels: tuple[int, ...], bucket_elems: int, dp: int, distribute
 
 def buffer_bytes(cfg: Config, stage: Stage, layout: Layout, dp_rank: int = 0, edp_rank: int = 0):
     """{"dense": (weights, gradients, optimizer), "expert": (...)} bytes of one rank: the dense
-    buffer reduced over dp, the expert-parallel one over edp (zeros at ep = 1)."""
+    buffer reduced over dp × cp (`dp_rank`: this rank's index among them, dp_rank · cp + cp_rank),
+    the expert-parallel one over edp (zeros at ep = 1)."""
     elems = max(1, int(cfg.parallel.bucket_size_mb * 2**20) // 4)
     dist = layout.distributed_optimizer
     return {
-        "dense": _state_bytes(stage.numels, elems, layout.dp, dist, dp_rank),
+        "dense": _state_bytes(stage.numels, elems, layout.dp_cp, dist, dp_rank),
         "expert": _state_bytes(stage.expert_numels, elems, layout.edp, dist, edp_rank),
     }
 
@@ -259,7 +302,7 @@ def model_state_bytes(
     cfg: Config, stage: Stage, layout: Layout, dp_rank: int = 0, edp_rank: int = 0
 ) -> dict[str, int]:
     """{"weights", "gradients", "optimizer"} bytes of one rank, as allocated: the dense gradient
-    buffer over dp, the experts' over edp (each with its own padding and, with the distributed
+    buffer over dp × cp, the experts' over edp (each with its own padding and, with the distributed
     optimizer, its own 1/dp or 1/edp shard of Adam state), plus any frozen parameters' weights."""
     return _state(buffer_bytes(cfg, stage, layout, dp_rank, edp_rank), stage)
 
@@ -272,12 +315,70 @@ def _state(parts: dict[str, tuple[int, int, int]], stage: Stage) -> dict[str, in
 # ---------------------------------------------------------------- activations
 
 
+def local_tokens(cfg: Config, layout: Layout) -> int:
+    """Tokens of each sequence on one rank: seq_length / cp (context parallelism's zigzag split)."""
+    return cfg.data.seq_length // layout.cp
+
+
+def _kv_elems(cfg: Config, layout: Layout, tokens: int) -> float:
+    """Elements of one rank's keys and values (both) for `tokens` tokens per sequence."""
+    m = cfg.model
+    return 2 * layout.micro_batch * tokens * m.query_groups / layout.tp * m.head_dim
+
+
+def cp_attention_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
+    """What the attention core saves under context parallelism beyond the cp = 1 core (its
+    logsumexp aside), per layer and micro-batch; {} at cp = 1 or when the core is recomputed."""
+    if layout.cp == 1 or layout.recompute != "none":
+        return {}
+    m = cfg.model
+    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    S, s = cfg.data.seq_length, local_tokens(cfg, layout)
+    if layout.cp_comm_type == "all_gather":
+        return {
+            "gathered k, v (other cp ranks)": _kv_elems(cfg, layout, S - s) * A,
+            "cp attention mask": s * S * A,
+        }
+    return {"ring output": layout.micro_batch * s * m.hidden_size / layout.tp * A}
+
+
+def cp_workspace_bytes(cfg: Config, layout: Layout) -> float:
+    """The transient attention workspace of one layer under cp (see the module doc). p2p: four
+    fp32 s × s blocks per head in the backward, the boolean causal mask, and the fp32 copies of q,
+    dO and dq. all_gather under recompute: the mask and the gathered keys and values the
+    recomputed core builds again (without recompute they are saved activations). 0 at cp = 1."""
+    if layout.cp == 1:
+        return 0.0
+    m, s, b = cfg.model, local_tokens(cfg, layout), layout.micro_batch
+    if layout.cp_comm_type == "all_gather":
+        if layout.recompute == "none":
+            return 0.0
+        A = 2 if cfg.train.precision in _AUTOCAST else 4
+        S = cfg.data.seq_length
+        return (s * S + _kv_elems(cfg, layout, S - s)) * A
+    heads = m.num_attention_heads / layout.tp
+    return 4 * b * heads * s * s * 4 + s * s + 3 * b * s * heads * m.head_dim * 4
+
+
+def cp_buffer_bytes(cfg: Config, layout: Layout) -> float:
+    """One layer's cp exchange buffers (estimated): p2p the key/value message in flight and its
+    receive buffer, and in the backward two fp32 dK/dV accumulators; all_gather the gathered keys'
+    and values' gradients (autocast dtype) before the reduce-scatter."""
+    if layout.cp == 1:
+        return 0.0
+    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    if layout.cp_comm_type == "all_gather":
+        return _kv_elems(cfg, layout, cfg.data.seq_length) * A
+    return 2 * _kv_elems(cfg, layout, local_tokens(cfg, layout)) * (A + 4)
+
+
 def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> dict[str, float]:
     """Bytes one transformer layer saves for backward per micro-batch, by part (see the module
     doc); `kind`: the layer's MLP kind ("dense" or "moe")."""
     m = cfg.model
     t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
-    e = layout.micro_batch * cfg.data.seq_length
+    s = local_tokens(cfg, layout)
+    e = layout.micro_batch * s
     h, f, H, G = m.hidden_size, m.ffn_size, m.num_attention_heads, m.query_groups
     autocast = cfg.train.precision in _AUTOCAST
     A = 2 if autocast else 4
@@ -299,7 +400,9 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
     else:
         parts["mlp"] = (4 if gated else 2) * e * f / t * A
     if layout.recompute != "selective":
-        parts["attention logsumexp"] = layout.micro_batch * H / t * cfg.data.seq_length * 4
+        ring = layout.cp > 1 and layout.cp_comm_type == "p2p"  # the ring's lse in the autocast dtype
+        parts["attention logsumexp"] = layout.micro_batch * H / t * s * (A if ring else 4)
+    parts.update(cp_attention_bytes(cfg, layout))
     if m.hidden_dropout > 0:
         parts["dropout masks"] = 2 * e * h / u
     return parts
@@ -338,10 +441,11 @@ def moe_activation_bytes(
 
 def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
     """Per-micro-batch activations outside the layers: token ids and RoPE tables on every chunk,
-    embedding on the first stage, final norm, output input and the loss's saved tensors on the last."""
+    embedding on the first stage, final norm, output input and the loss's saved tensors on the last
+    (all over the rank's seq_length / cp tokens)."""
     m = cfg.model
     t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
-    s, b = cfg.data.seq_length, layout.micro_batch
+    s, b = local_tokens(cfg, layout), layout.micro_batch
     e, h = b * s, m.hidden_size
     A = 2 if cfg.train.precision in _AUTOCAST else 4
     out: dict[str, float] = {}
@@ -373,14 +477,14 @@ def micro_batch_activation_bytes(cfg: Config, layout: Layout, stage: Stage) -> f
     """Everything one micro-batch's forward on this rank saves for backward (all its chunks): the
     number tests compare with saved_tensors_hooks."""
     per_kind = kind_activation_bytes(cfg, layout, stage)
-    layers = sum(per_kind[stage.kinds[i]] for i in stage.layers)
+    layers = sum(per_kind[k] * n for k, n in stage.kind_counts)
     casts = sum(weight_cast_bytes(cfg, stage, layout))
     return layers + sum(stage_extras(cfg, layout, stage).values()) + casts
 
 
 def kind_activation_bytes(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
     """{mlp kind: bytes one such layer saves per micro-batch} for the kinds on `stage`."""
-    kinds = {stage.kinds[i] for i in stage.layers} or {"dense"}
+    kinds = {k for k, _ in stage.kind_counts} or {"dense"}
     return {k: sum(layer_activation_bytes(cfg, layout, k).values()) for k in kinds}
 
 
@@ -425,7 +529,7 @@ def rank_memory(
     comps: dict[str, float] = dict(_state(parts, stage))
     in_flight = _in_flight(layout.pp, pp_rank, layout.num_micro, layout.vpp) if layout.pp > 1 else 1
     per_kind = kind_activation_bytes(cfg, layout, stage)
-    chunk_bytes = max(sum(per_kind[stage.kinds[i]] for i in c) for c in stage.chunks)
+    chunk_bytes = max(sum(per_kind[k] * n for k, n in c) for c in stage.chunk_kind_counts)
     # the parts of the layer kind that needs the most (an MoE layer where there is one), for --explain
     big = max(per_kind, key=per_kind.__getitem__)
     per_layer = layer_activation_bytes(cfg, layout, big)
@@ -435,14 +539,16 @@ def rank_memory(
     layer_casts, output_cast = weight_cast_bytes(cfg, stage, layout)
     comps["activations"] = in_flight * (chunk_bytes + first_extra) + last_extra
     comps["weight casts"] = in_flight * layer_casts / len(stage.chunks) + output_cast
-    e, h, t = layout.micro_batch * cfg.data.seq_length, cfg.model.hidden_size, layout.tp
+    e, h, t = layout.micro_batch * local_tokens(cfg, layout), cfg.model.hidden_size, layout.tp
     u = t if layout.sequence_parallel else 1
     if stage.last:
         A = 2 if cfg.train.precision in _AUTOCAST else 4
         comps["logits (transient)"] = e * cfg.model.padded_vocab_size(t) / t * (A + 4)
+    if stage.layers and (workspace := cp_workspace_bytes(cfg, layout)):
+        comps["attention workspace (transient)"] = workspace
     comm = 0.0
     if cfg.parallel.grad_reduce_dtype == "bf16":  # a bf16 copy of every bucket, all may be in flight
-        comm += (parts["dense"][1] if layout.dp > 1 else 0) / 2
+        comm += (parts["dense"][1] if layout.dp_cp > 1 else 0) / 2
         comm += (parts["expert"][1] if layout.edp > 1 else 0) / 2
     if layout.ep > 1 and "moe" in per_kind:  # one MoE layer's exchange buffers (fp32 tokens)
         m = cfg.model
@@ -455,6 +561,8 @@ def rank_memory(
         comm += 2 * e * h / u * 4
     if t > 1:
         comm += 2 * e * h * 4
+    if stage.layers:
+        comm += cp_buffer_bytes(cfg, layout)
     comps["communication buffers"] = comm
     comps["headroom"] = headroom_bytes(hbm)
     return MemoryReport(pp_rank, comps, in_flight, per_layer, hbm)

@@ -9,7 +9,7 @@ from rich.text import Text
 
 from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
 from mlm.plan.layout import Job, Layout
-from mlm.plan.memory import korthikanti_layer_bytes
+from mlm.plan.memory import cp_buffer_bytes, korthikanti_layer_bytes, local_tokens
 from mlm.plan.search import Candidate, SearchResult
 
 GB = 1e9
@@ -20,6 +20,7 @@ MEMORY_ORDER = (
     "activations",
     "weight casts",
     "logits (transient)",
+    "attention workspace (transient)",
     "communication buffers",
     "headroom",
 )
@@ -27,6 +28,8 @@ MEMORY_ORDER = (
 
 def _mesh(lo: Layout) -> str:
     s = f"tp{lo.tp} pp{lo.pp}" + (f" vpp{lo.vpp}" if lo.vpp > 1 else "") + f" dp{lo.dp}"
+    if lo.cp > 1:
+        s += f" cp{lo.cp} {lo.cp_comm_type}"
     if lo.ep > 1:
         s += f" ep{lo.ep}"
     if lo.first_stage_layers is not None:
@@ -96,6 +99,8 @@ def explain(job: Job, c: Candidate) -> Group:
             "balanced routing assumed",
             style="bold",
         )
+    if lo.cp > 1:
+        head.append("\n" + context_parallel_line(job, lo), style="bold")
     mt = Table(
         title=f"memory per GPU (pipeline rank {mem.pp_rank}, {mem.in_flight} micro-batch chunks in flight)",
         title_justify="left",
@@ -122,8 +127,8 @@ def explain(job: Job, c: Candidate) -> Group:
     )
     if mode is None:
         mode = "tp+sp" if lo.sequence_parallel else ("tp" if lo.tp > 1 else "none")
-    paper = korthikanti_layer_bytes(
-        cfg.data.seq_length, lo.micro_batch, m.hidden_size, m.num_attention_heads, lo.tp, mode
+    paper = korthikanti_layer_bytes(  # over the rank's s / cp tokens under context parallelism
+        local_tokens(cfg, lo), lo.micro_batch, m.hidden_size, m.num_attention_heads, lo.tp, mode
     )
     lt.add_row(
         "total",
@@ -146,6 +151,33 @@ def explain(job: Job, c: Candidate) -> Group:
         parts.append(Text(describe_schedule(lo.pp, lo.num_micro, lo.vpp)))
         parts.append(render_text(timeline(lo.pp, lo.num_micro, lo.vpp)))
     return Group(*parts)
+
+
+def context_parallel_line(job: Job, lo: Layout) -> str:
+    """How a cp layout splits each sequence and what its attention moves per layer."""
+    cfg, m = job.cfg, job.cfg.model
+    S, s, cp = cfg.data.seq_length, local_tokens(cfg, lo), lo.cp
+    A = 2 if cfg.train.precision in ("bf16", "fp16") else 4
+    kv = 2 * lo.micro_batch * s * m.query_groups / lo.tp * m.head_dim * A
+    link = "NVLink" if lo.tp * cp <= job.gpus_per_node else "the network"
+    split = (
+        f"context parallel: each {S}-token sequence in {2 * cp} chunks of {S // (2 * cp)}; cp rank r "
+        f"holds chunks r and {2 * cp - 1}−r ({s} tokens); gradients over dp × cp = {lo.dp_cp}; "
+    )
+    if lo.cp_comm_type == "all_gather":
+        moved = (cp - 1) * kv
+        return split + (
+            f"attention all_gather over {link}: per layer and micro-batch {moved / 1e6:,.1f} MB of K and V "
+            f"gathered forward, as much reduce-scattered backward, not overlapped; the whole sequence's K "
+            f"and V and a {s}×{S} mask "
+            + ("saved in every layer" if lo.recompute == "none" else "built again by each recomputed layer")
+        )
+    return split + (
+        f"attention p2p ring over {link}: per layer and micro-batch {cp - 1} steps of {kv / 1e6:,.1f} MB "
+        f"(K and V) forward, backward the same plus fp32 dK/dV ({kv * 4 / A / 1e6:,.1f} MB a step, "
+        f"{cp} sends), each step overlapped with that step's attention compute (time = max(transfer, "
+        f"compute) per step); buffers {cp_buffer_bytes(cfg, lo) / 1e6:,.1f} MB"
+    )
 
 
 def calibration_table(before: list, after: list, c: float, b: float) -> Table:
@@ -183,6 +215,7 @@ def plan_dict(job: Job, c: Candidate, preset: str, overrides: list[str]) -> dict
             "vpp": lo.vpp,
             "dp": lo.dp,
             "cp": lo.cp,
+            "cp_comm_type": lo.cp_comm_type,
             "ep": lo.ep,
             "sequence_parallel": lo.sequence_parallel,
             "first_stage_layers": lo.first_stage_layers,

@@ -9,7 +9,11 @@ optimizer sharding is tried; sequence parallelism is always on with tp > 1 (it m
 bytes as tp's all-reduces and stores 1/tp of the norms' activations; expert parallelism over tp
 ranks needs it too). For a model with MoE layers every expert-parallel size is tried that divides
 both the stage's dp × cp × tp ranks (ep folds over them) and the number of experts (each rank holds
-E / ep whole experts); `ep=` pins one. cp = 1.
+E / ep whole experts); `ep=` pins one. Context parallelism: every cp that divides the GPUs left by
+tp × pp and splits the sequence (seq_length divisible by 2·cp, times tp under sequence
+parallelism: `check_cp`), with both attention implementations (p2p, all_gather); dp is what is
+left, and gradients are reduced over dp × cp; each rank keeps at least MIN_CP_TOKENS tokens of a
+sequence. `cp=` pins one.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ from mlm.plan.timing import Timing, step_time
 
 RECOMPUTE = ("none", "selective", "full")
 MAX_MICRO_BATCH = 16
+CP_COMM_TYPES = ("p2p", "all_gather")
+MIN_CP_TOKENS = 1024
+"""The search tries cp > 1 only while each rank keeps at least this many tokens of a sequence:
+below it the ring's transfers outgrow the attention they hide behind and the GEMMs shrink (at
+seq 8192 the best cp 16 plans of llama3-8b on 64 GPUs and llama3-70b on 512 are 1.8× and 1.1×
+slower than their best, cp 32 2.7× and 1.4×; `--cp` pins any size)."""
 
 
 @dataclass
@@ -142,10 +152,14 @@ def check_layout(job: Job, layout: Layout) -> None:
     cfg = job.cfg
     if layout.gpus != job.gpus:
         raise MlmError(
-            f"tp({layout.tp}) × pp({layout.pp}) × dp({layout.dp}) = {layout.gpus} ≠ --gpus {job.gpus}"
+            f"tp({layout.tp}) × pp({layout.pp}) × dp({layout.dp}) × cp({layout.cp}) = {layout.gpus} "
+            f"≠ --gpus {job.gpus}"
         )
     check_tensor_parallel(cfg.model, cfg.model.padded_vocab_size(layout.tp), layout.tp)
     check_ep(cfg, layout.ep)
+    check_cp(cfg, layout.cp, layout.tp if layout.sequence_parallel else 1)
+    if layout.cp_comm_type not in CP_COMM_TYPES:
+        raise MlmError(f"cp_comm_type={layout.cp_comm_type!r}: must be one of {', '.join(CP_COMM_TYPES)}")
     Mesh.shape_for(cfg.parallel.__class__(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep), job.gpus)
     if layout.ep > 1 and layout.tp > 1 and not layout.sequence_parallel:
         raise MlmError(
@@ -163,12 +177,80 @@ def check_layout(job: Job, layout: Layout) -> None:
     check_pipeline(layout.pp, layout.vpp, layout.num_micro)
 
 
+def check_cp(cfg, cp: int, sequence_shards: int = 1) -> None:
+    """MlmError unless sequences of data.seq_length split over `cp` ranks (2·cp chunks), each rank's
+    tokens then over `sequence_shards` tp ranks; the rule and words of
+    `mlm.parallel.context.check_context_parallel` (which imports torch; the planner does not)."""
+    seq = cfg.data.seq_length
+    if cp < 1:
+        raise MlmError(f"cp={cp}: must be at least 1")
+    if cp == 1:
+        return
+    if seq % (2 * cp):
+        raise MlmError(
+            f"data.seq_length={seq} is not divisible by 2 × parallel.cp = {2 * cp}: context "
+            f"parallelism cuts each sequence into 2·cp chunks; choose a length that is a multiple of {2 * cp}"
+        )
+    if (seq // cp) % sequence_shards:
+        raise MlmError(
+            f"data.seq_length={seq} over parallel.cp={cp} leaves {seq // cp} tokens per rank, "
+            f"not divisible by tp={sequence_shards} (sequence parallelism); choose a length that is a "
+            f"multiple of {2 * cp * sequence_shards}"
+        )
+    if cfg.model.attention_dropout > 0:
+        raise MlmError(
+            f"model.attention_dropout={cfg.model.attention_dropout} with parallel.cp={cp}: attention "
+            "dropout is not built under context parallelism; set it to 0"
+        )
+
+
+def context_parallel_sizes(cfg, ranks: int, tp: int, cp: int | None = None) -> list[int]:
+    """The cp values to try for `ranks` = GPUs / (tp × pp): divisors whose split of the sequence
+    is valid with sequence parallelism over `tp` and leaves each rank `MIN_CP_TOKENS` or more
+    ([cp] when pinned; its MlmError if invalid)."""
+    if cp is not None:
+        check_cp(cfg, cp, tp)
+        return [cp]
+    out = []
+    for c in _divisors(ranks):
+        if c > 1 and cfg.data.seq_length // c < MIN_CP_TOKENS:
+            break
+        try:
+            check_cp(cfg, c, tp)
+        except MlmError:
+            continue
+        out.append(c)
+    return out
+
+
 def _family_layouts(
-    job: Job, tp: int, pp: int, optimizers: tuple[bool, ...], smallest: bool = False, ep: int | None = None
+    job: Job,
+    tp: int,
+    pp: int,
+    optimizers: tuple[bool, ...],
+    smallest: bool = False,
+    ep: int | None = None,
+    cps: tuple[int, ...] = (1,),
+):
+    for cp in cps:
+        comms = CP_COMM_TYPES if cp > 1 else CP_COMM_TYPES[:1]
+        for comm in comms:
+            yield from _cp_layouts(job, tp, pp, cp, comm, optimizers, smallest, ep)
+
+
+def _cp_layouts(
+    job: Job,
+    tp: int,
+    pp: int,
+    cp: int,
+    comm: str,
+    optimizers: tuple[bool, ...],
+    smallest: bool,
+    ep: int | None,
 ):
     L, gb = job.cfg.model.num_layers, job.global_batch
-    dp = job.gpus // (tp * pp)
-    eps = expert_parallel_sizes(job.cfg, dp * tp, ep)
+    dp = job.gpus // (tp * pp * cp)
+    eps = expert_parallel_sizes(job.cfg, dp * cp * tp, ep)
     vpps = [1] + [v for v in range(2, 9) if L // (pp * v) >= 2] if pp > 1 else [1]
     for vpp in vpps:
         try:
@@ -180,19 +262,29 @@ def _family_layouts(
             if vpp > 1 and m % pp:
                 continue
             for rc in ("full",) if smallest else RECOMPUTE:
-                for dist in (False,) if dp == 1 else optimizers[-1:] if smallest else optimizers:
+                for dist in (False,) if dp * cp == 1 else optimizers[-1:] if smallest else optimizers:
                     for e in eps:
-                        yield Layout(tp, pp, dp, mb, gb, vpp, tp > 1, rc, dist, first, last, ep=e)
+                        yield Layout(tp, pp, dp, mb, gb, vpp, tp > 1, rc, dist, first, last, cp, e, comm)
 
 
-def search(job: Job, optimizer: str = "auto", smallest: bool = False, ep: int | None = None) -> SearchResult:
+def search(
+    job: Job,
+    optimizer: str = "auto",
+    smallest: bool = False,
+    ep: int | None = None,
+    cp: int | None = None,
+) -> SearchResult:
     """Every valid layout of `job`; `optimizer`: adam (replicated), distributed, or auto (both).
     `smallest`: only the least memory of each mesh (micro-batch 1, full recompute, the optimizer
-    sharded if allowed), enough to tell whether anything fits. `ep`: only this expert-parallel
-    size (default: every valid one)."""
+    sharded if allowed), enough to tell whether anything fits. `ep`, `cp`: only this
+    expert-parallel / context-parallel size (default: every valid one)."""
     cfg, N, g = job.cfg, job.gpus, job.gpus_per_node
     if ep is not None:
         check_ep(cfg, ep)
+    if cp is not None:
+        check_cp(cfg, cp)
+        if N % cp:
+            raise MlmError(f"cp={cp} does not divide --gpus {N}; choose one of {_divisors(N)}")
     optimizers = {"adam": (False,), "distributed": (True,), "auto": (False, True)}[optimizer]
     stages = _Stages(job)
     result = SearchResult([])
@@ -201,33 +293,35 @@ def search(job: Job, optimizer: str = "auto", smallest: bool = False, ep: int | 
             break
         for pp in _divisors(N // tp):
             key = (tp, pp)
-            dp = N // (tp * pp)
             try:
-                Mesh.shape_for(cfg.parallel.__class__(tp=tp, pp=pp, ep=ep or 1), N)
+                Mesh.shape_for(cfg.parallel.__class__(tp=tp, pp=pp, cp=cp or 1, ep=ep or 1), N)
                 check_tensor_parallel(cfg.model, cfg.model.padded_vocab_size(tp), tp)
                 stage_split(cfg.model.num_layers, pp, 1)
+                cps = context_parallel_sizes(cfg, N // (tp * pp), tp, cp)
             except MlmError as e:
                 result.rejected[key] = _first_line(e)
                 continue
             if tp > g:
                 result.rejected[key] = f"tp={tp} crosses nodes (gpus_per_node={g})"
                 continue
-            if job.global_batch % dp:
-                result.rejected[key] = f"global batch {job.global_batch} is not divisible by dp={dp}"
+            whole = tuple(c for c in cps if job.global_batch % (N // (tp * pp * c)) == 0)
+            if not whole:
+                dps = ", ".join(f"dp={N // (tp * pp * c)}" + (f" (cp={c})" if c > 1 else "") for c in cps)
+                result.rejected[key] = f"global batch {job.global_batch} is not divisible by {dps}"
                 continue
-            smallest: Candidate | None = None
+            least: Candidate | None = None  # the family's smallest need
             fitting = []
-            for layout in _family_layouts(job, tp, pp, optimizers, smallest, ep):
+            for layout in _family_layouts(job, tp, pp, optimizers, smallest, ep, whole):
                 c = evaluate(job, layout, stages)
                 result.evaluated += 1
                 if c.fits:
                     fitting.append(c)
-                elif smallest is None or c.memory.total < smallest.memory.total:
-                    smallest = c
+                elif least is None or c.memory.total < least.memory.total:
+                    least = c
             if fitting:
                 result.ranked += fitting
-            elif smallest is not None:
-                result.rejected[key] = why_not(smallest)
+            elif least is not None:
+                result.rejected[key] = why_not(least)
             else:
                 result.rejected[key] = "no micro-batch schedule fits the global batch"
     result.ranked.sort(key=lambda c: (-c.timing.tokens_per_s_per_gpu, c.memory.total))
@@ -242,17 +336,19 @@ def why_not(c: Candidate) -> str:
     how = f"mb={lo.micro_batch}, {lo.recompute} recompute" + (
         ", dist. optimizer" if lo.distributed_optimizer else ""
     )
+    if lo.cp > 1:
+        how += f", cp={lo.cp} {lo.cp_comm_type}"
     if lo.ep > 1:
         how += f", ep={lo.ep}"
     return f"needs {_gb(c.memory.total)} > {_gb(c.memory.hbm)} at best ({how}): {big}"
 
 
-def plan(job: Job, optimizer: str = "auto", ep: int | None = None) -> SearchResult:
+def plan(job: Job, optimizer: str = "auto", ep: int | None = None, cp: int | None = None) -> SearchResult:
     """`search`, or an MlmError saying what would be needed when nothing fits."""
-    result = search(job, optimizer, ep=ep)
+    result = search(job, optimizer, ep=ep, cp=cp)
     if result.ranked:
         return result
-    need = _gpus_needed(job, optimizer, ep)
+    need = _gpus_needed(job, optimizer, ep, cp)
     reasons = "; ".join(f"tp={tp} pp={pp}: {r}" for (tp, pp), r in list(result.rejected.items())[:4])
     more = (
         f"it needs at least {need} GPUs ({need // job.gpus_per_node} nodes of {job.gpus_per_node})"
@@ -265,17 +361,18 @@ def plan(job: Job, optimizer: str = "auto", ep: int | None = None) -> SearchResu
     )
 
 
-def _gpus_needed(job: Job, optimizer: str, ep: int | None = None) -> int | None:
-    """The smallest multiple of gpus_per_node on which some layout fits (doubling, then bisecting),
-    the global batch raised to a multiple of the GPU count where needed; None beyond 64×."""
+def _gpus_needed(job: Job, optimizer: str, ep: int | None = None, cp: int | None = None) -> int | None:
+    """The smallest multiple of gpus_per_node (and of a pinned cp) on which some layout fits
+    (doubling, then bisecting), the global batch raised to a multiple of the GPU count where
+    needed; None beyond 64×."""
 
     def fits(n: int) -> bool:
         cfg = job.cfg
         if job.global_batch % n:
             cfg = replace(cfg, train=replace(cfg.train, global_batch_size=math.lcm(job.global_batch, n)))
-        return bool(search(replace(job, gpus=n, cfg=cfg), optimizer, smallest=True, ep=ep).ranked)
+        return bool(search(replace(job, gpus=n, cfg=cfg), optimizer, smallest=True, ep=ep, cp=cp).ranked)
 
-    g = job.gpus_per_node
+    g = math.lcm(job.gpus_per_node, cp or 1)
     lo, hi = max(job.gpus, g) // g, max(job.gpus, g) // g * 2
     while not fits(hi * g):
         lo, hi = hi, hi * 2

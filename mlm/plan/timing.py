@@ -1,6 +1,8 @@
 """Predicted time of one training step of a layout, term by term.
 
-    compute     per micro-batch and pipeline rank: tokens × (its layers' FLOPs + the logits' on the
+    compute     per micro-batch and pipeline rank: its tokens (micro-batch × seq_length / cp: under
+                context parallelism each rank holds 1/cp of every sequence, and the zigzag split
+                gives every cp rank the same causal attention work) × (its layers' FLOPs + the logits' on the
                 last stage; Megatron's count, `mlm.flops`), plus recompute (full: one more forward
                 of each layer; selective: one more forward of the attention core), over
                 tp × peak(precision) × efficiency(smallest GEMM side)  (`Hardware.efficiency`);
@@ -14,12 +16,25 @@
     ep          per MoE layer and micro-batch the token exchange (`ep_exchange_time`): alltoall
                 about 4 · (e/u) · k · h · bytes · (ep − 1)/ep, the shares for ranks in the node
                 over NVLink, the rest over the network; not overlapped with compute (as in mlm)
+    cp          per layer and micro-batch (`cp_exchange_time`), with s = seq_length / cp local tokens
+                and one message = this rank's K and V, 2·b·s·(G/t)·K·A bytes, on NVLink when the
+                cp group (tp·cp consecutive ranks) fits in a node, else on the network:
+                p2p   forward cp − 1 ring steps each sending one message; backward cp − 1 steps
+                      sending the message and the fp32 dK/dV accumulators, plus the accumulators'
+                      last send home. Each step's transfer overlaps that step's attention compute
+                      (1/cp of the core's 4·s·S·H·K forward FLOPs per token, twice in the
+                      backward), so a step takes max(transfer, compute) and only the excess
+                      counts; the last send is exposed. Recompute (selective, full) repeats the
+                      forward ring.
+                all_gather  all-gather K and V of the whole sequence before attention
+                      ((cp − 1)/cp of 2·b·S·(G/t)·K·A per rank), reduce-scatter their gradients
+                      in the backward (the same bytes), not overlapped; repeated by recompute.
     p2p         per micro-batch and model chunk one activation forward and one gradient backward,
                 [b, s/sp, h] fp32, on NVLink if a pipeline neighbour is in the node, else the network
-    bubble      the pipeline step is m · (compute + tp + ep + p2p) / (1 − bubble_fraction(pp, m, vpp)),
+    bubble      the pipeline step is m · (compute + tp + ep + cp + p2p) / (1 − bubble_fraction(pp, m, vpp)),
                 i.e. (pp − 1)/(vpp · m) more than the work itself (Narayanan et al. 2021)
     dp          gradient all-reduce (or reduce-scatter with the distributed optimizer) of the fp32
-                (or bf16) gradient buffer, and under ep of the experts' buffer over edp, overlapped
+                (or bf16) gradient buffer over dp × cp, and under ep of the experts' buffer over edp, overlapped
                 with the last micro-batch's backward (only the excess counts); the distributed
                 optimizer's all-gather of the fp32 parameters after the step is not overlapped in
                 mlm and counts in full
@@ -38,7 +53,7 @@ from mlm.config import Config
 from mlm.flops import attention_flops, mlp_flops
 from mlm.parallel.schedules import bubble_fraction
 from mlm.plan.layout import Job, Layout
-from mlm.plan.memory import Stage, buffer_bytes
+from mlm.plan.memory import Stage, buffer_bytes, local_tokens
 
 _AUTOCAST = ("bf16", "fp16")
 
@@ -105,7 +120,7 @@ def ep_exchange_time(cfg: Config, job: Job, layout: Layout) -> float:
         return 0.0
     m, hw = cfg.model, job.hardware
     u = layout.tp if layout.sequence_parallel else 1
-    N = layout.micro_batch * cfg.data.seq_length / u
+    N = layout.micro_batch * local_tokens(cfg, layout) / u
     h, k, E = m.hidden_size, m.moe.router_topk, m.moe.num_experts
     A = 2 if cfg.train.precision in _AUTOCAST else 4
     passes = 2 if layout.recompute == "full" else 1  # forward exchanges (recompute repeats them)
@@ -121,12 +136,41 @@ def ep_exchange_time(cfg: Config, job: Job, layout: Layout) -> float:
     return passes * (gather + scatter) + (gather + scatter)
 
 
+def cp_link(job: Job, layout: Layout) -> tuple[float, float]:
+    """(bandwidth, latency) of a cp group: tp·cp consecutive ranks (tp fastest, then cp), so
+    NVLink when they fit in a node, else the network (the slowest hop paces a ring)."""
+    return _link(job.hardware, layout.tp * layout.cp <= job.gpus_per_node)
+
+
+def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float) -> float:
+    """Exposed seconds of one layer's cp exchange for one micro-batch, forward and backward (see
+    the module doc); `rate`: the FLOP/s the layer's attention runs at on this rank."""
+    cp = layout.cp
+    if cp <= 1:
+        return 0.0
+    m = cfg.model
+    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    S, s, b = cfg.data.seq_length, local_tokens(cfg, layout), layout.micro_batch
+    kv = 2 * b * s * m.query_groups / layout.tp * m.head_dim  # one message: this rank's K and V
+    bw, lat = cp_link(job, layout)
+    passes = 1 if layout.recompute == "none" else 2  # recompute re-runs the attention core
+    if layout.cp_comm_type == "all_gather":
+        # K and V gathered separately (two collectives), their gradients reduce-scattered
+        one = 2 * _collective(kv * cp / 2 * A, cp, bw, lat, 1.0)
+        return passes * one + one
+    core_forward = b * s * 4 * S * m.num_attention_heads * m.head_dim / rate  # the local queries
+    step = core_forward / cp
+    forward = (cp - 1) * max(0.0, kv * A / bw + lat - step)
+    backward = (cp - 1) * max(0.0, kv * (A + 4) / bw + lat - 2 * step) + kv * 4 / bw + lat
+    return passes * forward + backward
+
+
 def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     """The step of `layout`; `stages`: the pipeline ranks to consider (the slowest sets the pace)."""
     cfg: Config = job.cfg
     hw, m = job.hardware, cfg.model
     s, t, u = cfg.data.seq_length, layout.tp, layout.tp if layout.sequence_parallel else 1
-    e, h = layout.micro_batch * s, m.hidden_size
+    e, h = layout.micro_batch * local_tokens(cfg, layout), m.hidden_size
     A = 2 if cfg.train.precision in _AUTOCAST else 4
     total_per_token = job.flops_per_token
     logits_per_token = 6 * h * m.padded_vocab_size()
@@ -154,7 +198,7 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         per_token[kind] = sec
 
     def compute(stage: Stage) -> float:
-        layers = sum(per_token[kinds[i]] for i in stage.layers)
+        layers = sum(per_token[k] * n for k, n in stage.kind_counts)
         return e * (layers + (logits_per_token / rate if stage.last else 0.0))
 
     tp_bw, tp_lat = _link(hw, t <= job.gpus_per_node)
@@ -163,26 +207,28 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     pp_bw, pp_lat = _link(hw, t * layout.cp * layout.dp < job.gpus_per_node)
     p2p = 2 * layout.vpp * (e * h / u * 4 / pp_bw + pp_lat) if layout.pp > 1 else 0.0
     ep_one = ep_exchange_time(cfg, job, layout)
+    cp_one = cp_exchange_time(cfg, job, layout, rate)
 
     per_micro = []
     for stage in stages:
         c = compute(stage)
         tp_s = len(stage.layers) * per_layer_collectives * tp_one
-        ep_s = sum(1 for i in stage.layers if kinds[i] == "moe") * ep_one
-        per_micro.append((c + tp_s + ep_s + p2p, c, tp_s, ep_s))
+        ep_s = dict(stage.kind_counts).get("moe", 0) * ep_one
+        cp_s = len(stage.layers) * cp_one
+        per_micro.append((c + tp_s + ep_s + cp_s + p2p, c, tp_s, ep_s, cp_s))
     slowest = max(per_micro)
-    c_mb, tp_mb, ep_mb = slowest[1], slowest[2], slowest[3]
+    c_mb, tp_mb, ep_mb, cp_mb = slowest[1:]
     stretch = layout.num_micro / (1 - bubble_fraction(layout.pp, layout.num_micro, layout.vpp))
     bubble = (stretch - layout.num_micro) * slowest[0]
 
-    # gradients: the dense buffer over dp, the experts' over edp (a stage's ranks with the same
+    # gradients: the dense buffer over dp × cp, the experts' over edp (a stage's ranks with the same
     # experts, every ep-th; both groups span the stage's dp × cp × tp ranks)
     parts = max(
         (buffer_bytes(cfg, st, layout) for st in stages), key=lambda d: d["dense"][1] + d["expert"][1]
     )
     dp_bw, dp_lat = _link(hw, t * layout.cp * layout.dp <= job.gpus_per_node)
     reduce = gather = local = 0.0
-    for (_, grad_bytes, _), ranks in ((parts["dense"], layout.dp), (parts["expert"], layout.edp)):
+    for (_, grad_bytes, _), ranks in ((parts["dense"], layout.dp_cp), (parts["expert"], layout.edp)):
         elems = grad_bytes / 4
         wire = elems * (2 if cfg.parallel.grad_reduce_dtype == "bf16" else 4)
         if layout.distributed_optimizer:
@@ -199,6 +245,7 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         "compute": layout.num_micro * c_mb,
         "tp collectives": layout.num_micro * tp_mb,
         "ep all-to-all": layout.num_micro * ep_mb,
+        "cp exchange (exposed)": layout.num_micro * cp_mb,
         "pp p2p": layout.num_micro * p2p,
         "pipeline bubble": bubble,
         "dp (exposed)": dp_exposed,

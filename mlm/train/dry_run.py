@@ -1,4 +1,5 @@
-"""`mlm train --dry-run`: check a run's mesh against its model and batch, and show the pipeline.
+"""`mlm train --dry-run`: check a run's mesh against its model and batch, and show the pipeline
+(and, under context parallelism, how each sequence is split).
 
 Nothing is allocated and no data is read: the model is built on the meta device once per
 pipeline rank to count each stage's parameters, and the schedule is simulated (one forward
@@ -31,6 +32,25 @@ def _params(n: int, tp: int) -> str:
     return f"{n / 1e6:,.1f}M" + (f" (≈ {n / tp / 1e6:,.1f}M per tp rank)" if tp > 1 else "")
 
 
+def context_parallel_line(cfg: Config, dp: int) -> str:
+    """How context parallelism splits each sequence, e.g. "context parallel: each 4096-token
+    sequence in 8 chunks of 512; cp rank r holds chunks r and 7−r (1024 tokens), attention p2p
+    ring; …" (cp > 1)."""
+    p, T = cfg.parallel, cfg.data.seq_length
+    cp, chunks = p.cp, 2 * p.cp
+    attention = {
+        "p2p": "p2p ring (keys and values passed around the cp ranks, each transfer overlapped with a step of attention)",
+        "all_gather": "all_gather (keys and values of every cp rank gathered before attention)",
+    }[p.cp_comm_type]
+    line = (
+        f"context parallel: each {T}-token sequence in {chunks} chunks of {T // chunks}; cp rank r holds "
+        f"chunks r and {chunks - 1}−r ({T // cp} tokens), attention {attention}; "
+    )
+    if p.sequence_parallel and p.tp > 1:
+        line += f"between layers each tp rank keeps {T // cp // p.tp} of them (sequence parallel); "
+    return line + f"gradients reduced over dp × cp = {dp * cp} ranks"
+
+
 def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
     """Validate `cfg` on `world_size` ranks (MlmError on the first problem); the report to print."""
     p, t = cfg.parallel, cfg.train
@@ -44,7 +64,7 @@ def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
 
     mesh_line = Text(
         f"mesh tp={p.tp} pp={p.pp}{f' vpp={p.vpp}' if p.vpp > 1 else ''} dp={shape['dp']} cp={p.cp}"
-        f"{f' ep={p.ep}' if p.ep > 1 else ''} "
+        f"{f' ({p.cp_comm_type})' if p.cp > 1 else ''}{f' ep={p.ep}' if p.ep > 1 else ''} "
         f"(world {world_size}); micro-batch {t.micro_batch_size}, global batch {t.global_batch_size}, "
         f"{num_micro} micro-batches per step per dp rank; layers per virtual stage {counts}"
     )
@@ -62,7 +82,10 @@ def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
             "yes" if any(c.last for c in model.chunks) else "",
             _params(sum(q.numel() for q in model.parameters()), p.tp),
         )
-    parts = [mesh_line, stages, Text(describe_schedule(p.pp, num_micro, p.vpp))]
+    parts = [mesh_line]
+    if p.cp > 1:
+        parts.append(Text(context_parallel_line(cfg, shape["dp"])))
+    parts += [stages, Text(describe_schedule(p.pp, num_micro, p.vpp))]
     if p.pp > 1:
         tl = timeline(p.pp, num_micro, p.vpp)
         parts.append(render_text(tl))

@@ -3,11 +3,12 @@
     parse_layouts("tp1,tp2,dp2zero1")
     # [Layout('tp1'), Layout('tp2', tp=2), Layout('dp2zero1', dp=2, zero1=True)]
 
-A layout is terms written together, `tp<N>`, `pp<N>`, `vpp<N>`, `dp<N>`, `ep<N>`, `sp` and `zero1`;
-missing sizes are 1 and the world size is tp × pp × dp. Expert parallelism folds over each
-pipeline stage's dp × tp ranks (`mlm.parallel.mesh`), so it adds no ranks: where `ep<N>` comes
-without `dp<N>`, dp is the smallest that ep folds over, N / gcd(N, tp) (`ep2` is dp 2, `tp2ep2`
-dp 1). Junk is an MlmError naming the bad term.
+A layout is terms written together, `tp<N>`, `pp<N>`, `vpp<N>`, `dp<N>`, `cp<N>`, `ep<N>`, `sp`,
+`zero1`, and with cp one of `p2p` / `ag` (parallel.cp_comm_type p2p / all_gather; without either
+the config's); missing sizes are 1 and the world size is tp × pp × dp × cp. Expert parallelism
+folds over each pipeline stage's dp × cp × tp ranks (`mlm.parallel.mesh`), so it adds no ranks:
+where `ep<N>` comes without `dp<N>`, dp is the smallest that ep folds over, N / gcd(N, tp × cp)
+(`ep2` is dp 2, `tp2ep2` and `cp2ep2` dp 1). Junk is an MlmError naming the bad term.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from dataclasses import dataclass
 
 from mlm.errors import MlmError
 
-TERMS_HELP = "use tp<N>, pp<N>, vpp<N>, dp<N>, ep<N>, sp, zero1"
-_TERM = re.compile(r"(vpp|tp|pp|dp|ep)(\d*)|sp|zero1")
+TERMS_HELP = "use tp<N>, pp<N>, vpp<N>, dp<N>, cp<N>, ep<N>, sp, zero1, p2p, ag"
+_TERM = re.compile(r"(vpp|tp|pp|dp|cp|ep)(\d*)|sp|zero1|p2p|ag")
+COMM_TERMS = {"p2p": "p2p", "ag": "all_gather"}
+"""The layout terms that choose parallel.cp_comm_type."""
 
 
 @dataclass(frozen=True)
@@ -31,16 +34,20 @@ class Layout:
     pp: int = 1
     vpp: int = 1
     dp: int = 1
+    cp: int = 1
+    """parallel.cp: each sequence split over cp ranks"""
     ep: int = 1
-    """parallel.ep: the MoE layers' experts spread over ep of each stage's dp × tp ranks"""
+    """parallel.ep: the MoE layers' experts spread over ep of each stage's dp × cp × tp ranks"""
     sp: bool = False
     """parallel.sequence_parallel"""
     zero1: bool = False
     """parallel.distributed_optimizer"""
+    cp_comm_type: str | None = None
+    """parallel.cp_comm_type ("p2p", "all_gather"); None: the config's"""
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def overrides(self) -> list[str]:
         """`--set` items for `mlm train` (dp follows from the world size)."""
@@ -48,10 +55,13 @@ class Layout:
             f"parallel.tp={self.tp}",
             f"parallel.pp={self.pp}",
             f"parallel.vpp={self.vpp}",
+            f"parallel.cp={self.cp}",
             f"parallel.ep={self.ep}",
             f"parallel.sequence_parallel={str(self.sp).lower()}",
             f"parallel.distributed_optimizer={str(self.zero1).lower()}",
         ]
+        if self.cp_comm_type is not None:
+            sets.append(f'parallel.cp_comm_type="{self.cp_comm_type}"')
         if self.pp == 1:  # stage sizes of the user's config mean nothing without a pipeline
             sets += ["parallel.first_stage_layers=none", "parallel.last_stage_layers=none"]
         return sets
@@ -77,9 +87,18 @@ def parse_layout(text: str) -> Layout:
         else:
             sizes[dim] = int(digits)
         i = m.end()
+    comms = sorted(flags & COMM_TERMS.keys())
+    if len(comms) > 1:
+        raise MlmError(f"layout {name!r}: p2p and ag both choose parallel.cp_comm_type; give one")
+    if comms and sizes.get("cp", 1) < 2:
+        raise MlmError(
+            f"layout {name!r}: {comms[0]} chooses context parallelism's attention "
+            f"(parallel.cp_comm_type) and needs cp<N> with N ≥ 2, e.g. cp2{comms[0]}"
+        )
     if "ep" in sizes and "dp" not in sizes:  # the fewest ranks ep folds over (it adds none)
-        sizes["dp"] = sizes["ep"] // math.gcd(sizes["ep"], sizes.get("tp", 1))
-    return Layout(name, **sizes, sp="sp" in flags, zero1="zero1" in flags)
+        sizes["dp"] = sizes["ep"] // math.gcd(sizes["ep"], sizes.get("tp", 1) * sizes.get("cp", 1))
+    comm = COMM_TERMS[comms[0]] if comms else None
+    return Layout(name, **sizes, sp="sp" in flags, zero1="zero1" in flags, cp_comm_type=comm)
 
 
 def parse_layouts(text: str) -> list[Layout]:

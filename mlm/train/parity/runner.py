@@ -70,10 +70,15 @@ def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
     for lay in layouts:
         try:
             lcfg = resolve_with(lay.overrides())
-            shape = Mesh.shape_for(lcfg.parallel, lay.world * lcfg.parallel.cp)
+            shape = Mesh.shape_for(lcfg.parallel, lay.world)
             mesh = Mesh(world_size=lay.world, rank=0, ep=lcfg.parallel.ep, **shape)
             check_supported(mesh, lcfg)
             check_expert_parallel(lcfg.model, mesh.ep, mesh.tp, lcfg.parallel.sequence_parallel)
+            if mesh.cp > 1 and lcfg.model.attention_dropout > 0:  # apply_context_parallel's rule
+                raise MlmError(
+                    f"model.attention_dropout={lcfg.model.attention_dropout} with parallel.cp={mesh.cp}: "
+                    "attention dropout is not built under context parallelism; set it to 0"
+                )
         except MlmError as e:
             raise MlmError(f"layout {lay.name!r}: {e}") from None
         if lcfg.model.padded_vocab_size(lay.tp) != pad:
@@ -272,6 +277,13 @@ def run_parity(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MlmError(f"{shown} already exists and is not empty; pass a new --out DIR")
     cfg = resolve(config, overrides, steps, out)
+    # a cp layout without p2p / ag runs the config's attention: name it in the report
+    layouts = [
+        dataclasses.replace(lay, cp_comm_type=cfg.parallel.cp_comm_type)
+        if lay.cp > 1 and lay.cp_comm_type is None
+        else lay
+        for lay in layouts
+    ]
     _check_layouts(cfg, layouts, lambda sets: resolve(config, [*overrides, *sets], steps, out))
     tol = TOLERANCES[cfg.train.precision]
     out.mkdir(parents=True, exist_ok=True)
