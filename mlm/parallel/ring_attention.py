@@ -217,4 +217,5 @@ def ring_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_
         q, k, v = (x.transpose(1, 2) for x in (q_BtHK, k_BtGK, v_BtGK))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != G).transpose(1, 2)
     assert q_BtHK.shape[1] % 2 == 0, q_BtHK.shape
-    return _RingAttention.apply(q_BtHK, k_BtGK, v_BtGK, group, cp, rank, documents_BT)
+    with torch.autocast(q_BtHK.device.type, enabled=False):  # the blocks and their merge in fp32
+        return _RingAttention.apply(q_BtHK, k_BtGK, v_BtGK, group, cp, rank, documents_BT)
