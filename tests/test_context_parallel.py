@@ -160,3 +160,28 @@ def test_training_with_packed_documents_at_cp2_matches_one_process(tmp_path, tin
     ref = reference_run(tmp_path / "ref", tiny_data, **docs)
     sets = _sets(tmp_path, tiny_data, "mesh", **docs, **{"parallel.cp": 2, "parallel.cp_comm_type": comm})
     _assert_matches(tmp_path, run_ranks(2, _train_rank, sets), *ref)
+
+
+def _resume(rank, world, sets, resume_from):
+    return Trainer(load_config(None, sets), load=resume_from).train()
+
+
+def test_checkpoints_have_no_cp_axis(tmp_path, tiny_data):
+    """A cp 2 checkpoint (step 2 of 4) resumes in one process, and a one-process checkpoint at
+    cp 2, each continuing as the uninterrupted run of the other layout (1e-5)."""
+    run = {**RUN, "train.train_iters": 4, "checkpoint.save_interval": 2}
+    cp2 = {"parallel.cp": 2}
+    straight_cp2 = run_ranks(2, _train_rank, _sets(tmp_path, tiny_data, "a", **run, **cp2))[0]
+    straight_one = Trainer(load_config(None, _sets(tmp_path, tiny_data, "b", **run))).train()
+    at_one = Trainer(
+        load_config(None, _sets(tmp_path, tiny_data, "c", **run)),
+        load=str(tmp_path / "a" / "ckpt" / "iter_0000002"),
+    ).train()
+    at_cp2 = run_ranks(
+        2,
+        _resume,
+        _sets(tmp_path, tiny_data, "d", **run, **cp2),
+        str(tmp_path / "b" / "ckpt" / "iter_0000002"),
+    )[0]
+    for resumed, straight in ((at_one, straight_cp2), (at_cp2, straight_one)):
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight[2:]), rtol=1e-5, atol=0)
