@@ -46,3 +46,4 @@ bench: setup
     {{bin}}/python bench/convert.py
     {{bin}}/python bench/serve.py
     {{bin}}/python bench/moe.py
+    {{bin}}/python bench/context_parallel.py
