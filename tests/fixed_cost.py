@@ -41,7 +41,7 @@ class SleepStage(nn.Module):
         self.w = nn.Parameter(torch.ones(()))
         self.f, self.b = f / len(chunks), b / len(chunks)
 
-    def forward(self, x, positions=None, cache=None, chunk=0):
+    def forward(self, x, positions=None, cache=None, chunk=0, documents=None):
         if self.chunks[chunk].first:
             x = torch.ones(*x.shape, self.cfg.hidden_size)
         time.sleep(self.f)
