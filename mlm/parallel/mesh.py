@@ -244,3 +244,21 @@ def check_tensor_parallel(cfg: ModelConfig, padded_vocab: int, tp: int) -> None:
             f"by parallel.tp={tp}; build the model as GPT(cfg, padded_vocab=cfg.padded_vocab_size({tp})) "
             f"= {cfg.padded_vocab_size(tp)} rows"
         )
+
+
+def check_context_parallel(seq_length: int, cp: int, sequence_shards: int = 1) -> None:
+    """MlmError unless sequences of `seq_length` split over `cp` ranks (2·cp chunks), each rank's
+    tokens then over `sequence_shards` tp ranks (sequence parallelism)."""
+    if cp == 1:
+        return
+    if seq_length % (2 * cp):
+        raise MlmError(
+            f"data.seq_length={seq_length} is not divisible by 2 × parallel.cp = {2 * cp}: context "
+            f"parallelism cuts each sequence into 2·cp chunks; choose a length that is a multiple of {2 * cp}"
+        )
+    if (seq_length // cp) % sequence_shards:
+        raise MlmError(
+            f"data.seq_length={seq_length} over parallel.cp={cp} leaves {seq_length // cp} tokens per rank, "
+            f"not divisible by tp={sequence_shards} (sequence parallelism); choose a length that is a "
+            f"multiple of {2 * cp * sequence_shards}"
+        )

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from mlm.errors import MlmError
-from mlm.parallel.mesh import Mesh, check_tensor_parallel
+from mlm.parallel.mesh import Mesh, check_context_parallel, check_tensor_parallel
 from mlm.parallel.schedules import check_pipeline, stage_layer_counts
 from mlm.plan.layout import Job, Layout
 from mlm.plan.memory import MemoryReport, Stage, memory, rank_stage, report_ranks
@@ -179,25 +179,11 @@ def check_layout(job: Job, layout: Layout) -> None:
 
 def check_cp(cfg, cp: int, sequence_shards: int = 1) -> None:
     """MlmError unless sequences of data.seq_length split over `cp` ranks (2·cp chunks), each rank's
-    tokens then over `sequence_shards` tp ranks; the rule and words of
-    `mlm.parallel.context.check_context_parallel` (which imports torch; the planner does not)."""
-    seq = cfg.data.seq_length
+    tokens then over `sequence_shards` tp ranks (`mlm.parallel.mesh.check_context_parallel`)."""
     if cp < 1:
         raise MlmError(f"cp={cp}: must be at least 1")
-    if cp == 1:
-        return
-    if seq % (2 * cp):
-        raise MlmError(
-            f"data.seq_length={seq} is not divisible by 2 × parallel.cp = {2 * cp}: context "
-            f"parallelism cuts each sequence into 2·cp chunks; choose a length that is a multiple of {2 * cp}"
-        )
-    if (seq // cp) % sequence_shards:
-        raise MlmError(
-            f"data.seq_length={seq} over parallel.cp={cp} leaves {seq // cp} tokens per rank, "
-            f"not divisible by tp={sequence_shards} (sequence parallelism); choose a length that is a "
-            f"multiple of {2 * cp * sequence_shards}"
-        )
-    if cfg.model.attention_dropout > 0:
+    check_context_parallel(cfg.data.seq_length, cp, sequence_shards)
+    if cp > 1 and cfg.model.attention_dropout > 0:
         raise MlmError(
             f"model.attention_dropout={cfg.model.attention_dropout} with parallel.cp={cp}: attention "
             "dropout is not built under context parallelism; set it to 0"
