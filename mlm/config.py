@@ -161,6 +161,43 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    """Multi-Latent Attention (attention_kind = "mla"; DeepSeek-V2/V3, Megatron's MLATransformerConfig):
+    keys and values come up from one compressed latent per token, queries optionally from another,
+    and each head's query/key has a part without position (nope) and a RoPE part shared by all heads."""
+
+    q_lora_rank: int | None = None
+    """Query down-projection width (HF's q_lora_rank); unset: queries projected straight from the hidden state."""
+    kv_lora_rank: int = 512
+    """Key/value latent width (HF's kv_lora_rank): what serving caches per token, with the rope key."""
+    qk_nope_head_dim: int = 128
+    """Per-head query/key dims without position (Megatron's qk_head_dim)."""
+    qk_rope_head_dim: int = 64
+    """Per-head query/key dims with RoPE, the key part shared by all heads (Megatron's qk_pos_emb_head_dim)."""
+    v_head_dim: int = 128
+    """Per-head value dims."""
+    rope_interleave: bool = True
+    """RoPE on adjacent pairs of the rope dims (DeepSeek's layout, HF's rope_interleave); false: rotate-half."""
+
+    def __post_init__(self):
+        s = "model.mla"
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _check(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
+        _check(
+            self.q_lora_rank is None or self.q_lora_rank > 0,
+            f"{s}.q_lora_rank={self.q_lora_rank}: must be positive (or unset: no query down-projection)",
+        )
+        _check(
+            self.qk_rope_head_dim % 2 == 0,
+            f"{s}.qk_rope_head_dim={self.qk_rope_head_dim}: RoPE rotates pairs of dims; make it even",
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass
 class ModelConfig:
     """The transformer: GPT-2 or Llama style, from the same fields."""
 
@@ -191,13 +228,23 @@ class ModelConfig:
     rope_base: float = 10000.0
     """RoPE base frequency (theta)."""
     rope_scaling_factor: float | None = None
-    """Llama-3.1 RoPE frequency scaling factor (e.g. 8.0); unset means none."""
+    """RoPE frequency scaling factor (Llama-3.1's 8.0, DeepSeek-V3's YaRN 40.0); unset means none."""
     rope_low_freq_factor: float = 1.0
     """Llama-3.1 scaling: low-frequency factor."""
     rope_high_freq_factor: float = 4.0
     """Llama-3.1 scaling: high-frequency factor."""
     rope_original_max_position_embeddings: int = 8192
-    """Llama-3.1 scaling: the context length the model was pretrained with."""
+    """RoPE scaling: the context length the model was pretrained with."""
+    rope_scaling_type: str = "llama3"
+    """What rope_scaling_factor does: llama3 (Llama-3.1's frequency bands) or yarn (YaRN, as DeepSeek-V3 configures it)."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations below which dims are extrapolated (beta_fast)."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations above which dims are interpolated (beta_slow)."""
+    rope_yarn_mscale: float = 1.0
+    """YaRN: mscale of the cos/sin factor, 0.1·mscale·ln(factor) + 1 over the same with mscale_all_dim."""
+    rope_yarn_mscale_all_dim: float = 0.0
+    """YaRN: mscale_all_dim; nonzero also scales MLA's softmax by (0.1·it·ln(factor) + 1)² (DeepSeek); 0: off."""
     activation: str = "swiglu"
     """swiglu (Llama), gelu_tanh (GPT-2) or gelu."""
     add_bias: bool = False
@@ -215,7 +262,7 @@ class ModelConfig:
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full (each layer)."""
     attention_kind: str = "gqa"
-    """Attention module of every layer: gqa (multi-head, grouped-query or multi-query attention)."""
+    """Attention module of every layer: gqa (multi-head, grouped-query or multi-query attention) or mla (multi-latent, see model.mla)."""
     mlp_kind: str = "dense"
     """MLP module of the layers that mlp_kind_freq and first_k_dense select; the others are dense."""
     mlp_kind_freq: int | list[int] = 1
@@ -226,8 +273,14 @@ class ModelConfig:
     """Biases on the query, key and value projections only (Qwen2); add_bias puts them everywhere."""
     qk_norm: bool = False
     """RMSNorm over each head's query and key before RoPE (Qwen3's q_norm / k_norm)."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depths D (DeepSeek-V3's MTP modules, Megatron's mtp_num_layers); 0: none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP losses: the total adds factor / D × Σ_k loss_k (Megatron's default 0.1)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts options, used by the layers whose mlp kind is moe."""
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    """Multi-latent attention options, used when attention_kind is mla."""
 
     def __post_init__(self):
         s = "model"
@@ -254,7 +307,7 @@ class ModelConfig:
             f"model.num_attention_heads={self.num_attention_heads}; set model.kv_channels (the head dim)",
         )
         _check(
-            self.head_dim % 2 == 0 or self.position_embedding != "rope",
+            self.head_dim % 2 == 0 or self.position_embedding != "rope" or self.attention_kind == "mla",
             f"model head dim {self.head_dim}: RoPE needs an even head dim (set model.kv_channels)",
         )
         freq = self.mlp_kind_freq
@@ -274,6 +327,26 @@ class ModelConfig:
                 self.moe.num_experts >= 1,
                 "model.mlp_kind=moe needs experts: set model.moe.num_experts (and model.moe.router_topk)",
             )
+        if self.attention_kind == "mla":
+            _check(
+                self.query_groups == self.num_attention_heads,
+                f"model.num_query_groups={self.num_query_groups} with attention_kind=mla: MLA gives every one of "
+                f"the {self.num_attention_heads} heads its own key and value (from the shared latent); unset it",
+            )
+            _check(
+                self.position_embedding == "rope",
+                "model.attention_kind=mla needs position_embedding=rope (its decoupled key part is rotary)",
+            )
+        _check(
+            self.mtp_num_layers >= 0 and self.mtp_loss_scaling_factor >= 0,
+            f"model.mtp_num_layers={self.mtp_num_layers}, mtp_loss_scaling_factor={self.mtp_loss_scaling_factor}: "
+            "must be >= 0",
+        )
+        _choice(s, "rope_scaling_type", self.rope_scaling_type, ("llama3", "yarn"))
+        _check(
+            self.rope_scaling_factor is None or self.rope_scaling_factor >= 1.0,
+            f"model.rope_scaling_factor={self.rope_scaling_factor}: must be >= 1 (or unset)",
+        )
         _choice(s, "normalization", self.normalization, ("layernorm", "rmsnorm"))
         _choice(s, "position_embedding", self.position_embedding, ("learned", "rope"))
         _choice(s, "activation", self.activation, ("swiglu", "gelu_tanh", "gelu"))
@@ -289,6 +362,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims RoPE rotates per head: the head dim, or MLA's qk_rope_head_dim."""
+        return self.mla.qk_rope_head_dim if self.attention_kind == "mla" else self.head_dim
 
     def layer_specs(self) -> list[LayerSpec]:
         """The module kinds of every layer, from attention_kind, mlp_kind, mlp_kind_freq,

@@ -38,18 +38,26 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
-def attention(q_BTHD, k_BTGD, v_BTGD, backend: str, dropout: float, training: bool):
-    """Causal attention; q has H heads, k/v have G ≤ H heads (GQA). Returns [B, T, H, D]."""
+def attention(
+    q_BTHD, k_BTGD, v_BTGE, backend: str, dropout: float, training: bool, scale: float | None = None
+):
+    """Causal attention; q has H heads, k/v have G ≤ H heads (GQA); values may be narrower than
+    queries and keys (MLA: E < D); `scale` defaults to 1/√D. Returns [B, T, H, E]."""
     p = dropout if training else 0.0
+    D, E = q_BTHD.shape[-1], v_BTGE.shape[-1]
+    if backend in ("flash", "te") and E != D:  # their kernels want one head dim: pad the values
+        out = attention(q_BTHD, k_BTGD, F.pad(v_BTGE, (0, D - E)), backend, dropout, training, scale)
+        return out[..., :E]
     if backend == "flash":
         from flash_attn import flash_attn_func
 
-        return flash_attn_func(q_BTHD, k_BTGD, v_BTGD, dropout_p=p, causal=True)
+        return flash_attn_func(q_BTHD, k_BTGD, v_BTGE, dropout_p=p, causal=True, softmax_scale=scale)
     if backend == "te":
-        return _te_attention(q_BTHD.shape[2], k_BTGD.shape[2], q_BTHD.shape[3], p)(q_BTHD, k_BTGD, v_BTGD)
-    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTGD, v_BTGD))
+        core = _te_attention(q_BTHD.shape[2], k_BTGD.shape[2], D, p, scale)
+        return core(q_BTHD, k_BTGD, v_BTGE)
+    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTGD, v_BTGE))
     out = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, dropout_p=p, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
     return out.transpose(1, 2)
 
@@ -62,7 +70,7 @@ def document_mask(q_documents_BT, k_documents_BT, q_positions_T, k_positions_T):
     return (causal & same)[:, None]
 
 
-def document_attention(q_BTHD, k_BTGD, v_BTGD, documents_BT):
+def document_attention(q_BTHD, k_BTGD, v_BTGD, documents_BT, scale: float | None = None):
     """Causal attention within each packed document (`documents_BT`: the document index of every
     token), with torch SDPA whatever the backend (flash-attn's and TE's varlen paths are not
     wired); no dropout."""
@@ -70,12 +78,14 @@ def document_attention(q_BTHD, k_BTGD, v_BTGD, documents_BT):
     pos = torch.arange(T, device=q_BTHD.device)
     mask = document_mask(documents_BT, documents_BT, pos, pos)
     q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTGD, v_BTGD))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
     return out.transpose(1, 2)
 
 
 @functools.cache
-def _te_attention(heads: int, groups: int, head_dim: int, dropout: float):
+def _te_attention(heads: int, groups: int, head_dim: int, dropout: float, scale: float | None):
     import transformer_engine.pytorch as te
 
     core = te.DotProductAttention(
@@ -85,5 +95,6 @@ def _te_attention(heads: int, groups: int, head_dim: int, dropout: float):
         attention_dropout=dropout,
         qkv_format="bshd",
         attn_mask_type="causal",
+        softmax_scale=scale,
     )
     return lambda q, k, v: core(q, k, v).view(q.shape)

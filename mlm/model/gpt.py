@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mlm.model.mla  # noqa: F401  (registers the "mla" attention kind)
 import mlm.model.moe  # noqa: F401  (registers the "moe" MLP kind)
 from mlm.config import ModelConfig
 from mlm.errors import MlmError

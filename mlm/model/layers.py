@@ -112,21 +112,22 @@ class AttentionCore(nn.Module):
     selective_recompute = True
     tp_plan = {"rng_region": "tp_rng"}
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, scale: float | None = None):
         super().__init__()
         self.dropout = cfg.attention_dropout
+        self.scale = scale  # softmax scale; None: 1/√K
         self.backend = "sdpa"
         self.rng_region = contextlib.nullcontext
         self.context = None  # context parallelism: attention over the cp ranks' tokens (mlm.parallel.context)
 
     def forward(self, q_BTHK, k_BTGK, v_BTGK, documents_BT=None):
         if self.context is not None:
-            return self.context(q_BTHK, k_BTGK, v_BTGK, documents_BT=documents_BT)
+            return self.context(q_BTHK, k_BTGK, v_BTGK, documents_BT=documents_BT, scale=self.scale)
         if documents_BT is not None:  # packed documents: causal within each one
-            return document_attention(q_BTHK, k_BTGK, v_BTGK, documents_BT)
+            return document_attention(q_BTHK, k_BTGK, v_BTGK, documents_BT, self.scale)
         dropping = self.training and self.dropout > 0
         with self.rng_region(q_BTHK.device) if dropping else contextlib.nullcontext():
-            return attention(q_BTHK, k_BTGK, v_BTGK, self.backend, self.dropout, self.training)
+            return attention(q_BTHK, k_BTGK, v_BTGK, self.backend, self.dropout, self.training, self.scale)
 
 
 @register_attention("gqa")

@@ -44,7 +44,9 @@ def zigzag_indices(T: int, cp: int, rank: int, device=None) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-def allgather_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None) -> torch.Tensor:
+def allgather_attention(
+    q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None, scale: float | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's queries over every cp rank's keys and values (gathered),
     masked by global position (and, with `documents_BT`, this rank's tokens' document indices,
     within each packed document); [B, t, H, K] out."""
@@ -64,7 +66,9 @@ def allgather_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, docum
         dist.all_gather(parts, documents_BT.contiguous(), group=group)
         mask = document_mask(documents_BT, torch.cat(parts, 1), qpos, kpos)
     q, k, v = (x.transpose(1, 2) for x in (q_BtHK, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
     return out.transpose(1, 2)
 
 

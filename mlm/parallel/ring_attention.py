@@ -144,9 +144,9 @@ def _gather_documents(documents_BT, group, cp: int):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None):
+    def forward(ctx, q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None, scale=None):
         G, c = k_BtGK.shape[2], q_BtHK.shape[1] // 2
-        scale = 1.0 / math.sqrt(q_BtHK.shape[-1])
+        scale = ctx.scale = scale or 1.0 / math.sqrt(q_BtHK.shape[-1])
         ring = _Ring(group, cp, rank)
         docs = _gather_documents(documents_BT, ring.group, cp)
         q = _heads(q_BtHK, G)
@@ -173,8 +173,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, do_BtHK):
         q_BtHK, k_BtGK, v_BtGK, out, lse = ctx.saved_tensors
         ring, cp, rank = ctx.ring, ctx.cp, ctx.rank
-        G, c = k_BtGK.shape[2], q_BtHK.shape[1] // 2
-        scale = 1.0 / math.sqrt(q_BtHK.shape[-1])
+        G, c, scale = k_BtGK.shape[2], q_BtHK.shape[1] // 2, ctx.scale
         q, do = _heads(q_BtHK, G), _heads(do_BtHK, G)
         D = (do * out).sum(-1)
         dq = torch.zeros_like(q)
@@ -198,14 +197,26 @@ class _RingAttention(torch.autograd.Function):
             if kv_pending:
                 kv_2BGtK = ring.wait(kv_pending)
         dk, dv = ring.wait(dkv_pending).transpose(2, 3)
-        return _unheads(dq).to(q_BtHK.dtype), dk.to(k_BtGK.dtype), dv.to(v_BtGK.dtype), None, None, None, None
+        return (
+            _unheads(dq).to(q_BtHK.dtype),
+            dk.to(k_BtGK.dtype),
+            dv.to(v_BtGK.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def ring_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None) -> torch.Tensor:
+def ring_attention(
+    q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_BT=None, scale: float | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's queries over all cp ranks' keys and values (zigzag layout),
     the keys and values passed around the ring of `group` (cp rank → global rank by the group);
     with `documents_BT` (this rank's tokens' document indices, gathered once) within each
-    packed document; [B, t, H, K] out, as `mlm.parallel.context.allgather_attention`."""
+    packed document; [B, t, H, K] out, as `mlm.parallel.context.allgather_attention`. Values
+    narrower than the keys (MLA) travel zero-padded to the keys' width. `scale`: default 1/√K."""
     H, G = q_BtHK.shape[2], k_BtGK.shape[2]
     if H % G:
         raise ValueError(f"query heads {H} are not a multiple of key/value groups {G}")
@@ -213,9 +224,14 @@ def ring_attention(q_BtHK, k_BtGK, v_BtGK, group, cp: int, rank: int, documents_
         if documents_BT is not None:
             from mlm.model.attention import document_attention
 
-            return document_attention(q_BtHK, k_BtGK, v_BtGK, documents_BT)
+            return document_attention(q_BtHK, k_BtGK, v_BtGK, documents_BT, scale)
         q, k, v = (x.transpose(1, 2) for x in (q_BtHK, k_BtGK, v_BtGK))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != G).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=H != G)
+        return out.transpose(1, 2)
     assert q_BtHK.shape[1] % 2 == 0, q_BtHK.shape
+    K, E = k_BtGK.shape[-1], v_BtGK.shape[-1]
+    if E != K:  # k and v go round the ring as one message
+        out = ring_attention(q_BtHK, k_BtGK, F.pad(v_BtGK, (0, K - E)), group, cp, rank, documents_BT, scale)
+        return out[..., :E]
     with torch.autocast(q_BtHK.device.type, enabled=False):  # the blocks and their merge in fp32
-        return _RingAttention.apply(q_BtHK, k_BtGK, v_BtGK, group, cp, rank, documents_BT)
+        return _RingAttention.apply(q_BtHK, k_BtGK, v_BtGK, group, cp, rank, documents_BT, scale)

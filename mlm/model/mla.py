@@ -1,0 +1,130 @@
+"""Multi-Latent Attention, the attention kind "mla" (DeepSeek-V2/V3; Megatron's MLASelfAttention).
+
+Keys and values come up from one small latent per token; queries from their own latent (or
+straight from the hidden state without `q_lora_rank`); each head's query and key split into a
+part without position (nope) and a RoPE part, whose key half is one head shared by all heads:
+
+    q      = q_up(q_norm(q_down(x)))             [B, T, H, nope + rope]   (or q(x))
+    c, k_r = kv_down(x)                          [B, T, kv_lora], [B, T, rope]
+    k_n, v = kv_up(kv_norm(c))                   [B, T, H, nope], [B, T, H, v]
+    o      = softmax(q · [k_n ; rope(k_r)] · scale) v,   scale = (nope + rope)^-½ · YaRN mscale²
+
+Under tensor parallelism (`tp_plan`) the up-projections are column-parallel by head and the output
+row-parallel; the down-projections and their norms are replicated on every tp rank, each rank
+feeding only its heads from them, so their gradients are summed over tp ("head_shared"). The
+input enters the tp region once (gathering the sequence under sequence parallelism, so the
+shared rope key sees every token).
+
+Serving caches per token only the normed latent and the roped key (kv_lora + rope values, not
+H · (nope + rope + v)) and absorbs the up-projection into the query and the output: scores
+q_nᵀ W_UK c = (W_UKᵀ q_n)ᵀ c, output W_UV (Σ p c); attention becomes one-key-head (MQA) attention
+over [c ; k_r] with the latent as the value (`cache.attend(..., value_dim=kv_lora)`).
+
+Shape legend: B batch, T sequence, D hidden, H heads (this rank's), C kv_lora_rank, R rope dims,
+N nope dims, E value dims.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlm.config import ModelConfig
+from mlm.model.layers import TP_INPUT, AttentionCore, register_attention
+from mlm.model.rope import apply_rope, apply_rope_interleaved, yarn_mscale
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """(nope + rope)^-½, times YaRN's mscale(factor, mscale_all_dim)² when that is set (DeepSeek)."""
+    scale = cfg.mla.qk_head_dim**-0.5
+    if (
+        cfg.rope_scaling_factor is not None
+        and cfg.rope_scaling_type == "yarn"
+        and cfg.rope_yarn_mscale_all_dim
+    ):
+        scale *= yarn_mscale(cfg.rope_scaling_factor, cfg.rope_yarn_mscale_all_dim) ** 2
+    return scale
+
+
+@register_attention("mla")
+class MultiLatentAttention(nn.Module):
+    tp_plan = {
+        TP_INPUT: "enter",
+        "q": "column",
+        "q_down": "head_shared",
+        "q_norm": "head_shared",
+        "q_up": "column",
+        "kv_down": "head_shared",
+        "kv_norm": "head_shared",
+        "kv_up": "column",
+        "out": "row",
+    }
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+        m = cfg.mla
+        self.layer = layer
+        self.nope, self.rope_dim, self.v_dim, self.latent = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        )
+        D, H, QK = cfg.hidden_size, cfg.num_attention_heads, m.qk_head_dim
+        bias = cfg.add_bias
+        if m.q_lora_rank is None:
+            self.q = nn.Linear(D, H * QK, bias=bias)
+            self.q_down = self.q_norm = self.q_up = None
+        else:
+            self.q = None
+            self.q_down = nn.Linear(D, m.q_lora_rank, bias=bias)
+            self.q_norm = nn.RMSNorm(m.q_lora_rank, eps=cfg.norm_eps)
+            self.q_up = nn.Linear(m.q_lora_rank, H * QK, bias=False)
+        self.kv_down = nn.Linear(D, m.kv_lora_rank + m.qk_rope_head_dim, bias=bias)
+        self.kv_norm = nn.RMSNorm(m.kv_lora_rank, eps=cfg.norm_eps)
+        self.kv_up = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.out = nn.Linear(H * m.v_head_dim, D, bias=bias)
+        self.rotate = apply_rope_interleaved if m.rope_interleave else apply_rope
+        self.core = AttentionCore(cfg, scale=mla_softmax_scale(cfg))
+
+    def queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_nope [B, T, H, N], q_rope [B, T, H, R]) before RoPE."""
+        B, T, _ = x_BTD.shape
+        q = self.q(x_BTD) if self.q is not None else self.q_up(self.q_norm(self.q_down(x_BTD)))
+        q_BTHQ = q.view(B, T, -1, self.nope + self.rope_dim)
+        return q_BTHQ[..., : self.nope], q_BTHQ[..., self.nope :]
+
+    def latents(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed latent c [B, T, C], rope key [B, T, R] before RoPE): what serving caches."""
+        c_BTC, k_BTR = self.kv_down(x_BTD).split([self.latent, self.rope_dim], dim=-1)
+        return self.kv_norm(c_BTC), k_BTR
+
+    def forward(self, x_BTD: torch.Tensor, rope=None, cache=None, documents_BT=None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        qn_BTHN, qr_BTHR = self.queries(x_BTD)
+        c_BTC, kr_BTR = self.latents(x_BTD)
+        qr_BTHR = self.rotate(qr_BTHR, *rope)
+        kr_BT1R = self.rotate(kr_BTR[:, :, None], *rope)
+        if cache is not None:
+            return self.out(self._absorbed(cache, qn_BTHN, qr_BTHR, c_BTC, kr_BT1R).reshape(B, T, -1))
+        kv_BTHX = self.kv_up(c_BTC).view(B, T, -1, self.nope + self.v_dim)
+        kn_BTHN, v_BTHE = kv_BTHX[..., : self.nope], kv_BTHX[..., self.nope :]
+        H = qn_BTHN.shape[2]
+        q_BTHQ = torch.cat([qn_BTHN, qr_BTHR], dim=-1)
+        k_BTHQ = torch.cat([kn_BTHN, kr_BT1R.expand(B, T, H, self.rope_dim)], dim=-1)
+        o_BTHE = self.core(q_BTHQ, k_BTHQ, v_BTHE, documents_BT)
+        return self.out(o_BTHE.reshape(B, T, -1))
+
+    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, N, C], W_UV [H, E, C]): kv_up's rows per head (this rank's heads under tp)."""
+        w_HXC = self.kv_up.weight.view(-1, self.nope + self.v_dim, self.latent)
+        return w_HXC[:, : self.nope], w_HXC[:, self.nope :]
+
+    def _absorbed(self, cache, qn_BTHN, qr_BTHR, c_BTC, kr_BT1R) -> torch.Tensor:
+        """Attention over the cached latents with kv_up absorbed: [B, T, H, E]."""
+        w_uk_HNC, w_uv_HEC = self.up_weights()
+        q_BTHC = torch.einsum("bthn,hnc->bthc", qn_BTHN, w_uk_HNC)
+        q_BTHX = torch.cat([q_BTHC, qr_BTHR], dim=-1)
+        kv_BT1X = torch.cat([c_BTC[:, :, None], kr_BT1R], dim=-1)
+        o_BTHC = cache.attend(self.layer, q_BTHX, kv_BT1X, None, scale=self.core.scale, value_dim=self.latent)
+        return torch.einsum("bthc,hec->bthe", o_BTHC, w_uv_HEC)
