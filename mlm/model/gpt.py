@@ -25,6 +25,7 @@ from mlm.errors import MlmError
 from mlm.model.attention import resolve_backend
 from mlm.model.aux_loss import AuxLosses
 from mlm.model.layers import AttentionCore, Block, make_norm
+from mlm.model.mtp import MTPLayer, MTPTargets
 from mlm.model.rope import inv_frequencies, rope_tables
 
 # Parameters whose rows are the vocabulary, padded to a multiple of make_vocab_size_divisible_by × tp
@@ -32,10 +33,16 @@ from mlm.model.rope import inv_frequencies, rope_tables
 VOCAB_ROWS = ("embed.weight", "output.weight")
 
 
-def cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32 over the unpadded vocabulary (one process)."""
+def cross_entropy(
+    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, vocab_size: int, weights_BT: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Next-token cross-entropy in fp32 over the unpadded vocabulary (one process): the mean over
+    the tokens, or with `weights_BT` the weighted sum."""
     logits_BTV = logits_BTV[..., :vocab_size].float()
-    return F.cross_entropy(logits_BTV.flatten(0, 1), labels_BT.flatten())
+    if weights_BT is None:
+        return F.cross_entropy(logits_BTV.flatten(0, 1), labels_BT.flatten())
+    loss = F.cross_entropy(logits_BTV.flatten(0, 1), labels_BT.flatten(), reduction="none")
+    return (loss * weights_BT.flatten()).sum()
 
 
 @dataclass
@@ -93,6 +100,14 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, spec, i) for i, spec in enumerate(specs)})
         self.final_norm = make_norm(cfg)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, V, bias=False)
+        # multi-token prediction depths (on the last pipeline stage, with an embedding copy there)
+        self.mtp = (
+            nn.ModuleDict(
+                {str(d): MTPLayer(cfg, specs[-1], cfg.num_layers + d) for d in range(cfg.mtp_num_layers)}
+            )
+            if cfg.mtp_num_layers
+            else None
+        )
         # mean loss of (logits, labels, vocab_size); vocabulary-parallel under tensor parallelism
         self.cross_entropy = cross_entropy
         # auxiliary losses the modules attach (e.g. MoE balancing), shared with every module
@@ -125,18 +140,25 @@ class GPT(nn.Module):
         has_first, has_last = any(c.first for c in chunks), any(c.last for c in chunks)
         if not has_first:
             self.pos_embed = None
-            if not (has_last and self.cfg.tie_embeddings):  # the last stage keeps the tied weight
+            if not (has_last and self._embedding_on_last_stage):  # the last stage keeps a copy
                 self.embed = None
         if not has_last:
             self.final_norm = None
             self.output = None
+            self.mtp = None
         self.chunks = chunks
 
+    @property
+    def _embedding_on_last_stage(self) -> bool:
+        """The last stage uses the embedding too: as the output layer (tied) or for MTP's inputs."""
+        return self.cfg.tie_embeddings or self.cfg.mtp_num_layers > 0
+
     def tied_weight(self) -> nn.Parameter | None:
-        """This stage's copy of an embedding tied to the output layer of another stage (first or
-        last pipeline stage): its gradient must be summed with the other copy's; else None."""
+        """This stage's copy of an embedding that another stage also holds (first and last
+        pipeline stage: tied to the output layer, or MTP's): its gradient must be summed with the
+        other copy's; else None."""
         first, last = any(c.first for c in self.chunks), any(c.last for c in self.chunks)
-        if not self.cfg.tie_embeddings or self.embed is None or (first and last):
+        if not self._embedding_on_last_stage or self.embed is None or (first and last):
             return None
         return self.embed.weight
 
@@ -222,25 +244,56 @@ class GPT(nn.Module):
             x_BTD = self.enter_layers(self.dropout(x_BTD))
         else:
             x_BTD = x
-        rope = None
-        if self.pos_embed is None and spec.layers:
-            if self._inv_freq is None or self._inv_freq.device != x.device:
-                self._inv_freq = inv_frequencies(self.cfg).to(x.device)
-            rope = rope_tables(self.cfg, T, x.device, positions, self._inv_freq)
+        rope = self.rope(T, x.device, positions) if spec.layers else None
         for key in spec.layers:
             x_BTD = self.layers[key](x_BTD, rope, cache, documents)
         return x_BTD
 
+    def rope(self, T: int, device, positions: torch.Tensor | None = None):
+        """(cos, sin) of the rotary embedding for T tokens (or `positions`); None with learned positions."""
+        if self.cfg.position_embedding != "rope":
+            return None
+        if self._inv_freq is None or self._inv_freq.device != device:
+            self._inv_freq = inv_frequencies(self.cfg).to(device)
+        return rope_tables(self.cfg, T, device, positions, self._inv_freq)
+
     def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
         """Final norm and output projection: [..., D] → [..., V] (V / tp columns under tp)."""
-        h_BTD = self.enter_output(self.final_norm(h_BTD))
+        return self.project(self.final_norm(h_BTD))
+
+    def project(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """The output projection of normed hidden states (shared by the MTP depths)."""
         weight = self.embed.weight if self.output is None else self.output.weight
-        return F.linear(h_BTD, weight)
+        return F.linear(self.enter_output(h_BTD), weight)
 
     def head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         """The last stage's loss: mean cross-entropy of the logits of `h_BTD` against `labels_BT`
         (vocabulary-parallel under tp: the logits are never gathered)."""
         return self.cross_entropy(self.logits(h_BTD), labels_BT, self.cfg.vocab_size)
+
+    def mtp_losses(
+        self,
+        h_BTD: torch.Tensor,
+        targets: MTPTargets,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The loss of every MTP depth [D] from the main model's last hidden states `h_BTD` (before
+        the final norm): depth k joins the normed hidden state of the depth before with the
+        embedding of the token k ahead, runs its layer, and predicts the token k + 1 ahead with the
+        shared output layer (`mlm.model.mtp`)."""
+        T = h_BTD.shape[1] * self.sequence_shards
+        rope = self.rope(T, h_BTD.device, positions)
+        h_BTD = self.final_norm(h_BTD)
+        losses = []
+        for k, depth in enumerate(self.mtp.values(), start=1):
+            e_BTD = self.enter_layers(self.dropout(self.embed(targets.inputs(k))))
+            h_BTD = depth(e_BTD, h_BTD, rope, documents)
+            logits = self.project(h_BTD)
+            losses.append(
+                self.cross_entropy(logits, targets.labels(k), self.cfg.vocab_size, targets.weights(k))
+            )
+        return torch.stack(losses)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 1234) -> GPT:

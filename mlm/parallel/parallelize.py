@@ -183,8 +183,11 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
     return model
 
 
-def _vocab_parallel_mean(logits_BTv, labels_BT, vocab_size: int, mesh: Mesh) -> torch.Tensor:
-    return vocab_parallel_cross_entropy(logits_BTv, labels_BT, mesh, vocab_size).mean()
+def _vocab_parallel_mean(
+    logits_BTv, labels_BT, vocab_size: int, weights_BT=None, *, mesh: Mesh
+) -> torch.Tensor:
+    loss_BT = vocab_parallel_cross_entropy(logits_BTv, labels_BT, mesh, vocab_size)
+    return loss_BT.mean() if weights_BT is None else (loss_BT * weights_BT).sum()
 
 
 def allreduce_sequence_parallel_grads(
