@@ -606,6 +606,11 @@ class Config:
             f"data.seq_length={self.data.seq_length} exceeds "
             f"model.max_position_embeddings={self.model.max_position_embeddings}",
         )
+        _check(
+            self.data.seq_length > self.model.mtp_num_layers,
+            f"model.mtp_num_layers={self.model.mtp_num_layers} with data.seq_length={self.data.seq_length}: "
+            "the deepest MTP depth would have no token to predict; use fewer depths or longer sequences",
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

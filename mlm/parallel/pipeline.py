@@ -40,6 +40,7 @@ import torch.distributed as dist
 from mlm.config import ParallelConfig
 from mlm.errors import MlmError
 from mlm.model import Chunk
+from mlm.model.mtp import MTPTargets
 from mlm.parallel.context import whole_sequences, zigzag_indices
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.schedules import Action, forward_only, schedule, stage_layer_counts
@@ -94,6 +95,9 @@ class Pipeline:
         self.peak_in_flight = 0
         """The most micro-batches whose activations this rank held at once during the last step."""
         self._positions: tuple[int, torch.Tensor] | None = None
+        depths = model.cfg.mtp_num_layers
+        self.mtp_total = torch.zeros(depths, device=self.device)
+        """The last step's MTP losses per depth, summed over micro-batches (last stage; training)."""
         self.documents: Callable | None = None
         """Packed documents (`mlm.datasets.documents.DocumentLayout`): inputs → (document index,
         position) of every token; None: one document per sequence."""
@@ -164,7 +168,8 @@ class Pipeline:
     ) -> torch.Tensor:
         """Execute `actions` over `micro_batches` (tokens [B, T + 1] each; inputs are [:, :-1], labels
         [:, 1:]); return the sum of the micro-batch losses on the last stage (zero elsewhere), each
-        computed by the model (`model.head_loss` of the last chunk's hidden states). With
+        computed by the model (`model.head_loss` of the last chunk's hidden states; in training,
+        the multi-token prediction losses are added to the gradients and kept in `mtp_total`). With
         backwards, each loss is multiplied by `loss_scale` before its backward (auxiliary losses
         that the model's modules attach get the same factor, `model.aux_losses.scale`), and `grads`
         (GradBuckets) is told which backward is a chunk's last of the step."""
@@ -181,6 +186,9 @@ class Pipeline:
         aux = getattr(self.model, "aux_losses", None)
         if aux is not None:
             aux.scale = loss_scale
+        depths = self.model.cfg.mtp_num_layers
+        mtp_weight = self.model.cfg.mtp_loss_scaling_factor / max(depths, 1)
+        self.mtp_total = torch.zeros(depths, device=self.device)
 
         def post(ops: list[dist.P2POp], recv_for: Action | None):
             pending = self._recv_op(recv_for, shape) if recv_for is not None else None
@@ -200,8 +208,11 @@ class Pipeline:
             tokens = micro_batches[a.micro]
             inputs, labels = tokens[:, :-1], tokens[:, 1:]
             documents, rope_positions = self.documents(inputs) if self.documents else (None, None)
+            # the tokens ahead for multi-token prediction, shifted before the cp split
+            ahead = MTPTargets.of(tokens, depths, self.mesh.cp) if depths and last and training else None
             if positions is not None:  # this cp rank's share
                 inputs, labels = inputs[:, positions], labels[:, positions]
+                ahead = ahead.split(positions) if ahead is not None else None
                 documents = documents[:, positions] if documents is not None else None
                 rope_positions = rope_positions[:, positions] if rope_positions is not None else positions
             ops: list[dist.P2POp] = []
@@ -214,6 +225,10 @@ class Pipeline:
                         h = self.model.hidden_states(x, rope_positions, chunk=a.chunk, documents=documents)
                         loss = self.model.head_loss(h, labels)
                         total += loss.detach()
+                        if ahead is not None:
+                            mtp = self.model.mtp_losses(h, ahead, rope_positions, documents)
+                            self.mtp_total += mtp.detach()
+                            loss = loss + mtp_weight * mtp.sum()
                         out = loss * loss_scale
                     else:
                         out = self.model(x, rope_positions, chunk=a.chunk, documents=documents)

@@ -86,6 +86,9 @@ class MetricsLogger:
         )
         if r.get("skipped"):
             line += f"  skipped {r['skipped']}"
+        mtp = [f"{r[k]:.4f}" for k in sorted(r) if k.startswith("mtp_loss.")]
+        if mtp:  # multi-token prediction, per depth (not in the loss above)
+            line += f"  mtp {' '.join(mtp)}"
         line += expert_load_summary(r)
         console.print(line, highlight=False)
 

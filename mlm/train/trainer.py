@@ -198,11 +198,14 @@ class Trainer(TrainerCheckpoints):
 
     def _dp_mean(self, t: torch.Tensor) -> float:
         """The mean over dp (each replica's batch) and cp (each rank's share of the sequences)."""
+        return float(self._dp_average(t))
+
+    def _dp_average(self, t: torch.Tensor) -> torch.Tensor:
         group = self.mesh.group("dp_cp")
         if group is not None:
             dist.all_reduce(t, group=group)
             t = t / (self.dp_size * self.mesh.cp)
-        return float(t)
+        return t
 
     def train_step(self, batches) -> dict:
         """One optimizer step over `num_micro` micro batches through the pipeline schedule; the
@@ -229,6 +232,10 @@ class Trainer(TrainerCheckpoints):
         opt.zero_grad()
         loss = self._dp_mean(self.pipeline.sum_over_stages(total) / self.num_micro)
         extra = self._step_metrics(load)
+        mtp = self.pipeline.mtp_total
+        if mtp.numel():  # each depth's loss, averaged as the main loss is
+            mtp = self._dp_average(self.pipeline.sum_over_stages(mtp) / self.num_micro)
+            extra.update({f"mtp_loss.{k}": float(v) for k, v in enumerate(mtp.tolist(), start=1)})
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": overflow, "extra": extra}
 
     def _step_metrics(self, load: dict[str, float]) -> dict[str, float]:
@@ -378,7 +385,8 @@ class Trainer(TrainerCheckpoints):
         }
         if self.scaler:
             rec["loss_scale"] = self.scaler.scale
-        # auxiliary losses (aux.NAME) and expert load (moe.*): JSONL and TensorBoard (train/NAME)
+        # auxiliary losses (aux.NAME), MTP losses (mtp_loss.K) and expert load (moe.*): JSONL and
+        # TensorBoard (train/NAME)
         for name in window[-1]["extra"]:
             rec[name] = sum(r["extra"].get(name, 0.0) for r in window) / len(window)
         log.train_line(self.iteration, self.total_iters, rec)

@@ -1,0 +1,153 @@
+"""DeepSeek-V3-style models train on a mesh as in one process: Multi-Latent Attention under tp 2
+with sequence parallelism and under pp 2; multi-token prediction under pp 2 (the last stage
+holds an embedding copy, its gradient summed with the first stage's) and under cp 2 (the tokens
+ahead shifted before the split), with both cp attention implementations. One model carries all
+of it (MLA with a query latent and YaRN, the DeepSeek router: sigmoid, expert bias, groups,
+scaling, a shared expert, a dense first layer; two MTP depths), so each mesh also checks their
+combinations. Plus: the MTP loss against a direct computation, and the clear errors.
+
+Every rank is a real gloo process. Tolerance: fp32, 1e-5 relative on losses, MTP losses and
+final weights (test_parallel_training's, which explains why not bitwise).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlm.config import Config, MLAConfig, ModelConfig, load_config
+from mlm.errors import MlmError
+from mlm.model import build_model
+from mlm.model.mtp import MTPTargets
+from mlm.parallel.context import zigzag_indices
+from mlm.parallel.mesh import check_tensor_parallel
+
+from distributed import run_ranks
+from test_moe_parallel import logged
+from test_parallel_training import _assert_matches, _sets, _train_rank, reference_run
+
+DEEPSEEK = {
+    "model.num_layers": 4,
+    "model.num_query_groups": 4,
+    "model.attention_kind": "mla",
+    "model.mla.q_lora_rank": 32,
+    "model.mla.kv_lora_rank": 16,
+    "model.mla.qk_nope_head_dim": 16,
+    "model.mla.qk_rope_head_dim": 8,
+    "model.mla.v_head_dim": 12,
+    "model.rope_scaling_factor": 4.0,
+    "model.rope_scaling_type": "yarn",
+    "model.rope_original_max_position_embeddings": 16,
+    "model.rope_yarn_mscale_all_dim": 1.0,
+    "model.mlp_kind": "moe",
+    "model.first_k_dense": 1,
+    "model.moe.num_experts": 4,
+    "model.moe.ffn_hidden_size": 48,
+    "model.moe.router_topk": 2,
+    "model.moe.router_score_function": "sigmoid",
+    "model.moe.router_enable_expert_bias": "true",
+    "model.moe.router_num_groups": 2,
+    "model.moe.router_group_topk": 1,
+    "model.moe.router_topk_scaling_factor": 2.5,
+    "model.moe.seq_aux_loss_coeff": 1e-2,
+    "model.moe.shared_expert_ffn_hidden_size": 32,
+    "model.mtp_num_layers": 2,
+    "model.mtp_loss_scaling_factor": 0.3,
+    "train.train_iters": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def ds_reference(tmp_path_factory, tiny_data):
+    tmp = tmp_path_factory.mktemp("reference")
+    losses, weights = reference_run(tmp, tiny_data, **DEEPSEEK)
+    return losses, weights, logged(tmp / "one", "mtp_loss.")
+
+
+@pytest.mark.parametrize(
+    "world,parallel",
+    [
+        (2, {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+        (2, {"parallel.pp": 2}),
+        (2, {"parallel.cp": 2, "parallel.cp_comm_type": "p2p"}),
+        (2, {"parallel.cp": 2, "parallel.cp_comm_type": "all_gather"}),
+    ],
+    ids=["tp2-sp", "pp2", "cp2-p2p", "cp2-all_gather"],
+)
+def test_deepseek_model_on_a_mesh_matches_one_process(tmp_path, tiny_data, ds_reference, world, parallel):
+    sets = _sets(tmp_path, tiny_data, "mesh", **DEEPSEEK, **parallel)
+    losses, weights, mtp = ds_reference
+    assert set(mtp) == {"mtp_loss.1", "mtp_loss.2"} and all(len(v) == 3 for v in mtp.values())
+    assert any(k.startswith("mtp.1.") for k in weights) and "embed.weight" in weights
+    _assert_matches(tmp_path, run_ranks(world, _train_rank, sets), losses, weights)
+    got = logged(tmp_path / "mesh", "mtp_loss.")
+    for name, values in mtp.items():
+        assert got[name] == pytest.approx(values, rel=1e-5), name
+
+
+def test_mtp_loss_equals_a_direct_computation():
+    """Depth k at position i: eh_proj([enorm(embed(t[i+k])) ; hnorm(h^{k-1}_i)]) → layer → norm →
+    output, against t[i+k+1], averaged over the T − k positions that have it; h⁰ is the main
+    model's final-normed hidden state. Computed here token by token from the modules."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=50,
+        attention_kind="mla",
+        mla=MLAConfig(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4),
+        mtp_num_layers=2,
+    )
+    model = build_model(cfg).eval()
+    tokens = torch.randint(0, 50, (2, 13))  # samples [B, T + 1]
+    T = tokens.shape[1] - 1
+    h = model.hidden_states(tokens[:, :-1])
+    got = model.mtp_losses(h, MTPTargets.of(tokens, 2))
+    rope = model.rope(T, h.device)
+    prev = model.final_norm(h)
+    want = []
+    for k, depth in enumerate(model.mtp.values(), start=1):
+        ahead = torch.cat([tokens[:, k:], tokens.new_zeros(2, k - 1)], 1)[:, :T]  # t[i+k], 0 past the end
+        x = depth.eh_proj(torch.cat([depth.enorm(model.embed(ahead)), depth.hnorm(prev)], -1))
+        prev = depth.final_norm(depth.layer(x, rope))
+        logits = F.linear(prev, model.output.weight)[..., : cfg.vocab_size]
+        n = T - k  # positions i < T - k have the label t[i+k+1]
+        want.append(
+            F.cross_entropy(logits[:, :n].reshape(-1, cfg.vocab_size), tokens[:, k + 1 :].reshape(-1))
+        )
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-6, atol=0)
+
+
+def test_mtp_shares_under_context_parallelism_add_up():
+    """The cp shares of each depth's loss average to the whole sequence's (as the main loss's do)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (2, 17))
+    whole = MTPTargets.of(tokens, 2)
+    for k in (1, 2):
+        logits = torch.randn(2, 16, 50)
+        full = F.cross_entropy(logits.flatten(0, 1), whole.labels(k).flatten(), reduction="none")
+        total = (full * whole.weights(k).flatten()).sum()
+        shares = []
+        for r in range(2):
+            part = MTPTargets.of(tokens, 2, shares=2).split(zigzag_indices(16, 2, r))
+            idx = zigzag_indices(16, 2, r)
+            ce = F.cross_entropy(logits[:, idx].flatten(0, 1), part.labels(k).flatten(), reduction="none")
+            shares.append((ce * part.weights(k).flatten()).sum())
+        torch.testing.assert_close(sum(shares) / 2, total)
+        assert int((whole.weights(k) > 0).sum()) == 2 * (16 - k)
+
+
+def test_bad_deepseek_settings_are_refused():
+    with pytest.raises(MlmError, match=r"num_query_groups=2 with attention_kind=mla"):
+        ModelConfig(num_attention_heads=4, num_query_groups=2, attention_kind="mla")
+    with pytest.raises(MlmError, match=r"qk_rope_head_dim=5: RoPE rotates pairs"):
+        MLAConfig(qk_rope_head_dim=5)
+    with pytest.raises(MlmError, match=r"num_attention_heads=6 is not divisible by parallel.tp=4"):
+        check_tensor_parallel(
+            ModelConfig(hidden_size=48, num_attention_heads=6, attention_kind="mla"), 128, 4
+        )
+    with pytest.raises(MlmError, match=r"mtp_num_layers=4 with data.seq_length=4"):
+        load_config(None, ["model.mtp_num_layers=4", "data.seq_length=4"])
+    assert isinstance(load_config(None, ["model.mtp_num_layers=3", "data.seq_length=4"]), Config)
