@@ -67,7 +67,7 @@ def check_transformers(hf_class: str) -> None:
     """MlmError unless the installed transformers has `hf_class`, which verification loads."""
     import transformers
 
-    if not hasattr(transformers, hf_class):
+    if getattr(transformers, hf_class, None) is None:
         since = adapters.adapter(hf_class).since
         raise MlmError(
             f"transformers {transformers.__version__} has no {hf_class} (it came in {since}), and the "
@@ -195,7 +195,7 @@ def import_hf(
             seconds=0.0,
             dtype=",".join(sorted(written["dtypes"])),
             tokenizer_files=tokenizer_files,
-            notes=[note] if note else [],
+            notes=[f"{note}; imported without them (model.mtp_num_layers=0)"] if note else [],
         )
         if verify:
             progress("verifying logits", 0, 0)

@@ -66,8 +66,8 @@ class Adapter(ABC):
 
     def config_for_keys(self, cfg: ModelConfig, keys) -> tuple[ModelConfig, str | None]:
         """`cfg` (from config.json) fitted to what a state with these Hugging Face `keys` holds,
-        and a sentence saying what changed (None: nothing). DeepSeek-V3: a config that counts MTP
-        depths whose weights were left out (transformers saves none) imports without them."""
+        and a sentence saying why it changed (None: it did not). DeepSeek-V3: a config that counts
+        MTP depths whose weights were left out (transformers saves none) loses them."""
         return cfg, None
 
     def shape_note(self, template: str, cfg: ModelConfig) -> str:

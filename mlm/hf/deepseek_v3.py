@@ -221,7 +221,7 @@ class DeepseekV3Adapter(MoEAdapter):
         note = (
             f"config.json counts {cfg.mtp_num_layers} MTP depth(s) (num_nextn_predict_layers) but the "
             f"weights hold none (no {first}* tensors: transformers' DeepseekV3ForCausalLM drops them "
-            "when it loads and saves), so the model is taken without MTP (model.mtp_num_layers=0)"
+            "when it loads and saves)"
         )
         return replace(cfg, mtp_num_layers=0), note
 

@@ -170,7 +170,14 @@ def iter_hf_to_mlm(
     optional = {k for u in keymap.units() if u.rule.copy for k in u.hf}  # copies may be left out
     missing = sorted(want.keys() - stored.keys() - optional)
     if missing:
-        raise MlmError(f"Hugging Face {a.model_type} state lacks {', '.join(missing)}")
+        _, note = a.config_for_keys(cfg, hf_tensors)  # e.g. MTP depths transformers did not save
+        fix = ""
+        if note:
+            mtp = [k for k in missing if "depth" in keymap.locate(k)[1]]
+            missing = [k for k in missing if k not in mtp]
+            missing.append(f"the {len(mtp)} tensors of the MTP depths (model.layers.{cfg.num_layers}.*)")
+            fix = f"; {note}: build the config with mtp_num_layers=0 to convert it without them"
+        raise MlmError(f"Hugging Face {a.model_type} state lacks {', '.join(missing)}{fix}")
     unequal = [
         (k, o, why)
         for k, (o, why) in copy_of.items()
