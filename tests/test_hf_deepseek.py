@@ -328,7 +328,7 @@ def test_cli_round_trip_with_mtp(tmp_path):
     assert {k: written[k] for k in hf_config} == json.loads(json.dumps(hf_config))
 
 
-def test_cli_round_trip_of_a_transformers_model(tmp_path):
+def test_convert_round_trip_of_a_transformers_model(tmp_path):
     hf = MODELS["yarn"]()
     src = saved(hf, tmp_path / "hf")
     r = convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
@@ -339,6 +339,14 @@ def test_cli_round_trip_of_a_transformers_model(tmp_path):
     for _, tensors in hf_io.iter_weight_files(tmp_path / "back"):
         back.update(tensors)
     assert back.keys() == src.keys() and all(torch.equal(back[k], src[k]) for k in back)
+    # bf16: the expert biases stay float32 (they only select experts, as transformers keeps them)
+    r = convert.export_hf(tmp_path / "ckpt", tmp_path / "bf16", dtype="bf16")
+    assert r.max_abs_diff <= r.tolerance
+    (_, cast), *_ = hf_io.iter_weight_files(tmp_path / "bf16")
+    assert {k for k, t in cast.items() if t.dtype == torch.float32} == {
+        k for k in src if k.endswith("e_score_correction_bias")
+    }
+    assert all(t.dtype in (torch.float32, torch.bfloat16) for t in cast.values())
 
 
 # ---------------------------------------------------------------- bad input

@@ -246,13 +246,15 @@ def export_hf(
     hf_state, hf_config = adapters.mlm_to_hf(mlm_state, cfg, arch, padded)
     if verify:
         check_transformers(adapters.adapter(arch).hf_class)
-    stored = {t.dtype for t in hf_state.values()}
+    fp32 = adapters.adapter(arch).float32_keys  # e.g. DeepSeek's expert biases: float32 whatever --dtype
+    stored = {t.dtype for k, t in hf_state.items() if not k.endswith(fp32)}
     target = DTYPES[dtype] if dtype else (stored.pop() if len(stored) == 1 else torch.float32)
+    dtypes = {k: torch.float32 if k.endswith(fp32) else target for k in hf_state}
     lossy = any(
-        t.dtype.itemsize > target.itemsize or t.dtype != target and target != torch.float32
-        for t in hf_state.values()
+        t.dtype.itemsize > dtypes[k].itemsize or t.dtype != dtypes[k] and dtypes[k] != torch.float32
+        for k, t in hf_state.items()
     )
-    hf_state = {k: t.to(target) for k, t in hf_state.items()}
+    hf_state = {k: t.to(dtypes[k]) for k, t in hf_state.items()}
     # transformers ≥ 4.56 reads `dtype` (and warns on `torch_dtype` alone); older ones `torch_dtype`
     hf_config["torch_dtype"] = hf_config["dtype"] = dtype_name(target)
     tok_dir = Path(tokenizer) if tokenizer is not None else None

@@ -35,6 +35,8 @@ class Adapter(ABC):
     """Why the tensors of `copied` templates must equal their originals (said when one does not)."""
     mtp: bool = False
     """The architecture stores multi-token prediction depths (`model.mtp_num_layers`)."""
+    float32_keys: tuple[str, ...] = ()
+    """Endings of the keys an export writes in float32 whatever its dtype (as transformers holds them)."""
 
     @abstractmethod
     def config_from_hf(self, c: dict) -> ModelConfig:

@@ -182,6 +182,7 @@ class DeepseekV3Adapter(MoEAdapter):
     since = "4.51"
     from_hf = KEYS
     mtp = True
+    float32_keys = ("e_score_correction_bias",)  # selection-only: rounding would change the choice
     hint = (
         MoEAdapter.hint + ". MTP depth d is model.layers.{num_hidden_layers + d}.*, "
         "num_nextn_predict_layers of them (config.json)"

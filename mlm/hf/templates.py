@@ -189,6 +189,11 @@ class KeyMap:
         """(template, placeholder values, key with the prefix) of a Hugging Face key; None if no
         template names it. Where several templates name it (DeepSeek-V3's `model.layers.{layer}.…`
         and `model.layers.{depth}.…`), the first whose values are within the counts."""
+        found = self._matches(key)
+        within = [f for f in found if not self._beyond(f[1])]
+        return (within or found or [None])[0]
+
+    def _matches(self, key: str) -> list[tuple[str, dict[str, int], str]]:
         found = []
         for k in (key, self.prefix + key) if self.prefix and not key.startswith(self.prefix) else (key,):
             for pattern, template in self._patterns:
@@ -198,8 +203,15 @@ class KeyMap:
                 index = {f: int(i) - self.offsets.get(f, 0) for f, i in m.groupdict().items()}
                 if all(i >= 0 for i in index.values()):
                     found.append((template, index, k))
-        within = [f for f in found if all(i < self.counts[p] for p, i in f[1].items())]
-        return (within or found or [None])[0]
+        return found
+
+    def _beyond(self, index: Mapping[str, int]) -> list[str]:
+        """What in `index` exceeds the counts ([]: nothing)."""
+        return [
+            f"{f} {i}, but {PLACEHOLDERS[f]}={self.counts[f]}"
+            for f, i in index.items()
+            if i >= self.counts[f]
+        ]
 
     def unit(self, template: str, index: Mapping[str, int]) -> Unit:
         """The conversion step of `template` at `index` (the stacked placeholder's value is ignored)."""
@@ -233,13 +245,9 @@ class KeyMap:
                 unknown.append(key)
                 continue
             template, index, full = found
-            beyond = [
-                f"{f} {i}, but {PLACEHOLDERS[f]}={self.counts[f]}"
-                for f, i in index.items()
-                if i >= self.counts[f]
-            ]
-            if beyond:
-                unknown.append(f"{key} ({'; '.join(beyond)})")
+            if self._beyond(index):  # beyond the counts however the key is read
+                readings = ["; ".join(self._beyond(i)) for _, i, _ in self._matches(key)]
+                unknown.append(f"{key} ({'; or '.join(dict.fromkeys(readings))})")
             elif self.rules[template] is not None:
                 steps[self.unit(template, index)] = None
                 stored[full] = key
