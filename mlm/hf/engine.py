@@ -21,6 +21,7 @@ from torch import nn
 
 from mlm.config import ModelConfig, describe_layers
 from mlm.errors import MlmError
+from mlm.hf.adapter import Adapter
 from mlm.hf.registry import adapter, arch_of, config_from_hf
 from mlm.model.gpt import GPT, VOCAB_ROWS
 
@@ -219,7 +220,9 @@ def _note(text: str) -> str:
     return f" ({text})" if text else ""
 
 
-def _differ(a, unequal: list[tuple[str, str, str]], hf_tensors: dict, digests: dict | None = None) -> str:
+def _differ(
+    a: Adapter, unequal: list[tuple[str, str, str]], hf_tensors: dict, digests: dict | None = None
+) -> str:
     """The message for stored copies that differ from their originals (by shape, or by value)."""
 
     def what(k: str) -> str:
