@@ -305,10 +305,16 @@ def test_convert_imports_without_the_mtp_transformers_left_out(tmp_path):
 
 
 def test_cli_round_trip_with_mtp(tmp_path):
-    """`mlm convert`: a DeepSeek-layout folder with MTP → mlm checkpoint → the same folder, bit for
-    bit, both steps verified against transformers' logits."""
-    model = mtp_model(depths=1)
-    hf_state, hf_config = mlm_to_hf(model.state_dict(), model.cfg, "deepseek_v3")
+    """`mlm convert`: the tiny transformers model's saved tensors plus an MTP depth, in DeepSeek's
+    layout → mlm checkpoint → the same folder, bit for bit, both steps verified against
+    transformers' logits (those of the tiny model: transformers skips the MTP layer)."""
+    hf = deepseek(num_nextn_predict_layers=1)
+    src = saved(hf, tmp_path / "saved")
+    cfg = config_from_hf(hf.config.to_dict())
+    main = hf_to_mlm(src, ModelConfig(**{**vars(cfg), "mtp_num_layers": 0}))
+    depth = {k: t for k, t in mtp_model(depths=1).state_dict().items() if k.startswith("mtp.")}
+    hf_state, hf_config = mlm_to_hf({**main, **depth}, cfg, "deepseek_v3")
+    assert all(torch.equal(hf_state[k], t) for k, t in src.items())
     write_hf(hf_state, hf_config, tmp_path / "hf")
     r = mlm("convert", "--from-hf", tmp_path / "hf", tmp_path / "ckpt")
     assert r.returncode == 0, r.stderr
