@@ -65,15 +65,42 @@ def ds_reference(tmp_path_factory, tiny_data):
     return losses, weights, logged(tmp / "one", "mtp_loss.")
 
 
+# Adam's eps 1e-3: an update's sensitivity to its gradient is lr / eps for gradients below eps, and
+# at 1e-4 a few kv_down elements (gradients ~1e-6) turned rounding-level gradient differences
+# (3.6e-7 – 5.7e-7 of the largest, as for the query-latent model: tests/test_tensor_parallel.py)
+# into weight differences of 1e-4 relative after one step
+NO_QUERY_LATENT = {
+    **DEEPSEEK,
+    "model.mla.q_lora_rank": None,
+    "model.mtp_num_layers": 1,
+    "optimizer.adam_eps": 1e-3,
+}
+
+
+def test_mla_without_a_query_latent_under_tp_matches_one_process(tmp_path, tiny_data):
+    """Queries straight from the hidden state (DeepSeek-V2-Lite): the query projection enters the
+    tp region on its own, the key/value latents on theirs."""
+    ref = reference_run(tmp_path / "ref", tiny_data, **NO_QUERY_LATENT)
+    sets = _sets(
+        tmp_path,
+        tiny_data,
+        "mesh",
+        **NO_QUERY_LATENT,
+        **{"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+    )
+    _assert_matches(tmp_path, run_ranks(2, _train_rank, sets), *ref)
+
+
 @pytest.mark.parametrize(
     "world,parallel",
     [
         (2, {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+        (2, {"parallel.tp": 2}),
         (2, {"parallel.pp": 2}),
         (2, {"parallel.cp": 2, "parallel.cp_comm_type": "p2p"}),
         (2, {"parallel.cp": 2, "parallel.cp_comm_type": "all_gather"}),
     ],
-    ids=["tp2-sp", "pp2", "cp2-p2p", "cp2-all_gather"],
+    ids=["tp2-sp", "tp2", "pp2", "cp2-p2p", "cp2-all_gather"],
 )
 def test_deepseek_model_on_a_mesh_matches_one_process(tmp_path, tiny_data, ds_reference, world, parallel):
     sets = _sets(tmp_path, tiny_data, "mesh", **DEEPSEEK, **parallel)

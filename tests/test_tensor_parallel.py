@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mlm.config import ModelConfig, ParallelConfig
+from mlm.config import MLAConfig, ModelConfig, ParallelConfig
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT, build_model
 from mlm.parallel import Mesh
@@ -56,6 +56,18 @@ GPT2 = dict(  # biases, LayerNorm, GELU, learned positions, tied embeddings, ful
     add_bias=True,
     tie_embeddings=True,
     recompute="full",
+)
+
+
+MLA = dict(  # multi-latent attention: query latent, replicated down-projections, latents entering tp
+    LLAMA,
+    num_query_groups=None,
+    attention_kind="mla",
+    mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12),
+)
+MLA_NO_Q_LATENT = dict(
+    MLA,
+    mla=MLAConfig(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12),
 )
 
 
@@ -261,7 +273,9 @@ def _gpt_errors(rank: int, world: int, style: dict, seed: int = 7) -> dict[str, 
     return errs
 
 
-@pytest.mark.parametrize("style", [LLAMA, GPT2], ids=["llama-gqa", "gpt2-tied"])
+@pytest.mark.parametrize(
+    "style", [LLAMA, GPT2, MLA, MLA_NO_Q_LATENT], ids=["llama-gqa", "gpt2-tied", "mla", "mla-no-query-latent"]
+)
 def test_gpt_tp2_and_sequence_parallel_match_one_process(style):
     for errs in run_ranks(2, _gpt_errors, style):
         assert_small(errs)

@@ -9,11 +9,13 @@ part without position (nope) and a RoPE part, whose key half is one head shared 
     k_n, v = kv_up(kv_norm(c))                   [B, T, H, nope], [B, T, H, v]
     o      = softmax(q · [k_n ; rope(k_r)] · scale) v,   scale = (nope + rope)^-½ · YaRN mscale²
 
-Under tensor parallelism (`tp_plan`) the up-projections are column-parallel by head and the output
-row-parallel; the down-projections and their norms are replicated on every tp rank, each rank
-feeding only its heads from them, so their gradients are summed over tp ("head_shared"). The
-input enters the tp region once (gathering the sequence under sequence parallelism, so the
-shared rope key sees every token).
+Under tensor parallelism (`tp_plan`, Megatron's layout) the down-projections and their norms are
+replicated and run on this rank's tokens (its sequence shard under sequence parallelism); their
+outputs, the latents and the rope key, then enter the tp region (all-gathered over the sequence
+under sequence parallelism: kv_lora + rope (+ q_lora) values per token instead of the hidden
+state's D, 2112 instead of 7168 for DeepSeek-V3); the up-projections are column-parallel by head
+and the output row-parallel. Without a query latent the query projection is column-parallel on
+the hidden state, which enters the tp region for it.
 
 Serving caches per token only the normed latent and the roped key (kv_lora + rope values, not
 H · (nope + rope + v)) and absorbs the up-projection into the query and the output: scores
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from mlm.config import ModelConfig
-from mlm.model.layers import TP_INPUT, AttentionCore, register_attention
+from mlm.model.layers import AttentionCore, register_attention
 from mlm.model.rope import apply_rope, apply_rope_interleaved, yarn_mscale
 
 
@@ -49,13 +51,14 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 @register_attention("mla")
 class MultiLatentAttention(nn.Module):
     tp_plan = {
-        TP_INPUT: "enter",
+        "enter_hidden": "enter",
+        "enter_latents": "enter",
         "q": "column",
-        "q_down": "head_shared",
-        "q_norm": "head_shared",
+        "q_down": "replicated",
+        "q_norm": "replicated",
         "q_up": "column",
-        "kv_down": "head_shared",
-        "kv_norm": "head_shared",
+        "kv_down": "replicated",
+        "kv_norm": "replicated",
         "kv_up": "column",
         "out": "row",
     }
@@ -84,25 +87,37 @@ class MultiLatentAttention(nn.Module):
         self.kv_norm = nn.RMSNorm(m.kv_lora_rank, eps=cfg.norm_eps)
         self.kv_up = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.out = nn.Linear(H * m.v_head_dim, D, bias=bias)
+        # tensor parallelism's entries into the tp region (identity here): the hidden state for the
+        # query projection (without a query latent), the latents for the up-projections
+        self.enter_hidden: nn.Module = nn.Identity()
+        self.enter_latents: nn.Module = nn.Identity()
         self.rotate = apply_rope_interleaved if m.rope_interleave else apply_rope
         self.core = AttentionCore(cfg, scale=mla_softmax_scale(cfg))
 
-    def queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_nope [B, T, H, N], q_rope [B, T, H, R]) before RoPE."""
-        B, T, _ = x_BTD.shape
-        q = self.q(x_BTD) if self.q is not None else self.q_up(self.q_norm(self.q_down(x_BTD)))
-        q_BTHQ = q.view(B, T, -1, self.nope + self.rope_dim)
-        return q_BTHQ[..., : self.nope], q_BTHQ[..., self.nope :]
-
-    def latents(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(normed latent c [B, T, C], rope key [B, T, R] before RoPE): what serving caches."""
+    def projections(self, x_BTD: torch.Tensor):
+        """(q_nope [B, T, H, N], q_rope [B, T, H, R], normed latent c [B, T, C], rope key [B, T, R]),
+        before RoPE; the latent and rope key are what serving caches. Under tp the down-projections
+        run on this rank's tokens and their outputs are gathered (`enter_latents`)."""
+        B = x_BTD.shape[0]
         c_BTC, k_BTR = self.kv_down(x_BTD).split([self.latent, self.rope_dim], dim=-1)
-        return self.kv_norm(c_BTC), k_BTR
+        c_BTC = self.kv_norm(c_BTC)
+        if self.q is not None:
+            q = self.q(self.enter_hidden(x_BTD))
+            c_BTC, k_BTR = self.enter_latents(torch.cat([c_BTC, k_BTR], dim=-1)).split(
+                [self.latent, self.rope_dim], dim=-1
+            )
+        else:
+            cq_BTQ = self.q_norm(self.q_down(x_BTD))
+            sizes = [cq_BTQ.shape[-1], self.latent, self.rope_dim]
+            entered = self.enter_latents(torch.cat([cq_BTQ, c_BTC, k_BTR], dim=-1))
+            cq_BTQ, c_BTC, k_BTR = entered.split(sizes, dim=-1)
+            q = self.q_up(cq_BTQ)
+        q_BTHQ = q.view(B, q.shape[1], -1, self.nope + self.rope_dim)
+        return q_BTHQ[..., : self.nope], q_BTHQ[..., self.nope :], c_BTC, k_BTR
 
     def forward(self, x_BTD: torch.Tensor, rope=None, cache=None, documents_BT=None) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
-        qn_BTHN, qr_BTHR = self.queries(x_BTD)
-        c_BTC, kr_BTR = self.latents(x_BTD)
+        qn_BTHN, qr_BTHR, c_BTC, kr_BTR = self.projections(x_BTD)
+        B, T = c_BTC.shape[:2]  # the whole sequence under sequence parallelism
         qr_BTHR = self.rotate(qr_BTHR, *rope)
         kr_BT1R = self.rotate(kr_BTR[:, :, None], *rope)
         if cache is not None:
