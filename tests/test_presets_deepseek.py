@@ -1,0 +1,127 @@
+"""DeepSeek presets: the exact parameter counts of deepseek-v3 and deepseek-v2-lite from the built
+model (meta device) against a count by hand from their config.json, and against DeepSeek's
+published rounded figures; the MTP depth counted apart and printed by `mlm config show/list`."""
+
+from __future__ import annotations
+
+import torch
+
+from mlm.config import load_config
+from mlm.counts import ParameterCounts
+from mlm.model import parameter_counts
+
+
+def _mla(D: int, H: int, q_lora: int | None, kv_lora=512, nope=128, rope=64, v=128) -> int:
+    """One MLA block's parameters: q (or q_down, q_norm, q_up), kv_down, kv_norm, kv_up, out."""
+    q = D * H * (nope + rope) if q_lora is None else D * q_lora + q_lora + q_lora * H * (nope + rope)
+    return q + D * (kv_lora + rope) + kv_lora + kv_lora * H * (nope + v) + H * v * D
+
+
+def test_deepseek_v3_counts_by_hand_and_published():
+    D, H, V, E, k, F, F_dense = 7168, 128, 129280, 256, 8, 2048, 18432
+    attention = _mla(D, H, 1536)
+    assert attention == 187_107_328
+    expert = 3 * D * F  # gate, up, down: 44,040,192
+    dense = attention + 2 * D + 3 * D * F_dense  # 583,483,392
+    # 256 routed experts, the shared one (width 2048), router [E, D], its selection-only bias [E]
+    moe = attention + 2 * D + E * expert + expert + E * D + E  # 11,507,286,272
+    assert (dense, moe) == (583_483_392, 11_507_286_272)
+    embedding = V * D  # 129,280 = 1,010 × 128: no padding rows
+    total = 3 * dense + 58 * moe + 2 * embedding + D  # untied embedding and output, final norm
+    active = total - 58 * (E - k) * expert
+    mtp = 2 * D + 2 * D * D + moe + D  # enorm, hnorm, eh_proj [D, 2D], one MoE layer, final norm
+    mtp_active = mtp - (E - k) * expert
+    counts = parameter_counts(load_config(overrides=["preset=deepseek-v3"]).model)
+    assert counts == ParameterCounts(total, active, mtp, mtp_active)
+    assert counts == ParameterCounts(671_026_419_200, 37_552_297_472, 11_610_068_224, 688_100_608)
+
+    # Published (arXiv 2412.19437; README_WEIGHTS.md of deepseek-ai/DeepSeek-V3):
+    # "671B total" is the main model without the MTP module.
+    assert round(counts.total / 1e9) == 671
+    # MTP "11.5B unique parameters" is its transformer layer alone (eh_proj's 0.10B and the norms
+    # left out), and its "2.4B activated" that layer's active part plus the shared embedding and
+    # head: 585,318,656 + 2 × 926,679,040.
+    assert round(moe / 1e9, 1) == 11.5
+    assert round((moe - (E - k) * expert + 2 * embedding) / 1e9, 1) == 2.4
+    # "37B activated" (README_WEIGHTS: 36.7B "including 0.9B embedding and 0.9B output head"):
+    # a token's forward uses 37.55B by the count above, 36.63B without the embedding (a lookup,
+    # no FLOPs), which matches the paper's rounding; the README's 36.7B does not reconcile exactly.
+    assert round((counts.active - embedding) / 1e9) == 37
+    assert abs((counts.active - embedding) / 1e9 - 36.7) < 0.1
+    # Hugging Face's "685B" counts the safetensors: the main model, the MTP layer (stored with its
+    # own copies of the embedding and the head, model.layers.61.embed_tokens and
+    # .shared_head.head) and the FP8 checkpoint's float32 scales, one per 128 × 128 block of every
+    # FP8 linear weight (all of the layers' matmul weights but the router); "14B of MTP" is
+    # 685 − 671 (13.46B stored).
+    stored = counts.built + 2 * embedding
+    assert round((counts.mtp + 2 * embedding) / 1e9, 2) == 13.46
+    scales = _fp8_scales(load_config(overrides=["preset=deepseek-v3"]).model)
+    assert 41e6 < scales < 42e6
+    assert round((stored + scales) / 1e9) == 685
+
+
+def _fp8_scales(cfg) -> int:
+    """weight_scale_inv elements of DeepSeek-V3's FP8 checkpoint: ceil(out/128) × ceil(in/128) per
+    matmul weight of the layers and the MTP layer (per expert for the stacked experts)."""
+    from mlm.model.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n = 0
+    for name, p in model.named_parameters():
+        if not name.startswith(("layers.", "mtp.")) or p.ndim < 2 or "router" in name:
+            continue
+        experts = p.shape[0] if p.ndim == 3 else 1
+        n += experts * -(-p.shape[-2] // 128) * -(-p.shape[-1] // 128)
+    return n
+
+
+def test_deepseek_v2_lite_counts_by_hand_and_published():
+    D, H, V, E, k, F, F_dense = 2048, 16, 102400, 64, 6, 1408, 10944
+    attention = _mla(D, H, None)  # q_lora_rank null: q [H·192, D]
+    assert attention == 13_763_072
+    expert = 3 * D * F  # 8,650,752
+    dense = attention + 2 * D + 3 * D * F_dense
+    moe = attention + 2 * D + E * expert + 3 * D * 2 * F + E * D  # 2 shared experts: width 2816; no bias
+    total = dense + 26 * moe + 2 * V * D + D  # 102,400 = 800 × 128: no padding
+    active = total - 26 * (E - k) * expert
+    counts = parameter_counts(load_config(overrides=["preset=deepseek-v2-lite"]).model)
+    assert counts == ParameterCounts(total, active) == ParameterCounts(15_706_484_224, 2_661_150_208)
+    # Published (DeepSeek-V2 paper, appendix; the HF model card): "15.7B total, 2.4B activated";
+    # as for V3 the activated figure matches the count without the embedding (2.45B), truncated.
+    assert round(counts.total / 1e9, 1) == 15.7
+    assert abs((counts.active - V * D) / 1e9 - 2.4) < 0.06
+
+
+def test_tiny_deepseek_and_printed_counts(capsys):
+    tiny = load_config(overrides=["preset=tiny-deepseek"]).model
+    assert [s.mlp for s in tiny.layer_specs()] == ["dense", "moe", "moe"]
+    c = parameter_counts(tiny)
+    expert = 3 * 64 * 32
+    assert c.total - c.active == 2 * (8 - 4) * expert and c.mtp - c.mtp_active == (8 - 4) * expert
+    assert c.describe() == "total 708,704, active 659,552 (+ MTP 77,176, 52,600 active)"
+
+    from cli.config import list_presets, show
+
+    show(preset="deepseek-v3", config=None, overrides=[])
+    out = capsys.readouterr().out
+    assert (
+        "# parameters: total 671,026,419,200 (671.026 B), active 37,552,297,472 (37.552 B) per token" in out
+    )
+    assert "# MTP depths (1): 11,610,068,224 (11.610 B) more, 688,100,608 active per token" in out
+    assert "# layers: 0-2: mla + dense (rmsnorm); 3-60: mla + moe (rmsnorm)" in out
+    from rich.console import Console
+
+    import mlm.console
+
+    wide = Console(width=400, force_terminal=False)
+    old, mlm.console.console = mlm.console.console, wide
+    try:
+        with wide.capture() as cap:
+            list_presets()
+    finally:
+        mlm.console.console = old
+    rows = {line.split("│")[1].strip(): line for line in cap.get().splitlines() if line.count("│") > 3}
+    assert "total 671.03G, active 37.55G (+ MTP 11.61G, 688.10M active)" in rows["deepseek-v3"]
+    assert "total 15.71G, active 2.66G" in rows["deepseek-v2-lite"]
+    assert "MTP" not in rows["deepseek-v2-lite"]
