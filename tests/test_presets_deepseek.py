@@ -125,3 +125,57 @@ def test_tiny_deepseek_and_printed_counts(capsys):
     assert "total 671.03G, active 37.55G (+ MTP 11.61G, 688.10M active)" in rows["deepseek-v3"]
     assert "total 15.71G, active 2.66G" in rows["deepseek-v2-lite"]
     assert "MTP" not in rows["deepseek-v2-lite"]
+
+
+def test_mla_and_mtp_flops_by_hand():
+    from mlm.flops import attention_flops, flops_per_token
+
+    cfg = load_config(
+        overrides=[
+            "model.num_layers=2",
+            "model.hidden_size=8",
+            "model.num_attention_heads=2",
+            "model.ffn_hidden_size=32",
+            "model.vocab_size=128",
+            "model.max_position_embeddings=16",
+            "data.seq_length=16",
+            "model.attention_kind=mla",
+            "model.mla.q_lora_rank=4",
+            "model.mla.kv_lora_rank=6",
+            "model.mla.qk_nope_head_dim=4",
+            "model.mla.qk_rope_head_dim=2",
+            "model.mla.v_head_dim=3",
+            "model.mtp_num_layers=1",
+        ]
+    ).model
+    # D 8, H 2, Q 4, C 6, N 4, R 2, E 3, T 16, V 128; 6 = 3 passes × 2 FLOPs per multiply-add
+    q_down, kv_down = 6 * 8 * 4, 6 * 8 * (6 + 2)  # 192, 384: replicated over tp
+    q_up, kv_up, out = 6 * 4 * 2 * (4 + 2), 6 * 6 * 2 * (4 + 3), 6 * 2 * 3 * 8  # 288, 504, 288
+    core = 6 * 16 * 2 * ((4 + 2) + 3)  # scores over nope + rope dims, values of 3: 1728
+    parts = attention_flops(cfg, 16)
+    assert (parts.replicated, parts.tp, parts.core) == (q_down + kv_down, q_up + kv_up + out, core)
+    layer = q_down + kv_down + q_up + kv_up + out + core + 6 * 3 * 8 * 32  # 3384 + 4608
+    logits = 6 * 8 * 128
+    mtp = layer + 6 * 2 * 8 * 8 + logits  # its layer, eh_proj [8, 16], its logits
+    assert flops_per_token(cfg, 16) == 2 * layer + logits + mtp == 37032
+    # without the query latent: q [H·(N + R), D], split over tp
+    cfg.mla.q_lora_rank = None
+    assert attention_flops(cfg, 16).tp == 6 * 8 * 2 * (4 + 2) + kv_up + out
+    assert attention_flops(cfg, 16).replicated == kv_down
+
+
+def test_deepseek_v3_flops_follow_active_parameters():
+    """Without the attention-over-sequence term, FLOPs per token are 6 × the matmul weights a
+    token uses: the main model's and the MTP depth's (the embedding is a lookup, norms are left
+    out), plus the MTP depth's second pass through the shared output layer."""
+    from mlm.flops import flops_per_token
+
+    cfg = load_config(overrides=["preset=deepseek-v3"]).model
+    c = parameter_counts(cfg)
+    D, H, T, V = 7168, 128, 4096, 129280
+    seq = (61 + 1) * 6 * T * H * ((128 + 64) + 128)  # every layer and the MTP depth's
+    norms = 61 * (2 * D + 1536 + 512) + D  # two per layer, the two latent norms, the final norm
+    mtp_norms = 3 * D + 2 * D + 1536 + 512  # enorm, hnorm, final norm; its layer's four
+    bias = 59 * 256  # the experts' selection-only bias: no FLOPs (58 layers and the MTP depth)
+    matmuls = c.active - norms - V * D + c.mtp_active - mtp_norms - bias
+    assert flops_per_token(cfg, T) == 6 * (matmuls + V * D) + seq

@@ -9,7 +9,7 @@ from rich.text import Text
 
 from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
 from mlm.plan.layout import Job, Layout
-from mlm.plan.memory import cp_buffer_bytes, korthikanti_layer_bytes, local_tokens
+from mlm.plan.memory import cp_buffer_bytes, korthikanti_layer_bytes, kv_elems, local_tokens
 from mlm.plan.search import Candidate, SearchResult
 
 GB = 1e9
@@ -155,10 +155,10 @@ def explain(job: Job, c: Candidate) -> Group:
 
 def context_parallel_line(job: Job, lo: Layout) -> str:
     """How a cp layout splits each sequence and what its attention moves per layer."""
-    cfg, m = job.cfg, job.cfg.model
+    cfg = job.cfg
     S, s, cp = cfg.data.seq_length, local_tokens(cfg, lo), lo.cp
     A = 2 if cfg.train.precision in ("bf16", "fp16") else 4
-    kv = 2 * lo.micro_batch * s * m.query_groups / lo.tp * m.head_dim * A
+    kv = kv_elems(cfg, lo, s) * A
     link = "NVLink" if lo.tp * cp <= job.gpus_per_node else "the network"
     split = (
         f"context parallel: each {S}-token sequence in {2 * cp} chunks of {S // (2 * cp)}; cp rank r "
