@@ -18,6 +18,7 @@ from mlm.plan.hardware import load_hardware
 from mlm.plan.layout import Layout, make_job
 from mlm.plan.memory import parameter_counts as planned_counts
 from mlm.plan.memory import rank_stage
+from mlm.plan.report import model_line
 from mlm.plan.search import evaluate, plan, uneven_split
 from mlm.presets import PRESETS
 
@@ -82,3 +83,7 @@ def test_deepseek_v3_plan_on_512_h100():
     assert last.layers == [59, 60]
     experts = next(p for p in last.params if p.name == "mtp.0.layer.mlp.experts.up.weight")
     assert experts.expert_parallel and experts.numel == 256 // 8 * 2048 * 7168
+    assert model_line(job) == (
+        "model: total 671.03G, active 37.55G (+ MTP 11.61G, 688.10M active) parameters, "
+        "61 layers + 1 MTP depth, 291.85 GFLOP per token at seq 4096"
+    )
