@@ -179,3 +179,13 @@ def test_deepseek_v3_flops_follow_active_parameters():
     bias = 59 * 256  # the experts' selection-only bias: no FLOPs (58 layers and the MTP depth)
     matmuls = c.active - norms - V * D + c.mtp_active - mtp_norms - bias
     assert flops_per_token(cfg, T) == 6 * (matmuls + V * D) + seq
+
+
+def test_tiny_deepseek_recipe_config():
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "pipelines" / "tiny" / "deepseek.toml"
+    cfg = load_config(recipe)
+    m = cfg.model
+    assert (m.attention_kind, m.mtp_num_layers, m.moe.router_topk, m.vocab_size) == ("mla", 1, 4, 4096)
+    assert cfg.data.data_path == ["runs/tiny/data/stdlib"]  # the tiny pipeline's dataset (run.sh)

@@ -25,8 +25,9 @@ expert bias is a weight without gradient or optimizer state.
 
 A rank holds its pipeline stage's layers (Megatron's interleaved assignment for vpp > 1), the
 vocabulary-padded embedding (make_vocab_size_divisible_by × tp rows, split over tp) on the first
-stage, the final norm and output layer on the last, and with tied embeddings a copy of the
-embedding on the last stage when pp > 1. Row-parallel biases and norms are replicated over tp.
+stage, the final norm, output layer and MTP depths on the last, and with tied embeddings or MTP a
+copy of the embedding on the last stage when pp > 1. Row-parallel biases, norms, MLA's
+down-projections and the MTP depths' eh_proj are replicated over tp.
 
 Activations: what autograd saves for backward, per layer and micro-batch, read off mlm's own
 layers (measured with saved_tensors_hooks on one process and under tp/sp/cp; tests/test_plan.py
@@ -42,6 +43,8 @@ stays fp32), per layer:
     q, k, v after RoPE e·h/t·(1 + 2G/H)·A
     attention          output e·h/t·A (the out-projection's input) + logsumexp b·(H/t)·s·4: the
                        SDPA/flash kernels keep no s×s matrix
+    MLA                (`mla_activation_bytes`) the query and key/value latents over the whole
+                       sequence on every tp rank, q, k and kv_up's output per head, the output
     MLP                SwiGLU: gate, up, silu(gate), product: 4·e·f/t·A; GeLU: up, gelu: 2·e·f/t·A
     MoE MLP            N = e/u tokens routed on this rank, M = N·k copies (balanced routing; the
                        copies this rank's experts receive under ep): the router's fp32 input N·h·4,
@@ -69,7 +72,9 @@ Micro-batches in flight: the peak number of (chunk, micro-batch) forwards a rank
 1F1B / interleaved schedule (`mlm.parallel.schedules.peak_in_flight`: pp − rank on rank r for
 1F1B; more with interleaving). Under autocast each in-flight micro-batch also holds the bf16
 copies of the stage's linear weights (2 B per weight), which the cast's consumer saves.
-The last stage's logits and loss live for one micro-batch (its backward follows at once).
+The last stage's logits and loss live for one micro-batch (its backward follows at once), and so
+do the MTP depths' activations (each a layer, never recomputed, its norms, eh_proj's input and
+another loss: `stage_extras`).
 
 Communication buffers and headroom are estimates, not counts (see `component notes` in
 docs/plan.md): bf16 gradient-reduction copies of the whole buffer (all buckets can be in flight),

@@ -5,7 +5,10 @@
                 gives every cp rank the same causal attention work) × (its layers' FLOPs + the logits' on the
                 last stage; Megatron's count, `mlm.flops`), plus recompute (full: one more forward
                 of each layer; selective: one more forward of the attention core), over
-                tp × peak(precision) × efficiency(smallest GEMM side)  (`Hardware.efficiency`);
+                tp × peak(precision) × efficiency(smallest GEMM side)  (`Hardware.efficiency`),
+                but MLA's down-projections over peak × efficiency (every tp rank computes them whole);
+                the last stage adds each MTP depth: its layer (never recomputed), eh_proj over its
+                e/u tokens and another pass of the output layer;
                 an MoE layer's router and k routed experts run whole on each rank over its e/u
                 tokens, at the efficiency of the expert GEMMs' smallest side (rows per expert
                 = e/u · k · ep / E: ep raises it)
