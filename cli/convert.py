@@ -136,6 +136,8 @@ def convert(
             f"(max |logit| {report.max_abs_logit:.3g})"
         )
     console.print(line, highlight=False, soft_wrap=True)
+    for note in report.notes:
+        console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 
 
 def _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress) -> None:

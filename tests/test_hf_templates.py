@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mlm.errors import MlmError
-from mlm.hf.templates import KeyMap, Rule, stacked, transposed
+from mlm.hf.templates import KeyMap, Rule, copied, moved, stacked, transposed
 
 L, E, F, D = 2, 4, 6, 8
 TABLE = {
@@ -121,3 +121,32 @@ def test_prefix_left_out_and_locate():
     assert units[0].mlm == ("layers.0.norm.weight",) and stored == {
         "transformer.h.0.ln.weight": "h.0.ln.weight"
     }
+
+
+def test_depth_offset_moved_layers_and_copies():
+    """DeepSeek-V3's MTP depth d is stored as layer num_layers + d: `{depth}` with an offset, a
+    decoder layer's templates `moved` under it, and `copied` tensors (the embedding again)."""
+    layer = {"model.layers.{layer}.norm.weight": "layers.{layer}.norm.weight"}
+    table = {
+        "model.embed_tokens.weight": "embed.weight",
+        **layer,
+        **moved(
+            layer,
+            ("model.layers.{layer}.", "model.layers.{depth}."),
+            ("layers.{layer}.", "mtp.{depth}.layer."),
+        ),
+        "model.layers.{depth}.embed_tokens.weight": copied("embed.weight"),
+    }
+    km = KeyMap(table, {"layer": 3, "depth": 2}, "Hugging Face synthetic", offsets={"depth": 3})
+    # the same key names a layer or a depth: the one within its count wins
+    assert km.locate("model.layers.2.norm.weight")[:2] == ("model.layers.{layer}.norm.weight", {"layer": 2})
+    assert km.locate("model.layers.4.norm.weight")[:2] == ("model.layers.{depth}.norm.weight", {"depth": 1})
+    units = {u.hf[0]: u for u in km.units()}
+    assert units["model.layers.3.norm.weight"].mlm == ("mtp.0.layer.norm.weight",)
+    copy = units["model.layers.4.embed_tokens.weight"]
+    assert copy.mlm == ("embed.weight",) and copy.rule.copy and not copy.rule.identity
+    with pytest.raises(
+        MlmError,
+        match=r"model\.layers\.5\.norm\.weight \(layer 5, but num_layers=3; or depth 2, but mtp_num_layers=2\)",
+    ):
+        km.plan(["model.layers.5.norm.weight"])

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -59,6 +59,21 @@ class Report:
     max_abs_logit: float | None = None
     tolerance: float | None = None
     """The absolute tolerance the difference was checked against."""
+    notes: list[str] = field(default_factory=list)
+    """What the conversion changed that the user should know (e.g. MTP layers the weights lack)."""
+
+
+def check_transformers(hf_class: str) -> None:
+    """MlmError unless the installed transformers has `hf_class`, which verification loads."""
+    import transformers
+
+    if getattr(transformers, hf_class, None) is None:
+        since = adapters.adapter(hf_class).since
+        raise MlmError(
+            f"transformers {transformers.__version__} has no {hf_class} (it came in {since}), and the "
+            f"logit check loads the model with it: upgrade (pip install 'transformers>={since}'), or "
+            "pass --no-verify to convert without the check"
+        )
 
 
 def hf_logits(hf_dir: Path, cfg: ModelConfig) -> torch.Tensor:
@@ -121,8 +136,12 @@ def import_hf(
     start = time.perf_counter()
     hf_config = hf_io.read_hf_config(hf_dir)
     hf_class = _hf_class(hf_config)
+    if verify:
+        check_transformers(hf_class)
     model_cfg = adapters.config_from_hf(hf_config)
     hf_tensors, ranges = hf_io.lazy_tensors(hf_dir)
+    # e.g. DeepSeek-V3 MTP depths that config.json counts but transformers did not save
+    model_cfg, note = adapters.adapter(hf_class).config_for_keys(model_cfg, hf_tensors)
     total = sum(f.stat().st_size for f in hf_io.weight_files(hf_dir))
     with staged_dir(out) as tmp:
         tokenizer_files = hf_io.copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
@@ -176,6 +195,7 @@ def import_hf(
             seconds=0.0,
             dtype=",".join(sorted(written["dtypes"])),
             tokenizer_files=tokenizer_files,
+            notes=[f"{note}; imported without them (model.mtp_num_layers=0)"] if note else [],
         )
         if verify:
             progress("verifying logits", 0, 0)
@@ -224,13 +244,17 @@ def export_hf(
     source = (manifest.get("source") or {}).get("architecture", "")
     arch = adapters.arch_of(cfg, source)
     hf_state, hf_config = adapters.mlm_to_hf(mlm_state, cfg, arch, padded)
-    stored = {t.dtype for t in hf_state.values()}
+    if verify:
+        check_transformers(adapters.adapter(arch).hf_class)
+    fp32 = adapters.adapter(arch).float32_keys  # e.g. DeepSeek's expert biases: float32 whatever --dtype
+    stored = {t.dtype for k, t in hf_state.items() if not k.endswith(fp32)}
     target = DTYPES[dtype] if dtype else (stored.pop() if len(stored) == 1 else torch.float32)
+    dtypes = {k: torch.float32 if k.endswith(fp32) else target for k in hf_state}
     lossy = any(
-        t.dtype.itemsize > target.itemsize or t.dtype != target and target != torch.float32
-        for t in hf_state.values()
+        t.dtype.itemsize > dtypes[k].itemsize or t.dtype != dtypes[k] and dtypes[k] != torch.float32
+        for k, t in hf_state.items()
     )
-    hf_state = {k: t.to(target) for k, t in hf_state.items()}
+    hf_state = {k: t.to(dtypes[k]) for k, t in hf_state.items()}
     # transformers ≥ 4.56 reads `dtype` (and warns on `torch_dtype` alone); older ones `torch_dtype`
     hf_config["torch_dtype"] = hf_config["dtype"] = dtype_name(target)
     tok_dir = Path(tokenizer) if tokenizer is not None else None

@@ -1,14 +1,15 @@
 """Hugging Face ⇄ mlm: configs and state dicts of Llama (`LlamaForCausalLM`), Mistral
-(`MistralForCausalLM`, Llama's layout; full attention only), GPT-2 (`GPT2LMHeadModel`) and the
+(`MistralForCausalLM`, Llama's layout; full attention only), GPT-2 (`GPT2LMHeadModel`), the
 mixtures of experts Mixtral (`MixtralForCausalLM`), Qwen2-MoE (`Qwen2MoeForCausalLM`) and
-Qwen3-MoE (`Qwen3MoeForCausalLM`).
+Qwen3-MoE (`Qwen3MoeForCausalLM`), and DeepSeek-V3 (`DeepseekV3ForCausalLM`: multi-latent
+attention, DeepSeek's router, MTP depths in DeepSeek's checkpoint layout).
 
 One adapter per architecture (`llama`, `mistral`, `gpt2`, `mixtral`, `qwen2_moe`, `qwen3_moe`,
-on the base in `adapter`; `moe` holds what the MoE ones share), in the style
+`deepseek_v3`, on the base in `adapter`; `moe` holds what the MoE ones share), in the style
 of torchtitan's `state_dict_adapter.py` and litgpt's `convert_hf_checkpoint.py`: a map from
-Hugging Face key templates to mlm key templates (`templates`: `{layer}` and `{expert}` index the
-keys, None drops one, a rule splits, transposes or stacks tensors), plus the translation of
-config.json both ways. `registry` picks the adapter; `engine` applies it tensor by tensor,
+Hugging Face key templates to mlm key templates (`templates`: `{layer}`, `{expert}` and `{depth}`
+index the keys, None drops one, a rule splits, transposes, stacks or copies tensors), plus the
+translation of config.json both ways. `registry` picks the adapter; `engine` applies it tensor by tensor,
 checking every shape against the config (errors name the key and both shapes) and padding the
 vocabulary rows to `cfg.padded_vocab_size()`.
 
@@ -18,6 +19,7 @@ vocabulary rows to `cfg.padded_vocab_size()`.
 """
 
 from mlm.hf.adapter import Adapter
+from mlm.hf.deepseek_v3 import DEEPSEEK_V3
 from mlm.hf.engine import LazyTensor, hf_to_mlm, iter_hf_to_mlm, load_hf_into, mlm_to_hf, saved_state
 from mlm.hf.gpt2 import GPT2
 from mlm.hf.llama import LLAMA
@@ -26,10 +28,11 @@ from mlm.hf.mixtral import MIXTRAL
 from mlm.hf.qwen2_moe import QWEN2_MOE
 from mlm.hf.qwen3_moe import QWEN3_MOE
 from mlm.hf.registry import ADAPTERS, adapter, arch_of, config_from_hf, config_to_hf
-from mlm.hf.templates import KeyMap, Rule, stacked, transposed
+from mlm.hf.templates import KeyMap, Rule, copied, stacked, transposed
 
 __all__ = [
     "ADAPTERS",
+    "DEEPSEEK_V3",
     "GPT2",
     "LLAMA",
     "MISTRAL",
@@ -44,6 +47,7 @@ __all__ = [
     "arch_of",
     "config_from_hf",
     "config_to_hf",
+    "copied",
     "hf_to_mlm",
     "iter_hf_to_mlm",
     "load_hf_into",

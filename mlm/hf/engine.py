@@ -4,8 +4,10 @@ For every adapter alike: each tensor's shape is checked against the shape the co
 (errors name the key and both shapes); mlm pads the embedding and output rows to
 `cfg.padded_vocab_size()` (Megatron's padding): import appends zero rows, export slices them
 off; with tied embeddings `lm_head.weight` is left out of an export and, when a checkpoint
-stores it, must equal the embedding. The key templates (`mlm.hf.templates`) do the renaming,
-splitting, transposing and stacking.
+stores it, must equal the embedding. Other stored copies of one mlm tensor (DeepSeek-V3's MTP
+depths repeat the embedding and `lm_head`: `copied` templates) are treated alike: import checks
+that each equals its original (shape, dtype and CRC-32C) and drops it, export writes the copy.
+The key templates (`mlm.hf.templates`) do the renaming, splitting, transposing and stacking.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from mlm.config import ModelConfig, describe_layers
 from mlm.errors import MlmError
+from mlm.hf.adapter import Adapter
 from mlm.hf.registry import adapter, arch_of, config_from_hf
 from mlm.model.gpt import GPT, VOCAB_ROWS
 
@@ -61,6 +64,12 @@ def mlm_to_hf(
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     for unit in keymap.units():
+        if unit.rule.copy:  # a second stored copy (DeepSeek's MTP embedding and head): its own tensor
+            (m,) = unit.mlm
+            source = "embed.weight" if m == "output.weight" and cfg.tie_embeddings else m
+            t = mlm_state[source][: cfg.vocab_size] if source in VOCAB_ROWS else mlm_state[source]
+            out[unit.hf[0]] = t.clone(memory_format=torch.contiguous_format)
+            continue
         present = [k in mlm_state for k in unit.mlm]
         if not any(present):  # lm_head when tied; a dense MLP's keys in an MoE layer, and back
             continue
@@ -115,7 +124,9 @@ def iter_hf_to_mlm(
     """`hf_to_mlm` one tensor at a time: every key and shape is checked before the first tensor is
     read, then each is read, converted and yielded (mlm key, tensor) in turn, so memory holds one
     Hugging Face tensor (all of a stack's). With tied embeddings a stored `lm_head.weight` must
-    equal the embedding (compared by CRC-32C as they pass; MlmError after the last tensor otherwise).
+    equal the embedding, and every stored copy (`copied` templates) its original: shapes are
+    checked first, values by CRC-32C as they pass (MlmError after the last tensor otherwise); the
+    copies are not yielded, and may be left out of the state.
     `passthrough`: a tensor that converts to itself (no split, transpose, stack or padding) is not
     read; (mlm key, passthrough(its Hugging Face key)) is yielded instead, for a caller that copies
     the bytes."""
@@ -125,10 +136,19 @@ def iter_hf_to_mlm(
     want = _hf_shapes(cfg, a.model_type, padded_vocab)
     keymap = a.keymap(cfg)
     units, stored = keymap.plan(hf_tensors)  # unknown keys, indices beyond the config, partial stacks
-    by_mlm = {r.mlm: t for t, r in keymap.rules.items() if r is not None}
+    by_mlm = {r.mlm: t for t, r in keymap.rules.items() if r is not None and not r.copy}
     embed, head = by_mlm[("embed.weight",)], by_mlm[("output.weight",)]
-    tied = {embed, head} if cfg.tie_embeddings else set()  # a stored head is checked, then dropped
-    homeless = [stored[k] for u in units if u.template not in tied for k in u.hf if k not in want]
+    # stored copies: HF key → (the HF key it must equal, why); checked as they pass, then dropped
+    copy_of: dict[str, tuple[str, str]] = {}
+    for u in units:
+        tied_head = cfg.tie_embeddings and u.template == head
+        if u.rule.copy or tied_head:
+            m = u.mlm[0]
+            original = embed if tied_head or (m == "output.weight" and cfg.tie_embeddings) else by_mlm[(m,)]
+            why = _TIED if tied_head else a.copy_note
+            copy_of[stored[u.hf[0]]] = (stored.get(original, original), why)
+    originals = {o for o, _ in copy_of.values()}
+    homeless = [stored[k] for u in units for k in u.hf if k not in want and stored[k] not in copy_of]
     if homeless:  # e.g. a dense MLP's key in a layer the config gives experts
         raise MlmError(
             f"Hugging Face {a.model_type} state has {', '.join(homeless)}, which the config has no "
@@ -137,10 +157,10 @@ def iter_hf_to_mlm(
         )
     bad = [
         f"{stored[k]}: shape {list(hf_tensors[stored[k]][0])} in the Hugging Face state, but the config "
-        f"needs {list(want[k])}"
+        f"needs {list(want[k])}{_note(a.shape_note(u.template, cfg))}"
         for u in units
         for k in u.hf
-        if not (cfg.tie_embeddings and u.template == head) and hf_tensors[stored[k]][0] != want[k]
+        if stored[k] not in copy_of and hf_tensors[stored[k]][0] != want[k]
     ]
     if bad:
         raise MlmError(
@@ -148,32 +168,72 @@ def iter_hf_to_mlm(
             + "; ".join(bad)
             + " (build the config with config_from_hf from the checkpoint's own config.json)"
         )
-    missing = sorted(want.keys() - stored.keys())
+    optional = {k for u in keymap.units() if u.rule.copy for k in u.hf}  # copies may be left out
+    missing = sorted(want.keys() - stored.keys() - optional)
     if missing:
-        raise MlmError(f"Hugging Face {a.model_type} state lacks {', '.join(missing)}")
+        _, note = a.config_for_keys(cfg, hf_tensors)  # e.g. MTP depths transformers did not save
+        fix = ""
+        if note:
+            mtp = [k for k in missing if "depth" in keymap.locate(k)[1]]
+            missing = [k for k in missing if k not in mtp]
+            missing.append(f"the {len(mtp)} tensors of the MTP depths (model.layers.{cfg.num_layers}.*)")
+            fix = f"; {note}: build the config with mtp_num_layers=0 to convert it without them"
+        raise MlmError(f"Hugging Face {a.model_type} state lacks {', '.join(missing)}{fix}")
+    unequal = [
+        (k, o, why)
+        for k, (o, why) in copy_of.items()
+        if o in hf_tensors and hf_tensors[k][0] != hf_tensors[o][0]
+    ]
+    if unequal:
+        raise MlmError(_differ(a, unequal, hf_tensors))
 
     shapes = _mlm_shapes(cfg, padded_vocab)
-    digests: dict[str, tuple] = {}  # of the tied embedding and lm_head.weight
+    digests: dict[str, tuple] = {}  # of the stored copies and their originals
     for unit in units:
         keys = [stored[k] for k in unit.hf]
+        checked = keys[0] in copy_of or keys[0] in originals
         padded = unit.mlm[0] in VOCAB_ROWS and hf_tensors[keys[0]][0][0] != V
-        if passthrough is not None and unit.rule.identity and not padded and unit.template not in tied:
+        if passthrough is not None and unit.rule.identity and not padded and not checked:
             yield unit.mlm[0], passthrough(keys[0])  # stored as it is: the caller copies it
             continue
         ts = [hf_tensors[k][1]() for k in keys]
-        if unit.template in tied:
-            digests[unit.template] = (ts[0].shape, ts[0].dtype, _digest(ts[0]))
-            if unit.template == head:
+        if checked:
+            digests[keys[0]] = (ts[0].shape, ts[0].dtype, _digest(ts[0]))
+            if keys[0] in copy_of:
                 continue
         for mk, p in keymap.to_mlm(unit, ts, shapes):
             if mk in VOCAB_ROWS and p.shape[0] != V:
                 p = torch.cat([p, p.new_zeros(V - p.shape[0], *p.shape[1:])])
             yield mk, p.contiguous()
-    if head in digests and digests[head] != digests[embed]:
-        raise MlmError(
-            f"the config ties embeddings (tie_word_embeddings=true) but {head} differs from "
-            f"{embed}; use a config with tie_word_embeddings=false for this checkpoint"
-        )
+    unequal = [(k, o, why) for k, (o, why) in copy_of.items() if digests[k] != digests.get(o)]
+    if unequal:
+        raise MlmError(_differ(a, unequal, hf_tensors, digests))
+
+
+_TIED = (
+    "the config ties embeddings (tie_word_embeddings=true); use a config with "
+    "tie_word_embeddings=false for this checkpoint"
+)
+
+
+def _note(text: str) -> str:
+    return f" ({text})" if text else ""
+
+
+def _differ(
+    a: Adapter, unequal: list[tuple[str, str, str]], hf_tensors: dict, digests: dict | None = None
+) -> str:
+    """The message for stored copies that differ from their originals (by shape, or by value)."""
+
+    def what(k: str) -> str:
+        if digests is None:
+            return f"shape {list(hf_tensors[k][0])}"
+        shape, dtype, crc = digests[k]
+        return f"{str(dtype).removeprefix('torch.')} {list(shape)} CRC-32C {crc:08x}"
+
+    parts = [f"{k} differs from {o} ({what(k)} vs {what(o)})" for k, o, _ in unequal]
+    reasons = list(dict.fromkeys(why for _, _, why in unequal))
+    return f"Hugging Face {a.model_type} state: {'; '.join(parts)}: {'; '.join(reasons)}"
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -215,6 +275,9 @@ def _numerics(cfg: ModelConfig) -> dict[str, object]:
     )
     d.update(head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
     d["layers"] = describe_layers(cfg.layer_specs())
+    if cfg.attention_kind == "mla":
+        d.update({f"mla.{k}": v for k, v in vars(cfg.mla).items()})
+    d["mtp_num_layers"] = cfg.mtp_num_layers
     if any(s.mlp == "moe" for s in cfg.layer_specs()):
         m = cfg.moe
         d.update({f"moe.{k}": getattr(m, k) for k in _MOE_NUMERICS}, expert_ffn_size=cfg.expert_ffn_size)
@@ -222,9 +285,21 @@ def _numerics(cfg: ModelConfig) -> dict[str, object]:
         d.update(rope_base=cfg.rope_base, rope_scaling_factor=cfg.rope_scaling_factor)
         if cfg.rope_scaling_factor is not None:
             d.update(
-                rope_low_freq_factor=cfg.rope_low_freq_factor,
-                rope_high_freq_factor=cfg.rope_high_freq_factor,
+                rope_scaling_type=cfg.rope_scaling_type,
                 rope_original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+            )
+            d.update(
+                dict(
+                    rope_yarn_beta_fast=cfg.rope_yarn_beta_fast,
+                    rope_yarn_beta_slow=cfg.rope_yarn_beta_slow,
+                    rope_yarn_mscale=cfg.rope_yarn_mscale,
+                    rope_yarn_mscale_all_dim=cfg.rope_yarn_mscale_all_dim,
+                )
+                if cfg.rope_scaling_type == "yarn"
+                else dict(
+                    rope_low_freq_factor=cfg.rope_low_freq_factor,
+                    rope_high_freq_factor=cfg.rope_high_freq_factor,
+                )
             )
     return d
 
@@ -235,23 +310,31 @@ def load_hf_into(model: GPT, hf_model_or_state: nn.Module | dict[str, torch.Tens
     Given a model, its config must describe the same network as `model.cfg` (build that with
     `config_from_hf(hf_model.config.to_dict())`) and its tensors are taken as `save_pretrained`
     writes them (`saved_state`); a state dict is checked by its shapes only, and must use the
-    names of the saved files."""
+    names of the saved files. A transformers model holds no MTP depths (DeepSeek-V3's
+    DeepseekV3ForCausalLM drops them), so the mlm model's `mtp_num_layers` must then be 0."""
     cfg = model.cfg
     state = hf_model_or_state
     if isinstance(hf_model_or_state, nn.Module):
-        ours, theirs = _numerics(cfg), _numerics(config_from_hf(hf_model_or_state.config.to_dict()))
+        state = saved_state(hf_model_or_state)
+        hf_config = hf_model_or_state.config.to_dict()
+        theirs = config_from_hf(hf_config)
+        # what the model holds: transformers' DeepSeek-V3 has no MTP depths, whatever its config says
+        theirs, note = adapter(hf_config["model_type"]).config_for_keys(theirs, state)
+        ours, theirs = _numerics(cfg), _numerics(theirs)
         diff = [
             f"model.{k}: mlm {ours[k]!r}, Hugging Face {theirs.get(k)!r}"
             for k in ours
             if ours[k] != theirs.get(k)
         ]
         if diff:
-            raise MlmError(
-                "the Hugging Face model and the mlm model differ: "
-                + "; ".join(diff)
-                + " (build the mlm model from config_from_hf(hf_model.config.to_dict()))"
-            )
-        state = saved_state(hf_model_or_state)
+            fix = "build the mlm model from config_from_hf(hf_model.config.to_dict())"
+            if note:
+                fix = (
+                    f"{note}; build the mlm model from config_from_hf(hf_model.config.to_dict()) with "
+                    "mtp_num_layers=0, or convert the checkpoint's files (mlm convert --from-hf), which "
+                    "keep the MTP layers"
+                )
+            raise MlmError(f"the Hugging Face model and the mlm model differ: {'; '.join(diff)} ({fix})")
     model.load_state_dict(hf_to_mlm(state, cfg, padded_vocab=model.embed.weight.shape[0]), strict=True)
     return model
 

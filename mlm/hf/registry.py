@@ -6,6 +6,7 @@ from __future__ import annotations
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
 from mlm.hf.adapter import Adapter
+from mlm.hf.deepseek_v3 import DEEPSEEK_V3
 from mlm.hf.gpt2 import GPT2
 from mlm.hf.llama import LLAMA
 from mlm.hf.mistral import MISTRAL
@@ -14,7 +15,7 @@ from mlm.hf.qwen2_moe import QWEN2_MOE
 from mlm.hf.qwen3_moe import QWEN3_MOE
 
 ADAPTERS: dict[str, Adapter] = {
-    a.model_type: a for a in (LLAMA, GPT2, MISTRAL, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+    a.model_type: a for a in (LLAMA, GPT2, MISTRAL, MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3)
 }
 _ALIASES = {a.hf_class: a.model_type for a in ADAPTERS.values()}
 
@@ -52,10 +53,13 @@ def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
 
 def arch_of(cfg: ModelConfig, source: str = "") -> str:
     """The Hugging Face model_type a config converts to: `source` (the transformers class or
-    model_type it was imported from) when supported; else learned positions: gpt2; MoE layers:
-    qwen3_moe with q/k norms, qwen2_moe with shared experts, else mixtral; otherwise llama."""
+    model_type it was imported from) when supported; else multi-latent attention: deepseek_v3;
+    learned positions: gpt2; MoE layers: qwen3_moe with q/k norms, qwen2_moe with shared experts,
+    else mixtral; otherwise llama."""
     if _ALIASES.get(source, source) in ADAPTERS:
         return _ALIASES.get(source, source)
+    if cfg.attention_kind == "mla":
+        return "deepseek_v3"
     if cfg.position_embedding == "learned":
         return "gpt2"
     if any(s.mlp == "moe" for s in cfg.layer_specs()):

@@ -1,10 +1,14 @@
 """Key templates: how Hugging Face tensor names map onto mlm's, indexed, split and stacked.
 
-A template names a family of keys through placeholders: `{layer}` (0 … num_layers − 1) and, for
-mixture-of-experts models, `{expert}` (0 … num_experts − 1). An adapter's table maps each Hugging
-Face template to the mlm template(s) it becomes, or to None (the key is dropped). A value is
-a `Rule`, or short for one: a string (one mlm template) or a tuple (several, see `split`).
-A rule says which layout changes happen on the way:
+A template names a family of keys through placeholders: `{layer}` (0 … num_layers − 1), for
+mixture-of-experts models `{expert}` (0 … num_experts − 1), and for multi-token prediction
+`{depth}` (0 … mtp_num_layers − 1). A placeholder may stand in a Hugging Face key for its value
+plus an offset: DeepSeek-V3 stores MTP depth d as `model.layers.{num_layers + d}`, so its
+adapter gives `{depth}` the offset num_layers (`KeyMap(offsets=...)`); mlm keys hold the value
+itself (`mtp.{depth}.…`). An adapter's table maps each Hugging Face template to the mlm
+template(s) it becomes, or to None (the key is dropped). A value is a `Rule`, or short for one:
+a string (one mlm template) or a tuple (several, see `split`). A rule says which layout changes
+happen on the way:
 
 - split: several mlm templates: the HF tensor is cut along dim 0 into them, in the sizes of the
   mlm tensors (GPT-2's fused `c_attn` → q, k, v); export concatenates them.
@@ -17,6 +21,13 @@ A rule says which layout changes happen on the way:
           stacked("layers.{layer}.mlp.experts.gate.weight", over="expert", dim=0)
       # per layer, num_experts HF tensors [F, D] ⇄ one mlm tensor [num_experts, F, D]
 
+- copy: the HF tensor is a second copy of an mlm tensor that another template converts too
+  (DeepSeek-V3's MTP depths store the embedding and the output layer again): import checks
+  that it equals the other template's tensor and drops it (`mlm.hf.engine`), export writes the
+  copy. Its mlm template may lack placeholders of the HF one:
+
+      "model.layers.{depth}.embed_tokens.weight": copied("embed.weight")
+
 Import transposes, then splits, then stacks; export does the reverse. `KeyMap` applies a table
 for given placeholder counts; `mlm.hf.engine` checks shapes against the model and streams.
 """
@@ -27,13 +38,13 @@ import itertools
 import re
 import string
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from mlm.errors import MlmError
 
-PLACEHOLDERS = {"layer": "num_layers", "expert": "moe.num_experts"}
+PLACEHOLDERS = {"layer": "num_layers", "expert": "moe.num_experts", "depth": "mtp_num_layers"}
 """Each placeholder a template may hold → the config field that counts its values."""
 
 
@@ -49,11 +60,13 @@ class Rule:
     """A placeholder of the HF template, not of the mlm one, whose values are stacked along `dim`."""
     dim: int = 0
     """The mlm tensor's dim that `stack` indexes."""
+    copy: bool = False
+    """The HF tensor is another copy of the mlm tensor, which a template without `copy` also names."""
 
     @property
     def identity(self) -> bool:
-        """The tensor converts to itself (no split, transpose or stack)."""
-        return len(self.mlm) == 1 and not self.transpose and self.stack is None
+        """The tensor converts to itself (no split, transpose, stack or copy)."""
+        return len(self.mlm) == 1 and not self.transpose and self.stack is None and not self.copy
 
 
 Target = str | tuple[str, ...] | Rule | None
@@ -68,6 +81,30 @@ def transposed(*mlm: str) -> Rule:
 def stacked(mlm: str, over: str = "expert", dim: int = 0) -> Rule:
     """The HF tensors over every value of `over` are one mlm tensor, stacked along `dim`."""
     return Rule((mlm,), stack=over, dim=dim)
+
+
+def copied(mlm: str) -> Rule:
+    """The HF tensor is a copy of the mlm tensor `mlm` (checked and dropped on import, written on export)."""
+    return Rule((mlm,), copy=True)
+
+
+def moved(table: Mapping[str, Target], hf: tuple[str, str], mlm: tuple[str, str]) -> dict[str, Target]:
+    """The entries of `table` whose HF template starts with `hf[0]`, that prefix replaced by
+    `hf[1]` and each mlm template's prefix `mlm[0]` by `mlm[1]`: a decoder layer's templates
+    under another name (DeepSeek-V3's MTP layers: `model.layers.{layer}.` → `model.layers.{depth}.`,
+    `layers.{layer}.` → `mtp.{depth}.layer.`)."""
+
+    def move(template: str, old: str, new: str) -> str:
+        assert template.startswith(old), f"{template} does not start with {old}"
+        return new + template[len(old) :]
+
+    out: dict[str, Target] = {}
+    for template, target in table.items():
+        if not template.startswith(hf[0]):
+            continue
+        r = _rule(target)
+        out[move(template, *hf)] = None if r is None else replace(r, mlm=tuple(move(m, *mlm) for m in r.mlm))
+    return out
 
 
 def _rule(target: Target) -> Rule | None:
@@ -114,7 +151,9 @@ class KeyMap:
     """An adapter's template table for given placeholder counts, e.g. {"layer": 32}.
 
     `name` ("Hugging Face llama") starts the error messages, `hint` ends the one about unknown
-    keys; `prefix` is one some checkpoints leave out of their keys (GPT-2's `transformer.`)."""
+    keys; `prefix` is one some checkpoints leave out of their keys (GPT-2's `transformer.`);
+    `offsets` (placeholder → n) says that a placeholder's value v stands as v + n in Hugging Face
+    keys (DeepSeek-V3's `{depth}`: num_layers)."""
 
     def __init__(
         self,
@@ -123,6 +162,7 @@ class KeyMap:
         name: str,
         prefix: str = "",
         hint: str = "",
+        offsets: Mapping[str, int] | None = None,
     ):
         self.rules: dict[str, Rule | None] = {}
         for template, target in table.items():
@@ -132,19 +172,46 @@ class KeyMap:
             if r is not None:
                 inner = set(fields) - {r.stack}
                 assert r.stack is None or r.stack in fields, f"{template}: stacks over {r.stack!r}"
-                assert all(set(_fields(m)) == inner for m in r.mlm), f"{template} → {r.mlm}"
+                assert all(set(_fields(m)) <= inner if r.copy else set(_fields(m)) == inner for m in r.mlm), (
+                    f"{template} → {r.mlm}"
+                )
+                assert not r.copy or (r.stack is None and not r.transpose and len(r.mlm) == 1), template
             self.rules[template] = r
         self.counts, self.name, self.prefix, self.hint = dict(counts), name, prefix, hint
+        self.offsets = dict(offsets or {})
         self._patterns = [(_pattern(t), t) for t in self.rules]
 
+    def hf_key(self, template: str, index: Mapping[str, int]) -> str:
+        """The Hugging Face key of `template` at `index` (offsets added)."""
+        return template.format(**{f: i + self.offsets.get(f, 0) for f, i in index.items()})
+
     def locate(self, key: str) -> tuple[str, dict[str, int], str] | None:
-        """(template, placeholder values, key with the prefix) of a Hugging Face key; None if no template names it."""
+        """(template, placeholder values, key with the prefix) of a Hugging Face key; None if no
+        template names it. Where several templates name it (DeepSeek-V3's `model.layers.{layer}.…`
+        and `model.layers.{depth}.…`), the first whose values are within the counts."""
+        found = self._matches(key)
+        within = [f for f in found if not self._beyond(f[1])]
+        return (within or found or [None])[0]
+
+    def _matches(self, key: str) -> list[tuple[str, dict[str, int], str]]:
+        found = []
         for k in (key, self.prefix + key) if self.prefix and not key.startswith(self.prefix) else (key,):
             for pattern, template in self._patterns:
                 m = pattern.fullmatch(k)
-                if m is not None:
-                    return template, {f: int(i) for f, i in m.groupdict().items()}, k
-        return None
+                if m is None:
+                    continue
+                index = {f: int(i) - self.offsets.get(f, 0) for f, i in m.groupdict().items()}
+                if all(i >= 0 for i in index.values()):
+                    found.append((template, index, k))
+        return found
+
+    def _beyond(self, index: Mapping[str, int]) -> list[str]:
+        """What in `index` exceeds the counts ([]: nothing)."""
+        return [
+            f"{f} {i}, but {PLACEHOLDERS[f]}={self.counts[f]}"
+            for f, i in index.items()
+            if i >= self.counts[f]
+        ]
 
     def unit(self, template: str, index: Mapping[str, int]) -> Unit:
         """The conversion step of `template` at `index` (the stacked placeholder's value is ignored)."""
@@ -152,9 +219,9 @@ class KeyMap:
         assert r is not None, template
         mlm = tuple(m.format(**index) for m in r.mlm)
         if r.stack is None:
-            return Unit(template, r, (template.format(**index),), mlm)
+            return Unit(template, r, (self.hf_key(template, index),), mlm)
         n = self.counts[r.stack]
-        return Unit(template, r, tuple(template.format(**{**index, r.stack: i}) for i in range(n)), mlm)
+        return Unit(template, r, tuple(self.hf_key(template, {**index, r.stack: i}) for i in range(n)), mlm)
 
     def units(self) -> Iterator[Unit]:
         """Every conversion step the counts imply: templates in table order, indices ascending."""
@@ -178,13 +245,9 @@ class KeyMap:
                 unknown.append(key)
                 continue
             template, index, full = found
-            beyond = [
-                f"{f} {i}, but {PLACEHOLDERS[f]}={self.counts[f]}"
-                for f, i in index.items()
-                if i >= self.counts[f]
-            ]
-            if beyond:
-                unknown.append(f"{key} ({'; '.join(beyond)})")
+            if self._beyond(index):  # beyond the counts however the key is read
+                readings = ["; ".join(self._beyond(i)) for _, i, _ in self._matches(key)]
+                unknown.append(f"{key} ({'; or '.join(dict.fromkeys(readings))})")
             elif self.rules[template] is not None:
                 steps[self.unit(template, index)] = None
                 stored[full] = key

@@ -4,16 +4,24 @@ A sequence owns a list of block ids (its block table); token t of the sequence l
 `table[t // block_size]` at offset `t % block_size`. Sequences of any length share the pool
 without fragmentation, and a finished or cancelled sequence gives its blocks back at once.
 
-Under tensor parallelism every tp rank holds the keys and values of its own heads (G = query
-groups / tp) in a pool of the same blocks; rank 0's allocator hands out the block ids and sends
-each step's tables to the others, whose allocators stay unused.
+What a token leaves per layer is the model's `CacheLayout`: for multi-head and grouped-query
+attention, keys and values of G = query groups / tp heads of head_dim each (every tp rank holds
+its own heads); for multi-latent attention (attention_kind "mla"), one tensor of one head holding
+the normed latent and the roped rope key, kv_lora_rank + qk_rope_head_dim values, and no value
+tensor: the latent's columns are the values (the up-projections are absorbed into the query and
+the output, see `mlm.model.mla`). Every head reads that latent, so each tp rank holds all of it.
+`bytes_per_token` is the figure `mlm serve` reports.
 
-Shape legend: L layers, N blocks, S block size, G this rank's key/value heads, K head dim, T tokens.
+All tp ranks use the same blocks; rank 0's allocator hands out the block ids and sends each step's
+tables to the others, whose allocators stay unused.
+
+Shape legend: L layers, N blocks, S block size, G this rank's key heads, K key dims, T tokens.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -46,10 +54,59 @@ class BlockAllocator:
         assert len(self._free) <= self.num_blocks, "a block was freed twice"
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one token leaves in one layer's cache on one tp rank: `heads` key heads of `key_dim`
+    values each, and as many value heads of `key_dim` values, unless `values_in_keys` (MLA: the
+    values are the first columns of the one key head, so no value tensor is stored)."""
+
+    heads: int
+    key_dim: int
+    values_in_keys: bool = False
+
+    @property
+    def per_token(self) -> int:
+        """Values stored per token and layer."""
+        return self.heads * self.key_dim * (1 if self.values_in_keys else 2)
+
+
+def cache_layout(cfg: ModelConfig, tp: int = 1) -> CacheLayout:
+    """The cache layout of `cfg`'s attention on one of `tp` ranks."""
+    if cfg.attention_kind == "mla":  # [latent ; rope key], whole on every tp rank
+        return CacheLayout(1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim, values_in_keys=True)
+    return CacheLayout(cfg.query_groups // tp, cfg.head_dim)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
+    """Cache bytes one token takes over every layer, on one of `tp` ranks: MLA (kv_lora_rank +
+    qk_rope_head_dim) · layers · itemsize; otherwise 2 · (query groups / tp) · head_dim · layers · itemsize."""
+    return cfg.num_layers * cache_layout(cfg, tp).per_token * _itemsize(dtype)
+
+
+def describe_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> str:
+    """`bytes_per_token` with its factors, for `mlm serve`'s log. DeepSeek-V3 in bf16: "70272 bytes
+    per token (MLA: (latent 512 + rope key 64) × 61 layers × 2 bytes)"; Llama-3-8B in bf16 at tp 2:
+    "65536 bytes per token (keys and values: 2 × 4 heads × 128 dims × 32 layers × 2 bytes; 4 of
+    the 8 key/value heads on each of 2 tp ranks)"."""
+    n, size, L = bytes_per_token(cfg, dtype, tp), _itemsize(dtype), cfg.num_layers
+    if cfg.attention_kind == "mla":
+        m = cfg.mla
+        per_layer = f"MLA: (latent {m.kv_lora_rank} + rope key {m.qk_rope_head_dim})"
+        split = f"; the whole latent on each of {tp} tp ranks" if tp > 1 else ""
+    else:
+        G = cache_layout(cfg, tp).heads
+        per_layer = f"keys and values: 2 × {G} heads × {cfg.head_dim} dims"
+        split = f"; {G} of the {cfg.query_groups} key/value heads on each of {tp} tp ranks" if tp > 1 else ""
+    return f"{n} bytes per token ({per_layer} × {L} layers × {size} bytes{split})"
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
-    """Keys and values of every layer for `block_size` tokens, on one of `tp` ranks."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * (cfg.query_groups // tp) * cfg.head_dim * itemsize
+    """The cache of every layer for `block_size` tokens, on one of `tp` ranks."""
+    return block_size * bytes_per_token(cfg, dtype, tp)
 
 
 def blocks_for_memory(
@@ -67,8 +124,9 @@ def blocks_needed(tokens: int, block_size: int) -> int:
 
 
 class PagedKVCache:
-    """Per layer, keys and values [N, S, G, K] in one tensor each, allocated once (G: the
-    query groups of one of `tp` ranks)."""
+    """Per layer, keys and values [N, S, G, K] in one tensor each, allocated once (`layout`: G
+    the query groups of one of `tp` ranks, K the head dim); for MLA keys [N, S, 1, latent + rope]
+    and no values (`v_LNSGK` None)."""
 
     def __init__(
         self,
@@ -81,22 +139,39 @@ class PagedKVCache:
     ):
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.query_groups // tp, cfg.head_dim)
+        self.layout = layout = cache_layout(cfg, tp)
+        self.bytes_per_token = bytes_per_token(cfg, dtype, tp)
+        self.description = describe_bytes_per_token(cfg, dtype, tp)
+        shape = (cfg.num_layers, num_blocks, block_size, layout.heads, layout.key_dim)
         self.k_LNSGK = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_LNSGK = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_LNSGK = None if layout.values_in_keys else torch.zeros(shape, dtype=dtype, device=device)
+
+    def summary(self) -> str:
+        """One line for `mlm serve`'s log: blocks, bytes on this rank, bytes per token."""
+        total = self.k_LNSGK.nbytes + (0 if self.v_LNSGK is None else self.v_LNSGK.nbytes)
+        n, S = self.allocator.num_blocks, self.block_size
+        return f"KV cache: {n} blocks of {S} tokens, {total / 2**20:.2f} MiB per rank; {self.description}"
 
     def slots(self, table: list[int], start: int, n: int) -> list[int]:
         """Flat slot index (block · S + offset) of tokens start .. start + n - 1 of a sequence."""
         S = self.block_size
         return [table[t // S] * S + t % S for t in range(start, start + n)]
 
-    def write(self, layer: int, slots_T: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots_T: torch.Tensor, k_TGK: torch.Tensor, v_TGK: torch.Tensor | None
+    ) -> None:
+        """Store the keys (and values, unless the layout keeps them in the keys) of T tokens."""
+        assert (v_TGK is None) == (self.v_LNSGK is None), "values given to a latent cache, or missing"
         self.k_LNSGK[layer].view(-1, *k_TGK.shape[1:])[slots_T] = k_TGK
-        self.v_LNSGK[layer].view(-1, *v_TGK.shape[1:])[slots_T] = v_TGK
+        if v_TGK is not None:
+            self.v_LNSGK[layer].view(-1, *v_TGK.shape[1:])[slots_T] = v_TGK
 
-    def read(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Keys and values [length, G, K] of the first `length` tokens of a sequence whose first
-        blocks (at least ⌈length / S⌉ of them) are `blocks`, a tensor of block ids."""
+        blocks (at least ⌈length / S⌉ of them) are `blocks`, a tensor of block ids; values None
+        when they are the keys' first columns."""
         k = self.k_LNSGK[layer].index_select(0, blocks).flatten(0, 1)[:length]
+        if self.v_LNSGK is None:
+            return k, None
         v = self.v_LNSGK[layer].index_select(0, blocks).flatten(0, 1)[:length]
         return k, v

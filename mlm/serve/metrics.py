@@ -1,5 +1,5 @@
 """`GET /metrics`: Prometheus text. Requests by endpoint and status, tokens, finished requests by
-reason, queue length, batch size, KV-cache blocks, and latency histograms."""
+reason, queue length, batch size, KV-cache blocks and bytes per token, and latency histograms."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ class Metrics:
             "mlm_running_sequences": ("Sequences in the running batch", e.num_running),
             "mlm_kv_blocks_used": ("KV-cache blocks in use", e.cache.allocator.num_used),
             "mlm_kv_blocks_total": ("KV-cache blocks in the pool", e.cache.allocator.num_blocks),
+            "mlm_kv_cache_bytes_per_token": (
+                "KV-cache bytes one token takes over every layer, on each tp rank",
+                e.cache.bytes_per_token,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -92,11 +92,12 @@ def serve(
     def load() -> None:
         start = time.perf_counter()
         try:
-            load_into(state, ckpt, engine_config, dtype, dev, tokenizer, chat_template, mesh)
+            engine = load_into(state, ckpt, engine_config, dtype, dev, tokenizer, chat_template, mesh)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             failure.append(e)
             server.should_exit = True
             return
+        log.warning("mlm serve: %s", engine.cache.summary())
         log.warning("mlm serve: %s ready in %.1f s", state.model_name, time.perf_counter() - start)
 
     threading.Thread(target=load, name="mlm-load", daemon=True).start()

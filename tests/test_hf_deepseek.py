@@ -1,0 +1,513 @@
+"""DeepSeek-V3 against Hugging Face transformers (`DeepseekV3ForCausalLM`, transformers ≥ 4.51).
+
+A tiny random model (vocab 100, hidden 32, 3 layers: one dense, two MoE with 8 experts in 4
+groups, top-4 from 2 groups so that k / topk_group = 2 as transformers hard-codes, a shared
+expert, MLA with q_lora_rank 16, kv_lora_rank 12, nope 8, rope 4, v 6) is built in code, with
+random non-negative expert biases (transformers initialises them to zero). mlm's logits must be
+transformers' in fp32 (also with YaRN, without q_lora_rank, with rotate-half RoPE and tied
+embeddings); the saved tensors must come back bit for bit; an mlm model with MTP depths must
+export to DeepSeek's checkpoint layout (`model.layers.{N + d}.*`), import back bit for bit and
+load in transformers (which skips the MTP layers) with the same logits; `mlm convert` must
+round-trip; bad input must raise one MlmError naming the key or field and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+    pytest.skip(
+        f"transformers {transformers.__version__} has no DeepseekV3ForCausalLM (it came in 4.51)",
+        allow_module_level=True,
+    )
+
+from test_hf_numerics import _randomize  # noqa: E402
+
+from mlm import hf as adapters  # noqa: E402
+from mlm.config import MLAConfig, ModelConfig, MoEConfig  # noqa: E402
+from mlm.convert import hf as convert  # noqa: E402
+from mlm.convert import hf_io  # noqa: E402
+from mlm.errors import MlmError  # noqa: E402
+from mlm.hf import config_from_hf, config_to_hf, hf_to_mlm, load_hf_into, mlm_to_hf  # noqa: E402
+from mlm.model.gpt import GPT, build_model  # noqa: E402
+
+from test_bad_input import mlm  # noqa: E402
+
+VOCAB, SEQ, N = 100, 40, 3
+YARN = {  # copied for every use: transformers adds rope_theta to the dict it is given
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,  # < SEQ (and × factor = max_position_embeddings)
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,  # also scales the softmax, as DeepSeek-V3's config does
+}
+
+
+def deepseek(seed: int = 7, **config) -> torch.nn.Module:
+    """A tiny random DeepseekV3ForCausalLM; `config` overrides fields."""
+    defaults = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        num_hidden_layers=N,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        max_position_embeddings=128,
+        num_nextn_predict_layers=0,  # transformers' model holds no MTP layers
+        attn_implementation="eager",
+    )
+    cfg = transformers.DeepseekV3Config(**{**defaults, **config})
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+    _randomize(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # a buffer, zero in transformers: random, ≥ 0 (see mlm/hf/deepseek_v3.py)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.2 * torch.rand(buf.shape, generator=gen))
+    return model
+
+
+MODELS = {
+    "base": lambda: deepseek(),
+    "yarn": lambda: deepseek(rope_scaling=dict(YARN)),
+    "no-q-lora": lambda: deepseek(q_lora_rank=None),
+    "rotate-half": lambda: deepseek(rope_interleave=False, rope_scaling=dict(YARN)),
+    "tied": lambda: deepseek(tie_word_embeddings=True, first_k_dense_replace=0, n_group=1, topk_group=1),
+}
+
+
+def saved(model, path) -> dict[str, torch.Tensor]:
+    """The tensors `save_pretrained` writes (per-expert keys), as stored."""
+    model.save_pretrained(path)
+    state = {}
+    for _, tensors in hf_io.iter_weight_files(path):
+        state.update(tensors)
+    return state
+
+
+def tokens(seed: int = 3, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def pair(request):
+    """(name, HF model, mlm model with the same weights, mlm config)."""
+    hf = MODELS[request.param]()
+    cfg = config_from_hf(hf.config.to_dict())
+    return request.param, hf, load_hf_into(GPT(cfg).eval(), hf), cfg
+
+
+def test_logits_and_loss_match(pair):
+    name, hf, mlm_model, cfg = pair
+    x = tokens()
+    with torch.no_grad():
+        ref = hf(input_ids=x, labels=x)
+        logits = mlm_model(x)[..., :VOCAB]
+    scale = ref.logits.abs().max().item()
+    assert scale > 1.0  # not a comparison of near-zero logits
+    diff = (logits - ref.logits).abs().max().item()
+    assert diff <= 1e-5 * scale, (name, diff, scale)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+    assert abs(loss.item() - ref.loss.item()) <= 1e-5 * ref.loss.item(), (loss.item(), ref.loss.item())
+    assert adapters.arch_of(cfg) == "deepseek_v3"
+    assert cfg.attention_kind == "mla" and [s.mlp for s in cfg.layer_specs()] == [
+        "moe" if type(layer.mlp).__name__ == "DeepseekV3MoE" else "dense" for layer in hf.model.layers
+    ]
+
+
+def test_the_router_is_exercised(pair):
+    """The group limit and the expert bias change which experts are chosen on these tokens, so
+    the logit comparison covers them."""
+    name, hf, mlm_model, cfg = pair
+    if cfg.moe.router_num_groups is None:
+        pytest.skip("no group limit in this model")
+    from mlm.model.moe.router import route
+
+    h = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
+    router = mlm_model.layers["2"].mlp.router
+    logits = h @ router.weight.T
+    plain = MoEConfig(**{**vars(cfg.moe), "router_num_groups": None, "router_group_topk": None})
+    chosen = route(logits, cfg.moe, router.expert_bias)[1].sort(-1).values
+    assert not torch.equal(chosen, route(logits, plain, router.expert_bias)[1].sort(-1).values)
+    assert not torch.equal(chosen, route(logits, cfg.moe, None)[1].sort(-1).values)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_state_round_trip_is_bitwise(tmp_path, name):
+    hf = MODELS[name]()
+    src = saved(hf, tmp_path / "hf")
+    assert any(".experts.7." in k for k in src) and any("e_score_correction_bias" in k for k in src)
+    cfg = config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    assert cfg == config_from_hf(hf.config.to_dict())
+    mlm_state = hf_to_mlm(src, cfg)
+    assert mlm_state.keys() == GPT(cfg).state_dict().keys()
+    back, hf_config = mlm_to_hf(mlm_state, cfg, "deepseek_v3")
+    assert back.keys() == src.keys()
+    for k, t in back.items():
+        assert t.dtype == src[k].dtype and torch.equal(t, src[k]), k
+    assert config_from_hf(hf_config) == cfg
+    # the exported config.json and tensors load in transformers and compute what the source does
+    (tmp_path / "back").mkdir()
+    hf_io.write_safetensors(back, tmp_path / "back", 10**9)
+    (tmp_path / "back" / "config.json").write_text(json.dumps(hf_config))
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "back", attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=tokens(4, 1)).logits, hf(input_ids=tokens(4, 1)).logits)
+
+
+def test_config_round_trip():
+    """config.json → mlm → config.json keeps every field transformers computes with, and
+    transformers 4.x (rope_scaling, DeepSeek's "type") and 5.x (rope_parameters) spellings agree."""
+    d = deepseek(rope_scaling=dict(YARN), num_nextn_predict_layers=2).config.to_dict()
+    cfg = config_from_hf(d)
+    assert (cfg.first_k_dense, cfg.mtp_num_layers, cfg.rope_scaling_type) == (1, 2, "yarn")
+    assert (cfg.moe.router_num_groups, cfg.moe.router_group_topk, cfg.moe.router_topk) == (4, 2, 4)
+    assert cfg.moe.shared_expert_ffn_hidden_size == 16 and cfg.moe.router_topk_scaling_factor == 2.5
+    out = config_to_hf(cfg, "deepseek_v3")
+    for key in (
+        "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
+        "num_attention_heads num_key_value_heads q_lora_rank kv_lora_rank qk_nope_head_dim "
+        "qk_rope_head_dim v_head_dim rope_interleave first_k_dense_replace n_routed_experts "
+        "num_experts_per_tok n_group topk_group routed_scaling_factor norm_topk_prob n_shared_experts "
+        "max_position_embeddings rms_norm_eps tie_word_embeddings attention_bias num_nextn_predict_layers"
+    ).split():
+        assert out[key] == d[key], key
+    theirs = d["rope_parameters"]
+    assert {k: out["rope_scaling"][k] for k in YARN} == {k: theirs[k] for k in YARN}
+    assert out["rope_theta"] == theirs["rope_theta"]
+    assert config_from_hf(out) == cfg
+    old = {k: v for k, v in d.items() if k != "rope_parameters"}  # DeepSeek's own config.json
+    old.update(rope_theta=theirs["rope_theta"], rope_scaling={**YARN, "type": "yarn"})
+    del old["rope_scaling"]["rope_type"]
+    assert config_from_hf(old) == cfg
+    # DeepSeek's balancing-loss fields (not transformers'): the sequence-wise loss
+    assert config_from_hf({**d, "aux_loss_alpha": 0.001, "seq_aux": True}).moe.seq_aux_loss_coeff == 0.001
+    assert config_from_hf({**d, "aux_loss_alpha": 0.001, "seq_aux": False}).moe.aux_loss_coeff == 0.001
+    # every layer dense: an MLA model without experts, dense in DeepSeek's MTP layers too
+    dense = config_from_hf({**d, "first_k_dense_replace": 5})
+    assert dense.mlp_kind == "dense" and config_to_hf(dense, "deepseek_v3")["first_k_dense_replace"] == 5
+
+
+# ---------------------------------------------------------------- MTP in DeepSeek's layout
+
+
+def mtp_model(depths: int = 2, **config) -> GPT:
+    """An mlm model of the tiny config with MTP depths, random weights and expert biases."""
+    cfg = config_from_hf(deepseek(num_nextn_predict_layers=depths, **config).config.to_dict())
+    model = build_model(cfg, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("expert_bias"):
+                p.copy_(0.2 * torch.rand(p.shape, generator=gen))
+            elif name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def write_hf(state: dict, config: dict, path) -> None:
+    path.mkdir()
+    hf_io.write_safetensors(state, path, 10**9)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_mtp_exports_in_deepseek_layout_and_comes_back_bitwise(tmp_path, tie):
+    model = mtp_model(tie_word_embeddings=tie)
+    cfg, state = model.cfg, model.state_dict()
+    hf_state, hf_config = mlm_to_hf(state, cfg, "deepseek_v3")
+    assert hf_config["num_nextn_predict_layers"] == 2
+    for d in range(2):
+        layer = f"model.layers.{N + d}."
+        for key in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "embed_tokens", "shared_head.head"):
+            assert layer + key + ".weight" in hf_state, key
+        assert layer + "self_attn.kv_b_proj.weight" in hf_state  # a whole (MoE) decoder layer
+        assert layer + "mlp.experts.7.down_proj.weight" in hf_state
+        assert torch.equal(hf_state[layer + "eh_proj.weight"], state[f"mtp.{d}.eh_proj.weight"])
+        assert torch.equal(hf_state[layer + "embed_tokens.weight"], state["embed.weight"][:VOCAB])
+        head = state["embed.weight" if tie else "output.weight"][:VOCAB]
+        assert torch.equal(hf_state[layer + "shared_head.head.weight"], head)
+    assert ("lm_head.weight" in hf_state) is not tie
+    back = hf_to_mlm(hf_state, cfg)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    # the copies may be left out (mlm holds them once)
+    lean = {k: v for k, v in hf_state.items() if not k.endswith(("embed_tokens.weight", "head.weight"))}
+    lean["model.embed_tokens.weight"] = hf_state["model.embed_tokens.weight"]
+    lean.update({k: hf_state[k] for k in ("lm_head.weight",) if k in hf_state})
+    back = hf_to_mlm(lean, cfg)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    # transformers loads the folder (it skips model.layers.{N + d}.*) and gives mlm's logits
+    write_hf(hf_state, hf_config, tmp_path / "hf")
+    transformers.logging.set_verbosity_error()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        ref, ours = hf(input_ids=tokens()).logits, model(tokens())[..., :VOCAB]
+    diff, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
+    assert diff <= 1e-5 * max(scale, 1.0), (diff, scale)
+
+
+def test_transformers_model_holds_no_mtp():
+    """config.json's num_nextn_predict_layers counts MTP depths that transformers' model lacks:
+    load_hf_into says so, and an import of its saved files leaves them out with a note."""
+    hf = deepseek(num_nextn_predict_layers=1)
+    cfg = config_from_hf(hf.config.to_dict())
+    assert cfg.mtp_num_layers == 1
+    with pytest.raises(MlmError) as e:
+        load_hf_into(GPT(cfg), hf)
+    assert str(e.value).startswith(
+        "the Hugging Face model and the mlm model differ: model.mtp_num_layers: mlm 1, Hugging Face 0 "
+        "(config.json counts 1 MTP depth(s) (num_nextn_predict_layers) but the weights hold none "
+        "(no model.layers.3.* tensors"
+    )
+    assert "with mtp_num_layers=0" in str(e.value)
+    with pytest.raises(
+        MlmError, match=r"lacks the \d+ tensors of the MTP depths \(model\.layers\.3\.\*\);.*mtp_num_layers=0"
+    ):
+        hf_to_mlm(adapters.saved_state(hf), cfg)
+    load_hf_into(GPT(ModelConfig(**{**vars(cfg), "mtp_num_layers": 0})), hf)
+
+
+def test_convert_imports_without_the_mtp_transformers_left_out(tmp_path):
+    hf = deepseek(num_nextn_predict_layers=1)
+    hf.save_pretrained(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    r = convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    assert r.max_abs_diff <= 1e-5 * r.max_abs_logit and r.max_abs_logit > 1.0
+    assert r.notes and "imported without them (model.mtp_num_layers=0)" in r.notes[0]
+    assert "mtp_num_layers = 0" in (tmp_path / "ckpt" / "config.toml").read_text()
+
+
+def test_cli_round_trip_with_mtp(tmp_path):
+    """`mlm convert`: the tiny transformers model's saved tensors plus an MTP depth, in DeepSeek's
+    layout → mlm checkpoint → the same folder, bit for bit, both steps verified against
+    transformers' logits (those of the tiny model: transformers skips the MTP layer)."""
+    hf = deepseek(num_nextn_predict_layers=1)
+    src = saved(hf, tmp_path / "saved")
+    cfg = config_from_hf(hf.config.to_dict())
+    main = hf_to_mlm(src, ModelConfig(**{**vars(cfg), "mtp_num_layers": 0}))
+    depth = {k: t for k, t in mtp_model(depths=1).state_dict().items() if k.startswith("mtp.")}
+    hf_state, hf_config = mlm_to_hf({**main, **depth}, cfg, "deepseek_v3")
+    assert all(torch.equal(hf_state[k], t) for k, t in src.items())
+    write_hf(hf_state, hf_config, tmp_path / "hf")
+    r = mlm("convert", "--from-hf", tmp_path / "hf", tmp_path / "ckpt")
+    assert r.returncode == 0, r.stderr
+    assert "imported DeepseekV3ForCausalLM" in r.stderr and "logits verified: max |diff|" in r.stderr
+    assert "note:" not in r.stderr
+    toml = (tmp_path / "ckpt" / "config.toml").read_text()
+    assert 'attention_kind = "mla"' in toml and "mtp_num_layers = 1" in toml
+    r = mlm("convert", tmp_path / "ckpt", "--to-hf", tmp_path / "back", "--max-shard-size", "100KB")
+    assert r.returncode == 0, r.stderr
+    assert "exported DeepseekV3ForCausalLM" in r.stderr and "logits verified" in r.stderr
+    back = {}
+    for _, tensors in hf_io.iter_weight_files(tmp_path / "back"):
+        back.update(tensors)
+    assert len(hf_io.weight_files(tmp_path / "back")) > 1
+    assert back.keys() == hf_state.keys() and all(torch.equal(back[k], hf_state[k]) for k in back)
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: written[k] for k in hf_config} == json.loads(json.dumps(hf_config))
+
+
+def test_convert_round_trip_of_a_transformers_model(tmp_path):
+    hf = MODELS["yarn"]()
+    src = saved(hf, tmp_path / "hf")
+    r = convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    assert r.architecture == "DeepseekV3ForCausalLM" and r.max_abs_diff <= 1e-5 * r.max_abs_logit
+    r = convert.export_hf(tmp_path / "ckpt", tmp_path / "back")
+    assert r.architecture == "DeepseekV3ForCausalLM" and r.max_abs_diff <= 1e-5 * r.max_abs_logit
+    back = {}
+    for _, tensors in hf_io.iter_weight_files(tmp_path / "back"):
+        back.update(tensors)
+    assert back.keys() == src.keys() and all(torch.equal(back[k], src[k]) for k in back)
+    # bf16: the expert biases stay float32 (they only select experts, as transformers keeps them)
+    r = convert.export_hf(tmp_path / "ckpt", tmp_path / "bf16", dtype="bf16")
+    assert r.max_abs_diff <= r.tolerance
+    (_, cast), *_ = hf_io.iter_weight_files(tmp_path / "bf16")
+    assert {k for k, t in cast.items() if t.dtype == torch.float32} == {
+        k for k in src if k.endswith("e_score_correction_bias")
+    }
+    assert all(t.dtype in (torch.float32, torch.bfloat16) for t in cast.values())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_mtp_copy_that_differs_is_one_clear_error():
+    model = mtp_model(depths=1)
+    hf_state, _ = mlm_to_hf(model.state_dict(), model.cfg, "deepseek_v3")
+    changed = dict(hf_state)
+    changed["model.layers.3.embed_tokens.weight"] = hf_state["model.embed_tokens.weight"] + 1e-3
+    with pytest.raises(MlmError) as e:
+        hf_to_mlm(changed, model.cfg)
+    msg = str(e.value)
+    assert msg.startswith(
+        "Hugging Face deepseek_v3 state: model.layers.3.embed_tokens.weight differs from "
+        "model.embed_tokens.weight (float32 [100, 32] CRC-32C "
+    )
+    assert "use the main model's embedding and output layer, which mlm holds once" in msg
+    assert "set num_nextn_predict_layers to 0" in msg
+    # another vocabulary (or padding) in the copy: refused before any tensor is read
+    for key, rows in (
+        ("model.layers.3.embed_tokens.weight", 128),
+        ("model.layers.3.shared_head.head.weight", 90),
+    ):
+        other = {**hf_state, key: torch.zeros(rows, 32)}
+        original = "model.embed_tokens.weight" if "embed" in key else "lm_head.weight"
+        with pytest.raises(MlmError) as e:
+            hf_to_mlm(other, model.cfg)
+        assert str(e.value).startswith(
+            f"Hugging Face deepseek_v3 state: {key} differs from {original} (shape [{rows}, 32] vs shape [100, 32]): "
+            "DeepSeek's MTP depths use the main model's embedding"
+        )
+
+
+@pytest.mark.parametrize(
+    "key, shape, note",
+    [
+        (
+            "model.layers.1.self_attn.q_b_proj.weight",
+            (40, 16),
+            "rows = num_attention_heads 4 × (qk_nope_head_dim 8 + qk_rope_head_dim 4), columns = q_lora_rank 16",
+        ),
+        (
+            "model.layers.0.self_attn.kv_b_proj.weight",
+            (4 * 14, 12),
+            "rows = num_attention_heads 4 × (qk_nope_head_dim 8 + v_head_dim 6), columns = kv_lora_rank 12",
+        ),
+        (
+            "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+            (12, 32),
+            "rows = kv_lora_rank 12 + qk_rope_head_dim 4",
+        ),
+    ],
+)
+def test_mla_dims_that_do_not_match_the_heads(key, shape, note):
+    model = mtp_model(depths=1)
+    hf_state, _ = mlm_to_hf(model.state_dict(), model.cfg, "deepseek_v3")
+    want = list(hf_state[key].shape)
+    if list(shape) == want:  # kv_b_proj: nope + v per head, here with v_head_dim 8 instead of 6
+        shape = (4 * 16, 12)
+    with pytest.raises(MlmError) as e:
+        hf_to_mlm({**hf_state, key: torch.zeros(shape)}, model.cfg)
+    assert str(e.value) == (
+        f"Hugging Face state does not match the config: {key}: shape {list(shape)} in the Hugging Face "
+        f"state, but the config needs {want} ({note}) (build the config with config_from_hf from the "
+        "checkpoint's own config.json)"
+    )
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            {"topk_group": 1},
+            r"num_experts_per_tok=4 with n_group=4, topk_group=1: transformers scores each "
+            r"group by the sum of its top 2 experts.*here 4 ≠ 2",
+        ),
+        ({"norm_topk_prob": False}, r"norm_topk_prob=false with num_experts_per_tok=4"),
+        ({"num_experts_per_tok": 1, "n_group": 1}, r"norm_topk_prob=true with num_experts_per_tok=1"),
+        ({"num_key_value_heads": 2}, r"num_key_value_heads=2 ≠ num_attention_heads=4"),
+        ({"attention_bias": True}, r"attention_bias=true"),
+        ({"scoring_func": "softmax"}, r"scoring_func='softmax'"),
+        ({"n_shared_experts": 0}, r"n_shared_experts=0"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
+            r"rope_type='llama3'",
+        ),
+        ({"rope_parameters": {**YARN, "attention_factor": 1.2, "rope_theta": 1e4}}, r"attention_factor=1\.2"),
+        (
+            {"num_nextn_predict_layers": 1, "first_k_dense_replace": 3},
+            r"first_k_dense_replace=3 with num_hidden",
+        ),
+    ],
+)
+def test_unsupported_configs(change, match):
+    d = deepseek().config.to_dict()
+    d.update(change)
+    with pytest.raises(MlmError, match=match):
+        config_from_hf(d)
+
+
+def test_k_over_topk_group_other_than_two_is_refused_both_ways():
+    d = deepseek().config.to_dict()
+    with pytest.raises(MlmError, match="only when num_experts_per_tok = 2 × topk_group"):
+        config_from_hf({**d, "num_experts_per_tok": 2})  # 2 / topk_group 2 = 1
+    cfg = config_from_hf(d)
+    other = ModelConfig(**{**vars(cfg), "moe": MoEConfig(**{**vars(cfg.moe), "router_topk": 2})})
+    with pytest.raises(MlmError, match=r"router_topk=2 with router_group_topk=2 \(needs router_topk = 2"):
+        config_to_hf(other, "deepseek_v3")
+
+
+def test_load_into_a_model_of_other_mla_or_rope_fields():
+    hf = deepseek(rope_scaling=dict(YARN))
+    cfg = config_from_hf(hf.config.to_dict())
+    other = ModelConfig(**{**vars(cfg), "mla": MLAConfig(**{**vars(cfg.mla), "kv_lora_rank": 16})})
+    with pytest.raises(MlmError, match=r"model\.mla\.kv_lora_rank: mlm 16, Hugging Face 12"):
+        load_hf_into(GPT(other), hf)
+    other = ModelConfig(**{**vars(cfg), "rope_yarn_mscale_all_dim": 0.0})
+    with pytest.raises(MlmError, match=r"model\.rope_yarn_mscale_all_dim: mlm 0\.0, Hugging Face 1\.0"):
+        load_hf_into(GPT(other), hf)
+
+
+def test_export_of_configs_deepseek_cannot_express():
+    cfg = config_from_hf(deepseek().config.to_dict())
+    gqa = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
+    with pytest.raises(MlmError, match=r"layer kinds \[\('gqa', 'dense'\)\] \(needs only \('mla', 'dense'\)"):
+        config_to_hf(gqa, "deepseek_v3")
+    softmax = ModelConfig(
+        **{
+            **vars(cfg),
+            "moe": MoEConfig(
+                **{**vars(cfg.moe), "router_score_function": "softmax", "router_enable_expert_bias": False}
+            ),
+        }
+    )
+    with pytest.raises(MlmError, match=r"router_score_function='softmax' \(needs 'sigmoid'\)"):
+        config_to_hf(softmax, "deepseek_v3")
+    # MLA or MTP cannot be written as another architecture
+    with pytest.raises(MlmError, match=r"layer kinds .*'mla'.* \(needs only \('gqa', 'dense'\)"):
+        config_to_hf(cfg, "qwen3_moe")
+    llama = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, mtp_num_layers=1)
+    with pytest.raises(MlmError, match=r"model\.mtp_num_layers=1 \(needs 0: no multi-token prediction"):
+        config_to_hf(llama, "llama")
+
+
+def test_verification_needs_a_transformers_with_the_class(tmp_path, monkeypatch):
+    deepseek().save_pretrained(tmp_path / "hf")
+    old = types.ModuleType("transformers")  # a transformers before 4.51
+    old.__version__ = "4.50.3"
+    monkeypatch.setitem(sys.modules, "transformers", old)
+    with pytest.raises(MlmError) as e:
+        convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    assert str(e.value) == (
+        "transformers 4.50.3 has no DeepseekV3ForCausalLM (it came in 4.51), and the logit check loads "
+        "the model with it: upgrade (pip install 'transformers>=4.51'), or pass --no-verify to convert "
+        "without the check"
+    )
+    assert not (tmp_path / "ckpt").exists()
