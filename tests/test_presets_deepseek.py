@@ -189,3 +189,54 @@ def test_tiny_deepseek_recipe_config():
     m = cfg.model
     assert (m.attention_kind, m.mtp_num_layers, m.moe.router_topk, m.vocab_size) == ("mla", 1, 4, 4096)
     assert cfg.data.data_path == ["runs/tiny/data/stdlib"]  # the tiny pipeline's dataset (run.sh)
+
+
+def test_deepseek_v3_preset_is_its_config_json():
+    """The preset equals what the Hugging Face importer makes of DeepSeek-V3's config.json (its
+    architecture fields, as published in deepseek-ai/DeepSeek-V3)."""
+    from mlm.hf.deepseek_v3 import DEEPSEEK_V3
+
+    config_json = {
+        "model_type": "deepseek_v3",
+        "attention_bias": False,
+        "first_k_dense_replace": 3,
+        "hidden_act": "silu",
+        "hidden_size": 7168,
+        "initializer_range": 0.02,
+        "intermediate_size": 18432,
+        "kv_lora_rank": 512,
+        "max_position_embeddings": 163840,
+        "moe_intermediate_size": 2048,
+        "moe_layer_freq": 1,
+        "n_group": 8,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 61,
+        "num_key_value_heads": 128,
+        "num_nextn_predict_layers": 1,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "v_head_dim": 128,
+        "vocab_size": 129280,
+    }
+    assert load_config(overrides=["preset=deepseek-v3"]).model == DEEPSEEK_V3.config_from_hf(config_json)
