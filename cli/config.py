@@ -11,7 +11,7 @@ app = typer.Typer(help="Model presets and resolved run configs.", no_args_is_hel
 
 @app.command("list")
 def list_presets() -> None:
-    """Presets with their parameter counts (MoE: total and active per token) and sources."""
+    """Presets with their parameter counts (MoE: total and active per token; MTP depths apart) and sources."""
     from rich.table import Table
 
     from mlm.config import load_config
@@ -25,10 +25,9 @@ def list_presets() -> None:
     for name, (source, _, _) in PRESETS.items():
         cfg = load_config(overrides=[f"preset={name}"])
         m = cfg.model
-        total, active = parameter_counts(m)
         table.add_row(
             name,
-            f"total {human(total)}, active {human(active)}" if active != total else human(total),
+            parameter_counts(m).describe(human),
             str(m.num_layers),
             str(m.hidden_size),
             f"{m.num_attention_heads}/{m.query_groups}",
@@ -51,7 +50,8 @@ def show(
 
     sets = ([f"preset={preset}"] if preset else []) + list(overrides)
     cfg = load_config(config, sets)
-    n, active = parameter_counts(cfg.model)
+    counts = parameter_counts(cfg.model)
+    n, active = counts.total, counts.active
     f = flops_per_token(cfg.model, cfg.data.seq_length)
     print(f"# layers: {describe_layers(cfg.model.layer_specs())}")
     if active != n:  # MoE: a token uses k of the E routed experts
@@ -60,5 +60,10 @@ def show(
         )
     else:
         print(f"# parameters: {n:,} ({n / 1e9:.3f} B)")
+    if counts.mtp:  # the MTP depths share the embedding and the output layer
+        print(
+            f"# MTP depths ({cfg.model.mtp_num_layers}): {counts.mtp:,} ({counts.mtp / 1e9:.3f} B) more, "
+            f"{counts.mtp_active:,} active per token; {counts.built:,} in all"
+        )
     print(f"# training FLOPs per token at seq {cfg.data.seq_length}: {f:.4g}")
     print(to_toml(cfg), end="")

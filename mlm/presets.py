@@ -35,6 +35,14 @@ _LLAMA3 = dict(
     max_position_embeddings=131072,
 )
 _SWIGLU_ROPE = dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", add_bias=False)
+# DeepSeek-V2/V3's rope_scaling: YaRN, factor 40 over the 4096-token pretraining context
+_DEEPSEEK_YARN = dict(
+    rope_scaling_type="yarn",
+    rope_scaling_factor=40.0,
+    rope_original_max_position_embeddings=4096,
+    rope_yarn_beta_fast=32.0,
+    rope_yarn_beta_slow=1.0,
+)
 
 # name: (source, model fields, data fields)
 PRESETS: dict[str, tuple[str, dict, dict]] = {
@@ -148,6 +156,90 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
         ),
         {"seq_length": 4096},
     ),
+    # DeepSeek: Multi-Latent Attention (model.mla) in every layer, the first layers dense, then
+    # routed experts plus always-on shared experts (their total width: n_shared × moe width); YaRN
+    # RoPE as the released config.json sets it (factor 40 over the 4096 pretraining context,
+    # max_position_embeddings 163840; mscale_all_dim also scales MLA's softmax). Sequence length:
+    # 4096, the pretraining context. The counts (tests/test_presets_deepseek.py) are the main
+    # model's, as DeepSeek publishes them; `mlm config list` adds the MTP depth's apart:
+    # V3 671,026,419,200 total / 37,552,297,472 active (+ MTP 11,610,068,224); V2-Lite
+    # 15,706,484,224 / 2,661,150,208.
+    "deepseek-v3": (
+        "HF deepseek-ai/DeepSeek-V3 config.json (MTP: num_nextn_predict_layers); arXiv 2412.19437",
+        dict(
+            _SWIGLU_ROPE,
+            num_layers=61,
+            hidden_size=7168,
+            num_attention_heads=128,
+            ffn_hidden_size=18432,
+            vocab_size=129280,
+            max_position_embeddings=163840,
+            norm_eps=1e-6,
+            rope_base=10000.0,
+            **_DEEPSEEK_YARN,
+            rope_yarn_mscale=1.0,
+            rope_yarn_mscale_all_dim=1.0,
+            attention_kind="mla",
+            mla=dict(
+                q_lora_rank=1536,
+                kv_lora_rank=512,
+                qk_nope_head_dim=128,
+                qk_rope_head_dim=64,
+                v_head_dim=128,
+                rope_interleave=True,
+            ),
+            mlp_kind="moe",
+            first_k_dense=3,
+            # sigmoid scores, top-8 from the best 4 of 8 groups, weights renormalised then ×2.5;
+            # aux-loss-free balancing (the selection-only expert bias, γ = 0.001 in the paper);
+            # the paper's sequence-wise loss (α = 1e-4) is a training choice, left off here
+            moe=dict(
+                num_experts=256,
+                ffn_hidden_size=2048,
+                router_topk=8,
+                router_score_function="sigmoid",
+                router_enable_expert_bias=True,
+                router_num_groups=8,
+                router_group_topk=4,
+                router_topk_scaling_factor=2.5,
+                shared_expert_ffn_hidden_size=2048,
+            ),
+            mtp_num_layers=1,
+        ),
+        {"seq_length": 4096},
+    ),
+    "deepseek-v2-lite": (
+        "HF deepseek-ai/DeepSeek-V2-Lite config.json",
+        dict(
+            _SWIGLU_ROPE,
+            num_layers=27,
+            hidden_size=2048,
+            num_attention_heads=16,
+            ffn_hidden_size=10944,
+            vocab_size=102400,
+            max_position_embeddings=163840,
+            norm_eps=1e-6,
+            rope_base=10000.0,
+            **_DEEPSEEK_YARN,
+            rope_yarn_mscale=0.707,
+            rope_yarn_mscale_all_dim=0.707,
+            attention_kind="mla",
+            # q_lora_rank null: queries straight from the hidden state
+            mla=dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+            mlp_kind="moe",
+            first_k_dense=1,
+            # softmax over all 64 experts, top-6, not renormalised (norm_topk_prob false);
+            # n_group 1 / topk_group 1 and routed_scaling_factor 1.0 are no-ops; 2 shared experts
+            moe=dict(
+                num_experts=64,
+                ffn_hidden_size=1408,
+                router_topk=6,
+                router_pre_softmax=True,
+                shared_expert_ffn_hidden_size=2 * 1408,
+            ),
+        ),
+        {"seq_length": 4096},
+    ),
     "tiny-llama": (
         "mlm: CPU demo and tests (GQA, RoPE, SwiGLU)",
         dict(
@@ -187,6 +279,48 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
                 shared_expert_gate=True,
                 aux_loss_coeff=1e-2,
             ),
+        ),
+        {"seq_length": 256},
+    ),
+    "tiny-deepseek": (
+        "mlm: CPU demo and tests (DeepSeek-V3's layout: MLA with a query latent, YaRN, layer 0 dense, "
+        "8 experts top-4 from 2 of 4 groups, sigmoid + expert bias, a shared expert, one MTP depth)",
+        dict(
+            _SWIGLU_ROPE,
+            num_layers=3,
+            hidden_size=64,
+            num_attention_heads=4,
+            ffn_hidden_size=176,
+            vocab_size=4096,
+            max_position_embeddings=256,
+            norm_eps=1e-6,
+            rope_base=10000.0,
+            # YaRN over a 64-token "pretraining" context, as V3's factor 40 over 4096
+            rope_scaling_factor=4.0,
+            rope_scaling_type="yarn",
+            rope_original_max_position_embeddings=64,
+            rope_yarn_mscale_all_dim=1.0,
+            attention_kind="mla",
+            mla=dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+            mlp_kind="moe",
+            first_k_dense=1,
+            # top-4 over 2 groups: 2 experts per group, the group score HF's top-2 sum uses too
+            moe=dict(
+                num_experts=8,
+                ffn_hidden_size=32,
+                router_topk=4,
+                router_score_function="sigmoid",
+                router_enable_expert_bias=True,
+                router_num_groups=4,
+                router_group_topk=2,
+                router_topk_scaling_factor=2.5,
+                shared_expert_ffn_hidden_size=32,
+                seq_aux_loss_coeff=1e-3,
+                # 10× V3's bias step: a demo run is 80 steps, not 14.8T tokens (at 1e-3 the busiest
+                # expert still takes every token at step 80; at 1e-2 max/mean load is 1.25)
+                router_bias_update_rate=1e-2,
+            ),
+            mtp_num_layers=1,
         ),
         {"seq_length": 256},
     ),

@@ -19,6 +19,7 @@ import torch
 
 from mlm.config import load_config
 from mlm.errors import MlmError
+from mlm.model.mtp import MTPTargets
 from mlm.parallel.context import zigzag_indices
 from mlm.plan.hardware import load_hardware
 from mlm.plan.layout import Job, Layout, make_job
@@ -67,6 +68,22 @@ MOE = {
     "model.moe.ffn_hidden_size": 96,
     "model.moe.aux_loss_coeff": 0.01,
     "model.moe.experts_impl": "loop",
+}
+# a DeepSeek-V3-shaped model: multi-latent attention with a query latent (its down-projections
+# replicated over tp), the DeepSeek router with a shared expert, one MTP depth on the last stage
+DEEPSEEK = {
+    **MOE,
+    "model.num_query_groups": "none",
+    "model.attention_kind": "mla",
+    "model.mla.q_lora_rank": 48,
+    "model.mla.kv_lora_rank": 32,
+    "model.mla.qk_nope_head_dim": 16,
+    "model.mla.qk_rope_head_dim": 8,
+    "model.mla.v_head_dim": 24,
+    "model.moe.router_score_function": "sigmoid",
+    "model.moe.router_enable_expert_bias": True,
+    "model.moe.shared_expert_ffn_hidden_size": 64,
+    "model.mtp_num_layers": 1,
 }
 # world 4: (name, extra settings); dp is what is left of 4 ranks
 MESHES = [
@@ -126,6 +143,18 @@ MESHES = [
     ),
     ("cp2 pp2 p2p selective", {"parallel.cp": 2, "parallel.pp": 2, "model.recompute": "selective"}),
     ("cp4 all_gather", {"parallel.cp": 4, "parallel.cp_comm_type": "all_gather"}),
+    # MLA's replicated down-projections and head-split up-projections under tp, the MTP depth and
+    # the embedding copy on the last stage, its MoE layer's experts over ep
+    (
+        "tp2 pp2 sp ep2 mla mtp",
+        {
+            "parallel.tp": 2,
+            "parallel.pp": 2,
+            "parallel.sequence_parallel": True,
+            "parallel.ep": 2,
+            **DEEPSEEK,
+        },
+    ),
 ]
 
 
@@ -218,7 +247,12 @@ def _measure(cfg, mesh, autocast=None) -> dict:
             else:
                 x = torch.randn(b, t // model.sequence_shards, cfg.model.hidden_size, requires_grad=True)
             if chunk.last:
-                keep.append(model.head_loss(model.hidden_states(x, pos, chunk=c), labels))
+                h = model.hidden_states(x, pos, chunk=c)
+                keep.append(model.head_loss(h, labels))
+                if model.mtp is not None:  # the MTP depths, as the pipeline's last stage runs them
+                    ahead = MTPTargets.of(micro[0], cfg.model.mtp_num_layers, mesh.cp)
+                    ahead = ahead.split(pos) if pos is not None else ahead
+                    keep.append(model.mtp_losses(h, ahead, pos))
             else:
                 keep.append(model(x, pos, chunk=c))
     counted["activations"] = sum(saved.values())
@@ -349,8 +383,14 @@ def test_memory_model_against_real_ranks_and_train_from_plan(tmp_path, tiny_data
         GPT2,
         {**MOE, "model.moe.shared_expert_ffn_hidden_size": 64, "model.moe.shared_expert_gate": True},
         {**MOE, "train.precision": "bf16"},
+        DEEPSEEK,
+        {**DEEPSEEK, "train.precision": "bf16", "model.mla.q_lora_rank": "none"},
+        {**DEEPSEEK, "model.recompute": "full", "model.mtp_num_layers": 2},
     ],
-    ids=["none", "selective", "full", "bf16-autocast", "dropout", "gpt2", "moe-shared", "moe-bf16"],
+    ids=[
+        *("none", "selective", "full", "bf16-autocast", "dropout", "gpt2", "moe-shared", "moe-bf16"),
+        *("mla-mtp", "mla-no-q-latent-bf16", "mla-mtp2-full"),
+    ],
 )
 def test_memory_model_one_process(extra):
     from mlm.parallel import Mesh

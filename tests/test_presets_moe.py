@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mlm.config import load_config
+from mlm.counts import ParameterCounts
 from mlm.flops import flops_per_token, mlp_flops
 from mlm.model import parameter_counts
 
@@ -17,20 +18,20 @@ def test_published_moe_parameter_counts():
     # 46,702,792,704 (Mistral's "46.7B"). Active: 6 of 8 experts skipped per layer,
     # 32 × 6 × 3 × 4096 × 14336 = 33,822,867,456 fewer: 12,879,925,248 ("12.9B").
     mixtral = load_config(overrides=["preset=mixtral-8x7b"]).model
-    assert parameter_counts(mixtral) == (46_702_792_704, 12_879_925_248)
+    assert parameter_counts(mixtral) == ParameterCounts(46_702_792_704, 12_879_925_248)
     # Qwen3-30B-A3B: per layer attention 2·2048·(4096 + 512) = 18,874,368 + q/k norms 2 × 128,
     # 128 experts × 3 × 2048 × 768 = 603,979,776, router 128 × 2048, two norms: 623,120,640;
     # × 48 + 2 × 151936 × 2048 + 2048 = 30,532,122,624 ("30.5B"); active: 120 of 128 experts
     # skipped, 48 × 120 × 3 × 2048 × 768 fewer = 3,353,032,704 ("3.3B").
     qwen = load_config(overrides=["preset=qwen3-30b-a3b"]).model
-    assert parameter_counts(qwen) == (30_532_122_624, 3_353_032_704)
+    assert parameter_counts(qwen) == ParameterCounts(30_532_122_624, 3_353_032_704)
     # a dense model's active count is its total
     llama = load_config(overrides=["preset=llama3-8b"]).model
-    assert parameter_counts(llama) == (8_030_261_248, 8_030_261_248)
+    assert parameter_counts(llama) == ParameterCounts(8_030_261_248, 8_030_261_248)
     tiny = load_config(overrides=["preset=tiny-moe"]).model
     assert [s.mlp for s in tiny.layer_specs()] == ["dense", "moe", "moe", "moe"]
-    total, active = parameter_counts(tiny)
-    assert total - active == 3 * 6 * 3 * 128 * 96  # 3 MoE layers, 6 of 8 experts of 3 × D × F skipped
+    c = parameter_counts(tiny)
+    assert c.total - c.active == 3 * 6 * 3 * 128 * 96  # 3 MoE layers, 6 of 8 experts of 3 × D × F skipped
 
 
 def test_moe_flops_per_token_by_hand():
@@ -73,7 +74,7 @@ def test_flops_follow_active_parameters():
     """Without the attention-over-sequence term, MoE FLOPs per token are 6 × the active matmul
     weights (every parameter a token uses once is a multiply-add, forward and backward)."""
     cfg = load_config(overrides=["preset=mixtral-8x7b"]).model
-    total, active = parameter_counts(cfg)
+    active = parameter_counts(cfg).active
     D, L, V = cfg.hidden_size, cfg.num_layers, cfg.padded_vocab_size()
     seq_term = L * 6 * 2 * 4096 * cfg.num_attention_heads * cfg.head_dim
     norms = L * 2 * D + D

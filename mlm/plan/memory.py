@@ -25,8 +25,9 @@ expert bias is a weight without gradient or optimizer state.
 
 A rank holds its pipeline stage's layers (Megatron's interleaved assignment for vpp > 1), the
 vocabulary-padded embedding (make_vocab_size_divisible_by × tp rows, split over tp) on the first
-stage, the final norm and output layer on the last, and with tied embeddings a copy of the
-embedding on the last stage when pp > 1. Row-parallel biases and norms are replicated over tp.
+stage, the final norm, output layer and MTP depths on the last, and with tied embeddings or MTP a
+copy of the embedding on the last stage when pp > 1. Row-parallel biases, norms, MLA's
+down-projections and the MTP depths' eh_proj are replicated over tp.
 
 Activations: what autograd saves for backward, per layer and micro-batch, read off mlm's own
 layers (measured with saved_tensors_hooks on one process and under tp/sp/cp; tests/test_plan.py
@@ -42,6 +43,8 @@ stays fp32), per layer:
     q, k, v after RoPE e·h/t·(1 + 2G/H)·A
     attention          output e·h/t·A (the out-projection's input) + logsumexp b·(H/t)·s·4: the
                        SDPA/flash kernels keep no s×s matrix
+    MLA                (`mla_activation_bytes`) the query and key/value latents over the whole
+                       sequence on every tp rank, q, k and kv_up's output per head, the output
     MLP                SwiGLU: gate, up, silu(gate), product: 4·e·f/t·A; GeLU: up, gelu: 2·e·f/t·A
     MoE MLP            N = e/u tokens routed on this rank, M = N·k copies (balanced routing; the
                        copies this rank's experts receive under ep): the router's fp32 input N·h·4,
@@ -69,7 +72,9 @@ Micro-batches in flight: the peak number of (chunk, micro-batch) forwards a rank
 1F1B / interleaved schedule (`mlm.parallel.schedules.peak_in_flight`: pp − rank on rank r for
 1F1B; more with interleaving). Under autocast each in-flight micro-batch also holds the bf16
 copies of the stage's linear weights (2 B per weight), which the cast's consumer saves.
-The last stage's logits and loss live for one micro-batch (its backward follows at once).
+The last stage's logits and loss live for one micro-batch (its backward follows at once), and so
+do the MTP depths' activations (each a layer, never recomputed, its norms, eh_proj's input and
+another loss: `stage_extras`).
 
 Communication buffers and headroom are estimates, not counts (see `component notes` in
 docs/plan.md): bf16 gradient-reduction copies of the whole buffer (all buckets can be in flight),
@@ -95,9 +100,10 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mlm.config import Config, ModelConfig
+from mlm.counts import ParameterCounts
 from mlm.parallel.buckets import bucket_layout
 from mlm.parallel.schedules import peak_in_flight, stage_layer_counts
 from mlm.plan.layout import Layout
@@ -152,30 +158,77 @@ def _moe_params(cfg: ModelConfig, prefix: str, tp: int, ep: int) -> list[Param]:
     return out
 
 
-def _layer_params(cfg: ModelConfig, i: int, tp: int, ep: int, mlp: str) -> list[Param]:
+def _norm_params(cfg: ModelConfig, prefix: str) -> list[Param]:
+    keys = ["weight", "bias"] if cfg.normalization == "layernorm" else ["weight"]
+    return [Param(f"{prefix}.{k}", cfg.hidden_size) for k in keys]
+
+
+def _mla_params(cfg: ModelConfig, prefix: str, tp: int) -> list[Param]:
+    """Multi-latent attention (`mlm.model.mla`): the down-projections and their RMSNorms replicated
+    over tp (each rank feeds its heads from them), the up-projections (or q without a query
+    latent) column-parallel by heads, out row-parallel (its bias replicated)."""
+    h, m, H = cfg.hidden_size, cfg.mla, cfg.num_attention_heads // tp
+    out: list[Param] = []
+
+    def linear(name: str, rows: int, cols: int, bias: bool = cfg.add_bias, bias_rows: int | None = None):
+        out.append(Param(f"{prefix}.{name}.weight", rows * cols, linear=True))
+        if bias:
+            out.append(Param(f"{prefix}.{name}.bias", bias_rows or rows))
+
+    if m.q_lora_rank is None:
+        linear("q", H * m.qk_head_dim, h)
+    else:
+        linear("q_down", m.q_lora_rank, h)
+        out.append(Param(f"{prefix}.q_norm.weight", m.q_lora_rank))
+        linear("q_up", H * m.qk_head_dim, m.q_lora_rank, bias=False)
+    linear("kv_down", m.kv_lora_rank + m.qk_rope_head_dim, h)
+    out.append(Param(f"{prefix}.kv_norm.weight", m.kv_lora_rank))
+    linear("kv_up", H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, bias=False)
+    linear("out", h, H * m.v_head_dim, bias_rows=h)
+    return out
+
+
+def _layer_params(cfg: ModelConfig, i: int | str, tp: int, ep: int, mlp: str) -> list[Param]:
+    """One layer's parameters, named `layers.{i}.…` (or `{i}.…` for a prefix such as `mtp.0.layer`)."""
     h, K = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * K // tp, cfg.query_groups * K // tp
+    prefix = f"layers.{i}" if isinstance(i, int) else i
     out: list[Param] = []
-    norm = ["weight", "bias"] if cfg.normalization == "layernorm" else ["weight"]
 
     def linear(name: str, rows: int, cols: int, bias: int, has_bias: bool = cfg.add_bias) -> None:
-        out.append(Param(f"layers.{i}.{name}.weight", rows * cols, linear=True))
+        out.append(Param(f"{prefix}.{name}.weight", rows * cols, linear=True))
         if has_bias:
-            out.append(Param(f"layers.{i}.{name}.bias", bias))
+            out.append(Param(f"{prefix}.{name}.bias", bias))
 
-    out += [Param(f"layers.{i}.attn_norm.{k}", h) for k in norm]
-    qkv_bias = cfg.add_bias or cfg.qkv_bias
-    linear("attn.q", q, h, q, qkv_bias)
-    linear("attn.k", kv, h, kv, qkv_bias)
-    linear("attn.v", kv, h, kv, qkv_bias)
-    linear("attn.out", h, q, h)  # row-parallel: the bias is replicated
-    if cfg.qk_norm:  # one [K] weight each, shared by the heads: replicated over tp
-        out += [Param(f"layers.{i}.attn.q_norm.weight", K), Param(f"layers.{i}.attn.k_norm.weight", K)]
-    out += [Param(f"layers.{i}.mlp_norm.{k}", h) for k in norm]
-    if mlp == "moe":
-        out += _moe_params(cfg, f"layers.{i}.mlp", tp, ep)
+    out += _norm_params(cfg, f"{prefix}.attn_norm")
+    if cfg.attention_kind == "mla":
+        out += _mla_params(cfg, f"{prefix}.attn", tp)
     else:
-        out += _mlp_params(cfg, f"layers.{i}.mlp", cfg.ffn_size, tp)
+        qkv_bias = cfg.add_bias or cfg.qkv_bias
+        linear("attn.q", q, h, q, qkv_bias)
+        linear("attn.k", kv, h, kv, qkv_bias)
+        linear("attn.v", kv, h, kv, qkv_bias)
+        linear("attn.out", h, q, h)  # row-parallel: the bias is replicated
+        if cfg.qk_norm:  # one [K] weight each, shared by the heads: replicated over tp
+            out += [Param(f"{prefix}.attn.q_norm.weight", K), Param(f"{prefix}.attn.k_norm.weight", K)]
+    out += _norm_params(cfg, f"{prefix}.mlp_norm")
+    if mlp == "moe":
+        out += _moe_params(cfg, f"{prefix}.mlp", tp, ep)
+    else:
+        out += _mlp_params(cfg, f"{prefix}.mlp", cfg.ffn_size, tp)
+    return out
+
+
+def _mtp_params(cfg: ModelConfig, tp: int, ep: int, mlp: str) -> list[Param]:
+    """The MTP depths (`mlm.model.mtp`, on the last stage): enorm, hnorm, eh_proj [D, 2D] (all
+    replicated over tp), a layer of the last layer's kinds, a final norm."""
+    h, out = cfg.hidden_size, []
+    for d in range(cfg.mtp_num_layers):
+        p = f"mtp.{d}"
+        out += _norm_params(cfg, f"{p}.enorm") + _norm_params(cfg, f"{p}.hnorm")
+        out.append(Param(f"{p}.eh_proj.weight", h * 2 * h, linear=True))
+        out += _layer_params(cfg, f"{p}.layer", tp, ep, mlp)
+        out += _norm_params(cfg, f"{p}.final_norm")
     return out
 
 
@@ -200,6 +253,8 @@ class Stage:
     params: list[Param] = field(repr=False)
     kinds: tuple[str, ...] = ()
     """The MLP kind of each of the model's layers ("dense", "moe")."""
+    mtp: int = 0
+    """MTP depths on this rank (the last stage's; each one layer of the last layer's kind)."""
     numels: tuple[int, ...] = field(init=False, repr=False)
     """The trainable parameters of the dense gradient buffer (reduced over dp)."""
     expert_numels: tuple[int, ...] = field(init=False, repr=False)
@@ -209,7 +264,8 @@ class Stage:
     layer_linear: int = field(init=False)
     """Elements of the layers' linear weights."""
     output_linear: int = field(init=False)
-    """Elements of the output layer's weight (or the tied embedding's) on the last stage."""
+    """Elements of the output layer's weight (or the tied embedding's) and the MTP depths' linear
+    weights on the last stage (their casts live one micro-batch: the backward follows at once)."""
     kind_counts: tuple[tuple[str, int], ...] = field(init=False, repr=False)
     """(MLP kind, layers of that kind on this rank)."""
     chunk_kind_counts: tuple[tuple[tuple[str, int], ...], ...] = field(init=False, repr=False)
@@ -251,7 +307,8 @@ def rank_stage(
     V, h = m.padded_vocab_size(tp), m.hidden_size
     kinds = tuple(spec.mlp for spec in m.layer_specs())
     params: list[Param] = []
-    if first or (last and m.tie_embeddings):
+    # the last stage holds a copy of the embedding when it is the output layer (tied) or MTP's input
+    if first or (last and (m.tie_embeddings or m.mtp_num_layers)):
         params.append(Param("embed.weight", V // tp * h, linear=last and m.tie_embeddings))
     if first and m.position_embedding == "learned":
         params.append(Param("pos_embed.weight", m.max_position_embeddings * h))
@@ -259,11 +316,27 @@ def rank_stage(
     for i in layers:
         params += _layer_params(m, i, tp, ep, kinds[i])
     if last:
-        norm = ["weight", "bias"] if m.normalization == "layernorm" else ["weight"]
-        params += [Param(f"final_norm.{k}", h) for k in norm]
+        params += _norm_params(m, "final_norm")
         if not m.tie_embeddings:
             params.append(Param("output.weight", V // tp * h, linear=True))
-    return Stage(layers, chunks, first, last, params, kinds)
+        params += _mtp_params(m, tp, ep, kinds[-1])
+    return Stage(layers, chunks, first, last, params, kinds, m.mtp_num_layers if last else 0)
+
+
+def parameter_counts(cfg: Config) -> ParameterCounts:
+    """The model's parameter counts from the planner's parameter list (torch-free; equal to
+    `mlm.model.parameter_counts` of the built model): one rank holding everything."""
+    stage = rank_stage(cfg, 1, 1, 1, 0)
+    moe = cfg.model.moe
+    E, k = moe.num_experts, moe.router_topk
+    counts = {False: [0, 0], True: [0, 0]}  # MTP? → [total, skipped]
+    for p in stage.params:
+        c = counts[p.name.startswith("mtp.")]
+        c[0] += p.numel
+        if ".experts." in p.name:
+            c[1] += p.numel // E * (E - k)
+    (total, skip), (mtp, mtp_skip) = counts[False], counts[True]
+    return ParameterCounts(total, total - skip, mtp, mtp - mtp_skip)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -320,9 +393,20 @@ def local_tokens(cfg: Config, layout: Layout) -> int:
     return cfg.data.seq_length // layout.cp
 
 
-def _kv_elems(cfg: Config, layout: Layout, tokens: int) -> float:
-    """Elements of one rank's keys and values (both) for `tokens` tokens per sequence."""
+def head_dims(m: ModelConfig) -> tuple[int, int]:
+    """(query/key dims, value dims) of one attention head: (K, K), MLA's (N + R, E)."""
+    if m.attention_kind == "mla":
+        return m.mla.qk_head_dim, m.mla.v_head_dim
+    return m.head_dim, m.head_dim
+
+
+def kv_elems(cfg: Config, layout: Layout, tokens: int) -> float:
+    """Elements of one rank's keys and values (both) for `tokens` tokens per sequence: G/t groups
+    of K each, or under MLA every one of the H/t heads' key (N + R) and value (E) as the core sees
+    them (expanded from the latent)."""
     m = cfg.model
+    if m.attention_kind == "mla":
+        return layout.micro_batch * tokens * m.num_attention_heads / layout.tp * sum(head_dims(m))
     return 2 * layout.micro_batch * tokens * m.query_groups / layout.tp * m.head_dim
 
 
@@ -336,10 +420,11 @@ def cp_attention_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
     S, s = cfg.data.seq_length, local_tokens(cfg, layout)
     if layout.cp_comm_type == "all_gather":
         return {
-            "gathered k, v (other cp ranks)": _kv_elems(cfg, layout, S - s) * A,
+            "gathered k, v (other cp ranks)": kv_elems(cfg, layout, S - s) * A,
             "cp attention mask": s * S * A,
         }
-    return {"ring output": layout.micro_batch * s * m.hidden_size / layout.tp * A}
+    heads = m.num_attention_heads / layout.tp
+    return {"ring output": layout.micro_batch * s * heads * head_dims(m)[1] * A}
 
 
 def cp_workspace_bytes(cfg: Config, layout: Layout) -> float:
@@ -355,9 +440,10 @@ def cp_workspace_bytes(cfg: Config, layout: Layout) -> float:
             return 0.0
         A = 2 if cfg.train.precision in _AUTOCAST else 4
         S = cfg.data.seq_length
-        return (s * S + _kv_elems(cfg, layout, S - s)) * A
+        return (s * S + kv_elems(cfg, layout, S - s)) * A
     heads = m.num_attention_heads / layout.tp
-    return 4 * b * heads * s * s * 4 + s * s + 3 * b * s * heads * m.head_dim * 4
+    qk, v = head_dims(m)
+    return 4 * b * heads * s * s * 4 + s * s + b * s * heads * (2 * qk + v) * 4  # q, dq; dO
 
 
 def cp_buffer_bytes(cfg: Config, layout: Layout) -> float:
@@ -368,8 +454,8 @@ def cp_buffer_bytes(cfg: Config, layout: Layout) -> float:
         return 0.0
     A = 2 if cfg.train.precision in _AUTOCAST else 4
     if layout.cp_comm_type == "all_gather":
-        return _kv_elems(cfg, layout, cfg.data.seq_length) * A
-    return 2 * _kv_elems(cfg, layout, local_tokens(cfg, layout)) * (A + 4)
+        return kv_elems(cfg, layout, cfg.data.seq_length) * A
+    return 2 * kv_elems(cfg, layout, local_tokens(cfg, layout)) * (A + 4)
 
 
 def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> dict[str, float]:
@@ -384,17 +470,21 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
     A = 2 if autocast else 4
     if layout.recompute == "full":
         return {"layer input (full recompute)": e * h / u * 4}
-    rms = m.normalization == "rmsnorm"
-    norm = e * h / u * (4 + (4 if rms else 0)) + e / u * 4 * (1 if rms else 2)
+    norm = _norm_bytes(cfg, e / u)
     gated = m.activation == "swiglu"
     moe = kind == "moe"
     mlp_inputs = (2 if gated else 1) if autocast else 1
+    mla = m.attention_kind == "mla"
+    attention_inputs = (2 if mla else 3) if autocast else 1  # one cast per linear reading the norm
     parts = {
         "norms": 2 * norm,
-        "linear inputs": e * h * A * ((3 if autocast else 1) + (0 if moe else mlp_inputs)),
-        "q, k, v": e * h / t * (1 + 2 * G / H) * A,
-        "attention output": e * h / t * A,
+        "linear inputs": e * h * A * (attention_inputs + (0 if moe else mlp_inputs)),
     }
+    if mla:
+        parts.update(mla_activation_bytes(cfg, layout, e, A))
+    else:
+        parts["q, k, v"] = e * h / t * (1 + 2 * G / H) * A
+        parts["attention output"] = e * h / t * A
     if moe:
         parts.update(moe_activation_bytes(cfg, layout, e, u, A, mlp_inputs))
     else:
@@ -406,6 +496,37 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
     if m.hidden_dropout > 0:
         parts["dropout masks"] = 2 * e * h / u
     return parts
+
+
+def _norm_bytes(cfg: Config, tokens: float) -> float:
+    """What one norm over `tokens` tokens of the residual stream saves: its fp32 input, RMSNorm's
+    x̂, and its statistics (LayerNorm: mean and rstd)."""
+    rms = cfg.model.normalization == "rmsnorm"
+    return tokens * cfg.model.hidden_size * (4 + (4 if rms else 0)) + tokens * 4 * (1 if rms else 2)
+
+
+def mla_activation_bytes(cfg: Config, layout: Layout, e: int, A: int) -> dict[str, float]:
+    """Multi-latent attention's saved tensors (measured on `mlm.model.mla` with
+    saved_tensors_hooks, fp32 and bf16 autocast, exact): the latents are computed on every tp rank
+    over the whole sequence (`e` tokens, gathered under sequence parallelism), the heads split.
+
+    query latent   q_norm's fp32 input and x̂ (RMSNorm runs in fp32 under autocast) and rstd,
+                   q_up's input: e·Q·(8 + A) + 4e (none without q_lora_rank)
+    kv latent      the same for kv_norm and kv_up, e·C·(8 + A) + 4e; in fp32 kv_norm's input is a
+                   view of kv_down's whole output, so the rope key's e·R·4 too
+    q, k, v        q and k after RoPE (nope ; rope dims) and kv_up's output, of which v is a view:
+                   e·H/t·(2·(N + R) + N + E)·A
+    output         e·H/t·E·A (the out-projection's input)"""
+    m, ml = cfg.model, cfg.model.mla
+    heads = m.num_attention_heads / layout.tp
+    C, R, N, E = ml.kv_lora_rank, ml.qk_rope_head_dim, ml.qk_nope_head_dim, ml.v_head_dim
+    out = {}
+    if ml.q_lora_rank:
+        out["query latent"] = e * ml.q_lora_rank * (8 + A) + 4 * e
+    out["key/value latent"] = e * C * (8 + A) + 4 * e + (e * R * 4 if A == 4 else 0)
+    out["q, k, v"] = e * heads * (2 * (N + R) + N + E) * A
+    out["attention output"] = e * heads * E * A
+    return out
 
 
 def moe_activation_bytes(
@@ -449,20 +570,32 @@ def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
     e, h = b * s, m.hidden_size
     A = 2 if cfg.train.precision in _AUTOCAST else 4
     out: dict[str, float] = {}
+    rope = 2 * s * m.rope_dim * 4  # cos and sin
     if m.position_embedding == "rope" and layout.recompute != "full":
         # under full recompute the checkpoint's closure holds them (a few MB), not autograd
-        out["rope tables"] = sum(2 * s * m.head_dim * 4 for c in stage.chunks if c)
+        out["rope tables"] = sum(rope for c in stage.chunks if c)
+    embedding = e * 8 + (e if t > 1 else 0) + (e * h if m.hidden_dropout > 0 else 0)
     if stage.first:
-        out["embedding"] = e * 8 + (e if t > 1 else 0) + (e * h if m.hidden_dropout > 0 else 0)
+        out["embedding"] = embedding
     if stage.last:
-        rms = m.normalization == "rmsnorm"
-        out["final norm"] = e * h / u * (4 + (4 if rms else 0)) + e / u * 4 * (1 if rms else 2)
+        out["final norm"] = _norm_bytes(cfg, e / u)
         out["output input"] = e * h * A
         V = m.padded_vocab_size(t)
         if t > 1:  # vocab-parallel cross-entropy: softmax shard, two masks
             out["loss"] = e * V / t * 4 + e * (1 + 8)
         else:  # F.cross_entropy: log-softmax over the real vocabulary + the flattened labels
             out["loss"] = e * m.vocab_size * 4 + e * 8
+    if stage.mtp:
+        # the main model's final norm again (x̂ and statistics: its input is saved already) and
+        # RoPE tables; per depth the embedding of the tokens ahead, enorm, hnorm, eh_proj's input
+        # [e, 2h], one layer (never recomputed: `mlm.parallel.recompute` wraps model.layers),
+        # its final norm, the output layer's input and the loss (per-token, weighted: + 8 bytes)
+        again = _norm_bytes(cfg, e / u) - e * h / u * 4
+        whole = replace(layout, recompute="none")
+        layer = sum(layer_activation_bytes(cfg, whole, stage.kinds[-1]).values())
+        depth = embedding + 3 * _norm_bytes(cfg, e / u) + e * 2 * h / u * A + layer
+        depth += out["output input"] + out["loss"] + 8 * e
+        out["mtp depths"] = again + (rope if m.position_embedding == "rope" else 0) + stage.mtp * depth
     return out
 
 
@@ -535,7 +668,9 @@ def rank_memory(
     per_layer = layer_activation_bytes(cfg, layout, big)
     extras = stage_extras(cfg, layout, stage)
     first_extra = extras.get("embedding", 0.0) + extras.get("rope tables", 0.0) / max(1, len(stage.chunks))
-    last_extra = sum(v for k, v in extras.items() if k in ("final norm", "output input", "loss"))
+    last_extra = sum(
+        v for k, v in extras.items() if k in ("final norm", "output input", "loss", "mtp depths")
+    )
     layer_casts, output_cast = weight_cast_bytes(cfg, stage, layout)
     comps["activations"] = in_flight * (chunk_bytes + first_extra) + last_extra
     comps["weight casts"] = in_flight * layer_casts / len(stage.chunks) + output_cast

@@ -7,9 +7,16 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from mlm.console import human
 from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
 from mlm.plan.layout import Job, Layout
-from mlm.plan.memory import cp_buffer_bytes, korthikanti_layer_bytes, local_tokens
+from mlm.plan.memory import (
+    cp_buffer_bytes,
+    korthikanti_layer_bytes,
+    kv_elems,
+    local_tokens,
+    parameter_counts,
+)
 from mlm.plan.search import Candidate, SearchResult
 
 GB = 1e9
@@ -37,10 +44,21 @@ def _mesh(lo: Layout) -> str:
     return s
 
 
+def model_line(job: Job) -> str:
+    """'model: total 671.03G, active 37.55G (+ MTP 11.61G, 688.10M active) parameters, 61 layers
+    + 1 MTP depth, 291.85 GFLOP per token at seq 4096' (the counts from the planner's parameters)."""
+    m = job.cfg.model
+    mtp = f" + {m.mtp_num_layers} MTP depth{'s' if m.mtp_num_layers > 1 else ''}" if m.mtp_num_layers else ""
+    return (
+        f"model: {parameter_counts(job.cfg).describe(human)} parameters, {m.num_layers} layers{mtp}, "
+        f"{job.flops_per_token / 1e9:,.2f} GFLOP per token at seq {job.seq}"
+    )
+
+
 def ranked_table(job: Job, result: SearchResult, top: int) -> Table:
     t = Table(
         title=f"mlm plan: {job.gpus} × {job.hardware.name}, {result.evaluated} layouts evaluated, "
-        f"{len(result.ranked)} fit; best {min(top, len(result.ranked))}",
+        f"{len(result.ranked)} fit; best {min(top, len(result.ranked))}\n{model_line(job)}",
         title_justify="left",
     )
     for col in ("#", "mesh", "sp", "mb", "m", "recompute", "dist opt"):
@@ -101,6 +119,13 @@ def explain(job: Job, c: Candidate) -> Group:
         )
     if lo.cp > 1:
         head.append("\n" + context_parallel_line(job, lo), style="bold")
+    if m.mtp_num_layers:
+        head.append(
+            f"\nMTP: {m.mtp_num_layers} depth(s) on the last pipeline rank, each a layer of the last "
+            "layer's kind (never recomputed), eh_proj and another pass of the output layer"
+            + ("; the rank also holds an embedding copy for their inputs" if lo.pp > 1 else ""),
+            style="bold",
+        )
     mt = Table(
         title=f"memory per GPU (pipeline rank {mem.pp_rank}, {mem.in_flight} micro-batch chunks in flight)",
         title_justify="left",
@@ -155,10 +180,10 @@ def explain(job: Job, c: Candidate) -> Group:
 
 def context_parallel_line(job: Job, lo: Layout) -> str:
     """How a cp layout splits each sequence and what its attention moves per layer."""
-    cfg, m = job.cfg, job.cfg.model
+    cfg = job.cfg
     S, s, cp = cfg.data.seq_length, local_tokens(cfg, lo), lo.cp
     A = 2 if cfg.train.precision in ("bf16", "fp16") else 4
-    kv = 2 * lo.micro_batch * s * m.query_groups / lo.tp * m.head_dim * A
+    kv = kv_elems(cfg, lo, s) * A
     link = "NVLink" if lo.tp * cp <= job.gpus_per_node else "the network"
     split = (
         f"context parallel: each {S}-token sequence in {2 * cp} chunks of {S // (2 * cp)}; cp rank r "

@@ -73,14 +73,25 @@ def _first_line(e: MlmError) -> str:
 def uneven_split(num_layers: int, stages: int) -> tuple[int, int] | None:
     """(first, last) layers for `stages` virtual stages when they do not divide `num_layers`: the
     most k <= num_layers // stages on the first and last stage (which also hold the embedding and
-    the output layer) such that the others share the rest evenly with at least k each; None if
-    there is none."""
-    if stages < 3:
+    the output layer) such that the others share the rest evenly with at least k each. Failing
+    that (an odd number of layers left for the two ends, as DeepSeek-V3's prime 61 leaves for any
+    even number of stages), the fewest layers m on each other stage such that the first and last
+    share the rest, the last taking one fewer (it also holds the output layer and any MTP depths):
+    61 over 16 stages is 3, 14 × 4, 2; over 2 stages 31, 30. None if there is none."""
+    if stages < 2:
         return None
+    if stages == 2:
+        return ((num_layers + 1) // 2, num_layers // 2) if num_layers % 2 else None
     for k in range(num_layers // stages, 0, -1):
         rest = num_layers - 2 * k
         if rest % (stages - 2) == 0 and rest // (stages - 2) >= k:
             return k, k
+    for m in range(-(-num_layers // stages), num_layers):
+        ends = num_layers - (stages - 2) * m
+        if ends < 2:
+            return None
+        if ends <= 2 * m:
+            return (ends + 1) // 2, ends // 2
     return None
 
 

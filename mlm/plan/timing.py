@@ -5,7 +5,10 @@
                 gives every cp rank the same causal attention work) × (its layers' FLOPs + the logits' on the
                 last stage; Megatron's count, `mlm.flops`), plus recompute (full: one more forward
                 of each layer; selective: one more forward of the attention core), over
-                tp × peak(precision) × efficiency(smallest GEMM side)  (`Hardware.efficiency`);
+                tp × peak(precision) × efficiency(smallest GEMM side)  (`Hardware.efficiency`),
+                but MLA's down-projections over peak × efficiency (every tp rank computes them whole);
+                the last stage adds each MTP depth: its layer (never recomputed), eh_proj over its
+                e/u tokens and another pass of the output layer;
                 an MoE layer's router and k routed experts run whole on each rank over its e/u
                 tokens, at the efficiency of the expert GEMMs' smallest side (rows per expert
                 = e/u · k · ep / E: ep raises it)
@@ -47,13 +50,13 @@ per step / (step × GPUs × peak).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mlm.config import Config
-from mlm.flops import attention_flops, mlp_flops
+from mlm.flops import attention_flops, eh_proj_flops, logits_flops, mlp_flops
 from mlm.parallel.schedules import bubble_fraction
 from mlm.plan.layout import Job, Layout
-from mlm.plan.memory import Stage, buffer_bytes, local_tokens
+from mlm.plan.memory import Stage, buffer_bytes, kv_elems, local_tokens
 
 _AUTOCAST = ("bf16", "fp16")
 
@@ -151,14 +154,14 @@ def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float) -> floa
     m = cfg.model
     A = 2 if cfg.train.precision in _AUTOCAST else 4
     S, s, b = cfg.data.seq_length, local_tokens(cfg, layout), layout.micro_batch
-    kv = 2 * b * s * m.query_groups / layout.tp * m.head_dim  # one message: this rank's K and V
+    kv = kv_elems(cfg, layout, s)  # one message: this rank's K and V
     bw, lat = cp_link(job, layout)
     passes = 1 if layout.recompute == "none" else 2  # recompute re-runs the attention core
     if layout.cp_comm_type == "all_gather":
         # K and V gathered separately (two collectives), their gradients reduce-scattered
         one = 2 * _collective(kv * cp / 2 * A, cp, bw, lat, 1.0)
         return passes * one + one
-    core_forward = b * s * 4 * S * m.num_attention_heads * m.head_dim / rate  # the local queries
+    core_forward = b * s * attention_flops(m, S).core / 3 / rate  # the local queries (rate: all tp ranks)
     step = core_forward / cp
     forward = (cp - 1) * max(0.0, kv * A / bw + lat - step)
     backward = (cp - 1) * max(0.0, kv * (A + 4) / bw + lat - 2 * step) + kv * 4 / bw + lat
@@ -173,33 +176,42 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     e, h = layout.micro_batch * local_tokens(cfg, layout), m.hidden_size
     A = 2 if cfg.train.precision in _AUTOCAST else 4
     total_per_token = job.flops_per_token
-    logits_per_token = 6 * h * m.padded_vocab_size()
+    logits_per_token = logits_flops(m)
     attention = attention_flops(m, s)
     peak = hw.peak(cfg.train.precision)
     side = min(e, h / t, m.ffn_size / t)
     eff = hw.efficiency(side)
     rate = t * peak * eff
-    rerun = {"full": 4 / 3, "selective": 1.0, "none": 1.0}[layout.recompute]  # full: one more forward
-    core = 4 * s * h if layout.recompute == "selective" else 0.0  # the attention core again
-    # per MLP kind: seconds per token of one layer (tp-split GEMMs at `rate`; the router and the
-    # routed experts run whole on each rank, on its e/u tokens, at the experts' GEMM efficiency:
-    # rows per expert = the copies a rank's E/ep experts receive from the ep ranks)
-    kinds = job.mlp_kinds
-    per_token: dict[str, float] = {}
-    for kind in set(kinds):
+    whole = replace(layout, recompute="none")  # MTP depths: `mlm.parallel.recompute` never wraps them
+
+    def layer_seconds(kind: str, recompute: str) -> float:
+        """Seconds per token of one layer of MLP kind `kind`: tp-split GEMMs at `rate`; MLA's
+        down-projections whole on each tp rank over the whole sequence; the router and the routed
+        experts whole on each rank, on its e/u tokens, at the experts' GEMM efficiency (rows per
+        expert = the copies a rank's E/ep experts receive from the ep ranks)."""
+        rerun = {"full": 4 / 3, "selective": 1.0, "none": 1.0}[recompute]  # full: one more forward
+        core = attention.core / 3 if recompute == "selective" else 0.0  # the attention core again
         f = mlp_flops(m, kind)
-        dense = (attention + f.tp) * rerun + core
-        sec = dense / rate
+        sec = ((attention.tp + attention.core + f.tp) * rerun + core) / rate
+        sec += attention.replicated * rerun / (peak * eff)
         if kind == "moe":
             E, k = m.moe.num_experts, m.moe.router_topk
             rows = e / u * k * layout.ep / E
             eff_e = hw.efficiency(min(rows, h, m.expert_ffn_size))
             sec += (f.routed * rerun / eff_e + f.router * rerun / eff) / (peak * u)
-        per_token[kind] = sec
+        return sec
+
+    per_token = {kind: layer_seconds(kind, layout.recompute) for kind in set(job.mlp_kinds)}
+    # one MTP depth: its layer (the last layer's kind), eh_proj (replicated over tp, on this rank's
+    # e/u tokens) and another pass of the output layer
+    last_kind = job.mlp_kinds[-1]
+    mtp_depth = (
+        layer_seconds(last_kind, "none") + eh_proj_flops(m) / (peak * eff * u) + logits_per_token / rate
+    )
 
     def compute(stage: Stage) -> float:
         layers = sum(per_token[k] * n for k, n in stage.kind_counts)
-        return e * (layers + (logits_per_token / rate if stage.last else 0.0))
+        return e * (layers + (logits_per_token / rate if stage.last else 0.0) + stage.mtp * mtp_depth)
 
     tp_bw, tp_lat = _link(hw, t <= job.gpus_per_node)
     per_layer_collectives = 6 if layout.recompute == "full" else 4
@@ -208,13 +220,16 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     p2p = 2 * layout.vpp * (e * h / u * 4 / pp_bw + pp_lat) if layout.pp > 1 else 0.0
     ep_one = ep_exchange_time(cfg, job, layout)
     cp_one = cp_exchange_time(cfg, job, layout, rate)
+    # an MTP depth's layer communicates as a layer does, without recompute
+    mtp_ep = ep_exchange_time(cfg, job, whole) if last_kind == "moe" else 0.0
+    mtp_cp = cp_exchange_time(cfg, job, whole, rate)
 
     per_micro = []
     for stage in stages:
         c = compute(stage)
-        tp_s = len(stage.layers) * per_layer_collectives * tp_one
-        ep_s = dict(stage.kind_counts).get("moe", 0) * ep_one
-        cp_s = len(stage.layers) * cp_one
+        tp_s = (len(stage.layers) * per_layer_collectives + 4 * stage.mtp) * tp_one
+        ep_s = dict(stage.kind_counts).get("moe", 0) * ep_one + stage.mtp * mtp_ep
+        cp_s = len(stage.layers) * cp_one + stage.mtp * mtp_cp
         per_micro.append((c + tp_s + ep_s + cp_s + p2p, c, tp_s, ep_s, cp_s))
     slowest = max(per_micro)
     c_mb, tp_mb, ep_mb, cp_mb = slowest[1:]

@@ -316,12 +316,13 @@ class Trainer(TrainerCheckpoints):
             self.dp_size,
         )
         micro_batches = iter(sampler)
-        n_params, n_active = parameter_counts(cfg.model)
+        counts = parameter_counts(cfg.model)
         self._print(
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
             f"mesh {self.mesh}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''}, attention {self.attention_backend}, {cfg.train.precision}, "
-            f"{n_params / 1e6:.2f}M parameters"
-            + (f" ({n_active / 1e6:.2f}M active per token)" if n_active != n_params else ""),
+            f"{counts.total / 1e6:.2f}M parameters"
+            + (f" ({counts.active / 1e6:.2f}M active per token)" if counts.active != counts.total else "")
+            + (f" + MTP {counts.mtp / 1e6:.2f}M" if counts.mtp else ""),
             highlight=False,
         )
         self._install_signal_handlers()

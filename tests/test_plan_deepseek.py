@@ -1,0 +1,89 @@
+"""`mlm plan` for DeepSeek-style models: the planner's parameters of every preset equal the built
+model's (the per-rank comparison under tp 2 × pp 2 × ep 2 with MLA and MTP is in test_plan.py's
+4-rank test); the compute term is the FLOPs of MLA (down-projections whole on every tp rank) and
+of the MTP depths; DeepSeek-V3's 61 layers split over 16 stages; and a sane plan for it on 512 H100s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mlm.config import load_config
+from mlm.flops import attention_flops, flops_per_token
+from mlm.hardware import PROFILES
+from mlm.model import parameter_counts
+from mlm.plan.hardware import load_hardware
+from mlm.plan.layout import Layout, make_job
+from mlm.plan.memory import parameter_counts as planned_counts
+from mlm.plan.memory import rank_stage
+from mlm.plan.report import model_line
+from mlm.plan.search import evaluate, plan, uneven_split
+from mlm.presets import PRESETS
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_planned_parameter_counts_equal_the_built_models(preset):
+    cfg = load_config(overrides=[f"preset={preset}"])
+    assert planned_counts(cfg) == parameter_counts(cfg.model)
+
+
+def test_compute_time_is_the_flops_of_mla_and_mtp():
+    # one GEMM efficiency whatever the shape, so the compute term is FLOPs / (peak × efficiency)
+    hw = dataclasses.replace(PROFILES["h100-80g"], gemm_half=0.0)
+    sets = ["preset=tiny-deepseek", "model.mlp_kind=dense", "model.mtp_num_layers=2"]
+    job = make_job(None, sets, 8, 8, hw, 256, 16, None, "bf16")
+    m, rate = job.cfg.model, hw.peak("bf16") * hw.gemm_max
+    tokens = 2 * 256  # one micro-batch of 2 per rank: dp 8 at tp 1, 2 micro-batches at tp 2
+    per_token = flops_per_token(m, 256)
+    one = evaluate(job, Layout(1, 1, 8, 2, 16))
+    assert one.timing.terms["compute"] == pytest.approx(tokens * per_token / rate, rel=1e-12)
+    # under tp 2 every GEMM splits but MLA's down-projections, which each rank computes whole
+    # over the whole sequence (3 layers and 2 MTP depths); eh_proj runs on each rank's half of
+    # the sequence (sequence parallelism)
+    replicated = (3 + 2) * attention_flops(m, 256).replicated
+    two = evaluate(job, Layout(2, 1, 4, 2, 16, sequence_parallel=True))
+    expected = 2 * tokens * ((per_token - replicated) / 2 + replicated) / rate
+    assert two.timing.terms["compute"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_prime_layer_counts_split_unevenly():
+    # DeepSeek-V3's 61 layers: no even split over any pp > 1; the last stage, which also holds
+    # the output layer and the MTP depth, gets one layer fewer than the first
+    assert uneven_split(61, 16) == (3, 2)
+    assert uneven_split(61, 8) == (7, 6)
+    assert uneven_split(61, 2) == (31, 30)
+    assert uneven_split(61, 3) == (20, 20)  # symmetric where it exists, as before
+    assert uneven_split(126, 16) == (7, 7)
+    assert uneven_split(61, 32) is None
+
+
+def test_deepseek_v3_plan_on_512_h100():
+    """DeepSeek trained V3 on 2,048 H800 with PP 16, EP 64, no TP (arXiv 2412.19437 §3), hiding the
+    cross-node all-to-all behind DualPipe: 180K GPU-hours per trillion tokens, 1,543 tokens/s per
+    GPU (FP8 GEMMs). mlm overlaps no all-to-all, so the planner keeps ep inside a node (ep 8);
+    PP 16 over the 61 layers it also finds, at bf16 and about two thirds of that rate."""
+    job = make_job(None, ["preset=deepseek-v3"], 512, 8, load_hardware("h100-80g"), 4096, 4096, None, "bf16")
+    result = plan(job, ep=8, cp=1)
+    best = result.ranked[0]
+    lo = best.layout
+    assert (lo.pp, lo.ep, lo.first_stage_layers, lo.last_stage_layers) == (16, 8, 3, 2)
+    assert lo.tp <= 8 and best.fits
+    assert 0.25 < best.timing.mfu < 0.5
+    assert 0.5 < best.timing.tokens_per_s_per_gpu / 1543 < 1.0
+    # tp 1, which DeepSeek used, does not fit here: mlm keeps fp32 weights and an fp32 gradient
+    # buffer (8 bytes per parameter before the optimizer), 27.5 GB each on a 4-layer stage at ep 8
+    assert "needs" in result.rejected[(1, 16)]
+    # the last rank holds the MTP depth (an MoE layer: its experts split over ep too) and a copy
+    # of the embedding for its input
+    last = rank_stage(job.cfg, lo.tp, 16, 1, 15, 3, 2, 8)
+    names = {p.name for p in last.params}
+    assert "embed.weight" in names and "mtp.0.eh_proj.weight" in names and last.mtp == 1
+    assert last.layers == [59, 60]
+    experts = next(p for p in last.params if p.name == "mtp.0.layer.mlp.experts.up.weight")
+    assert experts.expert_parallel and experts.numel == 256 // 8 * 2048 * 7168
+    assert model_line(job) == (
+        "model: total 671.03G, active 37.55G (+ MTP 11.61G, 688.10M active) parameters, "
+        "61 layers + 1 MTP depth, 291.85 GFLOP per token at seq 4096"
+    )
