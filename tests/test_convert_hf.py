@@ -18,8 +18,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_numerics import VOCAB, _randomize, gpt2, llama  # noqa: E402
-
 from mlm import hf as adapters  # noqa: E402
 from mlm.checkpoint import read_manifest, resolve_checkpoint  # noqa: E402
 from mlm.config import load_config  # noqa: E402
@@ -29,6 +27,7 @@ from mlm.errors import MlmError  # noqa: E402
 from mlm.units import parse_size  # noqa: E402
 
 from test_bad_input import ROOT, assert_error, mlm  # noqa: E402
+from test_hf_numerics import VOCAB, _randomize, gpt2, llama  # noqa: E402
 
 MODELS = {
     "llama": lambda: llama(tie=False),

@@ -28,8 +28,6 @@ if not hasattr(transformers, "DeepseekV3ForCausalLM"):
         allow_module_level=True,
     )
 
-from test_hf_numerics import _randomize  # noqa: E402
-
 from mlm import hf as adapters  # noqa: E402
 from mlm.config import MLAConfig, ModelConfig, MoEConfig  # noqa: E402
 from mlm.convert import hf as convert  # noqa: E402
@@ -39,6 +37,8 @@ from mlm.hf import config_from_hf, config_to_hf, hf_to_mlm, load_hf_into, mlm_to
 from mlm.model.gpt import GPT, build_model  # noqa: E402
 
 from test_bad_input import mlm  # noqa: E402
+from test_hf_moe import assert_round_trip, saved  # noqa: E402
+from test_hf_numerics import _randomize  # noqa: E402
 
 VOCAB, SEQ, N = 100, 40, 3
 YARN = {  # copied for every use: transformers adds rope_theta to the dict it is given
@@ -99,15 +99,6 @@ MODELS = {
 }
 
 
-def saved(model, path) -> dict[str, torch.Tensor]:
-    """The tensors `save_pretrained` writes (per-expert keys), as stored."""
-    model.save_pretrained(path)
-    state = {}
-    for _, tensors in hf_io.iter_weight_files(path):
-        state.update(tensors)
-    return state
-
-
 def tokens(seed: int = 3, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
@@ -157,27 +148,8 @@ def test_the_router_is_exercised(pair):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_state_round_trip_is_bitwise(tmp_path, name):
-    hf = MODELS[name]()
-    src = saved(hf, tmp_path / "hf")
+    src = assert_round_trip(MODELS[name](), tmp_path, tokens(4, 1))
     assert any(".experts.7." in k for k in src) and any("e_score_correction_bias" in k for k in src)
-    cfg = config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
-    assert cfg == config_from_hf(hf.config.to_dict())
-    mlm_state = hf_to_mlm(src, cfg)
-    assert mlm_state.keys() == GPT(cfg).state_dict().keys()
-    back, hf_config = mlm_to_hf(mlm_state, cfg, "deepseek_v3")
-    assert back.keys() == src.keys()
-    for k, t in back.items():
-        assert t.dtype == src[k].dtype and torch.equal(t, src[k]), k
-    assert config_from_hf(hf_config) == cfg
-    # the exported config.json and tensors load in transformers and compute what the source does
-    (tmp_path / "back").mkdir()
-    hf_io.write_safetensors(back, tmp_path / "back", 10**9)
-    (tmp_path / "back" / "config.json").write_text(json.dumps(hf_config))
-    again = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "back", attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        assert torch.equal(again(input_ids=tokens(4, 1)).logits, hf(input_ids=tokens(4, 1)).logits)
 
 
 def test_config_round_trip():

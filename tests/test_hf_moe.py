@@ -19,8 +19,6 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_numerics import VOCAB, _randomize  # noqa: E402
-
 from mlm import hf as adapters  # noqa: E402
 from mlm.config import ModelConfig, MoEConfig  # noqa: E402
 from mlm.convert import hf as convert  # noqa: E402
@@ -31,6 +29,7 @@ from mlm.hf.qwen3_moe import QWEN3_MOE  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
 
 from test_bad_input import mlm  # noqa: E402
+from test_hf_numerics import VOCAB, _randomize  # noqa: E402
 
 SEQ = 48
 COMMON = dict(
@@ -147,11 +146,10 @@ def test_layers_follow_the_hf_layer_rule(pair):
         assert (hf_config["decoder_sparse_step"], hf_config["mlp_only_layers"]) == (1, [1])
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_state_round_trip_is_bitwise(tmp_path, name):
-    hf = MODELS[name]()
+def assert_round_trip(hf, tmp_path, tokens_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """HF (as saved) → mlm → HF is bitwise, configs included, and the exported folder loads in
+    transformers and computes the source's logits on `tokens_BT`; returns the saved tensors."""
     src = saved(hf, tmp_path / "hf")
-    assert any(".experts.3." in k for k in src)  # per-expert keys, as the files hold them
     cfg = config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
     assert cfg == config_from_hf(hf.config.to_dict())
     mlm_state = hf_to_mlm(src, cfg)
@@ -161,16 +159,22 @@ def test_state_round_trip_is_bitwise(tmp_path, name):
     for k, t in back.items():
         assert t.dtype == src[k].dtype and torch.equal(t, src[k]), k
     assert config_from_hf(hf_config) == cfg
-    # the exported config.json and tensors load in transformers and compute what the source does
     (tmp_path / "back").mkdir()
     hf_io.write_safetensors(back, tmp_path / "back", 10**9)
     (tmp_path / "back" / "config.json").write_text(json.dumps(hf_config))
     again = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "back", attn_implementation="eager"
     ).eval()
-    tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        assert torch.equal(again(input_ids=tokens).logits, hf(input_ids=tokens).logits)
+        assert torch.equal(again(input_ids=tokens_BT).logits, hf(input_ids=tokens_BT).logits)
+    return src
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_state_round_trip_is_bitwise(tmp_path, name):
+    tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(4))
+    src = assert_round_trip(MODELS[name](), tmp_path, tokens)
+    assert any(".experts.3." in k for k in src)  # per-expert keys, as the files hold them
 
 
 def test_transformers_4x_config_keys():

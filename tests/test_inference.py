@@ -18,8 +18,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_numerics import llama as hf_llama  # noqa: E402
-
 from mlm.config import ModelConfig  # noqa: E402
 from mlm.convert.hf import import_hf  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
@@ -31,6 +29,7 @@ from mlm.model.generate import greedy  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
 
 from test_bad_input import ROOT  # noqa: E402
+from test_hf_numerics import llama as hf_llama  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

@@ -10,6 +10,8 @@ from mlm.config import load_config
 from mlm.counts import ParameterCounts
 from mlm.model import parameter_counts
 
+from test_presets_moe import preset_rows
+
 
 def _mla(D: int, H: int, q_lora: int | None, kv_lora=512, nope=128, rope=64, v=128) -> int:
     """One MLA block's parameters: q (or q_down, q_norm, q_up), kv_down, kv_norm, kv_up, out."""
@@ -101,7 +103,7 @@ def test_tiny_deepseek_and_printed_counts(capsys):
     assert c.total - c.active == 2 * (8 - 4) * expert and c.mtp - c.mtp_active == (8 - 4) * expert
     assert c.describe() == "total 708,704, active 659,552 (+ MTP 77,176, 52,600 active)"
 
-    from cli.config import list_presets, show
+    from cli.config import show
 
     show(preset="deepseek-v3", config=None, overrides=[])
     out = capsys.readouterr().out
@@ -110,18 +112,7 @@ def test_tiny_deepseek_and_printed_counts(capsys):
     )
     assert "# MTP depths (1): 11,610,068,224 (11.610 B) more, 688,100,608 active per token" in out
     assert "# layers: 0-2: mla + dense (rmsnorm); 3-60: mla + moe (rmsnorm)" in out
-    from rich.console import Console
-
-    import mlm.console
-
-    wide = Console(width=400, force_terminal=False)
-    old, mlm.console.console = mlm.console.console, wide
-    try:
-        with wide.capture() as cap:
-            list_presets()
-    finally:
-        mlm.console.console = old
-    rows = {line.split("│")[1].strip(): line for line in cap.get().splitlines() if line.count("│") > 3}
+    rows = preset_rows()
     assert "total 671.03G, active 37.55G (+ MTP 11.61G, 688.10M active)" in rows["deepseek-v3"]
     assert "total 15.71G, active 2.66G" in rows["deepseek-v2-lite"]
     assert "MTP" not in rows["deepseek-v2-lite"]

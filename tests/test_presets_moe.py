@@ -82,8 +82,25 @@ def test_flops_follow_active_parameters():
     assert flops_per_token(cfg, 4096) - seq_term == pytest.approx(6 * (active - norms - embedding), rel=1e-12)
 
 
+def preset_rows() -> dict[str, str]:
+    """`mlm config list`'s table rows by preset name (printed wide enough for every column)."""
+    from rich.console import Console
+
+    import mlm.console
+    from cli.config import list_presets
+
+    wide = Console(width=400, force_terminal=False)
+    old, mlm.console.console = mlm.console.console, wide
+    try:
+        with wide.capture() as cap:
+            list_presets()
+    finally:
+        mlm.console.console = old
+    return {line.split("│")[1].strip(): line for line in cap.get().splitlines() if line.count("│") > 3}
+
+
 def test_config_show_and_list_print_total_and_active(capsys):
-    from cli.config import list_presets, show
+    from cli.config import show
 
     show(preset="mixtral-8x7b", config=None, overrides=[])
     out = capsys.readouterr().out
@@ -91,18 +108,7 @@ def test_config_show_and_list_print_total_and_active(capsys):
     assert "# layers: 0-31: gqa + moe (rmsnorm)" in out
     show(preset="tiny-llama", config=None, overrides=[])
     assert "active" not in capsys.readouterr().out.splitlines()[1]
-    from rich.console import Console
-
-    import mlm.console
-
-    wide = Console(width=300, force_terminal=False)
-    old, mlm.console.console = mlm.console.console, wide
-    try:
-        with wide.capture() as cap:
-            list_presets()
-    finally:
-        mlm.console.console = old
-    rows = {line.split("│")[1].strip(): line for line in cap.get().splitlines() if line.count("│") > 3}
+    rows = preset_rows()
     assert "total 46.70G, active 12.88G" in rows["mixtral-8x7b"]
     assert "total 30.53G, active 3.35G" in rows["qwen3-30b-a3b"]
     assert "active" not in rows["llama3-8b"]
