@@ -75,11 +75,13 @@ def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
         with torch.device("meta"):
             model = GPT(cfg.model, padded_vocab=padded)
         split_for_pipeline(model, Mesh(world_size=p.pp, rank=r, pp=p.pp, pp_rank=r), p)
+        why = "tied" if cfg.model.tie_embeddings else "MTP"  # what the last stage's copy is for
+        mtp = f" + MTP {len(model.mtp)}" if model.mtp is not None else ""
         stages.add_row(
             str(r),
             ", ".join(_layer_range(c.layers) for c in model.chunks),
-            "yes" if any(c.first for c in model.chunks) else ("copy (tied)" if model.embed else ""),
-            "yes" if any(c.last for c in model.chunks) else "",
+            "yes" if any(c.first for c in model.chunks) else (f"copy ({why})" if model.embed else ""),
+            f"yes{mtp}" if any(c.last for c in model.chunks) else "",
             _params(sum(q.numel() for q in model.parameters()), p.tp),
         )
     parts = [mesh_line]
