@@ -242,7 +242,7 @@ class ModelConfig:
     rope_yarn_beta_slow: float = 1.0
     """YaRN: rotations above which dims are interpolated (beta_slow)."""
     rope_yarn_mscale: float = 1.0
-    """YaRN: mscale of the cos/sin factor, 0.1·mscale·ln(factor) + 1 over the same with mscale_all_dim."""
+    """YaRN: cos and sin × (0.1·mscale·ln(factor) + 1) / (the same with mscale_all_dim) when both are nonzero; else × (0.1·ln(factor) + 1)."""
     rope_yarn_mscale_all_dim: float = 0.0
     """YaRN: mscale_all_dim; nonzero also scales MLA's softmax by (0.1·it·ln(factor) + 1)² (DeepSeek); 0: off."""
     activation: str = "swiglu"
@@ -335,12 +335,25 @@ class ModelConfig:
             )
             _check(
                 self.position_embedding == "rope",
-                "model.attention_kind=mla needs position_embedding=rope (its decoupled key part is rotary)",
+                f"model.position_embedding={self.position_embedding!r} with attention_kind=mla: MLA's decoupled "
+                "key part is rotary; set model.position_embedding=rope",
             )
+            ignored = [
+                f"{k}={getattr(self, k)}" for k in ("kv_channels", "qk_norm", "qkv_bias") if getattr(self, k)
+            ]
+            _check(
+                not ignored,
+                f"model.{', model.'.join(ignored)} with attention_kind=mla: MLA's head dims are model.mla's "
+                "(qk_nope_head_dim, qk_rope_head_dim, v_head_dim) and it has no q/k norms or q/k/v biases; "
+                "unset them",
+            )
+        for name in ("mtp_num_layers", "mtp_loss_scaling_factor"):
+            _check(getattr(self, name) >= 0, f"model.{name}={getattr(self, name)}: must be >= 0 (0: no MTP)")
         _check(
-            self.mtp_num_layers >= 0 and self.mtp_loss_scaling_factor >= 0,
-            f"model.mtp_num_layers={self.mtp_num_layers}, mtp_loss_scaling_factor={self.mtp_loss_scaling_factor}: "
-            "must be >= 0",
+            not self.mtp_num_layers or self.position_embedding == "rope",
+            f"model.mtp_num_layers={self.mtp_num_layers} with position_embedding={self.position_embedding!r}: "
+            "MTP depths are built for rotary positions (DeepSeek-V3's); set model.position_embedding=rope "
+            "or model.mtp_num_layers=0",
         )
         _choice(s, "rope_scaling_type", self.rope_scaling_type, ("llama3", "yarn"))
         _check(

@@ -31,7 +31,7 @@ class ParameterCounts:
         return self.total + self.mtp
 
     def describe(self, fmt: Callable[[float], str] = "{:,}".format) -> str:
-        """ "total 671.03G, active 37.55G (+ MTP 11.61G, 688.38M active)" with `fmt` for each
+        """ "total 671.03G, active 37.55G (+ MTP 11.61G, 688.10M active)" with `fmt` for each
         number; just the total for a dense model without MTP."""
         text = (
             f"total {fmt(self.total)}, active {fmt(self.active)}"

@@ -6,6 +6,8 @@ of it (MLA with a query latent and YaRN, the DeepSeek router: sigmoid, expert bi
 scaling, a shared expert, a dense first layer; two MTP depths), so each mesh also checks their
 combinations. Plus: the MTP loss against a direct computation, and the clear errors.
 
+Also: pp 2 with vpp 2, and pp 2 with tied embeddings (one last-stage copy for both uses).
+
 Every rank is a real gloo process. Tolerance: fp32, 1e-5 relative on losses, MTP losses and
 final weights (test_parallel_training's, which explains why not bitwise).
 """
@@ -18,6 +20,8 @@ import torch.nn.functional as F
 
 from mlm.config import Config, MLAConfig, ModelConfig, load_config
 from mlm.errors import MlmError
+from mlm.export.trtllm_config import architecture
+from mlm.hf import config_to_hf
 from mlm.model import build_model
 from mlm.model.mtp import MTPTargets
 from mlm.parallel.context import zigzag_indices
@@ -91,16 +95,25 @@ def test_mla_without_a_query_latent_under_tp_matches_one_process(tmp_path, tiny_
     _assert_matches(tmp_path, run_ranks(2, _train_rank, sets), *ref)
 
 
+def test_mtp_with_tied_embeddings_under_pp_matches_one_process(tmp_path, tiny_data):
+    """Tied embeddings and MTP want the same last-stage copy: one copy, one gradient sum."""
+    tied = {**DEEPSEEK, "model.tie_embeddings": "true"}
+    ref = reference_run(tmp_path / "ref", tiny_data, **tied)
+    sets = _sets(tmp_path, tiny_data, "mesh", **tied, **{"parallel.pp": 2})
+    _assert_matches(tmp_path, run_ranks(2, _train_rank, sets), *ref)
+
+
 @pytest.mark.parametrize(
     "world,parallel",
     [
         (2, {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),
         (2, {"parallel.tp": 2}),
         (2, {"parallel.pp": 2}),
+        (2, {"parallel.pp": 2, "parallel.vpp": 2}),
         (2, {"parallel.cp": 2, "parallel.cp_comm_type": "p2p"}),
         (2, {"parallel.cp": 2, "parallel.cp_comm_type": "all_gather"}),
     ],
-    ids=["tp2-sp", "tp2", "pp2", "cp2-p2p", "cp2-all_gather"],
+    ids=["tp2-sp", "tp2", "pp2", "pp2-vpp2", "cp2-p2p", "cp2-all_gather"],
 )
 def test_deepseek_model_on_a_mesh_matches_one_process(tmp_path, tiny_data, ds_reference, world, parallel):
     sets = _sets(tmp_path, tiny_data, "mesh", **DEEPSEEK, **parallel)
@@ -175,6 +188,19 @@ def test_bad_deepseek_settings_are_refused():
         check_tensor_parallel(
             ModelConfig(hidden_size=48, num_attention_heads=6, attention_kind="mla"), 128, 4
         )
+    with pytest.raises(MlmError, match=r"model.qk_norm=True with attention_kind=mla: .* unset them"):
+        ModelConfig(attention_kind="mla", qk_norm=True)
+    with pytest.raises(MlmError, match=r"mtp_num_layers=1 with position_embedding='learned'"):
+        ModelConfig(position_embedding="learned", mtp_num_layers=1)
+    yarn = ModelConfig(rope_scaling_factor=4.0, rope_scaling_type="yarn")
+    with pytest.raises(
+        MlmError, match=r"cannot be written as Hugging Face llama: model.rope_scaling_type='yarn'"
+    ):
+        config_to_hf(yarn, "llama")
+    with pytest.raises(MlmError, match=r"cannot be written as TensorRT-LLM: model.rope_scaling_type='yarn'"):
+        architecture(yarn)
+    with pytest.raises(MlmError, match=r"mtp_num_layers=1: TensorRT-LLM's layouts .* have no multi-token"):
+        architecture(ModelConfig(mtp_num_layers=1))
     with pytest.raises(MlmError, match=r"mtp_num_layers=4 with data.seq_length=4"):
         load_config(None, ["model.mtp_num_layers=4", "data.seq_length=4"])
     assert isinstance(load_config(None, ["model.mtp_num_layers=3", "data.seq_length=4"]), Config)

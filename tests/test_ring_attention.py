@@ -21,7 +21,8 @@ from distributed import run_ranks
 TOL = 1e-5  # fp32 max |cp − reference|; measured ≤ 1.5e-6 (2 CPU cores, torch 2.13)
 
 B, T, K = 2, 32, 16
-SHAPES = {"mha": (4, 4), "gqa": (4, 2)}  # (H, G)
+# (H, G, value dims): values narrower (MLA's) or wider than queries and keys go zero-padded
+SHAPES = {"mha": (4, 4, K), "gqa": (4, 2, K), "narrow-v": (4, 4, K // 2), "wide-v": (4, 4, K + 4)}
 
 
 def _attend(q_qK, k_sK, v_sK):
@@ -55,12 +56,12 @@ def test_ring_attention_at_cp1_is_causal_attention():
     assert torch.equal(ring_attention(q, k, v, None, 1, 0), ref.transpose(1, 2))
 
 
-def _reference(H: int, G: int):
+def _reference(H: int, G: int, E: int):
     """Inputs, output gradient, output and input gradients on the whole sequence (one process)."""
     g = torch.Generator().manual_seed(H * 10 + G)
-    q = torch.randn(B, T, H, K, generator=g)
-    k, v = (torch.randn(B, T, G, K, generator=g) for _ in range(2))
-    dout = torch.randn(B, T, H, K, generator=g)
+    q, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, G, K, generator=g)
+    v = torch.randn(B, T, G, E, generator=g)
+    dout = torch.randn(B, T, H, E, generator=g)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     out = F.scaled_dot_product_attention(
         *(x.transpose(1, 2) for x in leaves), is_causal=True, enable_gqa=H != G
@@ -78,8 +79,8 @@ def _compare(rank: int, world: int, groups: list[list[int]]) -> dict[str, float]
     cp, cp_rank = len(ranks), ranks.index(rank)
     idx = zigzag_indices(T, cp, cp_rank)
     errors = {}
-    for shape, (H, G) in SHAPES.items():
-        inputs, dout, ref_out, ref_grads = _reference(H, G)
+    for shape, (H, G, E) in SHAPES.items():
+        inputs, dout, ref_out, ref_grads = _reference(H, G, E)
         for name, attention in (("ring", ring_attention), ("allgather", allgather_attention)):
             local = [x[:, idx].clone().requires_grad_(True) for x in inputs]
             out = attention(*local, group, cp, cp_rank)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from mlm.config import ModelConfig, MoEConfig
 from mlm.errors import MlmError
+from mlm.hf.llama import check_llama3_scaling
 from mlm.export.trtllm_names import GPT, LLAMA, MIXTRAL
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -57,6 +58,12 @@ def architecture(cfg: ModelConfig) -> str:
     llama = _LLAMA
     gpt = dict(normalization="layernorm", position_embedding="learned", activation="gelu_tanh", add_bias=True)
     kinds = sorted({(s.attention, s.mlp) for s in cfg.layer_specs()})
+    if cfg.mtp_num_layers:
+        raise MlmError(
+            f"model.mtp_num_layers={cfg.mtp_num_layers}: TensorRT-LLM's layouts that mlm writes have no "
+            "multi-token prediction depths; export it to Hugging Face (DeepSeek's MTP layout) instead"
+        )
+    check_llama3_scaling(cfg, "TensorRT-LLM")
     bad = ["model.qk_norm=true"] if cfg.qk_norm else []
     bad += ["model.qkv_bias=true"] if cfg.qkv_bias and not cfg.add_bias else []
     if bad and kinds in ([("gqa", "dense")], [("gqa", "moe")]):

@@ -120,8 +120,19 @@ LLAMA_RULES = dict(normalization="rmsnorm", position_embedding="rope", activatio
 """What every Llama-family architecture needs of a ModelConfig."""
 
 
+def check_llama3_scaling(cfg: ModelConfig, target: str) -> None:
+    """MlmError unless `cfg`'s RoPE scaling, if any, is Llama-3.1's (the one `target` writes)."""
+    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "llama3":
+        raise MlmError(
+            f"this model cannot be written as {target}: model.rope_scaling_type={cfg.rope_scaling_type!r} "
+            "(its RoPE scaling is written as Llama-3.1's, rope_type llama3); export a model with "
+            "rope_scaling_type=llama3 or no rope_scaling_factor"
+        )
+
+
 def llama_to_hf(a: Adapter, cfg: ModelConfig) -> dict:
     """The config.json keys every Llama-family architecture shares (the caller checked `cfg`)."""
+    check_llama3_scaling(cfg, f"Hugging Face {a.model_type}")
     scaling = None
     if cfg.rope_scaling_factor is not None:
         scaling = {

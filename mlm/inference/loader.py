@@ -43,11 +43,13 @@ def model_config(ckpt: str | os.PathLike) -> ModelConfig:
 
 
 def serving_config(cfg: ModelConfig) -> ModelConfig:
-    """The model as served: MoE layers dropless (no capacity factor, no padding to capacity)."""
-    if cfg.moe.capacity_factor is None:
-        return cfg
+    """The model as served: MoE layers dropless (no capacity factor, no padding to capacity), and
+    without the multi-token prediction depths, which only training uses (their tensors stay
+    in the checkpoint, unread)."""
     return dataclasses.replace(
-        cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None, pad_to_capacity=False)
+        cfg,
+        mtp_num_layers=0,
+        moe=dataclasses.replace(cfg.moe, capacity_factor=None, pad_to_capacity=False),
     )
 
 
@@ -70,7 +72,10 @@ def load_model(
     model = build_sharded(
         cfg, ParallelConfig(tp=mesh.tp), mesh, pick_device(device, "--device"), DTYPES[dtype]
     )
-    load_checkpoint(it_dir, {"model": model_shards(model, mesh)})
+    shards = model_shards(model, mesh)
+    # every stored tensor must be the model's, except the MTP depths', which serving leaves out
+    mtp = {k.split("/", 1)[1] for k in manifest["tensors"] if k.startswith("model/mtp.")}
+    load_checkpoint(it_dir, {"model": shards}, job_keys={"model": {st.key for st in shards} | mtp})
     return model.eval().requires_grad_(False), manifest, it_dir
 
 

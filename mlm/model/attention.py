@@ -45,9 +45,9 @@ def attention(
     queries and keys (MLA: E < D); `scale` defaults to 1/√D. Returns [B, T, H, E]."""
     p = dropout if training else 0.0
     D, E = q_BTHD.shape[-1], v_BTGE.shape[-1]
-    if backend in ("flash", "te") and E != D:  # their kernels want one head dim: pad the values
-        out = attention(q_BTHD, k_BTGD, F.pad(v_BTGE, (0, D - E)), backend, dropout, training, scale)
-        return out[..., :E]
+    if backend in ("flash", "te") and E != D:  # their kernels want one head dim
+        q, k, v = same_head_dim(q_BTHD, k_BTGD, v_BTGE)
+        return attention(q, k, v, backend, dropout, training, scale or D**-0.5)[..., :E]
     if backend == "flash":
         from flash_attn import flash_attn_func
 
@@ -60,6 +60,13 @@ def attention(
         q, k, v, dropout_p=p, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
     return out.transpose(1, 2)
+
+
+def same_head_dim(q, k, v):
+    """q, k, v zero-padded to one head dim (the widest): q · k and the first v-width output columns
+    are unchanged (pass the softmax scale of the unpadded dim)."""
+    W = max(q.shape[-1], v.shape[-1])
+    return tuple(F.pad(t, (0, W - t.shape[-1])) for t in (q, k, v))
 
 
 def document_mask(q_documents_BT, k_documents_BT, q_positions_T, k_positions_T):

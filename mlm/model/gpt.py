@@ -108,7 +108,8 @@ class GPT(nn.Module):
             if cfg.mtp_num_layers
             else None
         )
-        # mean loss of (logits, labels, vocab_size); vocabulary-parallel under tensor parallelism
+        # loss of (logits, labels, vocab_size, weights=None): the mean, or with weights the weighted
+        # sum (MTP); vocabulary-parallel under tensor parallelism
         self.cross_entropy = cross_entropy
         # auxiliary losses the modules attach (e.g. MoE balancing), shared with every module
         # that has an `aux_losses` attribute
@@ -132,8 +133,9 @@ class GPT(nn.Module):
 
     def keep_chunks(self, chunks: list[Chunk]) -> None:
         """Keep only the layers of `chunks` (a pipeline rank's virtual stages), the embedding where
-        a chunk is first (or holds the tied output weight), the final norm and output where one
-        is last; parameter names stay those of the whole model."""
+        a chunk is first (or, where one is last, a copy: the tied output weight, or MTP's inputs),
+        the final norm, output and MTP depths where one is last; parameter names stay those of the
+        whole model."""
         keep = {k for c in chunks for k in c.layers}
         for key in [k for k in self.layers if k not in keep]:
             del self.layers[key]
@@ -163,7 +165,7 @@ class GPT(nn.Module):
         return self.embed.weight
 
     def tied_copy(self) -> nn.Parameter | None:
-        """The last stage's copy of the tied embedding (not the first stage's original), or None."""
+        """The last stage's copy of the embedding (tied, or MTP's), not the first stage's original; or None."""
         if self.embed is None or any(c.first for c in self.chunks):
             return None
         return self.embed.weight

@@ -104,8 +104,8 @@ def make_norm(cfg: ModelConfig, kind: str | None = None) -> nn.Module:
 
 
 class AttentionCore(nn.Module):
-    """softmax(q kᵀ / √K) v, causal, over [B, T, heads, K] (no parameters): the part selective
-    recompute recomputes. `rng_region` is where attention dropout draws its randomness: tensor
+    """softmax(q kᵀ · scale) v (scale 1/√K unless given), causal, over [B, T, heads, K] (no
+    parameters): the part selective recompute recomputes. `rng_region` is where attention dropout draws its randomness: tensor
     parallelism sets it to `TensorParallelRNG.fork`, so tp ranks (holding other heads) drop
     differently."""
 

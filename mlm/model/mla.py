@@ -89,7 +89,7 @@ class MultiLatentAttention(nn.Module):
         self.out = nn.Linear(H * m.v_head_dim, D, bias=bias)
         # tensor parallelism's entries into the tp region (identity here): the hidden state for the
         # query projection (without a query latent), the latents for the up-projections
-        self.enter_hidden: nn.Module = nn.Identity()
+        self.enter_hidden: nn.Module | None = nn.Identity() if self.q is not None else None
         self.enter_latents: nn.Module = nn.Identity()
         self.rotate = apply_rope_interleaved if m.rope_interleave else apply_rope
         self.core = AttentionCore(cfg, scale=mla_softmax_scale(cfg))

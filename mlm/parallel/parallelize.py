@@ -164,7 +164,7 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
         elif style == "tp_rng":
             setattr(module, attr, rng.fork)
         elif style == "vocab_loss":
-            setattr(module, attr, functools.partial(_vocab_parallel_mean, mesh=mesh))
+            setattr(module, attr, functools.partial(_vocab_parallel_loss, mesh=mesh))
         elif style == "full_sequence":
             full_sequence.update(id(p) for p in child.parameters())
         elif style == "head_shared":
@@ -183,7 +183,7 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
     return model
 
 
-def _vocab_parallel_mean(
+def _vocab_parallel_loss(
     logits_BTv, labels_BT, vocab_size: int, weights_BT=None, *, mesh: Mesh
 ) -> torch.Tensor:
     loss_BT = vocab_parallel_cross_entropy(logits_BTv, labels_BT, mesh, vocab_size)

@@ -11,8 +11,9 @@
 
 Layers are split into pp × vpp virtual stages of consecutive layers; rank r holds virtual
 stages r, r + pp, … (its model chunks). The first virtual stage also holds the embedding, the
-last the final norm and output layer; with tied embeddings the last stage holds a copy of the
-embedding whose gradient is summed with the first stage's before the data-parallel reduction.
+last the final norm and output layer (and the MTP depths); with tied embeddings or MTP the last
+stage holds a copy of the embedding whose gradient is summed with the first stage's before the
+data-parallel reduction.
 
 Activations flow forward and gradients backward as tensors of one shape known in advance,
 [micro_batch, seq_length / sequence_shards, hidden] (the sequence shard under sequence
@@ -24,8 +25,8 @@ micro-batch order), which NCCL needs and gloo then matches without tags.
 The executor knows the model only through what every stage model provides (`mlm.model.GPT`
 does): `chunks` (its model chunks, each `first` / `last`), `forward(x, chunk=c)` (tokens or
 hidden states in, hidden states or logits out), `hidden_states` and `head_loss(h, labels)` (the
-last stage's loss), `keep_chunks`, `tied_weight()`, `sequence_shards`, `padded_vocab`, `cfg`,
-and optionally `aux_losses`.
+last stage's loss), `mtp_losses(h, targets, ...)` when `cfg.mtp_num_layers` > 0, `keep_chunks`,
+`tied_weight()`, `sequence_shards`, `padded_vocab`, `cfg`, and optionally `aux_losses`.
 """
 
 from __future__ import annotations
@@ -95,8 +96,7 @@ class Pipeline:
         self.peak_in_flight = 0
         """The most micro-batches whose activations this rank held at once during the last step."""
         self._positions: tuple[int, torch.Tensor] | None = None
-        depths = model.cfg.mtp_num_layers
-        self.mtp_total = torch.zeros(depths, device=self.device)
+        self.mtp_total: torch.Tensor | None = None
         """The last step's MTP losses per depth, summed over micro-batches (last stage; training)."""
         self.documents: Callable | None = None
         """Packed documents (`mlm.datasets.documents.DocumentLayout`): inputs → (document index,

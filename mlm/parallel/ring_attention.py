@@ -216,7 +216,7 @@ def ring_attention(
     the keys and values passed around the ring of `group` (cp rank → global rank by the group);
     with `documents_BT` (this rank's tokens' document indices, gathered once) within each
     packed document; [B, t, H, K] out, as `mlm.parallel.context.allgather_attention`. Values
-    narrower than the keys (MLA) travel zero-padded to the keys' width. `scale`: default 1/√K."""
+    of another width than the keys (MLA) travel zero-padded to one width. `scale`: default 1/√K."""
     H, G = q_BtHK.shape[2], k_BtGK.shape[2]
     if H % G:
         raise ValueError(f"query heads {H} are not a multiple of key/value groups {G}")
@@ -231,7 +231,9 @@ def ring_attention(
     assert q_BtHK.shape[1] % 2 == 0, q_BtHK.shape
     K, E = k_BtGK.shape[-1], v_BtGK.shape[-1]
     if E != K:  # k and v go round the ring as one message
-        out = ring_attention(q_BtHK, k_BtGK, F.pad(v_BtGK, (0, K - E)), group, cp, rank, documents_BT, scale)
-        return out[..., :E]
+        from mlm.model.attention import same_head_dim
+
+        q, k, v = same_head_dim(q_BtHK, k_BtGK, v_BtGK)
+        return ring_attention(q, k, v, group, cp, rank, documents_BT, scale or K**-0.5)[..., :E]
     with torch.autocast(q_BtHK.device.type, enabled=False):  # the blocks and their merge in fp32
         return _RingAttention.apply(q_BtHK, k_BtGK, v_BtGK, group, cp, rank, documents_BT, scale)
