@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from mlm.config import ModelConfig, MoEConfig
 from mlm.errors import MlmError
-from mlm.hf.llama import check_llama3_scaling
 from mlm.export.trtllm_names import GPT, LLAMA, MIXTRAL
+from mlm.hf.llama import check_llama3_scaling
 
 DTYPES = ("bfloat16", "float16", "float32")
 ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

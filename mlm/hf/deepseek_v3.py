@@ -122,7 +122,8 @@ def yarn_fields(a: Adapter, c: dict) -> dict:
     rope_type = r.get("rope_type", r.get("type", "default"))
     if r.get("partial_rotary_factor", 1.0) != 1.0:
         raise MlmError(
-            f"rope partial_rotary_factor={r['partial_rotary_factor']}: mlm rotates all qk_rope_head_dim dims (1.0)"
+            f"rope partial_rotary_factor={r['partial_rotary_factor']}: mlm rotates all qk_rope_head_dim dims; "
+            "only 1.0 (or none) converts"
         )
     if rope_type == "default":
         return dict(rope_base=theta)
@@ -131,7 +132,10 @@ def yarn_fields(a: Adapter, c: dict) -> dict:
             f"rope_scaling rope_type={rope_type!r}: mlm's {a.model_type} supports 'default' (none) and 'yarn'"
         )
     if r.get("original_max_position_embeddings") is None:
-        raise MlmError("rope_scaling (yarn) lacks original_max_position_embeddings; YaRN needs it")
+        raise MlmError(
+            "rope_scaling (yarn) lacks original_max_position_embeddings, the context YaRN stretches "
+            "(DeepSeek-V3: 4096); add it to rope_scaling in config.json"
+        )
     if r.get("attention_factor") is not None:
         raise MlmError(
             f"rope_scaling attention_factor={r['attention_factor']}: mlm derives YaRN's attention factor "
@@ -140,7 +144,7 @@ def yarn_fields(a: Adapter, c: dict) -> dict:
     if r.get("truncate", True) is not True:
         raise MlmError(
             "rope_scaling truncate=false: mlm rounds YaRN's correction range outwards (truncate=true, "
-            "DeepSeek's and transformers' default)"
+            "DeepSeek's and transformers' default); remove truncate from rope_scaling or set it true"
         )
     old = int(r["original_max_position_embeddings"])
     factor = r.get("factor") or a.get(c, "max_position_embeddings") / old
@@ -231,7 +235,8 @@ class DeepseekV3Adapter(MoEAdapter):
     def config_from_hf(self, c: dict) -> ModelConfig:
         if c.get("hidden_act", "silu") != "silu":
             raise MlmError(
-                f"Hugging Face config hidden_act={c['hidden_act']!r}: DeepSeek-V3's MLP is SwiGLU ('silu')"
+                f"Hugging Face config hidden_act={c['hidden_act']!r}: DeepSeek-V3's MLP is SwiGLU; only "
+                "'silu' converts (is this a DeepSeek-V3 config.json?)"
             )
         if c.get("attention_bias"):
             raise MlmError(
@@ -243,11 +248,13 @@ class DeepseekV3Adapter(MoEAdapter):
         if (c.get("num_key_value_heads") or H) != H:
             raise MlmError(
                 f"Hugging Face config num_key_value_heads={c['num_key_value_heads']} ≠ "
-                f"num_attention_heads={H}: multi-latent attention gives every head its own key and value"
+                f"num_attention_heads={H}: multi-latent attention gives every head its own key and value; "
+                "set num_key_value_heads to num_attention_heads (or leave it out)"
             )
         if "q_lora_rank" not in c:
             raise MlmError(
-                "Hugging Face config (model_type 'deepseek_v3') has no 'q_lora_rank' (null: no query down-projection)"
+                "Hugging Face config (model_type 'deepseek_v3') has no 'q_lora_rank'; add it: the query "
+                "latent's width, or null for none (queries straight from the hidden state)"
             )
         mla = MLAConfig(
             q_lora_rank=c["q_lora_rank"],
