@@ -19,7 +19,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
@@ -37,7 +36,7 @@ from mlm.hf import config_from_hf, config_to_hf, hf_to_mlm, load_hf_into, mlm_to
 from mlm.model.gpt import GPT, build_model  # noqa: E402
 
 from test_bad_input import mlm  # noqa: E402
-from test_hf_moe import assert_round_trip, saved  # noqa: E402
+from test_hf_moe import assert_logits_and_loss_match, assert_round_trip, saved  # noqa: E402
 from test_hf_numerics import _randomize  # noqa: E402
 
 VOCAB, SEQ, N = 100, 40, 3
@@ -113,16 +112,7 @@ def pair(request):
 
 def test_logits_and_loss_match(pair):
     name, hf, mlm_model, cfg = pair
-    x = tokens()
-    with torch.no_grad():
-        ref = hf(input_ids=x, labels=x)
-        logits = mlm_model(x)[..., :VOCAB]
-    scale = ref.logits.abs().max().item()
-    assert scale > 1.0  # not a comparison of near-zero logits
-    diff = (logits - ref.logits).abs().max().item()
-    assert diff <= 1e-5 * scale, (name, diff, scale)
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
-    assert abs(loss.item() - ref.loss.item()) <= 1e-5 * ref.loss.item(), (loss.item(), ref.loss.item())
+    assert_logits_and_loss_match(hf, mlm_model, tokens())
     assert adapters.arch_of(cfg) == "deepseek_v3"
     assert cfg.attention_kind == "mla" and [s.mlp for s in cfg.layer_specs()] == [
         "moe" if type(layer.mlp).__name__ == "DeepseekV3MoE" else "dense" for layer in hf.model.layers

@@ -115,17 +115,23 @@ def pair(request):
     return request.param, hf, load_hf_into(GPT(cfg).eval(), hf), cfg
 
 
-def test_logits_and_loss_match(pair):
-    name, hf, mlm_model, cfg = pair
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+def assert_logits_and_loss_match(hf, mlm_model, tokens_BT: torch.Tensor) -> None:
+    """mlm's logits within 1e-5 of the largest HF logit, and the loss within 1e-5 relative."""
+    V = hf.config.vocab_size
     with torch.no_grad():
-        ref = hf(input_ids=tokens, labels=tokens)
-        logits = mlm_model(tokens)[..., :VOCAB]
+        ref = hf(input_ids=tokens_BT, labels=tokens_BT)
+        logits = mlm_model(tokens_BT)[..., :V]
     scale = ref.logits.abs().max().item()
     assert scale > 1.0  # not a comparison of near-zero logits
     torch.testing.assert_close(logits, ref.logits, atol=1e-5 * scale, rtol=0)
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), tokens_BT[:, 1:].reshape(-1))
     assert abs(loss.item() - ref.loss.item()) <= 1e-5 * ref.loss.item(), (loss.item(), ref.loss.item())
+
+
+def test_logits_and_loss_match(pair):
+    name, hf, mlm_model, cfg = pair
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    assert_logits_and_loss_match(hf, mlm_model, tokens)
     assert adapters.arch_of(cfg) == hf.config.model_type
 
 
