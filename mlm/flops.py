@@ -19,8 +19,9 @@ class AttentionFlops:
     core: float
     """Scores and values over the sequence (split over tp by heads)."""
     replicated: float = 0.0
-    """MLA's down-projections (to the query and key/value latents): every tp rank computes them
-    whole, over the whole sequence."""
+    """MLA's down-projections (to the query and key/value latents): replicated over tensor
+    parallelism, every tp rank computes them whole over its own tokens (its sequence shard under
+    sequence parallelism, the whole sequence without)."""
 
     @property
     def total(self) -> float:

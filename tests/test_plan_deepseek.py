@@ -1,7 +1,8 @@
 """`mlm plan` for DeepSeek-style models: the planner's parameters of every preset equal the built
 model's (the per-rank comparison under tp 2 × pp 2 × ep 2 with MLA and MTP is in test_plan.py's
-4-rank test); the compute term is the FLOPs of MLA (down-projections whole on every tp rank) and
-of the MTP depths; DeepSeek-V3's 61 layers split over 16 stages; and a sane plan for it on 512 H100s.
+4-rank test); the compute term is the FLOPs of MLA (down-projections whole on every tp rank, over
+its own tokens) and of the MTP depths; MLA's tp collectives move the latents, not the hidden
+state; DeepSeek-V3's 61 layers split over 16 stages; and a sane plan for it on 512 H100s.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 import pytest
 
 from mlm.config import load_config
-from mlm.flops import attention_flops, flops_per_token
+from mlm.flops import attention_flops, eh_proj_flops, flops_per_token
 from mlm.hardware import PROFILES
 from mlm.model import parameter_counts
 from mlm.plan.hardware import load_hardware
@@ -39,13 +40,49 @@ def test_compute_time_is_the_flops_of_mla_and_mtp():
     per_token = flops_per_token(m, 256)
     one = evaluate(job, Layout(1, 1, 8, 2, 16))
     assert one.timing.terms["compute"] == pytest.approx(tokens * per_token / rate, rel=1e-12)
-    # under tp 2 every GEMM splits but MLA's down-projections, which each rank computes whole
-    # over the whole sequence (3 layers and 2 MTP depths); eh_proj runs on each rank's half of
-    # the sequence (sequence parallelism)
-    replicated = (3 + 2) * attention_flops(m, 256).replicated
-    two = evaluate(job, Layout(2, 1, 4, 2, 16, sequence_parallel=True))
-    expected = 2 * tokens * ((per_token - replicated) / 2 + replicated) / rate
+    # under tp 2 every GEMM splits but MLA's down-projections (3 layers and 2 MTP depths) and
+    # eh_proj, which each rank computes whole over its own tokens (Megatron's layout): without
+    # sequence parallelism the whole sequence, under it the rank's half
+    whole = (3 + 2) * attention_flops(m, 256).replicated + 2 * eh_proj_flops(m)
+    two = evaluate(job, Layout(2, 1, 4, 2, 16))
+    expected = 2 * tokens * ((per_token - whole) / 2 + whole) / rate
     assert two.timing.terms["compute"] == pytest.approx(expected, rel=1e-12)
+    two_sp = evaluate(job, Layout(2, 1, 4, 2, 16, sequence_parallel=True))
+    assert two_sp.timing.terms["compute"] == pytest.approx(2 * tokens * per_token / 2 / rate, rel=1e-12)
+
+
+@pytest.mark.parametrize("q_lora", [24, None], ids=["query-latent", "no-query-latent"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_tp_collectives_of_mla_move_the_latents(q_lora, sp, recompute):
+    """An MLA layer's attention enters the tp region with its latents (Megatron's layout): Q + C + R
+    values per token (the query latent, the key/value latent, the rope key), or without a query
+    latent the hidden state for q and C + R; the attention's output and the MLP stay h wide. Each
+    region boundary is one all-reduce's bytes (2(t − 1)/t of them: without SP an all-reduce, under
+    SP an all-gather and a reduce-scatter) and one latency; full recompute repeats the forward's
+    share: the two output all-reduces, or under SP half of every boundary."""
+    hw = PROFILES["h100-80g"]
+    q = "none" if q_lora is None else q_lora
+    sets = [
+        "preset=tiny-deepseek",
+        "model.mlp_kind=dense",
+        "model.mtp_num_layers=0",
+        f"model.mla.q_lora_rank={q}",
+    ]
+    job = make_job(None, sets, 8, 8, hw, 256, 16, None, "bf16")
+    m = job.cfg.model
+    D, C, R, L = m.hidden_size, m.mla.kv_lora_rank, m.mla.qk_rope_head_dim, m.num_layers
+    lo = Layout(2, 1, 4, 2, 16, sequence_parallel=sp, recompute=recompute)
+    e, A, bw, lat = 2 * 256, 2, hw.intra_bandwidth, hw.intra_latency
+    entries = [q_lora + C + R] if q_lora else [D, C + R]
+    widths = [*entries, D, D, D]  # the attention's entries, its output, the MLP's entry and output
+    ring = lambda w: (2 - 1) / 2 * e * w * A / bw  # noqa: E731 - one all-gather or reduce-scatter
+    layer = sum(2 * ring(w) + lat for w in widths)
+    if recompute == "full":
+        layer += sum(ring(w) + lat / 2 for w in widths) if sp else 2 * (2 * ring(D) + lat)
+    micro = 16 // (2 * 4)
+    got = evaluate(job, lo).timing.terms["tp collectives"]
+    assert got == pytest.approx(micro * L * layer, rel=1e-12)
 
 
 def test_prime_layer_counts_split_unevenly():

@@ -31,7 +31,7 @@ down-projections and the MTP depths' eh_proj are replicated over tp.
 
 Activations: what autograd saves for backward, per layer and micro-batch, read off mlm's own
 layers (measured with saved_tensors_hooks on one process and under tp/sp/cp; tests/test_plan.py
-checks the formula within 10 %). With s = seq_length / cp the tokens of each sequence a rank holds
+checks the formula within 10 %, dense MLA models on tp 2 ranks to the byte). With s = seq_length / cp the tokens of each sequence a rank holds
 (context parallelism's zigzag split; s = seq_length at cp = 1), e = micro-batch × s, u = tp under
 sequence parallelism (else 1), A the autocast dtype's bytes (4 in fp32), R = 4 (the residual stream
 stays fp32), per layer:
@@ -39,12 +39,14 @@ stays fp32), per layer:
     two norms          input e·h/u·R, RMSNorm's x̂ e·h/u·4, stats e/u·4 (LayerNorm: mean+rstd)
     linear inputs      e·h·A per input (q, k, v share one in fp32; autocast casts one copy per
                        linear: 3 for q/k/v, 2 for gate/up); under sequence parallelism the
-                       all-gathered full sequence
+                       all-gathered full sequence; MLA's down-projections read the rank's own
+                       e/u tokens instead (`mla_input_bytes`)
     q, k, v after RoPE e·h/t·(1 + 2G/H)·A
     attention          output e·h/t·A (the out-projection's input) + logsumexp b·(H/t)·s·4: the
                        SDPA/flash kernels keep no s×s matrix
-    MLA                (`mla_activation_bytes`) the query and key/value latents over the whole
-                       sequence on every tp rank, q, k and kv_up's output per head, the output
+    MLA                (`mla_activation_bytes`) the latents' norms on the rank's e/u tokens, the
+                       latents entering the tp region over e tokens (gathered under sequence
+                       parallelism), q, k and kv_up's output per head, the output
     MLP                SwiGLU: gate, up, silu(gate), product: 4·e·f/t·A; GeLU: up, gelu: 2·e·f/t·A
     MoE MLP            N = e/u tokens routed on this rank, M = N·k copies (balanced routing; the
                        copies this rank's experts receive under ep): the router's fp32 input N·h·4,
@@ -475,10 +477,12 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
     moe = kind == "moe"
     mlp_inputs = (2 if gated else 1) if autocast else 1
     mla = m.attention_kind == "mla"
-    attention_inputs = (2 if mla else 3) if autocast else 1  # one cast per linear reading the norm
+    # one cast per linear reading the norm under autocast (q, k, v share one fp32 input); MLA's
+    # down-projections read this rank's e/u tokens, only q without a query latent a gathered copy
+    attention_inputs = mla_input_bytes(cfg, layout, e, A) if mla else e * h * A * (3 if autocast else 1)
     parts = {
         "norms": 2 * norm,
-        "linear inputs": e * h * A * (attention_inputs + (0 if moe else mlp_inputs)),
+        "linear inputs": attention_inputs + e * h * A * (0 if moe else mlp_inputs),
     }
     if mla:
         parts.update(mla_activation_bytes(cfg, layout, e, A))
@@ -505,25 +509,54 @@ def _norm_bytes(cfg: Config, tokens: float) -> float:
     return tokens * cfg.model.hidden_size * (4 + (4 if rms else 0)) + tokens * 4 * (1 if rms else 2)
 
 
-def mla_activation_bytes(cfg: Config, layout: Layout, e: int, A: int) -> dict[str, float]:
-    """Multi-latent attention's saved tensors (measured on `mlm.model.mla` with
-    saved_tensors_hooks, fp32 and bf16 autocast, exact): the latents are computed on every tp rank
-    over the whole sequence (`e` tokens, gathered under sequence parallelism), the heads split.
+def mla_input_bytes(cfg: Config, layout: Layout, e: int, A: int) -> float:
+    """The inputs MLA's projections from the hidden state save (measured, exact): q_down and
+    kv_down read this rank's n = e/u tokens (not gathered), one shared fp32 input or one autocast
+    copy each: n·h·(4 or 2·A); without a query latent q is column-parallel on the hidden state,
+    which enters the tp region for it: its input is the gathered e·h (its own copy under sequence
+    parallelism or autocast; in fp32 without SP the same tensor as kv_down's)."""
+    m = cfg.model
+    u = layout.tp if layout.sequence_parallel else 1
+    n, h, autocast = e / u, m.hidden_size, A != 4
+    if m.mla.q_lora_rank:
+        return n * h * A * (2 if autocast else 1)
+    return n * h * A + (e * h * A if autocast or u > 1 else 0)
 
-    query latent   q_norm's fp32 input and x̂ (RMSNorm runs in fp32 under autocast) and rstd,
-                   q_up's input: e·Q·(8 + A) + 4e (none without q_lora_rank)
-    kv latent      the same for kv_norm and kv_up, e·C·(8 + A) + 4e; in fp32 kv_norm's input is a
-                   view of kv_down's whole output, so the rope key's e·R·4 too
-    q, k, v        q and k after RoPE (nope ; rope dims) and kv_up's output, of which v is a view:
-                   e·H/t·(2·(N + R) + N + E)·A
-    output         e·H/t·E·A (the out-projection's input)"""
+
+def mla_activation_bytes(cfg: Config, layout: Layout, e: int, A: int) -> dict[str, float]:
+    """Multi-latent attention's saved tensors past its input projections (measured on
+    `mlm.model.mla` with saved_tensors_hooks, fp32 and bf16 autocast, tp 1 and 2, with and without
+    sequence parallelism, exact; Megatron's layout): the down-projections and their norms run on
+    this rank's n = e/u tokens; their outputs, the normed latents and the rope key, concatenated,
+    enter the tp region (gathered over the sequence under sequence parallelism), from which the
+    up-projections read all e tokens, the heads split.
+
+    query latent     q_norm's fp32 input (q_down's output, its fp32 copy under autocast), x̂ and
+                     rstd: n·Q·8 + 4n (none without q_lora_rank)
+    kv latent        the same for kv_norm, n·C·8 + 4n; in fp32 kv_norm's input is a view of
+                     kv_down's whole output, so the rope key's n·R·4 too
+    entered latents  the concatenated [q latent ; kv latent ; rope key] over e tokens, e·(Q + C +
+                     R)·A: q_up's and kv_up's inputs are views of it (on CPU autocast returns the
+                     norms' outputs in bf16, so the concatenation is bf16 and no linear casts again)
+    q, k, v          q and k after RoPE (nope ; rope dims) and kv_up's output, of which v is a view:
+                     e·H/t·(2·(N + R) + N + E)·A
+    output           e·H/t·E·A (the out-projection's input)"""
     m, ml = cfg.model, cfg.model.mla
+    u = layout.tp if layout.sequence_parallel else 1
+    n = e / u
     heads = m.num_attention_heads / layout.tp
-    C, R, N, E = ml.kv_lora_rank, ml.qk_rope_head_dim, ml.qk_nope_head_dim, ml.v_head_dim
+    Q, C, R, N, E = (
+        ml.q_lora_rank or 0,
+        ml.kv_lora_rank,
+        ml.qk_rope_head_dim,
+        ml.qk_nope_head_dim,
+        ml.v_head_dim,
+    )
     out = {}
-    if ml.q_lora_rank:
-        out["query latent"] = e * ml.q_lora_rank * (8 + A) + 4 * e
-    out["key/value latent"] = e * C * (8 + A) + 4 * e + (e * R * 4 if A == 4 else 0)
+    if Q:
+        out["query latent"] = n * Q * 8 + 4 * n
+    out["key/value latent"] = n * C * 8 + 4 * n + (n * R * 4 if A == 4 else 0)
+    out["entered latents"] = e * (Q + C + R) * A
     out["q, k, v"] = e * heads * (2 * (N + R) + N + E) * A
     out["attention output"] = e * heads * E * A
     return out

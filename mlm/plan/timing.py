@@ -6,7 +6,9 @@
                 last stage; Megatron's count, `mlm.flops`), plus recompute (full: one more forward
                 of each layer; selective: one more forward of the attention core), over
                 tp × peak(precision) × efficiency(smallest GEMM side)  (`Hardware.efficiency`),
-                but MLA's down-projections over peak × efficiency (every tp rank computes them whole);
+                but MLA's down-projections over peak × efficiency on this rank's e/u tokens (u = tp
+                under sequence parallelism, else 1: replicated over tp, each rank computes them
+                whole for its own tokens, Megatron's layout);
                 the last stage adds each MTP depth: its layer (never recomputed), eh_proj over its
                 e/u tokens and another pass of the output layer;
                 an MoE layer's router and k routed experts run whole on each rank over its e/u
@@ -15,7 +17,13 @@
     tp          per layer and micro-batch 4 all-reduces of [b, s, h] (2 forward, 2 backward; under
                 sequence parallelism the same bytes as all-gathers + reduce-scatters; 6 with full
                 recompute), ring cost 2(t−1)/t · bytes / bandwidth + latency, on NVLink when the tp
-                group fits in a node and on the network (much slower) when it does not
+                group fits in a node and on the network (much slower) when it does not.
+                MLA (`tp_layer_time`): the attention enters the tp region with its latents, not the
+                hidden state: Q + C + R values per token (the query latent, the key/value latent
+                and the rope key), or without a query latent h (q's input) + C + R in two
+                collectives; the output's reduce and the MLP's stay h wide; full recompute repeats
+                the forward's share (without SP the two output all-reduces, under SP the gathers
+                and reduce-scatters, half of every pair)
     ep          per MoE layer and micro-batch the token exchange (`ep_exchange_time`): alltoall
                 about 4 · (e/u) · k · h · bytes · (ep − 1)/ep, the shares for ranks in the node
                 over NVLink, the rest over the network; not overlapped with compute (as in mlm)
@@ -168,13 +176,57 @@ def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float) -> floa
     return passes * forward + backward
 
 
+def tp_entry_widths(cfg: Config) -> list[int]:
+    """Values per token of each tensor with which a layer's attention enters the tp region (all-
+    gathered over the sequence under sequence parallelism, all-reduced in the backward without):
+    the hidden state for GQA; for MLA (Megatron's layout, `mlm.model.mla`) the concatenated query
+    latent, key/value latent and rope key, Q + C + R, or without a query latent the hidden state
+    for q and then C + R."""
+    m = cfg.model
+    if m.attention_kind != "mla":
+        return [m.hidden_size]
+    ml = m.mla
+    latents = ml.kv_lora_rank + ml.qk_rope_head_dim
+    if ml.q_lora_rank is None:
+        return [m.hidden_size, latents]
+    return [ml.q_lora_rank + latents]
+
+
+def tp_layer_time(cfg: Config, job: Job, layout: Layout) -> float:
+    """One layer's tp collectives for one micro-batch, forward and backward (see the module doc):
+    per region boundary pair one all-reduce of [b, s, width] (2(t−1)/t of its bytes + a latency):
+    the attention's entries (`tp_entry_widths`), its output (h), the MLP's entry and output (h);
+    under SP the same bytes as an all-gather and a reduce-scatter. Full recompute repeats the
+    forward's share: without SP the two output all-reduces, under SP half of every pair (its
+    forward collective)."""
+    t = layout.tp
+    m = cfg.model
+    h = m.hidden_size
+    e = layout.micro_batch * local_tokens(cfg, layout)
+    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    bw, lat = _link(job.hardware, t <= job.gpus_per_node)
+    full = layout.recompute == "full"
+    if m.attention_kind != "mla":  # GQA: 4 all-reduces of [b, s, h], 6 with full recompute
+        return (6 if full else 4) * _collective(e * h * A, t, bw, lat, 2.0)
+    if t <= 1:
+        return 0.0
+    widths = [*tp_entry_widths(cfg), h, h, h]
+    one_way = sum((t - 1) / t * e * w * A / bw for w in widths)  # one collective per pair
+    sec = 2 * one_way + len(widths) * lat
+    if full:
+        if layout.sequence_parallel:
+            sec += one_way + len(widths) * lat / 2
+        else:
+            sec += 2 * _collective(e * h * A, t, bw, lat, 2.0)
+    return sec
+
+
 def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     """The step of `layout`; `stages`: the pipeline ranks to consider (the slowest sets the pace)."""
     cfg: Config = job.cfg
     hw, m = job.hardware, cfg.model
     s, t, u = cfg.data.seq_length, layout.tp, layout.tp if layout.sequence_parallel else 1
     e, h = layout.micro_batch * local_tokens(cfg, layout), m.hidden_size
-    A = 2 if cfg.train.precision in _AUTOCAST else 4
     total_per_token = job.flops_per_token
     logits_per_token = logits_flops(m)
     attention = attention_flops(m, s)
@@ -186,14 +238,14 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
 
     def layer_seconds(kind: str, recompute: str) -> float:
         """Seconds per token of one layer of MLP kind `kind`: tp-split GEMMs at `rate`; MLA's
-        down-projections whole on each tp rank over the whole sequence; the router and the routed
+        down-projections whole on each tp rank over its e/u tokens; the router and the routed
         experts whole on each rank, on its e/u tokens, at the experts' GEMM efficiency (rows per
         expert = the copies a rank's E/ep experts receive from the ep ranks)."""
         rerun = {"full": 4 / 3, "selective": 1.0, "none": 1.0}[recompute]  # full: one more forward
         core = attention.core / 3 if recompute == "selective" else 0.0  # the attention core again
         f = mlp_flops(m, kind)
         sec = ((attention.tp + attention.core + f.tp) * rerun + core) / rate
-        sec += attention.replicated * rerun / (peak * eff)
+        sec += attention.replicated * rerun / (peak * eff * u)
         if kind == "moe":
             E, k = m.moe.num_experts, m.moe.router_topk
             rows = e / u * k * layout.ep / E
@@ -213,9 +265,8 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         layers = sum(per_token[k] * n for k, n in stage.kind_counts)
         return e * (layers + (logits_per_token / rate if stage.last else 0.0) + stage.mtp * mtp_depth)
 
-    tp_bw, tp_lat = _link(hw, t <= job.gpus_per_node)
-    per_layer_collectives = 6 if layout.recompute == "full" else 4
-    tp_one = _collective(e * h * A, t, tp_bw, tp_lat, 2.0)
+    tp_layer = tp_layer_time(cfg, job, layout)
+    tp_mtp = tp_layer_time(cfg, job, whole)  # an MTP depth's layer: never recomputed
     pp_bw, pp_lat = _link(hw, t * layout.cp * layout.dp < job.gpus_per_node)
     p2p = 2 * layout.vpp * (e * h / u * 4 / pp_bw + pp_lat) if layout.pp > 1 else 0.0
     ep_one = ep_exchange_time(cfg, job, layout)
@@ -227,7 +278,7 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     per_micro = []
     for stage in stages:
         c = compute(stage)
-        tp_s = (len(stage.layers) * per_layer_collectives + 4 * stage.mtp) * tp_one
+        tp_s = len(stage.layers) * tp_layer + stage.mtp * tp_mtp
         ep_s = dict(stage.kind_counts).get("moe", 0) * ep_one + stage.mtp * mtp_ep
         cp_s = len(stage.layers) * cp_one + stage.mtp * mtp_cp
         per_micro.append((c + tp_s + ep_s + cp_s + p2p, c, tp_s, ep_s, cp_s))
