@@ -261,6 +261,8 @@ class ModelConfig:
     """auto, sdpa, flash (flash-attn) or te (Transformer Engine); auto picks the fastest available."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full (each layer)."""
+    fused_cross_entropy: bool = False
+    """Compute the loss with the chunked linear + cross-entropy (Liger/Megatron style, kernels.linear_cross_entropy), never holding the [tokens, vocab] logits."""
     attention_kind: str = "gqa"
     """Attention module of every layer: gqa (multi-head, grouped-query or multi-query attention) or mla (multi-latent, see model.mla)."""
     mlp_kind: str = "dense"

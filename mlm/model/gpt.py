@@ -20,6 +20,7 @@ from torch import nn
 
 import mlm.model.mla  # noqa: F401  (registers the "mla" attention kind)
 import mlm.model.moe  # noqa: F401  (registers the "moe" MLP kind)
+from kernels.linear_cross_entropy import cross_entropy, linear_cross_entropy
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
 from mlm.model.attention import resolve_backend
@@ -31,18 +32,6 @@ from mlm.model.rope import inv_frequencies, rope_tables
 # Parameters whose rows are the vocabulary, padded to a multiple of make_vocab_size_divisible_by × tp
 # (the padding rows are zeros and stay zero in training).
 VOCAB_ROWS = ("embed.weight", "output.weight")
-
-
-def cross_entropy(
-    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, vocab_size: int, weights_BT: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Next-token cross-entropy in fp32 over the unpadded vocabulary (one process): the mean over
-    the tokens, or with `weights_BT` the weighted sum."""
-    logits_BTV = logits_BTV[..., :vocab_size].float()
-    if weights_BT is None:
-        return F.cross_entropy(logits_BTV.flatten(0, 1), labels_BT.flatten())
-    loss = F.cross_entropy(logits_BTV.flatten(0, 1), labels_BT.flatten(), reduction="none")
-    return (loss * weights_BT.flatten()).sum()
 
 
 @dataclass
@@ -78,6 +67,7 @@ class GPT(nn.Module):
         "enter_output": "enter",
         "output": "column",
         "cross_entropy": "vocab_loss",
+        "linear_cross_entropy": "vocab_linear_loss",
     }
     padded_rows = VOCAB_ROWS  # checkpoint tensors whose rows are padded per tp (load across paddings)
 
@@ -111,6 +101,9 @@ class GPT(nn.Module):
         # loss of (logits, labels, vocab_size, weights=None): the mean, or with weights the weighted
         # sum (MTP); vocabulary-parallel under tensor parallelism
         self.cross_entropy = cross_entropy
+        # the same from the normed hidden states and the output weight, chunked over the tokens
+        # (model.fused_cross_entropy: the [B, T, V] logits are never held); vocabulary-parallel under tp
+        self.linear_cross_entropy = linear_cross_entropy
         # auxiliary losses the modules attach (e.g. MoE balancing), shared with every module
         # that has an `aux_losses` attribute
         self.aux_losses = AuxLosses()
@@ -265,13 +258,29 @@ class GPT(nn.Module):
 
     def project(self, h_BTD: torch.Tensor) -> torch.Tensor:
         """The output projection of normed hidden states (shared by the MTP depths)."""
-        weight = self.embed.weight if self.output is None else self.output.weight
-        return F.linear(self.enter_output(h_BTD), weight)
+        return F.linear(self.enter_output(h_BTD), self.output_weight())
+
+    def output_weight(self) -> torch.Tensor:
+        """The output layer's weight [V, D] (V / tp rows under tp): its own, or the tied embedding."""
+        return self.embed.weight if self.output is None else self.output.weight
+
+    def loss_of_normed(
+        self, h_BTD: torch.Tensor, labels_BT: torch.Tensor, weights_BT: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Cross-entropy of the output layer on normed hidden states: the mean, or with
+        `weights_BT` the weighted sum; from the logits, or with model.fused_cross_entropy chunked
+        over the tokens without ever holding them (`kernels.linear_cross_entropy`)."""
+        V = self.cfg.vocab_size
+        if self.cfg.fused_cross_entropy:
+            return self.linear_cross_entropy(
+                self.enter_output(h_BTD), self.output_weight(), labels_BT, V, weights_BT
+            )
+        return self.cross_entropy(self.project(h_BTD), labels_BT, V, weights_BT)
 
     def head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         """The last stage's loss: mean cross-entropy of the logits of `h_BTD` against `labels_BT`
         (vocabulary-parallel under tp: the logits are never gathered)."""
-        return self.cross_entropy(self.logits(h_BTD), labels_BT, self.cfg.vocab_size)
+        return self.loss_of_normed(self.final_norm(h_BTD), labels_BT)
 
     def mtp_losses(
         self,
@@ -291,10 +300,7 @@ class GPT(nn.Module):
         for k, depth in enumerate(self.mtp.values(), start=1):
             e_BTD = self.enter_layers(self.dropout(self.embed(targets.inputs(k))))
             h_BTD = depth(e_BTD, h_BTD, rope, documents)
-            logits = self.project(h_BTD)
-            losses.append(
-                self.cross_entropy(logits, targets.labels(k), self.cfg.vocab_size, targets.weights(k))
-            )
+            losses.append(self.loss_of_normed(h_BTD, targets.labels(k), targets.weights(k)))
         return torch.stack(losses)
 
 

@@ -17,7 +17,8 @@ only its shard ("column", "row", "vocab"; a materialised model gives each its sl
 weights), its input or a placeholder turned into the entry into the tp region ("enter": once
 per module input, as Megatron's fused QKV enters once for q, k and v), the sequence split under
 sequence parallelism ("scatter_sequence"), its in-region randomness forked per tp rank
-("tp_rng"), its loss made vocabulary-parallel ("vocab_loss"), its statistics reduced over the
+("tp_rng"), its loss made vocabulary-parallel ("vocab_loss" from the logits, "vocab_linear_loss"
+from the hidden states and the output weight's shard, chunked), its statistics reduced over the
 sequence shards ("sp_group"). Every parameter left replicated gets a placement whose gradient is
 summed over tp under sequence parallelism, except those declared "full_sequence" (fed the whole
 sequence on every rank, before the split); "head_shared" ones (applied to each rank's heads)
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from kernels.linear_cross_entropy import linear_cross_entropy
 from mlm.checkpoint import ShardedTensor
 from mlm.errors import MlmError
 from mlm.model.layers import TP_INPUT
@@ -60,6 +62,7 @@ STYLES = (
     "scatter_sequence",
     "tp_rng",
     "vocab_loss",
+    "vocab_linear_loss",
 )
 
 
@@ -165,6 +168,8 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
             setattr(module, attr, rng.fork)
         elif style == "vocab_loss":
             setattr(module, attr, functools.partial(_vocab_parallel_loss, mesh=mesh))
+        elif style == "vocab_linear_loss":
+            setattr(module, attr, functools.partial(linear_cross_entropy, mesh=mesh))
         elif style == "full_sequence":
             full_sequence.update(id(p) for p in child.parameters())
         elif style == "head_shared":

@@ -344,31 +344,50 @@ class VocabParallelEmbedding(_Sharded):
 # ---------------------------------------------------------------- loss
 
 
+def vocab_parallel_softmax(
+    logits_Nv: torch.Tensor, labels_N: torch.Tensor, vocab_size: int, group, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross-entropy over the vocabulary shards of the tp ranks in `group` (None: one process)
+    from this rank's logit columns [..., v] (`logits_Nv` is left unchanged): a max, then the target
+    logit and the sum of exponentials all-reduced; columns at or past `vocab_size` count as −inf.
+    Returns (loss [...] fp32, softmax [..., v] fp32 (a new tensor), whether each label lies on
+    this rank, its column here (0 where not)): what `softmax_minus_onehot_` turns into dloss/dlogits."""
+    v = logits_Nv.shape[-1]
+    start = rank * v
+    x_Nv = logits_Nv.float()
+    if start + v > vocab_size:  # Megatron's padding columns: never a prediction
+        pad_v = torch.arange(start, start + v, device=x_Nv.device) >= vocab_size
+        x_Nv = x_Nv.masked_fill(pad_v, float("-inf"))
+    max_N = x_Nv.amax(dim=-1)
+    if group is not None:
+        dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=group)
+    x_Nv = x_Nv - max_N.unsqueeze(-1)  # a new fp32 tensor, ours to change in place
+
+    inside_N = (labels_N >= start) & (labels_N < start + v)
+    local_N = (labels_N - start).masked_fill(~inside_N, 0)
+    target_N = x_Nv.gather(-1, local_N.unsqueeze(-1)).squeeze(-1).masked_fill(~inside_N, 0.0)
+    exp_Nv = x_Nv.exp_()
+    stats_2N = torch.stack([target_N, exp_Nv.sum(dim=-1)])  # one all-reduce for both sums
+    if group is not None:
+        dist.all_reduce(stats_2N, group=group)
+    target_N, sum_exp_N = stats_2N
+    loss_N = sum_exp_N.log() - target_N
+    return loss_N, exp_Nv.div_(sum_exp_N.unsqueeze(-1)), inside_N, local_N
+
+
+def softmax_minus_onehot_(
+    softmax_Nv: torch.Tensor, inside_N: torch.Tensor, local_N: torch.Tensor
+) -> torch.Tensor:
+    """dloss/dlogits on this rank's columns, softmax − onehot, written over `softmax_Nv`."""
+    return softmax_Nv.scatter_add_(-1, local_N.unsqueeze(-1), -inside_N.unsqueeze(-1).to(softmax_Nv.dtype))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_BTv, labels_BT, vocab_size: int, group, size: int, rank: int):
-        v = logits_BTv.shape[-1]
-        start = rank * v
-        x_BTv = logits_BTv.float()
-        if start + v > vocab_size:  # Megatron's padding columns: never a prediction
-            pad_v = torch.arange(start, start + v, device=x_BTv.device) >= vocab_size
-            x_BTv = x_BTv.masked_fill(pad_v, float("-inf"))
-        max_BT = x_BTv.amax(dim=-1)
-        if group is not None:
-            dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=group)
-        x_BTv = x_BTv - max_BT.unsqueeze(-1)  # a new fp32 tensor, ours to change in place
-
-        inside_BT = (labels_BT >= start) & (labels_BT < start + v)
-        local_BT = (labels_BT - start).masked_fill(~inside_BT, 0)
-        target_BT = x_BTv.gather(-1, local_BT.unsqueeze(-1)).squeeze(-1).masked_fill(~inside_BT, 0.0)
-        exp_BTv = x_BTv.exp_()
-        stats_2BT = torch.stack([target_BT, exp_BTv.sum(dim=-1)])  # one all-reduce for both sums
-        if group is not None:
-            dist.all_reduce(stats_2BT, group=group)
-        target_BT, sum_exp_BT = stats_2BT
-        loss_BT = sum_exp_BT.log() - target_BT
-
-        softmax_BTv = exp_BTv.div_(sum_exp_BT.unsqueeze(-1))
+        loss_BT, softmax_BTv, inside_BT, local_BT = vocab_parallel_softmax(
+            logits_BTv, labels_BT, vocab_size, group, rank
+        )
         ctx.save_for_backward(softmax_BTv, inside_BT, local_BT)
         ctx.dtype = logits_BTv.dtype
         return loss_BT
@@ -377,8 +396,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_BT):
         # softmax − onehot on this rank's columns, written over the saved softmax (a second
         # backward through the same graph is refused by autograd's version check).
-        grad_BTv, inside_BT, local_BT = ctx.saved_tensors
-        grad_BTv.scatter_add_(-1, local_BT.unsqueeze(-1), -inside_BT.unsqueeze(-1).to(grad_BTv.dtype))
+        grad_BTv = softmax_minus_onehot_(*ctx.saved_tensors)
         grad_BTv.mul_(grad_BT.unsqueeze(-1))
         return grad_BTv.to(ctx.dtype), None, None, None, None, None
 
