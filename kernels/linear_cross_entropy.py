@@ -107,16 +107,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_w_vD.addmm_(grad_Cv.T, h_CD)
                 else:
                     grad_w_vD += (grad_Cv.T @ h_CD).float()
-        ctx.grads = (grad_h_ND, grad_w_vD.to(weight_vD.dtype) if need_grad else None)
+        if need_grad:  # saved as autograd's own: saved-tensor hooks (offload, memory counts) see them
+            ctx.save_for_backward(grad_h_ND, grad_w_vD.to(weight_vD.dtype))
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        grad_h_ND, grad_w_vD = ctx.grads
-        if grad_h_ND is None:
-            raise RuntimeError("linear_cross_entropy: backward a second time (its gradients are consumed)")
-        ctx.grads = (None, None)
-        if not torch.equal(grad, torch.ones_like(grad)):  # scale in place: these are ours
+        grad_h_ND, grad_w_vD = ctx.saved_tensors
+        if not torch.equal(grad, torch.ones_like(grad)):
+            # scaled in place: they are ours (a second backward through the same graph is then
+            # refused by autograd's version check)
             grad_h_ND.mul_(grad.to(grad_h_ND.dtype))
             grad_w_vD.mul_(grad.to(grad_w_vD.dtype))
         return grad_h_ND, grad_w_vD, None, None, None, None, None, None

@@ -386,10 +386,12 @@ def test_memory_model_against_real_ranks_and_train_from_plan(tmp_path, tiny_data
         DEEPSEEK,
         {**DEEPSEEK, "train.precision": "bf16", "model.mla.q_lora_rank": "none"},
         {**DEEPSEEK, "model.recompute": "full", "model.mtp_num_layers": 2},
+        {"model.fused_cross_entropy": True},
+        {**DEEPSEEK, "model.fused_cross_entropy": True, "train.precision": "bf16"},
     ],
     ids=[
         *("none", "selective", "full", "bf16-autocast", "dropout", "gpt2", "moe-shared", "moe-bf16"),
-        *("mla-mtp", "mla-no-q-latent-bf16", "mla-mtp2-full"),
+        *("mla-mtp", "mla-no-q-latent-bf16", "mla-mtp2-full", "fused-ce", "mla-mtp-fused-ce-bf16"),
     ],
 )
 def test_memory_model_one_process(extra):

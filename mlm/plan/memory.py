@@ -104,6 +104,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from kernels.linear_cross_entropy import chunk_tokens
 from mlm.config import Config, ModelConfig
 from mlm.counts import ParameterCounts
 from mlm.parallel.buckets import bucket_layout
@@ -614,7 +615,11 @@ def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
         out["final norm"] = _norm_bytes(cfg, e / u)
         out["output input"] = e * h * A
         V = m.padded_vocab_size(t)
-        if t > 1:  # vocab-parallel cross-entropy: softmax shard, two masks
+        if m.fused_cross_entropy:  # kernels.linear_cross_entropy: no input saved; the fp32
+            # gradients of h and of the weight's shard, computed in forward, and the token scales
+            out["output input"] = 0.0
+            out["loss"] = e * h * 4 + V / t * h * 4 + e * 4
+        elif t > 1:  # vocab-parallel cross-entropy: softmax shard, two masks
             out["loss"] = e * V / t * 4 + e * (1 + 8)
         else:  # F.cross_entropy: log-softmax over the real vocabulary + the flattened labels
             out["loss"] = e * m.vocab_size * 4 + e * 8
@@ -711,7 +716,11 @@ def rank_memory(
     u = t if layout.sequence_parallel else 1
     if stage.last:
         A = 2 if cfg.train.precision in _AUTOCAST else 4
-        comps["logits (transient)"] = e * cfg.model.padded_vocab_size(t) / t * (A + 4)
+        v = cfg.model.padded_vocab_size(t) // t
+        if cfg.model.fused_cross_entropy:  # a chunk's logits, fp32 softmax and gradient
+            comps["logits (transient)"] = min(e, chunk_tokens(v)) * v * (A + 4 + A)
+        else:
+            comps["logits (transient)"] = e * v * (A + 4)
     if stage.layers and (workspace := cp_workspace_bytes(cfg, layout)):
         comps["attention workspace (transient)"] = workspace
     comm = 0.0
