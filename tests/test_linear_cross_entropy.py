@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -193,39 +192,6 @@ def test_training_with_the_fused_loss_matches_the_plain_path(tmp_path, tiny_data
 
 # ---------------------------------------------------------------- 4. memory
 
-MEASURE = textwrap.dedent(
-    """
-    import json, sys
-    import torch
-    from kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-
-    torch.set_num_threads(2)
-
-    def rss(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-
-    V, D = 128256, 64
-    g = torch.Generator().manual_seed(0)
-    w = (0.02 * torch.randn(V, D, generator=g)).requires_grad_()
-    out = {}
-    for kind, n in json.loads(sys.argv[1]):
-        fn = linear_cross_entropy if kind == "fused" else linear_cross_entropy_reference
-        h = torch.randn(1, n, D, generator=g).requires_grad_()
-        y = torch.randint(0, V, (1, n), generator=g)
-        fn(h[:, :64], w, y[:, :64], V).backward()  # warm-up: thread pools, lazily made buffers
-        h.grad = w.grad = None
-        base = rss("VmRSS")
-        open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
-        fn(h, w, y, V).backward()
-        out[f"{kind} {n}"] = rss("VmHWM") - base
-        del h, y
-        w.grad = None
-    print(json.dumps(out))
-    """
-)
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -233,7 +199,8 @@ MEASURE = textwrap.dedent(
 def test_peak_memory_of_the_fused_loss_is_at_most_a_quarter_of_the_plain_path():
     """Peak memory of the loss, forward + backward, at vocabulary 128,256 and hidden size 64.
 
-    Measured, not modelled: the peak resident set (VmHWM, reset to the current size through
+    Measured, not modelled (`bench/linear_cross_entropy.py --json`, on CPU even where CUDA is
+    present): the peak resident set (VmHWM, reset to the current size through
     /proc/self/clear_refs) above the resident set just before the call, in a fresh process (no
     pages that pytest freed earlier to reuse). torch's CPU allocator caches nothing, and glibc
     returns these large blocks to the system on free, so the resident set follows live tensors.
@@ -245,13 +212,13 @@ def test_peak_memory_of_the_fused_loss_is_at_most_a_quarter_of_the_plain_path():
     tokens and 1,504 MiB at 1,024 (3 × 513 KB per token: logits, log-softmax, their gradient),
     fused 751 MiB at both 1,024 and 2,048 (three [512, 128256] fp32 chunk buffers; the per-token
     part, h's gradient, is 256 B): at 32,768 tokens 50.4 GB against 0.79 GB, a ratio of 0.016."""
-    runs = [["plain", 512], ["plain", 1024], ["fused", 1024], ["fused", 2048]]
+    runs = "plain:512,plain:1024,fused:1024,fused:2048"
     out = subprocess.run(
-        [sys.executable, "-c", MEASURE, json.dumps(runs)],
+        [sys.executable, "bench/linear_cross_entropy.py", "--runs", runs, "--json"],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},  # on CPU
         check=True,
     )
     peak = json.loads(out.stdout.strip().splitlines()[-1])
