@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 
 
@@ -12,12 +13,10 @@ def row_blocks(n_cols: int) -> tuple[int, int]:
     return block_n, max(1, min(16, 4096 // block_n))
 
 
-def program_count(n_row_blocks: int, device) -> int:
+def program_count(n_row_blocks: int, device: torch.device) -> int:
     """Programs for a backward that accumulates weight gradients per program: one per SM on CUDA
     (each walks several row blocks), a few under the interpreter (each program is Python)."""
     if device.type == "cuda":
-        import torch
-
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(n_row_blocks, sms))
     return max(1, min(n_row_blocks, 4))
