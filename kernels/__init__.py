@@ -1,1 +1,7 @@
-"""Fused kernels for mlm: Triton kernels and chunked torch implementations, each beside its torch reference."""
+"""Kernels for mlm's hot ops, each file holding the torch reference, the fused implementation, its
+`torch.autograd.Function` and one public function. Triton: `rmsnorm` (RMSNorm, LayerNorm), `swiglu`
+(SwiGLU, GeLU), `rope` (rotate-half and interleaved RoPE); `model.kernels` picks them
+(`mlm.model.layers.resolve_kernels`), tested against the references on CPU under the Triton
+interpreter (TRITON_INTERPRET=1, tests/test_kernels.py); not yet run on a GPU. Chunked torch:
+`linear_cross_entropy` (the loss without the [tokens, vocabulary] logits, vocabulary-parallel under
+tp; `model.fused_cross_entropy`, tests/test_linear_cross_entropy.py)."""

@@ -259,6 +259,8 @@ class ModelConfig:
     """Std of the normal init; output projections use init_std / sqrt(2 × num_layers)."""
     attention_backend: str = "auto"
     """auto, sdpa, flash (flash-attn) or te (Transformer Engine); auto picks the fastest available."""
+    kernels: str = "torch"
+    """Norms, MLP activations and RoPE: torch, triton (the `kernels` package) or auto (triton on CUDA when importable)."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full (each layer)."""
     fused_cross_entropy: bool = False
@@ -366,6 +368,7 @@ class ModelConfig:
         _choice(s, "position_embedding", self.position_embedding, ("learned", "rope"))
         _choice(s, "activation", self.activation, ("swiglu", "gelu_tanh", "gelu"))
         _choice(s, "attention_backend", self.attention_backend, ("auto", "sdpa", "flash", "te"))
+        _choice(s, "kernels", self.kernels, ("torch", "triton", "auto"))
         _choice(s, "recompute", self.recompute, ("none", "selective", "full"))
         for name in ("hidden_dropout", "attention_dropout"):
             _check(0.0 <= getattr(self, name) < 1.0, f"{s}.{name}={getattr(self, name)}: must be in [0, 1)")

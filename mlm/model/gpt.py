@@ -10,6 +10,7 @@ K head dim, F ffn hidden, V (padded) vocabulary.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from mlm.config import ModelConfig
 from mlm.errors import MlmError
 from mlm.model.attention import resolve_backend
 from mlm.model.aux_loss import AuxLosses
-from mlm.model.layers import AttentionCore, Block, make_norm
+from mlm.model.layers import AttentionCore, Block, make_norm, resolve_kernels
 from mlm.model.mtp import MTPLayer, MTPTargets
 from mlm.model.rope import inv_frequencies, rope_tables
 
@@ -121,6 +122,20 @@ class GPT(nn.Module):
             if isinstance(module, AttentionCore):
                 module.backend = backend
         return backend
+
+    def set_kernels(self, requested: str, device: torch.device) -> str:
+        """Run the norms, the dense MLPs' activations and RoPE with `model.kernels`' choice on
+        `device` (`resolve_kernels`); returns it. MLA's `rotate` (apply_rope or its interleaved
+        layout) is re-bound with the choice; the per-head q/k norms, MLA's latent norms and MoE
+        experts stay torch."""
+        kernels = resolve_kernels(requested, device)
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
+            if hasattr(module, "rotate"):
+                rotate = getattr(module.rotate, "func", module.rotate)  # unwrap an earlier choice
+                module.rotate = functools.partial(rotate, kernels=kernels)
+        return kernels
 
     # ------------------------------------------------------------------ pipeline stages
 

@@ -32,6 +32,7 @@ F ffn hidden.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ from torch import nn
 
 from mlm.config import LayerSpec, ModelConfig
 from mlm.errors import MlmError
-from mlm.model.attention import attention, document_attention
+from mlm.model.attention import _importable, attention, document_attention
 from mlm.model.rope import apply_rope
 
 TP_INPUT = "(input)"
@@ -86,6 +87,14 @@ class RMSNorm(nn.RMSNorm):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg.hidden_size, eps=cfg.norm_eps)
+        self.kernels = "torch"  # or "triton": set by GPT.set_kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "triton":
+            from kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
 
 
 @register_norm("layernorm")
@@ -94,10 +103,38 @@ class LayerNorm(nn.LayerNorm):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg.hidden_size, eps=cfg.norm_eps)
+        self.kernels = "torch"  # or "triton": set by GPT.set_kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "triton":
+            from kernels.layernorm import layer_norm
+
+            return layer_norm(x, self.weight, self.bias, self.eps)
+        return super().forward(x)
 
 
 def make_norm(cfg: ModelConfig, kind: str | None = None) -> nn.Module:
     return _lookup(NORM_KINDS, kind or cfg.normalization, "normalization")(cfg)
+
+
+def resolve_kernels(requested: str, device: torch.device) -> str:
+    """The kernels that will run for `model.kernels=requested` on `device`: torch, or triton (the
+    top-level `kernels` package); auto is triton on CUDA when triton imports, else torch. Triton
+    off CUDA runs only under its interpreter (TRITON_INTERPRET=1, set before triton is imported)."""
+    if requested == "auto":
+        return "triton" if device.type == "cuda" and _importable("triton") else "torch"
+    if requested == "triton":
+        if not _importable("triton"):
+            raise MlmError(
+                "model.kernels='triton' needs the triton package: pip install triton "
+                "(or pip install -e .[dev]), or use model.kernels=torch or auto"
+            )
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise MlmError(
+                f"model.kernels='triton' on {device.type} runs only under the Triton interpreter: set "
+                "TRITON_INTERPRET=1 before starting (slow; meant for tests), or use model.kernels=torch or auto"
+            )
+    return requested
 
 
 # ---------------------------------------------------------------- attention
@@ -159,6 +196,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(K, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(K, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = AttentionCore(cfg)
+        self.kernels = "torch"  # RoPE's; or "triton": set by GPT.set_kernels
 
     def forward(self, x_BTD: torch.Tensor, rope=None, cache=None, documents_BT=None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -169,7 +207,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         if rope is not None:
-            q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
+            q_BTHK = apply_rope(q_BTHK, *rope, kernels=self.kernels)
+            k_BTGK = apply_rope(k_BTGK, *rope, kernels=self.kernels)
         if cache is None:
             o_BTHK = self.core(q_BTHK, k_BTGK, v_BTGK, documents_BT)
         else:
@@ -194,9 +233,17 @@ class MLP(nn.Module):
         self.up = nn.Linear(D, F_, bias=cfg.add_bias)
         self.down = nn.Linear(F_, D, bias=cfg.add_bias)
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+        self.kernels = "torch"  # or "triton": set by GPT.set_kernels
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        if self.gated:
+        if self.kernels == "triton":
+            from kernels.swiglu import gelu, swiglu
+
+            if self.gated:
+                h_BTF = swiglu(self.gate(x_BTD), self.up(x_BTD))
+            else:
+                h_BTF = gelu(self.up(x_BTD), approximate=self.approximate)
+        elif self.gated:
             h_BTF = F.silu(self.gate(x_BTD)) * self.up(x_BTD)
         else:
             h_BTF = F.gelu(self.up(x_BTD), approximate=self.approximate)

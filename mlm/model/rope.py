@@ -88,8 +88,15 @@ def _broadcast(cos: torch.Tensor, sin: torch.Tensor):
     return cos[:, :, None, :], sin[:, :, None, :]
 
 
-def apply_rope(x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, heads, D] by cos, sin of shape [T, D] (every row alike) or [B, T, D]."""
+def apply_rope(
+    x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "torch"
+) -> torch.Tensor:
+    """Rotate x [B, T, heads, D] by cos, sin of shape [T, D] (every row alike) or [B, T, D];
+    kernels="triton": the same by `kernels.rope` (see `model.kernels`)."""
+    if kernels == "triton":
+        from kernels.rope import rope
+
+        return rope(x_BTHD, cos, sin)
     half = x_BTHD.shape[-1] // 2
     x1, x2 = x_BTHD[..., :half], x_BTHD[..., half:]
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -97,10 +104,17 @@ def apply_rope(x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return (x_BTHD.float() * cos + rotated.float() * sin).to(x_BTHD.dtype)
 
 
-def apply_rope_interleaved(x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope_interleaved(
+    x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "torch"
+) -> torch.Tensor:
     """DeepSeek's RoPE: dims (0, 1), (2, 3), ... rotated as pairs; the result comes out with the
     pairs' first elements in the first half, their second in the second (HF's
-    `apply_rotary_pos_emb_interleave`: q and k alike, so their dot products are DeepSeek's)."""
+    `apply_rotary_pos_emb_interleave`: q and k alike, so their dot products are DeepSeek's);
+    kernels="triton": the same by `kernels.rope` (see `model.kernels`)."""
+    if kernels == "triton":
+        from kernels.rope import rope_interleaved
+
+        return rope_interleaved(x_BTHD, cos, sin)
     half = x_BTHD.shape[-1] // 2
     cos, sin = _broadcast(cos[..., :half], sin[..., :half])
     x1, x2 = x_BTHD[..., 0::2].float(), x_BTHD[..., 1::2].float()

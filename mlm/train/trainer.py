@@ -108,6 +108,7 @@ class Trainer(TrainerCheckpoints):
         self._seed_everything(t.seed)
         self.model = build_parallel_model(cfg, self.mesh, self.device)
         self.attention_backend = self.model.set_attention_backend(cfg.model.attention_backend, self.device)
+        self.kernels = self.model.set_kernels(cfg.model.kernels, self.device)
         self.optimizer = TrainOptimizer(self.model, cfg, self.mesh, self.device)
         self.pipeline = Pipeline(self.model, self.mesh, cfg.parallel.vpp)
         # whether any stage has modules with auxiliary losses (then every step gathers them)
@@ -319,7 +320,8 @@ class Trainer(TrainerCheckpoints):
         counts = parameter_counts(cfg.model)
         self._print(
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
-            f"mesh {self.mesh}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''}, attention {self.attention_backend}, {cfg.train.precision}, "
+            f"mesh {self.mesh}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''}, attention {self.attention_backend}, "
+            f"{f'kernels {self.kernels}, ' if self.kernels != 'torch' else ''}{cfg.train.precision}, "
             f"{counts.total / 1e6:.2f}M parameters"
             + (f" ({counts.active / 1e6:.2f}M active per token)" if counts.active != counts.total else "")
             + (f" + MTP {counts.mtp / 1e6:.2f}M" if counts.mtp else ""),
