@@ -22,8 +22,10 @@ each tp rank's own heads: gradients always summed over tp), "sp_group" (an attri
 tp process group under sequence parallelism, for a module that reduces statistics over the
 sequence shards), "enter" (an `nn.Identity` placeholder,
 or the module's own input for the key `TP_INPUT`, that enters the tp region), "scatter_sequence"
-(a placeholder that splits the sequence under sequence parallelism) and "tp_rng" (an attribute
-holding the context-manager factory for randomness inside the tp region).
+(a placeholder that splits the sequence under sequence parallelism), "tp_rng" (an attribute
+holding the context-manager factory for randomness inside the tp region), and "vocab_loss" /
+"vocab_linear_loss" (an attribute holding the loss, from logits or from hidden states and the
+output weight, made vocabulary-parallel).
 
 Shape legend: B batch, T sequence, D hidden, H attention heads, G key/value groups, K head dim,
 F ffn hidden.
