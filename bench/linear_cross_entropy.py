@@ -62,7 +62,7 @@ def measure(kind: str, n: int, V: int, D: int, device: torch.device, dtype: torc
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", default="plain:512,plain:1024,fused:1024,fused:2048", help="kind:tokens,...")
+    ap.add_argument("--runs", default="plain:512,plain:1024,fused:2048,fused:4096", help="kind:tokens,...")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=8 * 4096, help="extrapolate the peaks to this many tokens")

@@ -36,7 +36,9 @@ class SleepStage(nn.Module):
 
     def __init__(self, chunks: list[Chunk], f: float, b: float, hidden: int = 4):
         super().__init__()
-        self.cfg = SimpleNamespace(hidden_size=hidden, tie_embeddings=False)
+        self.cfg = SimpleNamespace(
+            hidden_size=hidden, tie_embeddings=False, mtp_num_layers=0, mtp_loss_scaling_factor=0.1
+        )
         self.chunks, self.sequence_shards = chunks, 1
         self.w = nn.Parameter(torch.ones(()))
         self.f, self.b = f / len(chunks), b / len(chunks)
