@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import pytest
+# Without an NVIDIA GPU, Triton kernels can only run interpreted, and Triton reads this when it is
+# first imported, which any module may do (transformers, torch): set it before anything imports
+# it, so that tests/test_kernels.py runs in the whole suite (CI), not only on its own.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mlm.data.build import BuildOptions, build_dataset
-from mlm.data.corpus import stdlib_files
+import pytest  # noqa: E402
+
+from mlm.data.build import BuildOptions, build_dataset  # noqa: E402
+from mlm.data.corpus import stdlib_files  # noqa: E402
 
 SPECIAL = "<|endoftext|>"
 
