@@ -197,16 +197,15 @@ def test_tp2_sequence_parallel_gathers_and_scatters(runs, shape):
     )  # the full [B, T, D]: what one all-gather along T yields / one reduce-scatter takes
     model = Counter(
         {
-            # the vocab-parallel embedding still all-reduces the full [B, T, D]; enter_layers then
-            # keeps this rank's T/tp slice (no communication forward)
-            ("all_reduce", "tp", act): 1,
             # forward: attn and mlp entries gather T (2L) and so does the output projection's (1);
             # backward: attn.out and mlp.down's reduce-scatters become gathers (2L), and so does
-            # the enter_layers split (1)
+            # the embedding's (1)
             ("all_gather", "tp", act): (2 * L + 1) + (2 * L + 1),
-            # forward: attn.out and mlp.down reduce-scatter T (2L); backward: the gathers of the
-            # attn / mlp entries (2L) and of the output projection's entry (1) become reduce-scatters
-            ("reduce_scatter", "tp", act): 2 * L + (2 * L + 1),
+            # forward: the vocab-parallel embedding's partial sums are reduce-scattered along T by
+            # enter_layers (1; no all-reduce), attn.out and mlp.down reduce-scatter T (2L); backward:
+            # the gathers of the attn / mlp entries (2L) and of the output projection's entry (1)
+            # become reduce-scatters
+            ("reduce_scatter", "tp", act): (2 * L + 1) + (2 * L + 1),
             ("all_reduce", "tp", B * T * FP32): 1,  # vocab-parallel cross-entropy, as without SP
             ("all_reduce", "tp", 2 * B * T * FP32): 1,
             # the norms saw one sequence shard each: attn_norm and mlp_norm per layer and the final

@@ -230,7 +230,10 @@ def test_peak_memory_of_the_fused_loss_is_at_most_a_quarter_of_the_plain_path():
     assert 2.5 * logits <= peak["plain 512"] <= 3.5 * logits, peak  # linear from zero: 3 logit tensors
     assert abs(plain_per_token * 512 - peak["plain 512"]) <= 0.05 * peak["plain 512"], peak
     fused_per_token = max(0.0, (peak["fused 4096"] - peak["fused 2048"]) / 2048)
-    assert fused_per_token <= 0.01 * plain_per_token, peak
+    # flat in the tokens: a fused path holding any logits would grow at >= 1x the plain slope; a
+    # loaded machine once measured 33 MB of allocator noise between the two sizes (2% of the
+    # plain slope), so the bound leaves room for that
+    assert fused_per_token <= 0.05 * plain_per_token, peak
     N = 8 * 4096
     plain = plain_per_token * N
     fused = peak["fused 4096"] + fused_per_token * (N - 4096)

@@ -24,7 +24,7 @@ from mlm.parallel.recompute import apply_recompute
 from mlm.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
-    ScatterToSP,
+    ReduceScatterToSP,
     TensorParallelRNG,
     VocabParallelEmbedding,
     gather_from_tp,
@@ -141,7 +141,9 @@ def _layer_errors(rank: int, world: int) -> dict[str, float]:
         errs[f"{tag} row dW"] = rel_err(row.weight.grad, plain.weight.grad[:, cols])
         errs[f"{tag} row db"] = rel_err(row.bias.grad, plain.bias.grad)
 
-        # Vocab-parallel embedding: ids on every shard; the output is complete on every rank
+        # Vocab-parallel embedding: ids on every shard; the output is complete on every rank, or
+        # under sequence parallelism partial sums, reduce-scattered to this rank's T/tp by the
+        # model's enter_layers
         V = 24
         plain = nn.Embedding(V, D)
         ids = torch.cat([torch.arange(V), torch.randint(0, V, (B * T - V,))]).view(B, T)
@@ -150,9 +152,9 @@ def _layer_errors(rank: int, world: int) -> dict[str, float]:
         (y_ref * dy).sum().backward()
         emb = VocabParallelEmbedding(V, D, mesh, sp)
         _copy_shards(emb, plain)
-        y = emb(ids)
-        (y * dy).sum().backward()
-        errs[f"{tag} embedding out"] = rel_err(y, y_ref)
+        y = ReduceScatterToSP(mesh)(emb(ids)) if sp else emb(ids)
+        (y * dy[:, seq]).sum().backward()
+        errs[f"{tag} embedding out"] = rel_err(y, y_ref[:, seq])
         errs[f"{tag} embedding dW"] = rel_err(emb.weight.grad, plain.weight.grad[_shard(V, tp, r)])
 
     # Vocab-parallel cross-entropy: 3 padding columns on the last shard; then a last shard that
@@ -358,7 +360,7 @@ def test_sequence_parallel_needs_a_divisible_sequence():
     with pytest.raises(
         MlmError, match=r"sequence length 15 is not divisible by parallel.tp=2.*data.seq_length"
     ):
-        ScatterToSP(Mesh(world_size=2, rank=0, tp=2))(torch.zeros(1, 15, 8))
+        ReduceScatterToSP(Mesh(world_size=2, rank=0, tp=2))(torch.zeros(1, 15, 8))
 
 
 def test_tp1_returns_the_model_unchanged():

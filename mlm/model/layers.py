@@ -17,12 +17,14 @@ and `--set model.mlp_kind=squared_relu` selects it (for the layers `mlp_kind_fre
 "column" / "row" (an `nn.Linear` split by output / input features), "vocab" (an `nn.Embedding`
 split by rows), "replicated" (parameters replicated over tp; under sequence parallelism their
 gradients are summed over tp, which every undeclared parameter gets too), "full_sequence"
-(replicated, but fed the whole sequence on every rank), "head_shared" (replicated, applied to
+(replicated, fed the whole sequence, its output added to the vocabulary-parallel embedding's
+partial results: by tp rank 0 only under sequence parallelism), "head_shared" (replicated, applied to
 each tp rank's own heads: gradients always summed over tp), "sp_group" (an attribute set to the
 tp process group under sequence parallelism, for a module that reduces statistics over the
 sequence shards), "enter" (an `nn.Identity` placeholder,
 or the module's own input for the key `TP_INPUT`, that enters the tp region), "scatter_sequence"
-(a placeholder that splits the sequence under sequence parallelism), "tp_rng" (an attribute
+(a placeholder after the vocabulary-parallel embedding: under sequence parallelism one
+reduce-scatter sums its partial results and splits the sequence), "tp_rng" (an attribute
 holding the context-manager factory for randomness inside the tp region), and "vocab_loss" /
 "vocab_linear_loss" (an attribute holding the loss, from logits or from hidden states and the
 output weight, made vocabulary-parallel).

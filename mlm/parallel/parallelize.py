@@ -16,13 +16,16 @@ per entry, its `nn.Linear` / `nn.Embedding` swapped for the parallel layer of th
 only its shard ("column", "row", "vocab"; a materialised model gives each its slice of the
 weights), its input or a placeholder turned into the entry into the tp region ("enter": once
 per module input, as Megatron's fused QKV enters once for q, k and v), the sequence split under
-sequence parallelism ("scatter_sequence"), its in-region randomness forked per tp rank
+sequence parallelism ("scatter_sequence": one reduce-scatter that also sums the
+vocabulary-parallel embedding's partial results), its in-region randomness forked per tp rank
 ("tp_rng"), its loss made vocabulary-parallel ("vocab_loss" from the logits, "vocab_linear_loss"
 from the hidden states and the output weight's shard, chunked), its statistics reduced over the
 sequence shards ("sp_group"). Every parameter left replicated gets a placement whose gradient is
-summed over tp under sequence parallelism, except those declared "full_sequence" (fed the whole
-sequence on every rank, before the split); "head_shared" ones (applied to each rank's heads)
-always.
+summed over tp under sequence parallelism; "head_shared" ones (applied to each rank's heads)
+always. A "full_sequence" module (learned positions, fed the whole sequence before the split)
+adds its output on tp rank 0 only under sequence parallelism, where it joins the embedding's
+partial results before their reduce-scatter (its gradient, all on rank 0, is summed over tp
+like the others').
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from mlm.parallel.tensor import (
     CopyToTP,
     GatherFromSP,
     RowParallelLinear,
-    ScatterToSP,
+    ReduceScatterToSP,
     TensorParallelRNG,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
@@ -142,7 +145,6 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
 
     enter = GatherFromSP if sequence_parallel else CopyToTP
     rng = TensorParallelRNG(mesh)
-    full_sequence: set[int] = set()
     head_shared: set[int] = set()
     for _, module, attr, style in plans:
         if attr == TP_INPUT:
@@ -162,7 +164,7 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
         elif style == "enter":
             setattr(module, attr, enter(mesh))
         elif style == "scatter_sequence" and sequence_parallel:
-            setattr(module, attr, ScatterToSP(mesh))
+            setattr(module, attr, ReduceScatterToSP(mesh))
             module.sequence_shards = mesh.tp  # pipeline stages pass [B, T/tp, D] shards
         elif style == "tp_rng":
             setattr(module, attr, rng.fork)
@@ -170,22 +172,29 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
             setattr(module, attr, functools.partial(_vocab_parallel_loss, mesh=mesh))
         elif style == "vocab_linear_loss":
             setattr(module, attr, functools.partial(linear_cross_entropy, mesh=mesh))
-        elif style == "full_sequence":
-            full_sequence.update(id(p) for p in child.parameters())
+        elif style == "full_sequence" and sequence_parallel and mesh.tp_rank > 0:
+            child.register_forward_hook(_contribute_nothing)
         elif style == "head_shared":
             head_shared.update(id(p) for p in child.parameters())
 
     # Replicated parameters: under sequence parallelism each tp rank computes their gradient from
-    # its sequence shard, so it is summed over tp (except those fed the full sequence); those
+    # its sequence shard (a full-sequence module: rank 0 all of it), so it is summed over tp; those
     # applied to each rank's own heads always are.
     for module in model.modules():
         for local, p in module.named_parameters(recurse=False):
             described = module.__dict__.setdefault("placements", {})
             if local not in described:
-                grad_sum = (sequence_parallel and id(p) not in full_sequence) or id(p) in head_shared
+                grad_sum = sequence_parallel or id(p) in head_shared
                 described[local] = replicated(mesh, tuple(p.shape), grad_sum_tp=grad_sum)
     model.tp_rng = rng
     return model
+
+
+def _contribute_nothing(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook: zeros instead of the module's output (a full-sequence module on tp ranks > 0
+    under sequence parallelism: rank 0's output alone joins the embedding's partial sums), still
+    in the graph so that its parameters get a (zero) gradient to sum over tp."""
+    return output * 0.0
 
 
 def _vocab_parallel_loss(

@@ -16,7 +16,6 @@ sequence dim is 1 (Megatron's is 0); collectives run on dim-0-contiguous buffers
     reduce_from_tp        all-reduce           identity
     gather_from_tp        all-gather last dim  split last dim
     scatter_to_tp         split last dim       all-gather last dim
-    scatter_to_sp         split T              all-gather T
     gather_from_sp        all-gather T         reduce-scatter T
     reduce_scatter_to_sp  reduce-scatter T     all-gather T
 
@@ -78,7 +77,6 @@ _OPS = {
     "gather_last": lambda x, group, size, rank: _all_gather(x, -1, group, size),
     "split_last": lambda x, group, size, rank: _split(x, -1, size, rank),
     "gather_seq": lambda x, group, size, rank: _all_gather(x, 1, group, size),
-    "split_seq": lambda x, group, size, rank: _split(x, 1, size, rank),
     "reduce_scatter_seq": lambda x, group, size, rank: _reduce_scatter(x, 1, group, size),
 }
 
@@ -133,11 +131,6 @@ def scatter_to_tp(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return _region(x, mesh, "split_last", "gather_last")
 
 
-def scatter_to_sp(x_BTD: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """[B, T, D] → [B, t, D]: forward keep this rank's sequence slice, backward all-gather T."""
-    return _region(x_BTD, mesh, "split_seq", "gather_seq")
-
-
 def gather_from_sp(x_BtD: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """[B, t, D] → [B, T, D]: forward all-gather T, backward reduce-scatter T (the sum over ranks)."""
     return _region(x_BtD, mesh, "gather_seq", "reduce_scatter_seq")
@@ -171,8 +164,10 @@ class GatherFromSP(_RegionModule):
         return gather_from_sp(x_BtD, self.mesh)
 
 
-class ScatterToSP(_RegionModule):
-    """`scatter_to_sp` as a module: the model's `enter_layers` under sequence parallelism."""
+class ReduceScatterToSP(_RegionModule):
+    """`reduce_scatter_to_sp` as a module: the model's `enter_layers` under sequence parallelism,
+    which sums the vocabulary-parallel embedding's partial results and keeps this rank's sequence
+    slice in one reduce-scatter (Megatron's, instead of an all-reduce and a split)."""
 
     def forward(self, x_BTD):
         T, tp = x_BTD.shape[1], self.mesh.tp
@@ -181,7 +176,7 @@ class ScatterToSP(_RegionModule):
                 f"sequence length {T} is not divisible by parallel.tp={tp}: sequence parallelism "
                 f"splits the sequence over the tp ranks; set data.seq_length to a multiple of {tp}"
             )
-        return scatter_to_sp(x_BTD, self.mesh)
+        return reduce_scatter_to_sp(x_BTD, self.mesh)
 
 
 # ---------------------------------------------------------------- layers
@@ -303,10 +298,12 @@ class RowParallelLinear(_Sharded):
 class VocabParallelEmbedding(_Sharded):
     """Embedding with its rows split over tp: weight [V/tp, D], rows from tp_rank · V/tp.
 
-    Ids outside this rank's rows look up a zero vector and the ranks' results are all-reduced, so
-    the output is the complete [B, T, D] on every rank, with or without sequence parallelism (the
-    model's `enter_layers` hook scatters the sequence afterwards, past position embeddings and
-    dropout)."""
+    Ids outside this rank's rows look up a zero vector, so the ranks' results sum to the full
+    embedding: without sequence parallelism they are all-reduced (the complete [B, T, D] on every
+    rank); under it the output is this rank's partial [B, T, D], summed and split over the sequence
+    by one reduce-scatter in the model's `enter_layers` (`ReduceScatterToSP`), past position
+    embeddings (added by tp rank 0 only) and dropout (the same mask on every tp rank, so it
+    commutes with the sum)."""
 
     def __init__(
         self,
@@ -332,7 +329,7 @@ class VocabParallelEmbedding(_Sharded):
         outside_BT = (tokens_BT < self.vocab_start) | (tokens_BT >= self.vocab_end)
         local_BT = (tokens_BT - self.vocab_start).masked_fill(outside_BT, 0)
         x_BTD = F.embedding(local_BT, self.weight).masked_fill(outside_BT.unsqueeze(-1), 0.0)
-        return reduce_from_tp(x_BTD, self.mesh)
+        return x_BTD if self.sequence_parallel else reduce_from_tp(x_BTD, self.mesh)
 
     def extra_repr(self) -> str:
         return (
