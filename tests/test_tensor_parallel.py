@@ -23,8 +23,8 @@ from mlm.parallel.placement import placements
 from mlm.parallel.recompute import apply_recompute
 from mlm.parallel.tensor import (
     ColumnParallelLinear,
-    RowParallelLinear,
     ReduceScatterToSP,
+    RowParallelLinear,
     TensorParallelRNG,
     VocabParallelEmbedding,
     gather_from_tp,
