@@ -21,8 +21,11 @@ Memory, two figures:
   activation memory a layer holds across the step; the same on every device;
 - `peak`: on CUDA `torch.cuda.max_memory_allocated` above the allocation before the call; on CPU
   the peak resident set above the one before the call (VmHWM, reset through
-  /proc/self/clear_refs; torch's CPU allocator caches nothing, so it follows the live tensors,
-  transients included; the inputs and their gradients' first allocation count).
+  /proc/self/clear_refs). torch's CPU allocator caches nothing; for that one call the script gives
+  the heap's free pages back (`malloc_trim`) and sets glibc's mmap threshold to 64 KiB (`mallopt`:
+  each new block of 64 KiB or more is then its own mapping, returned on free), so the resident set follows the live tensors, transients and the
+  inputs' gradients included. The timed calls run with the threshold at 32 MiB, where glibc's
+  own adaptive threshold ends up (reusing freed blocks without page faults).
 """
 
 from __future__ import annotations
@@ -121,6 +124,17 @@ def _rss(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def _glibc_threshold(nbytes: int) -> None:
+    """glibc malloc: blocks of `nbytes` or more get their own mapping (returned on free); smaller
+    ones come from the heap, which keeps up to twice that free before returning it."""
+    import ctypes
+
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc = ctypes.CDLL("libc.so.6")
+    assert libc.mallopt(M_MMAP_THRESHOLD, nbytes) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2 * nbytes) == 1
+    libc.malloc_trim(0)  # give back the heap's free pages: a block reused from it then counts again
+
+
 def run(fn, inputs, extra, device: torch.device, steps: int, warmup: int) -> dict:
     """Time and memory of forward + backward of `fn`."""
     cuda = device.type == "cuda"
@@ -153,12 +167,15 @@ def run(fn, inputs, extra, device: torch.device, steps: int, warmup: int) -> dic
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     else:
+        _glibc_threshold(64 * 2**10)
         base = _rss("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS
     step()
     sync()
     peak = (torch.cuda.max_memory_allocated(device) if cuda else _rss("VmHWM")) - base
+    if not cuda:
+        _glibc_threshold(32 * 2**20)
     return {
         "median": statistics.median(times),
         "first": first,
@@ -186,6 +203,8 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda, but torch sees no CUDA device; run with --device cpu")
+    if device.type == "cpu":
+        _glibc_threshold(32 * 2**20)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     N = args.batch * args.seq
     where = (
