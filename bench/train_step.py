@@ -11,23 +11,25 @@ on CPU or CUDA, optionally with the layers compiled (train.compile), with MFU.
 
 In one process: builds the preset's model the way `mlm train` does on one process
 (`mlm.train.trainer.build_parallel_model`: recompute as `model.recompute` says, initialised
-weights), sets the attention backend and `model.kernels`, and with `--compile` (or
-`--set train.compile=true`) compiles each layer (`mlm.build.compile_layers`); `--vs-eager` times
-the same model uncompiled beside it (the compile speed-up). `--set` takes any
-config override, as `mlm train --set` does (`model.kernels=triton`, `model.recompute=full`,
-`model.fused_cross_entropy=true`, ...). The loss is the model's own (`GPT.head_loss`). With HF (the
-default on CPU) it exports the weights with `mlm.hf.mlm_to_hf` and loads them into
-`LlamaForCausalLM` (attn_implementation="sdpa"). Then times full training steps (forward, the
-cross-entropy, backward, AdamW step, zero_grad; mlm with its trainer's optimizer, HF with
-torch.optim.AdamW as a transformers loop uses it) on the same batch of random tokens, alternating
-the two models step by step (and which goes first) so that both see the same machine state;
-warm-up steps (the first compiles) are not timed; torch's default thread count. HF is called with
-use_cache=False, as a training loop does. bf16 means torch.autocast (weights and optimizer stay
-fp32) for both. Prints tokens/s of each (from the median step time), MFU (Megatron's model FLOPs,
-`mlm.flops.flops_per_token`, over the dense bf16 peak of `--hardware`, `mlm.train.metrics.peak_flops`;
-on CPU the measured fp32 matmul rate), on CUDA each model's peak memory
-(`torch.cuda.max_memory_allocated` over its steps), and the ratio mlm / HF (target >= 1.0). The
-defaults run in well under 2 minutes on 2 CPU cores.
+weights), sets the attention backend and `model.kernels`, and with `--compile` (or `--set
+train.compile=true`) compiles each layer (`mlm.build.compile_layers`); `--vs-eager` times the same
+model uncompiled beside it (the compile speed-up). `--set` takes any config override, as `mlm train
+--set` does (`model.kernels=triton`, `model.recompute=full`, `model.fused_cross_entropy=true`,
+...). Only what takes effect through these steps (the config, the model's build, `set_kernels`,
+`compile_layers`) reaches the model here: a setting the trainer applies elsewhere (in
+`Trainer.__init__`, say) needs a line in `build_mlm`. The loss is the model's own
+(`GPT.head_loss`). With HF (the default on CPU) it exports the weights with `mlm.hf.mlm_to_hf` and
+loads them into `LlamaForCausalLM` (attn_implementation="sdpa"). Then times full training steps
+(forward, the cross-entropy, backward, AdamW step, zero_grad; mlm with its trainer's optimizer, HF
+with torch.optim.AdamW as a transformers loop uses it) on the same batch of random tokens,
+alternating the two models step by step (and which goes first) so that both see the same machine
+state; warm-up steps (the first compiles) are not timed; torch's default thread count. HF is called
+with use_cache=False, as a training loop does. bf16 means torch.autocast (weights and optimizer
+stay fp32) for both. Prints tokens/s of each (from the median step time), MFU (Megatron's model
+FLOPs, `mlm.flops.flops_per_token`, over the dense bf16 peak of `--hardware`,
+`mlm.train.metrics.peak_flops`; on CPU the measured fp32 matmul rate), on CUDA each model's peak
+memory (`torch.cuda.max_memory_allocated` over its steps), and the ratio mlm / HF (target >= 1.0).
+The defaults run in well under 2 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
