@@ -1,17 +1,35 @@
-"""Benchmark one training step of mlm's GPT against transformers' LlamaForCausalLM, same weights.
+"""Benchmark one training step of mlm's GPT against transformers' LlamaForCausalLM, same weights;
+on CPU or CUDA, optionally with the layers compiled (train.compile), with MFU.
 
     .venv/bin/python bench/train_step.py [--preset tiny-llama] [--batch 8] [--seq 256] [--steps 10]
-                                         [--warmup 2] [--dtype fp32|bf16]
+                                         [--warmup 2] [--dtype fp32|bf16] [--device cpu|cuda]
+                                         [--compile] [--set key=value ...] [--hf | --no-hf]
+                                         [--vs-eager] [--hardware h100-80g]
+    # MFU of a ~1B Llama (Llama-3.2-1B's shape) at seq 4096 in bf16 on one GPU:
+    .venv/bin/python bench/train_step.py --device cuda --preset llama3-1b --batch 1 --seq 4096 \
+        --dtype bf16 --compile --set model.kernels=triton --no-hf
 
-In one process: builds the preset as mlm's GPT (`load_config` + `build_model`), exports it with
-`mlm.hf.mlm_to_hf` and loads the same weights into `LlamaForCausalLM` (attn_implementation="sdpa").
-Then times full training steps (forward, the same cross-entropy, backward, AdamW step, zero_grad;
-mlm with its trainer's optimizer, HF with torch.optim.AdamW as a transformers loop uses it)
-on the same batch of random tokens, alternating the two models step by step (and which goes first)
-so that both see the same machine state; warm-up steps are not timed; torch's default thread count.
-HF is called with use_cache=False, as a training loop does. bf16 means torch.autocast on the CPU
-(weights and optimizer stay fp32) for both. Prints tokens/s of each (from the median step time)
-and the ratio mlm / HF (target >= 1.0). The defaults run in well under 2 minutes on 2 CPU cores.
+In one process: builds the preset's model the way `mlm train` does on one process
+(`mlm.train.trainer.build_parallel_model`: recompute as `model.recompute` says, initialised
+weights), sets the attention backend and `model.kernels`, and with `--compile` (or `--set
+train.compile=true`) compiles each layer (`mlm.build.compile_layers`); `--vs-eager` times the same
+model uncompiled beside it (the compile speed-up). `--set` takes any config override, as `mlm train
+--set` does (`model.kernels=triton`, `model.recompute=full`, `model.fused_cross_entropy=true`,
+...). Only what takes effect through these steps (the config, the model's build, `set_kernels`,
+`compile_layers`) reaches the model here: a setting the trainer applies elsewhere (in
+`Trainer.__init__`, say) needs a line in `build_mlm`. The loss is the model's own
+(`GPT.head_loss`). With HF (the default on CPU) it exports the weights with `mlm.hf.mlm_to_hf` and
+loads them into `LlamaForCausalLM` (attn_implementation="sdpa"). Then times full training steps
+(forward, the cross-entropy, backward, AdamW step, zero_grad; mlm with its trainer's optimizer, HF
+with torch.optim.AdamW as a transformers loop uses it) on the same batch of random tokens,
+alternating the two models step by step (and which goes first) so that both see the same machine
+state; warm-up steps (the first compiles) are not timed; torch's default thread count. HF is called
+with use_cache=False, as a training loop does. bf16 means torch.autocast (weights and optimizer
+stay fp32) for both. Prints tokens/s of each (from the median step time), MFU (Megatron's model
+FLOPs, `mlm.flops.flops_per_token`, over the dense bf16 peak of `--hardware`,
+`mlm.train.metrics.peak_flops`; on CPU the measured fp32 matmul rate), on CUDA each model's peak
+memory (`torch.cuda.max_memory_allocated` over its steps), and the ratio mlm / HF (target >= 1.0).
+The defaults run in well under 2 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -28,37 +46,56 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mlm.build import compile_layers  # noqa: E402
 from mlm.config import OptimizerConfig, load_config  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
+from mlm.flops import flops_per_token  # noqa: E402
 from mlm.hf import mlm_to_hf  # noqa: E402
-from mlm.model import build_model  # noqa: E402
+from mlm.parallel import Mesh  # noqa: E402
 from mlm.train.adamw import make_optimizer  # noqa: E402
+from mlm.train.metrics import peak_flops  # noqa: E402
+from mlm.train.trainer import build_parallel_model  # noqa: E402
+
+# GPU names (torch.cuda.get_device_name) → the hardware profile of their MFU peak
+GPU_PROFILES = (
+    ("H200", "h200"),
+    ("H100", "h100-80g"),
+    ("B200", "b200"),
+    ("A100-SXM4-40GB", "a100-40g"),
+    ("A100", "a100-80g"),
+)
 
 
-def build_pair(preset: str, seq: int, seed: int = 1234):
-    """(mlm GPT, HF LlamaForCausalLM, ModelConfig) with identical weights, both in train mode."""
+def build_mlm(preset: str, seq: int, device: torch.device, sets: list[str], seed: int = 1234):
+    """(mlm GPT in train mode, Config): the preset with `sets` applied, built as `mlm train` builds
+    it on one process, with the config's attention backend and kernels, compiled with train.compile."""
+    cfg = load_config(overrides=[f"preset={preset}", f"data.seq_length={seq}", f"train.seed={seed}", *sets])
+    if cfg.model.position_embedding != "rope":
+        raise MlmError(f"--preset {preset}: this benchmark compares Llama models; pick a llama preset")
+    model = build_parallel_model(cfg, Mesh.build(cfg.parallel), device).train()
+    model.set_attention_backend(cfg.model.attention_backend, device)
+    model.set_kernels(cfg.model.kernels, device)
+    if cfg.train.compile:
+        compile_layers(model)
+    return model, cfg
+
+
+def build_hf(mlm, cfg, device: torch.device):
+    """transformers' LlamaForCausalLM with the weights of `mlm` (exported through `mlm.hf`)."""
     import transformers
 
-    cfg = load_config(overrides=[f"preset={preset}", f"data.seq_length={seq}"]).model
-    if cfg.position_embedding != "rope":
-        raise MlmError(f"--preset {preset}: this benchmark compares Llama models; pick a llama preset")
-    mlm = build_model(cfg, "cpu", seed=seed).train()
-    hf_state, hf_config = mlm_to_hf(mlm.state_dict(), cfg, "llama")
+    hf_state, hf_config = mlm_to_hf({k: v.cpu() for k, v in mlm.state_dict().items()}, cfg.model, "llama")
     config = transformers.AutoConfig.for_model(**hf_config)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().train()
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     missing, unexpected = hf.load_state_dict(hf_state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    return mlm, hf, cfg
+    return hf.to(device).train()
 
 
-def make_step(model, logits_fn, vocab: int, autocast, opt):
-
+def make_step(loss_fn, autocast, opt):
     def step(x_BT: torch.Tensor, y_BT: torch.Tensor) -> float:
         with autocast():
-            logits_BTV = logits_fn(x_BT)
-            if logits_BTV.shape[-1] != vocab:  # mlm's padded vocabulary
-                logits_BTV = logits_BTV[..., :vocab]
-            loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
+            loss = loss_fn(x_BT, y_BT)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -67,69 +104,136 @@ def make_step(model, logits_fn, vocab: int, autocast, opt):
     return step
 
 
+def hardware_of(device: torch.device, given: str | None) -> str:
+    if given or device.type == "cpu":
+        return given or "cpu"
+    name = torch.cuda.get_device_name(device)
+    for key, profile in GPU_PROFILES:
+        if key in name:
+            return profile
+    raise MlmError(
+        f"no hardware profile for {name!r}: pass --hardware (a100-40g, a100-80g, h100-80g, h200, b200)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-llama")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per model")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per model")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per model (the first compiles)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--compile", action="store_true", help="train.compile=true: torch.compile each layer")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable"
+    )
+    ap.add_argument(
+        "--hf", action=argparse.BooleanOptionalAction, default=None, help="default: on for cpu, off for cuda"
+    )
+    ap.add_argument(
+        "--vs-eager",
+        action="store_true",
+        help="also time the same model uncompiled (same weights), alternating: the compile speed-up",
+    )
+    ap.add_argument(
+        "--hardware", default=None, help="MFU peak profile; default: from the GPU's name, cpu on CPU"
+    )
     args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MlmError("--device cuda, but torch sees no CUDA device; run with --device cpu")
+    with_hf = args.hf if args.hf is not None else device.type == "cpu"
 
     torch.manual_seed(0)
-    mlm, hf, cfg = build_pair(args.preset, args.seq)
+    sets = [*args.set, *(["train.compile=true"] if args.compile else [])]
+    mlm, cfg = build_mlm(args.preset, args.seq, device, sets)
     if args.dtype == "bf16":
-        autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
     else:
         autocast = contextlib.nullcontext
+    V = cfg.model.vocab_size
+    # each with its own trainer's optimizer: mlm's (fused AdamW, Megatron's no-decay groups)
+    # and the torch.optim.AdamW a transformers training loop uses
     steps = {
-        # each with its own trainer's optimizer: mlm's (fused AdamW, Megatron's no-decay groups)
-        # and the torch.optim.AdamW a transformers training loop uses
         "mlm": make_step(
-            mlm, mlm, cfg.vocab_size, autocast, make_optimizer(mlm, OptimizerConfig(), torch.device("cpu"))
-        ),
-        "HF": make_step(
-            hf,
-            lambda x: hf(input_ids=x, use_cache=False).logits,
-            cfg.vocab_size,
+            lambda x, y: mlm.head_loss(mlm.hidden_states(x), y),
             autocast,
-            torch.optim.AdamW(hf.parameters(), lr=3e-4, weight_decay=0.1),
-        ),
+            make_optimizer(mlm, OptimizerConfig(), device),
+        )
     }
-    tokens = torch.randint(
-        0, cfg.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0)
-    )
-    x_BT, y_BT = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if args.vs_eager:
+        if not cfg.train.compile:
+            raise MlmError("--vs-eager compares the compiled layers with eager ones: add --compile")
+        eager, _ = build_mlm(args.preset, args.seq, device, [*sets, "train.compile=false"])
+        steps["eager"] = make_step(
+            lambda x, y: eager.head_loss(eager.hidden_states(x), y),
+            autocast,
+            make_optimizer(eager, OptimizerConfig(), device),
+        )
+    if with_hf:
+        hf = build_hf(mlm, cfg, device)
 
+        def hf_loss(x, y):
+            logits_BTV = hf(input_ids=x, use_cache=False).logits
+            return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y.flatten())
+
+        steps["HF"] = make_step(
+            hf_loss, autocast, torch.optim.AdamW(hf.parameters(), lr=3e-4, weight_decay=0.1)
+        )
+    tokens = torch.randint(0, V, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    x_BT, y_BT = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+    cuda = device.type == "cuda"
+    hardware = hardware_of(device, args.hardware)
+    where = f"{torch.cuda.get_device_name(device)}" if cuda else f"{torch.get_num_threads()} threads"
     print(
         f"preset {args.preset}: {sum(p.numel() for p in mlm.parameters()) / 1e6:.2f} M parameters, "
-        f"batch {args.batch} x seq {args.seq}, {args.dtype}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads"
+        f"batch {args.batch} x seq {args.seq}, {args.dtype}, {device.type} ({where}), torch {torch.__version__}; "
+        f"compile {cfg.train.compile}, kernels {cfg.model.kernels}, recompute {cfg.model.recompute}"
+        + (f"; --set {' '.join(args.set)}" if args.set else "")
     )
     times: dict[str, list[float]] = {name: [] for name in steps}
-    first_loss: dict[str, float] = {}
+    first: dict[str, tuple[float, float]] = {}
+    peak_mem: dict[str, int] = dict.fromkeys(steps, 0)
     order = list(steps)
     for i in range(args.warmup + args.steps):
         for name in order if i % 2 == 0 else order[::-1]:
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            loss = steps[name](x_BT, y_BT)
+            loss = steps[name](x_BT, y_BT)  # .item() waits for the device
             dt = time.perf_counter() - t0
-            first_loss.setdefault(name, loss)
+            if cuda:
+                peak_mem[name] = max(peak_mem[name], torch.cuda.max_memory_allocated(device))
+            first.setdefault(name, (loss, dt))
             if i >= args.warmup:
                 times[name].append(dt)
-    print(f"first-step loss: mlm {first_loss['mlm']:.6f}, HF {first_loss['HF']:.6f} (same weights and batch)")
+    print(
+        "first step: "
+        + ", ".join(f"{name} loss {loss:.6f} in {dt:.1f} s" for name, (loss, dt) in first.items())
+        + (" (same weights and batch)" if len(steps) > 1 else "")
+    )
     # tokens/s from the median step: this runs on shared 2-core VMs where a neighbour's burst can
     # stall single steps by 3-8x (measured), which would swamp a mean over 10 steps.
+    peak = peak_flops(hardware)
+    flops_per_step = flops_per_token(cfg.model, args.seq) * args.batch * args.seq
     tps = {}
     for name, ts in times.items():
         tps[name] = args.batch * args.seq / statistics.median(ts)
         mean = args.batch * args.seq * len(ts) / sum(ts)
+        mfu = flops_per_step / statistics.median(ts) / peak
         print(
             f"{name:>4}: {tps[name]:8,.0f} tokens/s  (median of {len(ts)} steps {statistics.median(ts) * 1e3:6.1f} ms, "
-            f"min {min(ts) * 1e3:6.1f} ms; mean {mean:,.0f} tokens/s)"
+            f"min {min(ts) * 1e3:6.1f} ms; mean {mean:,.0f} tokens/s); MFU {mfu:.1%} of {hardware} "
+            f"({peak / 1e12:.1f} TFLOP/s{' bf16' if hardware != 'cpu' else ' measured fp32 matmul'})"
+            + (f"; peak memory {peak_mem[name] / 2**30:.2f} GiB" if cuda else "")
         )
-    print(f"ratio mlm / HF: {tps['mlm'] / tps['HF']:.3f}  (target >= 1.0)")
+    if args.vs_eager:
+        print(f"ratio compiled / eager: {tps['mlm'] / tps['eager']:.3f}")
+    if with_hf:
+        print(f"ratio mlm / HF: {tps['mlm'] / tps['HF']:.3f}  (target >= 1.0)")
 
 
 if __name__ == "__main__":

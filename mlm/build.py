@@ -9,9 +9,13 @@ outside in a fixed order (torchtitan's `parallelize`):
     5. materialise: only the local shards take memory
 
 Used by training (then `init_weights`) and by serving (then `load_checkpoint` of `model_shards`).
+Training then picks the kernels (`GPT.set_kernels`) and, with train.compile, compiles each layer
+(`compile_layers`), last, as torchtitan does.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -41,3 +45,39 @@ def build_sharded(
     apply_context_parallel(model, mesh, parallel.cp_comm_type, parallel.sequence_parallel)
     apply_recompute(model, cfg.recompute)
     return model.to_empty(device=device)
+
+
+def compile_layers(model: GPT) -> list[str]:
+    """torch.compile each transformer layer of `model` (and each MTP depth's layer) in place, as
+    torchtitan does: `module.compile()` compiles the module's call, its hooks included, and leaves
+    its parameters, their names and their gradient hooks untouched, so checkpoints and the
+    data-parallel reduction see the same model. Layers of one kind share their compiled code
+    (the parameters are graph inputs). Compilation happens at the first call; call this after
+    parallelism, recompute and the kernel choice. Returns the names of the compiled modules.
+
+    Two settings make the pieces compose:
+    - activation recompute (`mlm.parallel.recompute`) counts its calls to tell the rerun from the
+      forward; traced by dynamo, the checkpoint becomes part of the graph and the rerun happens in
+      the compiled backward without running Python again, so the counting side effect need not
+      be replayed there (`skip_fwd_side_effects_in_bwd_under_checkpoint`; without it dynamo
+      gives up on the whole layer and it runs eagerly);
+    - Triton kernels under the interpreter (TRITON_INTERPRET=1, CPU tests) run as Python that
+      dynamo cannot trace: their launches are left out of the graphs (a graph break each). On a
+      GPU dynamo captures the launches of the compiled kernels itself.
+    """
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    if os.environ.get("TRITON_INTERPRET") == "1" and any(
+        getattr(m, "kernels", "torch") == "triton" for m in model.modules()
+    ):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not hasattr(InterpretedFunction.run, "_torchdynamo_disable"):
+            InterpretedFunction.run = torch.compiler.disable(InterpretedFunction.run)
+    compiled = []
+    for key, layer in model.layers.items():
+        layer.compile()
+        compiled.append(f"layers.{key}")
+    for key, depth in (model.mtp or {}).items():
+        depth.layer.compile()
+        compiled.append(f"mtp.{key}.layer")
+    return compiled

@@ -550,6 +550,8 @@ class TrainConfig:
     """Seed of initialisation, dropout and data order."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
+    compile: bool = False
+    """torch.compile each transformer layer (after parallelism, recompute and kernel choice)."""
 
     def __post_init__(self):
         _choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))

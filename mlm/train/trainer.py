@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mlm.build import build_sharded
+from mlm.build import build_sharded, compile_layers
 from mlm.checkpoint import resolve_checkpoint
 from mlm.config import Config, to_toml
 from mlm.console import console
@@ -109,6 +109,8 @@ class Trainer(TrainerCheckpoints):
         self.model = build_parallel_model(cfg, self.mesh, self.device)
         self.attention_backend = self.model.set_attention_backend(cfg.model.attention_backend, self.device)
         self.kernels = self.model.set_kernels(cfg.model.kernels, self.device)
+        if t.compile:  # last: after parallelism, recompute and the kernel choice
+            compile_layers(self.model)
         self.optimizer = TrainOptimizer(self.model, cfg, self.mesh, self.device)
         self.pipeline = Pipeline(self.model, self.mesh, cfg.parallel.vpp)
         # whether any stage has modules with auxiliary losses (then every step gathers them)
@@ -321,7 +323,8 @@ class Trainer(TrainerCheckpoints):
         self._print(
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
             f"mesh {self.mesh}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''}, attention {self.attention_backend}, "
-            f"{f'kernels {self.kernels}, ' if self.kernels != 'torch' else ''}{cfg.train.precision}, "
+            f"{f'kernels {self.kernels}, ' if self.kernels != 'torch' else ''}"
+            f"{'compiled layers, ' if cfg.train.compile else ''}{cfg.train.precision}, "
             f"{counts.total / 1e6:.2f}M parameters"
             + (f" ({counts.active / 1e6:.2f}M active per token)" if counts.active != counts.total else "")
             + (f" + MTP {counts.mtp / 1e6:.2f}M" if counts.mtp else ""),
