@@ -57,7 +57,7 @@ def attention(
         return core(q_BTHD, k_BTGD, v_BTGE)
     q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTGD, v_BTGE))
     out = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=p, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, dropout_p=p, is_causal=True, scale=scale, enable_gqa=bool(k.shape[1] != q.shape[1])
     )
     return out.transpose(1, 2)
 
@@ -86,7 +86,7 @@ def document_attention(q_BTHD, k_BTGD, v_BTGD, documents_BT, scale: float | None
     mask = document_mask(documents_BT, documents_BT, pos, pos)
     q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTGD, v_BTGD))
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=bool(k.shape[1] != q.shape[1])
     )
     return out.transpose(1, 2)
 
