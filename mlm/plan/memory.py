@@ -469,21 +469,19 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
     s = local_tokens(cfg, layout)
     e = layout.micro_batch * s
     h, f, H, G = m.hidden_size, m.ffn_size, m.num_attention_heads, m.query_groups
-    autocast = cfg.train.precision in _AUTOCAST
-    A = 2 if autocast else 4
+    A = 2 if cfg.train.precision in _AUTOCAST else 4
     if layout.recompute == "full":
-        return {"layer input (full recompute)": e * h / u * 4}
+        return {"layer input (full recompute)": e * h / u * residual_bytes(cfg)}
     norm = _norm_bytes(cfg, e / u)
     gated = m.activation == "swiglu"
     moe = kind == "moe"
-    mlp_inputs = (2 if gated else 1) if autocast else 1
     mla = m.attention_kind == "mla"
-    # one cast per linear reading the norm under autocast (q, k, v share one fp32 input); MLA's
-    # down-projections read this rank's e/u tokens, only q without a query latent a gathered copy
-    attention_inputs = mla_input_bytes(cfg, layout, e, A) if mla else e * h * A * (3 if autocast else 1)
+    # the norm's output, in the compute dtype, is the one input q, k, v share (gate and up too);
+    # MLA's down-projections read this rank's e/u tokens, only q without a query latent a gathered copy
+    attention_inputs = mla_input_bytes(cfg, layout, e, A) if mla else e * h * A
     parts = {
         "norms": 2 * norm,
-        "linear inputs": attention_inputs + e * h * A * (0 if moe else mlp_inputs),
+        "linear inputs": attention_inputs + (0 if moe else e * h * A),
     }
     if mla:
         parts.update(mla_activation_bytes(cfg, layout, e, A))
@@ -491,9 +489,9 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
         parts["q, k, v"] = e * h / t * (1 + 2 * G / H) * A
         parts["attention output"] = e * h / t * A
     if moe:
-        parts.update(moe_activation_bytes(cfg, layout, e, u, A, mlp_inputs))
+        parts.update(moe_activation_bytes(cfg, layout, e, u, A))
     else:
-        parts["mlp"] = (4 if gated else 2) * e * f / t * A
+        parts["mlp"] = (3 if gated else 2) * e * f / t * A
     if layout.recompute != "selective":
         ring = layout.cp > 1 and layout.cp_comm_type == "p2p"  # the ring's lse in the autocast dtype
         parts["attention logsumexp"] = layout.micro_batch * H / t * s * (A if ring else 4)
@@ -503,25 +501,32 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
     return parts
 
 
+def residual_bytes(cfg: Config) -> int:
+    """Bytes per element of the residual stream: autocast's dtype (2) under bf16/fp16, unless
+    model.fp32_residual_connection; 4 in fp32."""
+    autocast = cfg.train.precision in _AUTOCAST
+    return 2 if autocast and not cfg.model.fp32_residual_connection else 4
+
+
 def _norm_bytes(cfg: Config, tokens: float) -> float:
-    """What one norm over `tokens` tokens of the residual stream saves: its fp32 input, RMSNorm's
-    x̂, and its statistics (LayerNorm: mean and rstd)."""
-    rms = cfg.model.normalization == "rmsnorm"
-    return tokens * cfg.model.hidden_size * (4 + (4 if rms else 0)) + tokens * 4 * (1 if rms else 2)
+    """What one norm over `tokens` tokens of the residual stream saves (`kernels.lean`): its input
+    in the residual dtype, and LayerNorm's fp32 mean and rstd (RMSNorm's backward recomputes its
+    statistic)."""
+    stats = 8 if cfg.model.normalization == "layernorm" else 0
+    return tokens * (cfg.model.hidden_size * residual_bytes(cfg) + stats)
 
 
 def mla_input_bytes(cfg: Config, layout: Layout, e: int, A: int) -> float:
     """The inputs MLA's projections from the hidden state save (measured, exact): q_down and
-    kv_down read this rank's n = e/u tokens (not gathered), one shared fp32 input or one autocast
-    copy each: n·h·(4 or 2·A); without a query latent q is column-parallel on the hidden state,
-    which enters the tp region for it: its input is the gathered e·h (its own copy under sequence
-    parallelism or autocast; in fp32 without SP the same tensor as kv_down's)."""
-    m = cfg.model
+    kv_down read this rank's n = e/u tokens (not gathered), the norm's output shared: n·h·A;
+    without a query latent q is column-parallel on the hidden state, which enters the tp region
+    for it: its input is the gathered e·h (its own tensor under sequence parallelism, else the
+    same tensor as kv_down's)."""
     u = layout.tp if layout.sequence_parallel else 1
-    n, h, autocast = e / u, m.hidden_size, A != 4
-    if m.mla.q_lora_rank:
-        return n * h * A * (2 if autocast else 1)
-    return n * h * A + (e * h * A if autocast or u > 1 else 0)
+    n, h = e / u, cfg.model.hidden_size
+    if cfg.model.mla.q_lora_rank:
+        return n * h * A
+    return n * h * A + (e * h * A if u > 1 else 0)
 
 
 def mla_activation_bytes(cfg: Config, layout: Layout, e: int, A: int) -> dict[str, float]:
@@ -532,13 +537,13 @@ def mla_activation_bytes(cfg: Config, layout: Layout, e: int, A: int) -> dict[st
     enter the tp region (gathered over the sequence under sequence parallelism), from which the
     up-projections read all e tokens, the heads split.
 
-    query latent     q_norm's fp32 input (q_down's output, its fp32 copy under autocast), x̂ and
-                     rstd: n·Q·8 + 4n (none without q_lora_rank)
-    kv latent        the same for kv_norm, n·C·8 + 4n; in fp32 kv_norm's input is a view of
-                     kv_down's whole output, so the rope key's n·R·4 too
+    query latent     q_norm's input (q_down's output): n·Q·A (none without q_lora_rank); the lean
+                     RMSNorm saves nothing else
+    kv latent        kv_norm's input, a view of kv_down's whole output, so the rope key's too:
+                     n·(C + R)·A
     entered latents  the concatenated [q latent ; kv latent ; rope key] over e tokens, e·(Q + C +
-                     R)·A: q_up's and kv_up's inputs are views of it (on CPU autocast returns the
-                     norms' outputs in bf16, so the concatenation is bf16 and no linear casts again)
+                     R)·A: q_up's and kv_up's inputs are views of it (the norms output the compute
+                     dtype, so no linear casts again)
     q, k, v          q and k after RoPE (nope ; rope dims) and kv_up's output, of which v is a view:
                      e·H/t·(2·(N + R) + N + E)·A
     output           e·H/t·E·A (the out-projection's input)"""
@@ -555,17 +560,15 @@ def mla_activation_bytes(cfg: Config, layout: Layout, e: int, A: int) -> dict[st
     )
     out = {}
     if Q:
-        out["query latent"] = n * Q * 8 + 4 * n
-    out["key/value latent"] = n * C * 8 + 4 * n + (n * R * 4 if A == 4 else 0)
+        out["query latent"] = n * Q * A
+    out["key/value latent"] = n * (C + R) * A
     out["entered latents"] = e * (Q + C + R) * A
     out["q, k, v"] = e * heads * (2 * (N + R) + N + E) * A
     out["attention output"] = e * heads * E * A
     return out
 
 
-def moe_activation_bytes(
-    cfg: Config, layout: Layout, e: int, u: int, A: int, inputs: int
-) -> dict[str, float]:
+def moe_activation_bytes(cfg: Config, layout: Layout, e: int, u: int, A: int) -> dict[str, float]:
     """An MoE MLP's saved tensors (measured on mlm's MoE layer, see the module doc): each rank
     routes its N = e/u tokens (its sequence shard under sequence parallelism) and its experts
     compute M = N·k token copies (balanced routing; under ep the copies it receives)."""
@@ -579,7 +582,7 @@ def moe_activation_bytes(
         # index and weight
         "router": N * h * 4 + N * E * 4 + N * k * 12 + M * 12,
         "expert inputs": M * h * A,
-        "experts": (4 if gated else 2) * M * F * A,
+        "experts": (3 if gated else 2) * M * F * A,
         # the experts' output and its fp32 copy, weighted and summed home
         "expert outputs": M * h * (A + 4),
     }
@@ -587,8 +590,10 @@ def moe_activation_bytes(
     if shared:
         t = layout.tp
         autocast = A == 2
-        # its input is all-gathered over tp under sequence parallelism (as a dense MLP's)
-        linear_in = e * h * A * inputs if autocast else (e * h * 4 if u > 1 else 0)
+        # its input is all-gathered over tp under sequence parallelism (as a dense MLP's), else
+        # the norm's output, in fp32 the router's input already
+        linear_in = e * h * A if u > 1 else (N * h * A if autocast else 0)
+        # the gate: the shared experts' output and the sigmoid, saved by their product
         gate = N * h * A + N * 4 if moe.shared_expert_gate else 0
         out["shared experts"] = linear_in + (4 if gated else 2) * e * shared / t * A + gate
     return out
@@ -624,16 +629,22 @@ def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
         else:  # F.cross_entropy: log-softmax over the real vocabulary + the flattened labels
             out["loss"] = e * m.vocab_size * 4 + e * 8
     if stage.mtp:
-        # the main model's final norm again (x̂ and statistics: its input is saved already) and
-        # RoPE tables; per depth the embedding of the tokens ahead, enorm, hnorm, eh_proj's input
-        # [e, 2h], one layer (never recomputed: `mlm.parallel.recompute` wraps model.layers),
-        # its final norm, the output layer's input and the loss (per-token, weighted: + 8 bytes)
-        again = _norm_bytes(cfg, e / u) - e * h / u * 4
+        # the main model's final norm again (its statistics: its input is saved already) and its
+        # output, depth 1's hnorm input; RoPE tables; per depth the embedding of the tokens
+        # ahead, enorm, hnorm's statistics, eh_proj's input [e, 2h], one layer (never recomputed:
+        # `mlm.parallel.recompute` wraps model.layers), its final norm, the output layer's input
+        # and the loss (per-token, weighted: + 8 bytes). Depth k > 1's hnorm input is depth
+        # k − 1's output: the output layer's input too, unless the loss is fused or under sequence
+        # parallelism (the output layer then reads a gathered copy)
+        stats = _norm_bytes(cfg, e / u) - e * h / u * residual_bytes(cfg)
+        normed = e * h / u * A
         whole = replace(layout, recompute="none")
         layer = sum(layer_activation_bytes(cfg, whole, stage.kinds[-1]).values())
-        depth = embedding + 3 * _norm_bytes(cfg, e / u) + e * 2 * h / u * A + layer
+        depth = embedding + 2 * _norm_bytes(cfg, e / u) + stats + e * 2 * h / u * A + layer
         depth += out["output input"] + out["loss"] + 8 * e
-        out["mtp depths"] = again + (rope if m.position_embedding == "rope" else 0) + stage.mtp * depth
+        own = normed if m.fused_cross_entropy or u > 1 else 0.0
+        rope_again = rope if m.position_embedding == "rope" else 0
+        out["mtp depths"] = stats + normed + rope_again + stage.mtp * depth + (stage.mtp - 1) * own
     return out
 
 
