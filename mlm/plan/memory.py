@@ -31,27 +31,30 @@ down-projections and the MTP depths' eh_proj are replicated over tp.
 
 Activations: what autograd saves for backward, per layer and micro-batch, read off mlm's own
 layers (measured with saved_tensors_hooks on one process and under tp/sp/cp; tests/test_plan.py
-checks the formula within 10 %, dense MLA models on tp 2 ranks to the byte). With s = seq_length / cp the tokens of each sequence a rank holds
+checks the formula within 10 %, dense MLA models on tp 2 ranks to the byte, and
+tests/test_activation_memory.py a Llama layer in bf16 to the byte). With s = seq_length / cp the tokens of each sequence a rank holds
 (context parallelism's zigzag split; s = seq_length at cp = 1), e = micro-batch × s, u = tp under
-sequence parallelism (else 1), A the autocast dtype's bytes (4 in fp32), R = 4 (the residual stream
-stays fp32), per layer:
+sequence parallelism (else 1), A the autocast dtype's bytes (4 in fp32), R the residual stream's
+(`residual_bytes`: A under autocast, 4 with model.fp32_residual_connection or in fp32), per layer
+(the norms and SwiGLU are `kernels.lean`'s, which save only what their backward needs):
 
-    two norms          input e·h/u·R, RMSNorm's x̂ e·h/u·4, stats e/u·4 (LayerNorm: mean+rstd)
-    linear inputs      e·h·A per input (q, k, v share one in fp32; autocast casts one copy per
-                       linear: 3 for q/k/v, 2 for gate/up); under sequence parallelism the
-                       all-gathered full sequence; MLA's down-projections read the rank's own
-                       e/u tokens instead (`mla_input_bytes`)
+    two norms          input e·h/u·R (RMSNorm's backward recomputes its statistic; LayerNorm
+                       also keeps fp32 mean and rstd, e/u·8)
+    linear inputs      the norm's output, in the compute dtype, e·h·A: one shared by q, k, v and
+                       one by gate, up; under sequence parallelism the all-gathered full sequence;
+                       MLA's down-projections read the rank's own e/u tokens instead (`mla_input_bytes`)
     q, k, v after RoPE e·h/t·(1 + 2G/H)·A
     attention          output e·h/t·A (the out-projection's input) + logsumexp b·(H/t)·s·4: the
                        SDPA/flash kernels keep no s×s matrix
     MLA                (`mla_activation_bytes`) the latents' norms on the rank's e/u tokens, the
                        latents entering the tp region over e tokens (gathered under sequence
                        parallelism), q, k and kv_up's output per head, the output
-    MLP                SwiGLU: gate, up, silu(gate), product: 4·e·f/t·A; GeLU: up, gelu: 2·e·f/t·A
+    MLP                SwiGLU: gate, up (silu is recomputed in the backward), product:
+                       3·e·f/t·A; GeLU: up, gelu: 2·e·f/t·A
     MoE MLP            N = e/u tokens routed on this rank, M = N·k copies (balanced routing; the
                        copies this rank's experts receive under ep): the router's fp32 input N·h·4,
                        scores N·E·4, top-k weights/indices and per-copy index/weight; the copies'
-                       inputs M·h·A; the experts' 4·M·F·A (gated); their outputs M·h·(A + 4) (and
+                       inputs M·h·A; the experts' 3·M·F·A (gated); their outputs M·h·(A + 4) (and
                        the fp32 weighted copy); shared experts as a dense MLP of their width. mlm's
                        grouped_mm / loop experts; `bmm` (CPU's auto) pads every expert to the
                        busiest, up to +25 % measured in bf16.
@@ -67,8 +70,10 @@ Recompute: `full` keeps only each layer's input (e·h/u·R); `selective` re-runs
 and so drops only the logsumexp (the core saves no s² term to begin with: the checkpoint then keeps
 q, k, v, which RoPE's outputs already are) and, under cp, the core's cp tensors above. Differences from Korthikanti et al. 2022 (whose
 formula `korthikanti_layer_bytes` gives, and tests pin for GPT-3 175B): no s² softmax and no
-attention-dropout mask (flash attention), SwiGLU's four f-wide tensors instead of GeLU's two,
-RMSNorm's extra x̂, no dropout masks at hidden_dropout = 0, and autocast's per-linear input casts.
+attention-dropout mask (flash attention), SwiGLU's three f-wide tensors instead of GeLU's two,
+and no dropout masks at hidden_dropout = 0. A Llama-3-8B layer (f = 3.5·h, H = 4G) in bf16 saves
+4 + 4 + 3 + 2 + 21 = 34·s·b·h, Megatron's count (59 before the lean norms, the shared normed
+inputs, SwiGLU saving its inputs and the bf16 residual stream).
 
 Micro-batches in flight: the peak number of (chunk, micro-batch) forwards a rank holds in its
 1F1B / interleaved schedule (`mlm.parallel.schedules.peak_in_flight`: pp − rank on rank r for
@@ -738,13 +743,14 @@ def rank_memory(
     if cfg.parallel.grad_reduce_dtype == "bf16":  # a bf16 copy of every bucket, all may be in flight
         comm += (parts["dense"][1] if layout.dp_cp > 1 else 0) / 2
         comm += (parts["expert"][1] if layout.edp > 1 else 0) / 2
-    if layout.ep > 1 and "moe" in per_kind:  # one MoE layer's exchange buffers (fp32 tokens)
-        m = cfg.model
+    if layout.ep > 1 and "moe" in per_kind:  # one MoE layer's exchange buffers (the norm's
+        m = cfg.model  # output: tokens in the compute dtype)
         n = e / u
+        A = 2 if cfg.train.precision in _AUTOCAST else 4
         if m.moe.token_dispatcher == "alltoall":  # the copies sent and received
-            comm += 2 * n * m.moe.router_topk * h * 4
+            comm += 2 * n * m.moe.router_topk * h * A
         else:  # the gathered tokens and the outputs to reduce-scatter
-            comm += layout.ep * n * h * (4 + (2 if cfg.train.precision in _AUTOCAST else 4))
+            comm += layout.ep * n * h * 2 * A
     if layout.pp > 1:
         comm += 2 * e * h / u * 4
     if t > 1:
