@@ -4,6 +4,8 @@ The forward saves only the input and each row's mean and rstd = 1/√(var + eps)
     x̂ = (x − mean) · rstd,  dx = rstd · (dy·w − mean(dy·w) − x̂ · mean(dy·w · x̂)),
     dw = Σ_rows dy · x̂,  db = Σ_rows dy,
 each program walking several row blocks with its own fp32 partial dw and db, summed on the host.
+The output is in the compute dtype (autocast's under autocast); the torch path is
+`kernels.lean.layer_norm`, the launch geometry `kernels._launch.Rows` (shared with RMSNorm).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 The forward saves only the input and each row's rstd = 1/√(mean(x²) + eps); the backward computes
     x̂ = x · rstd,  dx = rstd · (dy·w − x̂ · mean(dy·w · x̂)),  dw = Σ_rows dy · x̂,
 each program walking several row blocks and keeping its own fp32 partial dw, summed on the host.
+The output is in the compute dtype (autocast's under autocast); the torch path is
+`kernels.lean.rms_norm`, the launch geometry `kernels._launch.Rows` (shared with LayerNorm).
 """
 
 from __future__ import annotations
