@@ -2,6 +2,8 @@
 `torch.autograd.Function` and one public function. Triton: `rmsnorm` (RMSNorm, LayerNorm), `swiglu`
 (SwiGLU, GeLU), `rope` (rotate-half and interleaved RoPE); `model.kernels` picks them
 (`mlm.model.layers.resolve_kernels`), tested against the references on CPU under the Triton
-interpreter (TRITON_INTERPRET=1, tests/test_kernels.py); not yet run on a GPU. Chunked torch:
+interpreter (TRITON_INTERPRET=1, tests/test_kernels.py); not yet run on a GPU. `lean`: the torch
+path of the norms and SwiGLU (no triton needed), autograd Functions that save what the Triton
+ones save and in fp32 compute exactly as torch. Chunked torch:
 `linear_cross_entropy` (the loss without the [tokens, vocabulary] logits, vocabulary-parallel under
 tp; `model.fused_cross_entropy`, tests/test_linear_cross_entropy.py)."""

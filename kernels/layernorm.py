@@ -4,6 +4,8 @@ The forward saves only the input and each row's mean and rstd = 1/√(var + eps)
     x̂ = (x − mean) · rstd,  dx = rstd · (dy·w − mean(dy·w) − x̂ · mean(dy·w · x̂)),
     dw = Σ_rows dy · x̂,  db = Σ_rows dy,
 each program walking several row blocks with its own fp32 partial dw and db, summed on the host.
+The output is in the compute dtype (autocast's under autocast); the torch path is
+`kernels.lean.layer_norm`, the launch geometry `kernels._launch.Rows` (shared with RMSNorm).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import program_count, row_blocks
+from kernels._launch import Rows
+from kernels.lean import output_dtype
 
 
 def layer_norm_reference(
@@ -108,45 +111,35 @@ def _layer_norm_backward(
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
-        shape, N = x.shape, x.shape[-1]
-        x_MN = x.reshape(-1, N).contiguous()
-        M = x_MN.shape[0]
-        y_MN = torch.empty((M, N), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        mean_M = torch.empty(M, dtype=torch.float32, device=x.device)
-        rstd_M = torch.empty(M, dtype=torch.float32, device=x.device)
-        BLOCK_N, BLOCK_M = row_blocks(N)
-        grid = (triton.cdiv(M, BLOCK_M),)
-        _layer_norm_forward[grid](
-            x_MN,
+        rows = Rows(x)
+        y_MN = torch.empty((rows.M, rows.N), dtype=output_dtype(x, weight), device=x.device)
+        mean_M, rstd_M = rows.stats(), rows.stats()
+        _layer_norm_forward[(rows.blocks,)](
+            rows.x,
             weight,
             weight if bias is None else bias,  # not read without a bias
             y_MN,
             mean_M,
             rstd_M,
-            M,
-            N,
+            rows.M,
+            rows.N,
             eps,
             HAS_BIAS=bias is not None,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
+            BLOCK_M=rows.BLOCK_M,
+            BLOCK_N=rows.BLOCK_N,
         )
-        ctx.save_for_backward(x_MN, weight, mean_M, rstd_M)
-        ctx.shape, ctx.bias_dtype = shape, None if bias is None else bias.dtype
-        return y_MN.view(shape)
+        ctx.save_for_backward(rows.x, weight, mean_M, rstd_M)
+        ctx.shape, ctx.bias_dtype = rows.shape, None if bias is None else bias.dtype
+        return y_MN.view(rows.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x_MN, weight, mean_M, rstd_M = ctx.saved_tensors
-        M, N = x_MN.shape
-        dy_MN = dy.reshape(M, N).contiguous()
+        rows = Rows(x_MN)
         dx_MN = torch.empty_like(x_MN)
-        BLOCK_N, BLOCK_M = row_blocks(N)
-        blocks = triton.cdiv(M, BLOCK_M)
-        programs = program_count(blocks, x_MN.device)
-        dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x_MN.device)
-        db_partial = torch.empty((programs, N), dtype=torch.float32, device=x_MN.device)
+        programs, per_program, (dw_partial, db_partial) = rows.backward_split(2)
         _layer_norm_backward[(programs,)](
-            dy_MN,
+            dy.reshape(rows.M, rows.N).contiguous(),
             x_MN,
             weight,
             mean_M,
@@ -154,17 +147,17 @@ class LayerNormFunction(torch.autograd.Function):
             dx_MN,
             dw_partial,
             db_partial,
-            M,
-            N,
-            triton.cdiv(blocks, programs),
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
+            rows.M,
+            rows.N,
+            per_program,
+            BLOCK_M=rows.BLOCK_M,
+            BLOCK_N=rows.BLOCK_N,
         )
         db = None if ctx.bias_dtype is None else db_partial.sum(0).to(ctx.bias_dtype)
         return dx_MN.view(ctx.shape), dw_partial.sum(0).to(weight.dtype), db, None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """LayerNorm of x [..., N] with weight [N] and optional bias [N] (Triton forward and backward);
-    output in x's and weight's promoted dtype."""
+    """LayerNorm of x [..., N] with weight [N] and optional bias [N] (Triton forward and backward),
+    saving x, mean and rstd; output in `kernels.lean.output_dtype` (autocast's under autocast)."""
     return LayerNormFunction.apply(x, weight, bias, eps)

@@ -3,6 +3,8 @@
 The forward saves only the input and each row's rstd = 1/√(mean(x²) + eps); the backward computes
     x̂ = x · rstd,  dx = rstd · (dy·w − x̂ · mean(dy·w · x̂)),  dw = Σ_rows dy · x̂,
 each program walking several row blocks and keeping its own fp32 partial dw, summed on the host.
+The output is in the compute dtype (autocast's under autocast); the torch path is
+`kernels.lean.rms_norm`, the launch geometry `kernels._launch.Rows` (shared with LayerNorm).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import program_count, row_blocks
+from kernels._launch import Rows
+from kernels.lean import output_dtype
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,45 +79,39 @@ def _rms_norm_backward(
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        shape, N = x.shape, x.shape[-1]
-        x_MN = x.reshape(-1, N).contiguous()
-        M = x_MN.shape[0]
-        y_MN = torch.empty((M, N), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        rstd_M = torch.empty(M, dtype=torch.float32, device=x.device)
-        BLOCK_N, BLOCK_M = row_blocks(N)
-        grid = (triton.cdiv(M, BLOCK_M),)
-        _rms_norm_forward[grid](x_MN, weight, y_MN, rstd_M, M, N, eps, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-        ctx.save_for_backward(x_MN, weight, rstd_M)
-        ctx.shape = shape
-        return y_MN.view(shape)
+        rows = Rows(x)
+        y_MN = torch.empty((rows.M, rows.N), dtype=output_dtype(x, weight), device=x.device)
+        rstd_M = rows.stats()
+        _rms_norm_forward[(rows.blocks,)](
+            rows.x, weight, y_MN, rstd_M, rows.M, rows.N, eps, BLOCK_M=rows.BLOCK_M, BLOCK_N=rows.BLOCK_N
+        )
+        ctx.save_for_backward(rows.x, weight, rstd_M)
+        ctx.shape = rows.shape
+        return y_MN.view(rows.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x_MN, weight, rstd_M = ctx.saved_tensors
-        M, N = x_MN.shape
-        dy_MN = dy.reshape(M, N).contiguous()
+        rows = Rows(x_MN)
         dx_MN = torch.empty_like(x_MN)
-        BLOCK_N, BLOCK_M = row_blocks(N)
-        blocks = triton.cdiv(M, BLOCK_M)
-        programs = program_count(blocks, x_MN.device)
-        dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x_MN.device)
+        programs, per_program, (dw_partial,) = rows.backward_split(1)
         _rms_norm_backward[(programs,)](
-            dy_MN,
+            dy.reshape(rows.M, rows.N).contiguous(),
             x_MN,
             weight,
             rstd_M,
             dx_MN,
             dw_partial,
-            M,
-            N,
-            triton.cdiv(blocks, programs),
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
+            rows.M,
+            rows.N,
+            per_program,
+            BLOCK_M=rows.BLOCK_M,
+            BLOCK_N=rows.BLOCK_N,
         )
         return dx_MN.view(ctx.shape), dw_partial.sum(0).to(weight.dtype), None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [..., N] with weight [N] (Triton forward and backward); output in x's and
-    weight's promoted dtype, as `torch.nn.functional.rms_norm`."""
+    """RMSNorm of x [..., N] with weight [N] (Triton forward and backward), saving x and rstd;
+    output in `kernels.lean.output_dtype` (autocast's under autocast, as the torch path)."""
     return RMSNormFunction.apply(x, weight, eps)

@@ -5,6 +5,8 @@ The forwards save only their inputs; the backwards recompute the activation:
     silu'(a) = σ(a) · (1 + a · (1 − σ(a))),
     gelu'(a) = Φ(a) + a · φ(a)  (exact),
     gelu_tanh'(a) = ½(1 + t) + ½ a (1 − t²) · √(2/π) (1 + 3 · 0.044715 a²),  t = tanh(√(2/π)(a + 0.044715 a³)).
+
+The torch path saves the same: `kernels.lean.swiglu` (its inputs) and `F.gelu` (its input).
 """
 
 from __future__ import annotations

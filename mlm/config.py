@@ -261,6 +261,8 @@ class ModelConfig:
     """auto, sdpa, flash (flash-attn) or te (Transformer Engine); auto picks the fastest available."""
     kernels: str = "torch"
     """Norms, MLP activations and RoPE: torch, triton (the `kernels` package) or auto (triton on CUDA when importable)."""
+    fp32_residual_connection: bool = False
+    """Keep the residual stream (the layers' inputs and adds) in fp32 under bf16/fp16 autocast; by default it is in the autocast dtype (Megatron's name and default)."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full (each layer)."""
     fused_cross_entropy: bool = False

@@ -1,6 +1,10 @@
-"""The Triton kernels (top-level `kernels/`) against their torch references, forward and every
-gradient: fp32 within 1e-5 and bf16 within 2e-2 of the reference's largest magnitude, on sizes
-that are not powers of two; and a tiny GPT with model.kernels=triton against model.kernels=torch.
+"""The Triton kernels (top-level `kernels/`) and the torch path's lean autograd Functions
+(`kernels.lean`) against their torch references, forward and every gradient: fp32 within 1e-5 and
+bf16 within 2e-2 of the reference's largest magnitude, on sizes that are not powers of two; the
+lean Functions bitwise equal to torch's own norms and SwiGLU in fp32 (the golden losses rest on
+it) and saving only what their backward needs; and a tiny GPT with model.kernels=triton against
+model.kernels=torch, over every site the choice covers (norms, Qwen3's q/k norms, MLA's latent
+norms, dense and routed experts' activations).
 
 Without CUDA the kernels run under the Triton interpreter: this module sets TRITON_INTERPRET=1 while
 it imports triton and the kernels (triton reads it as its own functions and the kernels are
@@ -22,11 +26,14 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from mlm.config import MLAConfig, ModelConfig
+from kernels import lean
+from mlm.config import MLAConfig, ModelConfig, MoEConfig
 from mlm.errors import MlmError
 from mlm.model import build_model
 from mlm.model.layers import resolve_kernels
+from mlm.model.moe.experts import GroupedExperts
 from mlm.model.rope import apply_rope, apply_rope_interleaved
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,6 +126,76 @@ def test_layer_norm(dtype, bias, shape):
     check(k_layernorm.layer_norm, k_layernorm.layer_norm_reference, [x, w, b], 1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 100), (3, 5, 72)])
+def test_lean_norms_and_swiglu_against_the_references(dtype, shape):
+    N = shape[-1]
+    x = randn(*shape, dtype=dtype, shift=0.5)
+    w = randn(N, dtype=dtype, scale=0.1, shift=1.0, seed=1)
+    b = randn(N, dtype=dtype, scale=0.1, seed=2)
+    check(lean.rms_norm, k_rmsnorm.rms_norm_reference, [x, w], 1e-5)
+    check(lean.layer_norm, k_layernorm.layer_norm_reference, [x, w, b], 1e-5)
+    check(lean.layer_norm, k_layernorm.layer_norm_reference, [x, w, None], 1e-5)
+    check(lean.swiglu, k_swiglu.swiglu_reference, [randn(*shape, dtype=dtype, scale=3.0, seed=3), x])
+
+
+def test_lean_functions_are_bitwise_torchs_in_fp32():
+    """Outputs and gradients equal torch's to the bit, also where x's gradient is summed with a
+    residual branch's (RMSNorm hands autograd its two terms apart, as torch's composite does)."""
+    x0, g0 = randn(4, 33, 72, shift=0.5), randn(4, 33, 72, scale=3.0, seed=3)
+    w0, b0, W = randn(72, scale=0.1, shift=1.0, seed=1), randn(72, scale=0.1, seed=2), randn(72, 72, seed=4)
+    cases = {
+        "rmsnorm": (lambda x, w, b: lean.rms_norm(x, w, 1e-5), lambda x, w, b: F.rms_norm(x, (72,), w, 1e-5)),
+        "layernorm": (
+            lambda x, w, b: lean.layer_norm(x, w, b, 1e-5),
+            lambda x, w, b: F.layer_norm(x, (72,), w, b, 1e-5),
+        ),
+        "swiglu": (lambda x, w, b: lean.swiglu(g0 * w, x), lambda x, w, b: F.silu(g0 * w) * x),
+    }
+    for name, (mine, theirs) in cases.items():
+        results = []
+        for fn in (mine, theirs):
+            x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+            y = x + F.linear(fn(x, w, b), W)  # a residual branch beside the op
+            y.square().sum().backward()
+            results.append([y.detach(), x.grad, w.grad, b.grad])
+        for i, (p, q) in enumerate(zip(*results, strict=True)):
+            assert (p is None and q is None) or torch.equal(p, q), (name, i)
+
+
+def _saved(fn, *inputs) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    out = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: out.append((tuple(t.shape), t.dtype)) or t, lambda t: t
+    ):
+        fn(*inputs)
+    return out
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_norms_output_the_compute_dtype_and_save_their_input(path):
+    """Under bf16 autocast a norm of a bf16 input with fp32 weights returns bf16 (the next linear
+    reads it without a copy) and saves the bf16 input (+ fp32 per-row statistics), no fp32 copy."""
+    rms, ln = (
+        (lean.rms_norm, lean.layer_norm) if path == "torch" else (k_rmsnorm.rms_norm, k_layernorm.layer_norm)
+    )
+    x = randn(3, 5, 72, dtype=torch.bfloat16).requires_grad_()
+    w, b = randn(72, shift=1.0).requires_grad_(), randn(72, seed=2).requires_grad_()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        assert rms(x, w, 1e-5).dtype == ln(x, w, b, 1e-5).dtype == torch.bfloat16
+        assert rms(x.float(), w, 1e-5).dtype == torch.bfloat16  # an fp32 residual stream too
+        saved_rms, saved_ln = _saved(rms, x, w, 1e-5), _saved(ln, x, w, b, 1e-5)
+    assert rms(x.float(), w, 1e-5).dtype == torch.float32  # no autocast: the promoted dtype
+    big = [(s, d) for s, d in saved_rms + saved_ln if s[-1] == 72 and len(s) > 1]
+    assert all(d == torch.bfloat16 for _, d in big) and len(big) == 2, big  # x, once per norm
+    assert all(d == torch.float32 for s, d in saved_rms + saved_ln if s[-1] != 72), (saved_rms, saved_ln)
+
+
+def test_lean_swiglu_saves_its_two_inputs():
+    a, b = (randn(5, 37, dtype=torch.bfloat16, seed=i).requires_grad_() for i in (0, 1))
+    assert _saved(lean.swiglu, a, b) == [((5, 37), torch.bfloat16)] * 2
+
+
 def test_norm_references_are_torchs_norms():
     x, w, b = randn(37, 100), randn(100, seed=1), randn(100, seed=2)
     torch.testing.assert_close(
@@ -202,6 +279,14 @@ GPTS = {
         attention_kind="mla",
         mla=MLAConfig(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=6, v_head_dim=4),
     ),
+    "qwen3-qk-norm": dict(qk_norm=True),
+    "moe-shared": dict(
+        mlp_kind="moe",
+        moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=20, shared_expert_ffn_hidden_size=24),
+    ),
+    "moe-gelu": dict(
+        mlp_kind="moe", activation="gelu", moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=20)
+    ),
 }
 
 
@@ -215,6 +300,13 @@ def test_gpt_with_triton_kernels_matches_torch(arch):
     for kernels in ("torch", "triton"):
         model = build_model(cfg, DEVICE, seed=3)
         assert model.set_kernels(kernels, DEVICE) == kernels
+        # every norm (per-head and latent ones too) and every experts' activation follows the choice
+        sites = [
+            m
+            for m in model.modules()
+            if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm, GroupedExperts))
+        ]
+        assert sites and all(m.kernels == kernels for m in sites), sites
         logits = model(tokens)
         logits.float().square().mean().backward()
         results[kernels] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}

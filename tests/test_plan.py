@@ -624,8 +624,9 @@ def test_all_to_all_time_grows_with_the_nodes_ep_spans():
     assert a2a[2] < a2a[4] < a2a[8] < a2a[16] < a2a[32] < a2a[64]
     assert a2a[16] > 3 * a2a[8]
     tokens, k, D, layers = 4096 * 512 // 64, 8, 2048, 48
-    # dispatch fp32, combine bf16, backward the same: 12 bytes per copy and element; 8 micro-batches
-    in_node = layers * tokens * k * D * (4 + 2 + 2 + 4) * (8 - 1) / 8 / job.hardware.intra_bandwidth
+    # dispatch and combine in bf16 (the norm's output is bf16), backward the same: 8 bytes per
+    # copy and element; 8 micro-batches
+    in_node = layers * tokens * k * D * (2 + 2 + 2 + 2) * (8 - 1) / 8 / job.hardware.intra_bandwidth
     latency = layers * 8 * 4 * job.hardware.intra_latency
     assert a2a[8] == pytest.approx(in_node + latency, rel=1e-9)
     # the same ep 8 spanning two nodes of 4 GPUs costs more than inside one node of 8
@@ -803,9 +804,11 @@ def test_cp_exchange_time():
 
 def test_search_picks_cp_where_cp1_does_not_fit(tmp_path, capsys):
     """llama3-70b at seq 131072 on 128 H100s in nodes of 4 (tp ≤ 4): at cp 1 the first pipeline
-    rank holds every layer's input of its in-flight micro-batches, 80 × 131072 × 8192 / 4 × 4 B =
-    86 GB even under full recompute, so nothing fits; cp splits the sequence and it does."""
-    job = make_job(None, ["preset=llama3-70b"], 128, 4, load_hardware("h100-80g"), 131072, 64, None, "bf16")
+    rank holds every layer's input of its in-flight micro-batches, with an fp32 residual stream
+    80 × 131072 × 8192 / 4 × 4 B = 86 GB even under full recompute, so nothing fits; cp splits the
+    sequence and it does. (The default bf16 stream halves those inputs, and cp 1 fits.)"""
+    sets = ["preset=llama3-70b", "model.fp32_residual_connection=true"]
+    job = make_job(None, sets, 128, 4, load_hardware("h100-80g"), 131072, 64, None, "bf16")
     with pytest.raises(MlmError, match="does not fit on 128 × h100-80g"):
         plan(job, cp=1)
     best = plan(job).ranked[0]

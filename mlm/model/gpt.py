@@ -26,7 +26,7 @@ from mlm.config import ModelConfig
 from mlm.errors import MlmError
 from mlm.model.attention import resolve_backend
 from mlm.model.aux_loss import AuxLosses
-from mlm.model.layers import AttentionCore, Block, make_norm, resolve_kernels
+from mlm.model.layers import AttentionCore, Block, make_norm, resolve_kernels, to_residual
 from mlm.model.mtp import MTPLayer, MTPTargets
 from mlm.model.rope import inv_frequencies, rope_tables
 
@@ -124,10 +124,10 @@ class GPT(nn.Module):
         return backend
 
     def set_kernels(self, requested: str, device: torch.device) -> str:
-        """Run the norms, the dense MLPs' activations and RoPE with `model.kernels`' choice on
-        `device` (`resolve_kernels`); returns it. MLA's `rotate` (apply_rope or its interleaved
-        layout) is re-bound with the choice; the per-head q/k norms, MLA's latent norms and MoE
-        experts stay torch."""
+        """Run every norm (the layers', Qwen3's per-head q/k norms, MLA's latent norms, the MTP
+        depths', the final norm), every MLP activation (dense, shared and routed experts) and RoPE
+        with `model.kernels`' choice on `device` (`resolve_kernels`); returns it. MLA's `rotate`
+        (apply_rope or its interleaved layout) is re-bound with the choice."""
         kernels = resolve_kernels(requested, device)
         for module in self.modules():
             if hasattr(module, "kernels"):
@@ -221,9 +221,12 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Run chunk `chunk`: tokens [B, T] in if it is first, else hidden states [B, T', D]; logits
         [B, T, V] (sharded over the vocabulary under tp) out if it is last, else hidden states
-        (T' = T / sequence_shards)."""
+        (T' = T / sequence_shards), in the parameters' dtype: the pipeline passes hidden states in
+        it (under autocast the cast from the bf16 residual stream is exact)."""
         h = self.hidden_states(x, positions, cache, chunk, documents)
-        return self.logits(h) if self.chunks[chunk].last else h
+        if self.chunks[chunk].last:
+            return self.logits(h)
+        return h.to(next(self.parameters()).dtype)
 
     def hidden_states(
         self,
@@ -235,7 +238,9 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """The chunk's layers over tokens (first chunk) or hidden states; before the final norm.
         `documents` [B, T]: the document index of every token, when attention stays within the
-        packed documents of a sequence (data.reset_attention_mask)."""
+        packed documents of a sequence (data.reset_attention_mask). The layers run in the residual
+        stream's dtype (`to_residual`): autocast's under autocast, fp32 with
+        model.fp32_residual_connection."""
         spec = self.chunks[chunk]
         T = x.shape[1] if spec.first else x.shape[1] * self.sequence_shards
         if spec.first:
@@ -251,13 +256,17 @@ class GPT(nn.Module):
                 x_BTD = x_BTD + self.pos_embed(
                     torch.arange(T, device=x.device) if positions is None else positions
                 )
-            x_BTD = self.enter_layers(self.dropout(x_BTD))
+            x_BTD = self.enter_layers(self.residual(self.dropout(x_BTD)))
         else:
-            x_BTD = x
+            x_BTD = self.residual(x)
         rope = self.rope(T, x.device, positions) if spec.layers else None
         for key in spec.layers:
             x_BTD = self.layers[key](x_BTD, rope, cache, documents)
         return x_BTD
+
+    def residual(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """Hidden states entering the layers, in the residual stream's dtype (`to_residual`)."""
+        return to_residual(x_BTD, self.cfg.fp32_residual_connection)
 
     def rope(self, T: int, device, positions: torch.Tensor | None = None):
         """(cos, sin) of the rotary embedding for T tokens (or `positions`); None with learned positions."""
@@ -313,7 +322,7 @@ class GPT(nn.Module):
         h_BTD = self.final_norm(h_BTD)
         losses = []
         for k, depth in enumerate(self.mtp.values(), start=1):
-            e_BTD = self.enter_layers(self.dropout(self.embed(targets.inputs(k))))
+            e_BTD = self.enter_layers(self.residual(self.dropout(self.embed(targets.inputs(k)))))
             h_BTD = depth(e_BTD, h_BTD, rope, documents)
             losses.append(self.loss_of_normed(h_BTD, targets.labels(k), targets.weights(k)))
         return torch.stack(losses)

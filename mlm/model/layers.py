@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import lean
+from kernels.lean import autocast_dtype
 from mlm.config import LayerSpec, ModelConfig
 from mlm.errors import MlmError
 from mlm.model.attention import _importable, attention, document_attention
@@ -85,20 +87,52 @@ def _lookup(registry: dict, kind: str, field: str):
 # ---------------------------------------------------------------- norms
 
 
+def to_residual(x: torch.Tensor, fp32_residual: bool) -> torch.Tensor:
+    """x in the residual stream's dtype: fp32 with model.fp32_residual_connection, else autocast's
+    where autocast is on for x's device (bf16/fp16: the layers' adds stay in it), else x's own."""
+    if fp32_residual:
+        return x.float()
+    return x.to(autocast_dtype(x) or x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: str = "torch") -> torch.Tensor:
+    """RMSNorm saving only its input (and, Triton, rstd); output in the compute dtype (`kernels.lean`)."""
+    if kernels == "triton":
+        from kernels.rmsnorm import rms_norm as fused
+
+        return fused(x, weight, eps)
+    return lean.rms_norm(x, weight, eps)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """silu(a) · b saving only a and b (the backward recomputes silu)."""
+    if kernels == "triton":
+        from kernels.swiglu import swiglu as fused
+
+        return fused(a, b)
+    return lean.swiglu(a, b)
+
+
+def gelu(a: torch.Tensor, approximate: str, kernels: str = "torch") -> torch.Tensor:
+    """GeLU ('none': erf, 'tanh': GPT-2's), saving only its input (F.gelu's autograd does too)."""
+    if kernels == "triton":
+        from kernels.swiglu import gelu as fused
+
+        return fused(a, approximate=approximate)
+    return F.gelu(a, approximate=approximate)
+
+
 @register_norm("rmsnorm")
 class RMSNorm(nn.RMSNorm):
-    """Llama's norm."""
+    """Llama's norm over the hidden state (or over `size` features: Qwen3's per-head q/k norms,
+    MLA's latents)."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.hidden_size, eps=cfg.norm_eps)
+    def __init__(self, cfg: ModelConfig, size: int | None = None):
+        super().__init__(size or cfg.hidden_size, eps=cfg.norm_eps)
         self.kernels = "torch"  # or "triton": set by GPT.set_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels == "triton":
-            from kernels.rmsnorm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps)
-        return super().forward(x)
+        return rms_norm(x, self.weight, self.eps, self.kernels)
 
 
 @register_norm("layernorm")
@@ -114,7 +148,7 @@ class LayerNorm(nn.LayerNorm):
             from kernels.layernorm import layer_norm
 
             return layer_norm(x, self.weight, self.bias, self.eps)
-        return super().forward(x)
+        return lean.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 def make_norm(cfg: ModelConfig, kind: str | None = None) -> nn.Module:
@@ -197,8 +231,8 @@ class Attention(nn.Module):
         self.v = nn.Linear(cfg.hidden_size, G * K, bias=qkv_bias)
         self.out = nn.Linear(H * K, cfg.hidden_size, bias=cfg.add_bias)
         # Qwen3: RMSNorm over each head's query and key (weights [K], shared by the heads)
-        self.q_norm = nn.RMSNorm(K, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(K, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg, K) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg, K) if cfg.qk_norm else None
         self.core = AttentionCore(cfg)
         self.kernels = "torch"  # RoPE's; or "triton": set by GPT.set_kernels
 
@@ -240,17 +274,10 @@ class MLP(nn.Module):
         self.kernels = "torch"  # or "triton": set by GPT.set_kernels
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        if self.kernels == "triton":
-            from kernels.swiglu import gelu, swiglu
-
-            if self.gated:
-                h_BTF = swiglu(self.gate(x_BTD), self.up(x_BTD))
-            else:
-                h_BTF = gelu(self.up(x_BTD), approximate=self.approximate)
-        elif self.gated:
-            h_BTF = F.silu(self.gate(x_BTD)) * self.up(x_BTD)
+        if self.gated:
+            h_BTF = swiglu(self.gate(x_BTD), self.up(x_BTD), self.kernels)
         else:
-            h_BTF = F.gelu(self.up(x_BTD), approximate=self.approximate)
+            h_BTF = gelu(self.up(x_BTD), self.approximate, self.kernels)
         return self.down(h_BTF)
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from mlm.config import ModelConfig
-from mlm.model.layers import AttentionCore, register_attention
+from mlm.model.layers import AttentionCore, RMSNorm, register_attention
 from mlm.model.rope import apply_rope, apply_rope_interleaved, yarn_mscale
 
 
@@ -81,10 +81,10 @@ class MultiLatentAttention(nn.Module):
         else:
             self.q = None
             self.q_down = nn.Linear(D, m.q_lora_rank, bias=bias)
-            self.q_norm = nn.RMSNorm(m.q_lora_rank, eps=cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg, m.q_lora_rank)
             self.q_up = nn.Linear(m.q_lora_rank, H * QK, bias=False)
         self.kv_down = nn.Linear(D, m.kv_lora_rank + m.qk_rope_head_dim, bias=bias)
-        self.kv_norm = nn.RMSNorm(m.kv_lora_rank, eps=cfg.norm_eps)
+        self.kv_norm = RMSNorm(cfg, m.kv_lora_rank)
         self.kv_up = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.out = nn.Linear(H * m.v_head_dim, D, bias=bias)
         # tensor parallelism's entries into the tp region (identity here): the hidden state for the

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from mlm.config import LayerSpec, ModelConfig
-from mlm.model.layers import Block, make_norm
+from mlm.model.layers import Block, make_norm, to_residual
 
 
 class MTPLayer(nn.Module):
@@ -47,9 +47,11 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.layer = Block(cfg, spec, layer)
         self.final_norm = make_norm(cfg)
+        self.fp32_residual = cfg.fp32_residual_connection
 
     def forward(self, e_BTD, h_BTD, rope=None, documents_BT=None) -> torch.Tensor:
         x_BTD = self.eh_proj(torch.cat([self.enorm(e_BTD), self.hnorm(h_BTD)], dim=-1))
+        x_BTD = to_residual(x_BTD, self.fp32_residual)  # the layer's residual stream
         return self.final_norm(self.layer(x_BTD, rope, None, documents_BT))
 
 

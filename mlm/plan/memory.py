@@ -31,27 +31,30 @@ down-projections and the MTP depths' eh_proj are replicated over tp.
 
 Activations: what autograd saves for backward, per layer and micro-batch, read off mlm's own
 layers (measured with saved_tensors_hooks on one process and under tp/sp/cp; tests/test_plan.py
-checks the formula within 10 %, dense MLA models on tp 2 ranks to the byte). With s = seq_length / cp the tokens of each sequence a rank holds
+checks the formula within 10 %, dense MLA models on tp 2 ranks to the byte, and
+tests/test_activation_memory.py a Llama layer in bf16 to the byte). With s = seq_length / cp the tokens of each sequence a rank holds
 (context parallelism's zigzag split; s = seq_length at cp = 1), e = micro-batch × s, u = tp under
-sequence parallelism (else 1), A the autocast dtype's bytes (4 in fp32), R = 4 (the residual stream
-stays fp32), per layer:
+sequence parallelism (else 1), A the autocast dtype's bytes (4 in fp32), R the residual stream's
+(`residual_bytes`: A under autocast, 4 with model.fp32_residual_connection or in fp32), per layer
+(the norms and SwiGLU are `kernels.lean`'s, which save only what their backward needs):
 
-    two norms          input e·h/u·R, RMSNorm's x̂ e·h/u·4, stats e/u·4 (LayerNorm: mean+rstd)
-    linear inputs      e·h·A per input (q, k, v share one in fp32; autocast casts one copy per
-                       linear: 3 for q/k/v, 2 for gate/up); under sequence parallelism the
-                       all-gathered full sequence; MLA's down-projections read the rank's own
-                       e/u tokens instead (`mla_input_bytes`)
+    two norms          input e·h/u·R (RMSNorm's backward recomputes its statistic; LayerNorm
+                       also keeps fp32 mean and rstd, e/u·8)
+    linear inputs      the norm's output, in the compute dtype, e·h·A: one shared by q, k, v and
+                       one by gate, up; under sequence parallelism the all-gathered full sequence;
+                       MLA's down-projections read the rank's own e/u tokens instead (`mla_input_bytes`)
     q, k, v after RoPE e·h/t·(1 + 2G/H)·A
     attention          output e·h/t·A (the out-projection's input) + logsumexp b·(H/t)·s·4: the
                        SDPA/flash kernels keep no s×s matrix
     MLA                (`mla_activation_bytes`) the latents' norms on the rank's e/u tokens, the
                        latents entering the tp region over e tokens (gathered under sequence
                        parallelism), q, k and kv_up's output per head, the output
-    MLP                SwiGLU: gate, up, silu(gate), product: 4·e·f/t·A; GeLU: up, gelu: 2·e·f/t·A
+    MLP                SwiGLU: gate, up (silu is recomputed in the backward), product:
+                       3·e·f/t·A; GeLU: up, gelu: 2·e·f/t·A
     MoE MLP            N = e/u tokens routed on this rank, M = N·k copies (balanced routing; the
                        copies this rank's experts receive under ep): the router's fp32 input N·h·4,
                        scores N·E·4, top-k weights/indices and per-copy index/weight; the copies'
-                       inputs M·h·A; the experts' 4·M·F·A (gated); their outputs M·h·(A + 4) (and
+                       inputs M·h·A; the experts' 3·M·F·A (gated); their outputs M·h·(A + 4) (and
                        the fp32 weighted copy); shared experts as a dense MLP of their width. mlm's
                        grouped_mm / loop experts; `bmm` (CPU's auto) pads every expert to the
                        busiest, up to +25 % measured in bf16.
@@ -67,8 +70,10 @@ Recompute: `full` keeps only each layer's input (e·h/u·R); `selective` re-runs
 and so drops only the logsumexp (the core saves no s² term to begin with: the checkpoint then keeps
 q, k, v, which RoPE's outputs already are) and, under cp, the core's cp tensors above. Differences from Korthikanti et al. 2022 (whose
 formula `korthikanti_layer_bytes` gives, and tests pin for GPT-3 175B): no s² softmax and no
-attention-dropout mask (flash attention), SwiGLU's four f-wide tensors instead of GeLU's two,
-RMSNorm's extra x̂, no dropout masks at hidden_dropout = 0, and autocast's per-linear input casts.
+attention-dropout mask (flash attention), SwiGLU's three f-wide tensors instead of GeLU's two,
+and no dropout masks at hidden_dropout = 0. A Llama-3-8B layer (f = 3.5·h, H = 4G) in bf16 saves
+4 + 4 + 3 + 2 + 21 = 34·s·b·h, Megatron's count (59 before the lean norms, the shared normed
+inputs, SwiGLU saving its inputs and the bf16 residual stream).
 
 Micro-batches in flight: the peak number of (chunk, micro-batch) forwards a rank holds in its
 1F1B / interleaved schedule (`mlm.parallel.schedules.peak_in_flight`: pp − rank on rank r for
@@ -469,21 +474,19 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
     s = local_tokens(cfg, layout)
     e = layout.micro_batch * s
     h, f, H, G = m.hidden_size, m.ffn_size, m.num_attention_heads, m.query_groups
-    autocast = cfg.train.precision in _AUTOCAST
-    A = 2 if autocast else 4
+    A = 2 if cfg.train.precision in _AUTOCAST else 4
     if layout.recompute == "full":
-        return {"layer input (full recompute)": e * h / u * 4}
+        return {"layer input (full recompute)": e * h / u * residual_bytes(cfg)}
     norm = _norm_bytes(cfg, e / u)
     gated = m.activation == "swiglu"
     moe = kind == "moe"
-    mlp_inputs = (2 if gated else 1) if autocast else 1
     mla = m.attention_kind == "mla"
-    # one cast per linear reading the norm under autocast (q, k, v share one fp32 input); MLA's
-    # down-projections read this rank's e/u tokens, only q without a query latent a gathered copy
-    attention_inputs = mla_input_bytes(cfg, layout, e, A) if mla else e * h * A * (3 if autocast else 1)
+    # the norm's output, in the compute dtype, is the one input q, k, v share (gate and up too);
+    # MLA's down-projections read this rank's e/u tokens, only q without a query latent a gathered copy
+    attention_inputs = mla_input_bytes(cfg, layout, e, A) if mla else e * h * A
     parts = {
         "norms": 2 * norm,
-        "linear inputs": attention_inputs + e * h * A * (0 if moe else mlp_inputs),
+        "linear inputs": attention_inputs + (0 if moe else e * h * A),
     }
     if mla:
         parts.update(mla_activation_bytes(cfg, layout, e, A))
@@ -491,9 +494,9 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
         parts["q, k, v"] = e * h / t * (1 + 2 * G / H) * A
         parts["attention output"] = e * h / t * A
     if moe:
-        parts.update(moe_activation_bytes(cfg, layout, e, u, A, mlp_inputs))
+        parts.update(moe_activation_bytes(cfg, layout, e, u, A))
     else:
-        parts["mlp"] = (4 if gated else 2) * e * f / t * A
+        parts["mlp"] = (3 if gated else 2) * e * f / t * A
     if layout.recompute != "selective":
         ring = layout.cp > 1 and layout.cp_comm_type == "p2p"  # the ring's lse in the autocast dtype
         parts["attention logsumexp"] = layout.micro_batch * H / t * s * (A if ring else 4)
@@ -503,25 +506,32 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
     return parts
 
 
+def residual_bytes(cfg: Config) -> int:
+    """Bytes per element of the residual stream: autocast's dtype (2) under bf16/fp16, unless
+    model.fp32_residual_connection; 4 in fp32."""
+    autocast = cfg.train.precision in _AUTOCAST
+    return 2 if autocast and not cfg.model.fp32_residual_connection else 4
+
+
 def _norm_bytes(cfg: Config, tokens: float) -> float:
-    """What one norm over `tokens` tokens of the residual stream saves: its fp32 input, RMSNorm's
-    x̂, and its statistics (LayerNorm: mean and rstd)."""
-    rms = cfg.model.normalization == "rmsnorm"
-    return tokens * cfg.model.hidden_size * (4 + (4 if rms else 0)) + tokens * 4 * (1 if rms else 2)
+    """What one norm over `tokens` tokens of the residual stream saves (`kernels.lean`): its input
+    in the residual dtype, and LayerNorm's fp32 mean and rstd (RMSNorm's backward recomputes its
+    statistic)."""
+    stats = 8 if cfg.model.normalization == "layernorm" else 0
+    return tokens * (cfg.model.hidden_size * residual_bytes(cfg) + stats)
 
 
 def mla_input_bytes(cfg: Config, layout: Layout, e: int, A: int) -> float:
     """The inputs MLA's projections from the hidden state save (measured, exact): q_down and
-    kv_down read this rank's n = e/u tokens (not gathered), one shared fp32 input or one autocast
-    copy each: n·h·(4 or 2·A); without a query latent q is column-parallel on the hidden state,
-    which enters the tp region for it: its input is the gathered e·h (its own copy under sequence
-    parallelism or autocast; in fp32 without SP the same tensor as kv_down's)."""
-    m = cfg.model
+    kv_down read this rank's n = e/u tokens (not gathered), the norm's output shared: n·h·A;
+    without a query latent q is column-parallel on the hidden state, which enters the tp region
+    for it: its input is the gathered e·h (its own tensor under sequence parallelism, else the
+    same tensor as kv_down's)."""
     u = layout.tp if layout.sequence_parallel else 1
-    n, h, autocast = e / u, m.hidden_size, A != 4
-    if m.mla.q_lora_rank:
-        return n * h * A * (2 if autocast else 1)
-    return n * h * A + (e * h * A if autocast or u > 1 else 0)
+    n, h = e / u, cfg.model.hidden_size
+    if cfg.model.mla.q_lora_rank:
+        return n * h * A
+    return n * h * A + (e * h * A if u > 1 else 0)
 
 
 def mla_activation_bytes(cfg: Config, layout: Layout, e: int, A: int) -> dict[str, float]:
@@ -532,13 +542,13 @@ def mla_activation_bytes(cfg: Config, layout: Layout, e: int, A: int) -> dict[st
     enter the tp region (gathered over the sequence under sequence parallelism), from which the
     up-projections read all e tokens, the heads split.
 
-    query latent     q_norm's fp32 input (q_down's output, its fp32 copy under autocast), x̂ and
-                     rstd: n·Q·8 + 4n (none without q_lora_rank)
-    kv latent        the same for kv_norm, n·C·8 + 4n; in fp32 kv_norm's input is a view of
-                     kv_down's whole output, so the rope key's n·R·4 too
+    query latent     q_norm's input (q_down's output): n·Q·A (none without q_lora_rank); the lean
+                     RMSNorm saves nothing else
+    kv latent        kv_norm's input, a view of kv_down's whole output, so the rope key's too:
+                     n·(C + R)·A
     entered latents  the concatenated [q latent ; kv latent ; rope key] over e tokens, e·(Q + C +
-                     R)·A: q_up's and kv_up's inputs are views of it (on CPU autocast returns the
-                     norms' outputs in bf16, so the concatenation is bf16 and no linear casts again)
+                     R)·A: q_up's and kv_up's inputs are views of it (the norms output the compute
+                     dtype, so no linear casts again)
     q, k, v          q and k after RoPE (nope ; rope dims) and kv_up's output, of which v is a view:
                      e·H/t·(2·(N + R) + N + E)·A
     output           e·H/t·E·A (the out-projection's input)"""
@@ -555,17 +565,15 @@ def mla_activation_bytes(cfg: Config, layout: Layout, e: int, A: int) -> dict[st
     )
     out = {}
     if Q:
-        out["query latent"] = n * Q * 8 + 4 * n
-    out["key/value latent"] = n * C * 8 + 4 * n + (n * R * 4 if A == 4 else 0)
+        out["query latent"] = n * Q * A
+    out["key/value latent"] = n * (C + R) * A
     out["entered latents"] = e * (Q + C + R) * A
     out["q, k, v"] = e * heads * (2 * (N + R) + N + E) * A
     out["attention output"] = e * heads * E * A
     return out
 
 
-def moe_activation_bytes(
-    cfg: Config, layout: Layout, e: int, u: int, A: int, inputs: int
-) -> dict[str, float]:
+def moe_activation_bytes(cfg: Config, layout: Layout, e: int, u: int, A: int) -> dict[str, float]:
     """An MoE MLP's saved tensors (measured on mlm's MoE layer, see the module doc): each rank
     routes its N = e/u tokens (its sequence shard under sequence parallelism) and its experts
     compute M = N·k token copies (balanced routing; under ep the copies it receives)."""
@@ -579,7 +587,7 @@ def moe_activation_bytes(
         # index and weight
         "router": N * h * 4 + N * E * 4 + N * k * 12 + M * 12,
         "expert inputs": M * h * A,
-        "experts": (4 if gated else 2) * M * F * A,
+        "experts": (3 if gated else 2) * M * F * A,
         # the experts' output and its fp32 copy, weighted and summed home
         "expert outputs": M * h * (A + 4),
     }
@@ -587,8 +595,10 @@ def moe_activation_bytes(
     if shared:
         t = layout.tp
         autocast = A == 2
-        # its input is all-gathered over tp under sequence parallelism (as a dense MLP's)
-        linear_in = e * h * A * inputs if autocast else (e * h * 4 if u > 1 else 0)
+        # its input is all-gathered over tp under sequence parallelism (as a dense MLP's), else
+        # the norm's output, in fp32 the router's input already
+        linear_in = e * h * A if u > 1 else (N * h * A if autocast else 0)
+        # the gate: the shared experts' output and the sigmoid, saved by their product
         gate = N * h * A + N * 4 if moe.shared_expert_gate else 0
         out["shared experts"] = linear_in + (4 if gated else 2) * e * shared / t * A + gate
     return out
@@ -624,16 +634,22 @@ def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
         else:  # F.cross_entropy: log-softmax over the real vocabulary + the flattened labels
             out["loss"] = e * m.vocab_size * 4 + e * 8
     if stage.mtp:
-        # the main model's final norm again (x̂ and statistics: its input is saved already) and
-        # RoPE tables; per depth the embedding of the tokens ahead, enorm, hnorm, eh_proj's input
-        # [e, 2h], one layer (never recomputed: `mlm.parallel.recompute` wraps model.layers),
-        # its final norm, the output layer's input and the loss (per-token, weighted: + 8 bytes)
-        again = _norm_bytes(cfg, e / u) - e * h / u * 4
+        # the main model's final norm again (its statistics: its input is saved already) and its
+        # output, depth 1's hnorm input; RoPE tables; per depth the embedding of the tokens
+        # ahead, enorm, hnorm's statistics, eh_proj's input [e, 2h], one layer (never recomputed:
+        # `mlm.parallel.recompute` wraps model.layers), its final norm, the output layer's input
+        # and the loss (per-token, weighted: + 8 bytes). Depth k > 1's hnorm input is depth
+        # k − 1's output: the output layer's input too, unless the loss is fused or under sequence
+        # parallelism (the output layer then reads a gathered copy)
+        stats = _norm_bytes(cfg, e / u) - e * h / u * residual_bytes(cfg)
+        normed = e * h / u * A
         whole = replace(layout, recompute="none")
         layer = sum(layer_activation_bytes(cfg, whole, stage.kinds[-1]).values())
-        depth = embedding + 3 * _norm_bytes(cfg, e / u) + e * 2 * h / u * A + layer
+        depth = embedding + 2 * _norm_bytes(cfg, e / u) + stats + e * 2 * h / u * A + layer
         depth += out["output input"] + out["loss"] + 8 * e
-        out["mtp depths"] = again + (rope if m.position_embedding == "rope" else 0) + stage.mtp * depth
+        own = normed if m.fused_cross_entropy or u > 1 else 0.0
+        rope_again = rope if m.position_embedding == "rope" else 0
+        out["mtp depths"] = stats + normed + rope_again + stage.mtp * depth + (stage.mtp - 1) * own
     return out
 
 
@@ -727,13 +743,14 @@ def rank_memory(
     if cfg.parallel.grad_reduce_dtype == "bf16":  # a bf16 copy of every bucket, all may be in flight
         comm += (parts["dense"][1] if layout.dp_cp > 1 else 0) / 2
         comm += (parts["expert"][1] if layout.edp > 1 else 0) / 2
-    if layout.ep > 1 and "moe" in per_kind:  # one MoE layer's exchange buffers (fp32 tokens)
-        m = cfg.model
+    if layout.ep > 1 and "moe" in per_kind:  # one MoE layer's exchange buffers (the norm's
+        m = cfg.model  # output: tokens in the compute dtype)
         n = e / u
+        A = 2 if cfg.train.precision in _AUTOCAST else 4
         if m.moe.token_dispatcher == "alltoall":  # the copies sent and received
-            comm += 2 * n * m.moe.router_topk * h * 4
+            comm += 2 * n * m.moe.router_topk * h * A
         else:  # the gathered tokens and the outputs to reduce-scatter
-            comm += layout.ep * n * h * (4 + (2 if cfg.train.precision in _AUTOCAST else 4))
+            comm += layout.ep * n * h * 2 * A
     if layout.pp > 1:
         comm += 2 * e * h / u * 4
     if t > 1:

@@ -121,10 +121,10 @@ def ep_exchange_time(cfg: Config, job: Job, layout: Layout) -> float:
     again under full recompute). Each rank routes N = e/u tokens (its sequence shard).
 
     alltoall: dispatch and combine forward, their reverse backward; each moves this rank's N·k
-    copies, (ep − 1)/ep of them to other ranks: the dispatch in fp32 (the residual stream's norm
-    output), the combine in the autocast dtype, the backward likewise, i.e. about
+    copies, (ep − 1)/ep of them to other ranks: the dispatch and the combine in the autocast
+    dtype (the norm's output is in it, `kernels.lean`), the backward likewise, i.e. about
     4 · N · k · D · bytes · (ep − 1)/ep per layer and micro-batch.
-    allgather: all-gather the tokens (fp32), weights and mask of the group, reduce-scatter the
+    allgather: all-gather the tokens (autocast dtype), weights and mask of the group, reduce-scatter the
     outputs; (ep − 1)·N·D·bytes each, whatever the routing; the backward the reverse."""
     ep = layout.ep
     if ep <= 1:
@@ -138,11 +138,11 @@ def ep_exchange_time(cfg: Config, job: Job, layout: Layout) -> float:
     if m.moe.token_dispatcher == "alltoall":
         away = N * k * h * (ep - 1) / ep
         g = job.gpus_per_node
-        forward = all_to_all_time(away * 4, ep, g, hw) + all_to_all_time(away * A, ep, g, hw)
-        backward = all_to_all_time(away * A, ep, g, hw) + all_to_all_time(away * 4, ep, g, hw)
+        forward = 2 * all_to_all_time(away * A, ep, g, hw)
+        backward = 2 * all_to_all_time(away * A, ep, g, hw)
         return passes * forward + backward
     bw, lat = _link(hw, ep_ranks_per_node(ep, job.gpus_per_node) == ep)
-    gather = _collective(ep * N * (h * 4 + E * 5), ep, bw, lat, 1.0)
+    gather = _collective(ep * N * (h * A + E * 5), ep, bw, lat, 1.0)
     scatter = _collective(ep * N * h * A, ep, bw, lat, 1.0)
     return passes * (gather + scatter) + (gather + scatter)
 

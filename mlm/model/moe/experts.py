@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.lean import autocast_dtype
+from mlm.model.layers import gelu, swiglu
+
 IMPLS = ("grouped_mm", "bmm", "loop")
 
 
@@ -35,13 +38,9 @@ def _grouped_mm_ok(x_MD: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(w.shape[1] % align == 0 and w.shape[2] % align == 0 for w in weights)
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-
-
 class GroupedExperts(nn.Module):
-    """E expert MLPs (SwiGLU: down(silu(gate x) · up x); else down(gelu(up x))) over grouped rows."""
+    """E expert MLPs (SwiGLU: down(silu(gate x) · up x); else down(gelu(up x))) over grouped rows;
+    the activation is the dense MLP's (`model.kernels` picks torch or Triton, saving its inputs only)."""
 
     def __init__(self, experts: int, hidden: int, ffn: int, activation: str, impl: str = "auto"):
         super().__init__()
@@ -51,18 +50,19 @@ class GroupedExperts(nn.Module):
         self.up = ExpertWeights(experts, ffn, hidden)
         self.down = ExpertWeights(experts, hidden, ffn)
         self.impl = impl
+        self.kernels = "torch"  # the activation's; or "triton": set by GPT.set_kernels
 
     @property
     def num_local(self) -> int:
         return self.up.weight.shape[0]
 
     def _act(self, gate, up):
-        return F.silu(gate) * up if self.gated else F.gelu(up, approximate=self.approximate)
+        return swiglu(gate, up, self.kernels) if self.gated else gelu(up, self.approximate, self.kernels)
 
     def forward(self, x_MD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         assert len(counts) == self.num_local and sum(counts) == x_MD.shape[0], (counts, x_MD.shape)
         weights = [w.weight for w in (self.gate, self.up, self.down) if w is not None]
-        dtype = _autocast_dtype(x_MD)
+        dtype = autocast_dtype(x_MD)
         if dtype is not None:  # autocast does not cover _grouped_mm / index ops: cast by hand
             x_MD, weights = x_MD.to(dtype), [w.to(dtype) for w in weights]
         if not self.gated:

@@ -1,0 +1,122 @@
+"""The torch path of the norms and the MLP's SwiGLU (`model.kernels=torch`): autograd Functions that
+save only what their backward needs, with no triton import (triton is optional). The Triton
+Functions (kernels/rmsnorm.py, layernorm.py, swiglu.py) save the same inputs and output the same
+dtype (`output_dtype`).
+
+    RMSNorm    saves its input; the backward runs torch's composite rms_norm again on it under
+               autograd (the per-row statistic is one reduction over the row)
+    LayerNorm  saves its input, mean and rstd (`torch.native_layer_norm`); the backward is torch's
+               `native_layer_norm_backward`
+    SwiGLU     silu(a) · b saves a and b; the backward recomputes silu(a)
+
+Each computes in fp32 and rounds once. A norm's output is in the compute dtype (`output_dtype`:
+autocast's when autocast is on for the input's device), so the linear layers after it read it
+without an autocast copy and share one saved tensor (q, k, v; gate, up). In fp32 every Function
+runs exactly torch's ops in torch's order (the `.float()` casts are no-ops), so outputs and
+gradients are bitwise those of `nn.RMSNorm`, `nn.LayerNorm` and `F.silu(a) * b`
+(tests/test_kernels.py), and fp32 training is unchanged to the bit (tests/test_golden.py).
+
+Autocast: torch.amp's custom_fwd/custom_bwd are bound to one device type, so the Functions read
+autocast's state for the input's device themselves and compute with it off; their backwards are
+plain fp32 math that needs no autocast state. GeLU needs no Function: `F.gelu` saves only its
+input already.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype on x's device, or None where autocast is off."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """A norm's output dtype: autocast's when it is on for x's device (the dtype the next linear
+    computes in), else x's and weight's promoted dtype (as torch's norms)."""
+    return autocast_dtype(x) or torch.promote_types(x.dtype, weight.dtype)
+
+
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """x enters twice, as torch's composite rms_norm uses it twice (in x · rstd and in mean(x²)):
+    in fp32 the backward returns the two terms of dx apart, so that autograd adds them to x's other
+    gradients (the residual's) one at a time as for torch's own graph: bitwise equal sums."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, x_again: torch.Tensor, weight: torch.Tensor, eps: float):
+        dtype = output_dtype(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps)
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return y.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            # torch's composite rms_norm (aten/src/ATen/native/layer_norm.cpp), each use of x its own leaf
+            x1, x2 = (x.detach().float().requires_grad_() for _ in range(2))
+            w = weight.detach().float().requires_grad_()
+            rstd = torch.rsqrt(x2.pow(2).mean(-1, keepdim=True).add_(ctx.eps))
+            dx1, dx2, dw = torch.autograd.grad(x1.mul(rstd).mul(w), (x1, x2, w), dy.float())
+        if x.dtype == torch.float32:
+            return dx1, dx2, dw.to(weight.dtype), None
+        return (dx1 + dx2).to(x.dtype), None, dw.to(weight.dtype), None
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
+        dtype = output_dtype(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            y, mean, rstd = torch.native_layer_norm(x.float(), x.shape[-1:], weight.float(), _fp32(bias), eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return y.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dy.float(), x.float(), x.shape[-1:], mean, rstd, weight.float(), _fp32(bias),
+            [True, True, bias is not None],
+        )  # fmt: skip
+        return dx.to(x.dtype), dw.to(weight.dtype), None if bias is None else db.to(bias.dtype), None
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return (F.silu(a.float()) * b.float()).to(torch.promote_types(a.dtype, b.dtype))
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        a, b = ctx.saved_tensors
+        a32, dy32 = a.float(), dy.float()
+        # autograd's own order for F.silu(a) * b: d(silu) = dy · b, then silu's backward
+        da = torch.ops.aten.silu_backward(dy32 * b.float(), a32)
+        return da.to(a.dtype), (dy32 * F.silu(a32)).to(b.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., N] with weight [N], saving only x; output in `output_dtype`."""
+    return RMSNormFunction.apply(x, x, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm of x [..., N] with weight [N] and optional bias [N], saving x, mean and rstd;
+    output in `output_dtype`."""
+    return LayerNormFunction.apply(x, weight, bias, eps)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) · b, saving only a and b; output in their promoted dtype."""
+    return SwiGLUFunction.apply(a, b)
