@@ -3,8 +3,8 @@ save only what their backward needs, with no triton import (triton is optional).
 Functions (kernels/rmsnorm.py, layernorm.py, swiglu.py) save the same inputs and output the same
 dtype (`output_dtype`).
 
-    RMSNorm    saves its input; the backward runs torch's composite rms_norm again on it under
-               autograd (the per-row statistic is one reduction over the row)
+    RMSNorm    saves its input; the backward recomputes the per-row statistic (one reduction over
+               the row) and applies autograd's formulas for torch's composite rms_norm, in its order
     LayerNorm  saves its input, mean and rstd (`torch.native_layer_norm`); the backward is torch's
                `native_layer_norm_backward`
     SwiGLU     silu(a) · b saves a and b; the backward recomputes silu(a)
@@ -60,13 +60,19 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        # autograd's formulas for torch's composite rms_norm (aten/src/ATen/native/layer_norm.cpp:
+        # rstd = rsqrt(mean(x²) + eps), y = x · rstd · w), node by node in its order, written out so
+        # that torch.compile traces it (no autograd.grad inside)
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            # torch's composite rms_norm (aten/src/ATen/native/layer_norm.cpp), each use of x its own leaf
-            x1, x2 = (x.detach().float().requires_grad_() for _ in range(2))
-            w = weight.detach().float().requires_grad_()
-            rstd = torch.rsqrt(x2.pow(2).mean(-1, keepdim=True).add_(ctx.eps))
-            dx1, dx2, dw = torch.autograd.grad(x1.mul(rstd).mul(w), (x1, x2, w), dy.float())
+        x32, w, g = x.float(), weight.float(), dy.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(ctx.eps))
+        xr = x32.mul(rstd)
+        dw = (g * xr).sum(tuple(range(g.dim() - 1)))  # y = xr · w
+        dxr = g * w
+        dx1 = dxr * rstd  # xr = x · rstd
+        drstd = (dxr * x32).sum(-1, keepdim=True)
+        dmean = -0.5 * drstd * rstd.pow(3)  # rsqrt
+        dx2 = dmean.expand_as(x32) / x32.shape[-1] * (2 * x32)  # mean, then pow(2)
         if x.dtype == torch.float32:
             return dx1, dx2, dw.to(weight.dtype), None
         return (dx1 + dx2).to(x.dtype), None, dw.to(weight.dtype), None
