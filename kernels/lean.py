@@ -114,7 +114,9 @@ class SwiGLUFunction(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., N] with weight [N], saving only x; output in `output_dtype`."""
-    return RMSNormFunction.apply(x, x, weight, eps)
+    return RMSNormFunction.apply(
+        x, x.view_as(x), weight, eps
+    )  # a view: torch.compile refuses one tensor twice
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
