@@ -61,7 +61,9 @@ def test_quantize_saturates(fmt, dtype):
 def test_scale_from_amax():
     amax = torch.tensor([2.0, 0.0, float("inf"), 1e-3])
     assert scale_from_amax(amax, "e4m3").tolist() == pytest.approx([224.0, 1.0, 1.0, 448e3])
-    assert scale_from_amax(amax, "e5m2", margin=2).tolist() == pytest.approx([57344 / 8, 1.0, 1.0, 57344e3 / 4])
+    assert scale_from_amax(amax, "e5m2", margin=2).tolist() == pytest.approx(
+        [57344 / 8, 1.0, 1.0, 57344e3 / 4]
+    )
     # the scale maps the amax onto the format's max
     x = torch.tensor([-3.7, 1.0, 0.5])
     s = scale_from_amax(x.abs().max(), "e4m3")
@@ -111,10 +113,14 @@ def test_fp8_linear_matches_direct_computation(fmt):
     dequantise → fp32 matmul with the same scales. Tolerance: 1e-6 relative (fp32; the direct
     computation divides by the scale where the kernel multiplies by its reciprocal)."""
     model = Toy()
-    ref_w, ref_b = model.layers["0"]["up"].weight.detach().clone(), model.layers["0"]["up"].bias.detach().clone()
+    ref_w, ref_b = (
+        model.layers["0"]["up"].weight.detach().clone(),
+        model.layers["0"]["up"].bias.detach().clone(),
+    )
     state = apply_fp8(model, fp8_cfg(fp8=fmt), Mesh.single(), torch.device("cpu"))
     sx, sw, sg = 3.0, 40.0, 2.0**14
     state.scale[0] = torch.tensor([sx, sw, sg])
+    state.started = True  # a later step: these scales, not the tensors' own
     layer = model.layers["0"]["up"]
     x = torch.randn(3, 5, 16, requires_grad=True)
     g = torch.randn(3, 5, 32) * 1e-3
@@ -169,10 +175,12 @@ def test_delayed_scaling_history_after_three_steps():
         mod = model.get_submodule(name)
         mod.register_forward_pre_hook(
             lambda m, args, n=name: (
-                seen[n]["input"][-1].append(args[0].detach().abs().max().float()),
-                seen[n]["weight"][-1].append(m.weight.detach().abs().max().float()),
+                (
+                    seen[n]["input"][-1].append(args[0].detach().abs().max().float()),
+                    seen[n]["weight"][-1].append(m.weight.detach().abs().max().float()),
+                )
+                and None
             )
-            and None
         )
         mod.register_full_backward_hook(
             lambda m, gin, gout, n=name: seen[n]["grad"][-1].append(gout[0].abs().max().float()) and None
@@ -202,9 +210,9 @@ def test_delayed_scaling_history_after_three_steps():
     fp8_max = torch.tensor([448.0, 448.0, 57344.0])  # hybrid: the gradient in e5m2
     expected = fp8_max / history.amax(-1) / 2.0**margin
     assert torch.equal(state.scale, expected)
-    # the first step ran at scale 1, the second with the first step's amaxes
-    assert torch.equal(used_scales[0], torch.ones_like(state.scale))
+    # the second step ran with the first step's amaxes, the third with the max of two
     assert torch.equal(used_scales[1], fp8_max / history[..., L - 3] / 2.0**margin)
+    assert torch.equal(used_scales[2], fp8_max / history[..., L - 3 : L - 1].amax(-1) / 2.0**margin)
     assert torch.equal(state.amax, torch.zeros_like(state.amax))  # reset for the next step
 
 
@@ -215,11 +223,16 @@ def test_most_recent_and_tensorwise():
     state.amax.fill_(4.0)
     state.finish_step()
     assert torch.equal(state.scale[:, 0], torch.full((2,), 448.0 / 4))
-    # tensorwise: no state, the scale is the tensor's own
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_current_scaling(recipe):
+    """tensorwise: every tensor scaled by its own amax; delayed: so is the first step, before any
+    amax is in the histories. Tolerance 1e-6 relative (fp32)."""
     model = Toy(bias=False)
     w = model.layers["0"]["up"].weight.detach().clone()
-    state = apply_fp8(model, fp8_cfg(fp8_recipe="tensorwise", fp8="e4m3"), Mesh.single(), torch.device("cpu"))
-    assert state.amax_history is None
+    state = apply_fp8(model, fp8_cfg(fp8_recipe=recipe, fp8="e4m3"), Mesh.single(), torch.device("cpu"))
+    assert (state.amax_history is None) == (recipe == "tensorwise") and not state.started
     x = torch.randn(6, 16)
     y = model.layers["0"]["up"](x)
     sx, sw = 448.0 / x.abs().max(), 448.0 / w.abs().max()
@@ -273,10 +286,16 @@ def full_scales_at_2(tmp_path, data) -> torch.Tensor:
     return t.fp8.scale
 
 
+def _first_amax(trainer) -> list | None:
+    """Every slot's amax of step 1 (the oldest of the 4 in the history), or None (tensorwise)."""
+    h = trainer.fp8.amax_history
+    return None if h is None else h[..., 0].tolist()
+
+
 def _mesh_rank(rank, world, sets):
     trainer = Trainer(load_config(None, sets))
     losses = trainer.train()
-    return losses, trainer.fp8.scale.cpu(), trainer.fp8.names
+    return losses, _first_amax(trainer), trainer.fp8.names
 
 
 @pytest.mark.parametrize(
@@ -285,20 +304,40 @@ def _mesh_rank(rank, world, sets):
     ids=["tp2", "dp2", "tp2-tensorwise"],
 )
 def test_mesh_matches_one_process_under_fp8(tmp_path, tiny_data, parallel, recipe):
-    """tp 2 and dp 2 (gloo) against one process, all fp8 hybrid inside bf16. Tolerance 2e-3
-    relative on the losses: bf16 partial sums over tp and a dp mean round differently (the
-    same runs in fp32 agree to 1e-5: tests/test_parallel_training.py); the delayed scales, from
-    amaxes reduced over the mesh, agree to 2e-2 (an amax is one element: a weight 1e-3 apart
-    after an update moves its scale as much)."""
+    """tp 2 and dp 2 (gloo) against one process, all fp8 hybrid inside bf16, 4 steps.
+
+    Losses: at dp 2 equal to one process's (measured: bitwise); at tp 2 within 2e-3 relative
+    (measured up to 2.5e-4; bf16 partial sums over tp round differently, and fp8 requantisation
+    amplifies that: the same runs in bf16 without fp8 agree to 1e-4).
+    The amaxes of step 1, which set the scales of step 2, are reduced over the mesh (MAX over tp
+    for the weight shards, over dp for the other data): equal on every rank (without the
+    reduction each rank would keep the amax of its shard or its data), the weights' equal to one
+    process's; at dp 2 all equal to one process's (the gradients' halved: a dp rank's are twice
+    one process's, so are their amaxes, and their scales half, which quantises to the same fp8
+    values), at tp 2 the activations' and gradients' within 5e-2 (measured up to 3 %: one
+    element each, of tensors that differ by bf16 rounding and its fp8 requantisation). Later amaxes
+    follow trajectories that drift apart through the fp8 rounding (up to 20 % on a gradient's
+    amax by step 4), so only the losses are compared there."""
     one = Trainer(_cfg(tmp_path / "one", tiny_data, **{"train.fp8_recipe": recipe}))
     ref = one.train()
     sets = tiny_sets(tmp_path / "mesh", tiny_data, **{**FP8, "train.fp8_recipe": recipe, **parallel})
     per_rank = run_ranks(2, _mesh_rank, sets)
-    for losses, scale, names in per_rank:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-3, atol=0)
+    for losses, first_amax, names in per_rank:
+        if parallel:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-3, atol=0)
+        else:
+            assert losses == ref
         assert names == one.fp8.names
-        torch.testing.assert_close(scale, one.fp8.scale, rtol=2e-2, atol=0)
-    assert torch.equal(per_rank[0][1], per_rank[1][1])  # every rank uses the same scales
+        if recipe == "delayed":
+            got, want = torch.tensor(first_amax), torch.tensor(_first_amax(one))
+            dp = 1 if parallel else 2  # a dp rank's loss is divided by half as many micro-batches
+            got[:, 2] /= dp
+            assert torch.equal(got[:, 1], want[:, 1])  # the weights' amax: the same weights
+            if parallel:
+                torch.testing.assert_close(got, want, rtol=5e-2, atol=0)
+            else:  # dp: the same micro-batches through the same weights
+                assert torch.equal(got, want)
+    assert per_rank[0][1] == per_rank[1][1]  # every rank: the same amaxes, so the same scales
 
 
 # ---------------------------------------------------------------- refusals

@@ -26,7 +26,12 @@ the step: scale = fp8_max / algo(history) / 2^margin, algo "max" (of the history
 step each slot records the max |x| over its micro-batches; `finish_step()` (the trainer calls it
 after the step's backward) reduces those with MAX over tp (the shards of a sharded tensor) and
 over dp × cp (the other data), rolls them into the histories once per optimizer step and
-computes the next step's scales. So every mesh uses the scales of one process.
+computes the next step's scales. So every mesh uses the scales of one process. The first step,
+with nothing in the histories yet, scales each tensor by its own amax as "tensorwise" does
+(Transformer Engine starts at scale 1 instead: that flushes gradients below e5m2's 2^-16 to
+zero, and makes the first step depend on the loss's 1 / micro-batches factor, i.e. on dp;
+measured at dp 2 on the tiny test model: losses 2e-3 from one process's by step 4 with scale
+1, bitwise equal with this).
 
 **tensorwise** (current scaling): each tensor's scale comes from its own amax (fp8_max / amax /
 2^margin), reduced with MAX over tp × cp, the ranks holding the other parts of the tensor one
@@ -37,7 +42,7 @@ Evaluation (grad disabled) uses the current scales and records nothing. Activati
 records the same amax twice (a max: no change).
 
 The state (delayed: amax histories and scales) is this rank's `Fp8State`, saved in the
-checkpoint group "fp8" (`Fp8State.shards`: per linear `NAME.amax_history` [3, L] and
+checkpoint group "fp8" (a run resumed from it has `started`) (`Fp8State.shards`: per linear `NAME.amax_history` [3, L] and
 `NAME.scale` [3], rows input/weight/grad, replicated over tp, dp, cp), so a resumed run is
 bitwise the uninterrupted one.
 """
@@ -104,12 +109,17 @@ class Fp8State:
         delayed = recipe.recipe == "delayed"
         self.amax_history = torch.zeros(n, 3, recipe.history_len, device=device) if delayed else None
         self.amax = torch.zeros(n, 3, device=device) if delayed else None
+        self.started = False
+        """Whether a step has been rolled into the histories (else: current scaling)."""
 
     def scale_for(self, i: int, slot: int, x: torch.Tensor, record: bool) -> torch.Tensor:
         """The scale to quantise `x` (linear i's `slot`) with; under "delayed" the step's scale,
-        recording x's amax when `record`; under "tensorwise" from x's amax (MAX over tp × cp)."""
-        if self.amax is None:
+        recording x's amax when `record`; under "tensorwise", and in the first step under
+        "delayed", from x's amax (MAX over tp × cp)."""
+        if self.amax is None or not self.started:
             a = _all_reduce_max(amax(x), self.mesh.group("tp_cp"))
+            if record and self.amax is not None:
+                self.amax[i, slot] = torch.maximum(self.amax[i, slot], a)
             return scale_from_amax(a, self.recipe.format(slot), self.recipe.margin)
         if record:
             self.amax[i, slot] = torch.maximum(self.amax[i, slot], amax(x))
@@ -123,6 +133,7 @@ class Fp8State:
         step = _all_reduce_max(self.amax.clone(), self.mesh.group("tp"), self.mesh.group("dp_cp"))
         self.amax_history.copy_(torch.cat([self.amax_history[..., 1:], step.unsqueeze(-1)], dim=-1))
         self.amax.zero_()
+        self.started = True
         if self.recipe.amax_compute_algo == "max":
             reference = self.amax_history.amax(dim=-1)
         else:

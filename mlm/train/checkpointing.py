@@ -133,6 +133,8 @@ class TrainerCheckpoints:
             del groups["fp8"]  # saved without fp8 delayed scaling: the histories start empty
             self._print("[bold]fp8[/] the checkpoint has no amax histories: they start empty")
         manifest = load_checkpoint(iter_dir, groups, job_keys=self._pipeline_keys(groups))
+        if "fp8" in groups:
+            self.fp8.started = True
         self.iteration = int(manifest["iteration"])
         self.optimizer.finish_load(manifest["optimizer_step"])
         self.consumed_samples = int(manifest["consumed_samples"])
