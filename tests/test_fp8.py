@@ -286,6 +286,24 @@ def full_scales_at_2(tmp_path, data) -> torch.Tensor:
     return t.fp8.scale
 
 
+def _train_rank(rank, world, sets, load=None):
+    return Trainer(load_config(None, sets), load=load).train()
+
+
+def test_pipeline_checkpoint_under_fp8(tmp_path, tiny_data):
+    """pp 2: each stage saves its layers' fp8 state; a resume at step 2 on pp 2 and a load on one
+    process both continue the uninterrupted run bitwise (the stages' scales are their own)."""
+    ckpt = tmp_path / "ckpt"
+    sets = {"model.num_layers": 4, "checkpoint.save": f"'{ckpt}'", "checkpoint.save_interval": 2}
+    pp = {"parallel.pp": 2}
+    full = run_ranks(2, _train_rank, tiny_sets(tmp_path / "a", tiny_data, **{**FP8, **sets, **pp}))[0]
+    step2 = str(ckpt / "iter_0000002")
+    resumed = run_ranks(2, _train_rank, tiny_sets(tmp_path / "b", tiny_data, **{**FP8, **sets, **pp}), step2)
+    assert resumed[0] == full[2:]
+    one = Trainer(_cfg(tmp_path / "c", tiny_data, **sets), load=step2)
+    assert one.train() == full[2:]
+
+
 def _first_amax(trainer) -> list | None:
     """Every slot's amax of step 1 (the oldest of the 4 in the history), or None (tensorwise)."""
     h = trainer.fp8.amax_history
