@@ -9,13 +9,14 @@ per-tensor scaling by Transformer Engine's delayed recipe or by current scaling.
 What runs in fp8: every `nn.Linear`, `ColumnParallelLinear` and `RowParallelLinear` inside the
 transformer layers (`model.layers`: attention q/k/v/out, MLA's down/up projections, the MLP's
 gate/up/down, MoE shared experts). What stays in the compute dtype (bf16): the embedding, the
-output layer and loss, norms, attention itself, MoE routers and the shared-expert gate (one output
-column), the routed MoE experts (grouped GEMMs), MTP's projection. Each fp8 linear runs as one
-autograd Function (`_Fp8LinearFn`): forward quantises the input and the weight to e4m3 and saves
-the quantised tensors (1 byte an element, + one fp32 scale each) instead of the bf16 input,
-as Transformer Engine does; backward quantises the output gradient (e5m2 under "hybrid", e4m3
-under "e4m3") and computes dgrad = g · W and wgrad = gᵀ · x from the fp8 operands
-(`kernels.fp8.fp8_linear`); the bias gradient is summed from the unquantised gradient.
+output layer and loss, norms, attention itself, MoE routers and the shared-expert gate (one
+output column), the routed MoE experts (grouped GEMMs), the MTP depths (projection and layer).
+Each fp8 linear runs as one autograd Function (`_Fp8LinearFn`): forward quantises the input and
+the weight to e4m3 and saves the quantised tensors (1 byte an element, + one fp32 scale each)
+instead of the bf16 input and weight copy, as Transformer Engine does; backward quantises the
+output gradient (e5m2 under "hybrid", e4m3 under "e4m3") and computes dgrad = g · W and
+wgrad = gᵀ · x from the fp8 operands (`kernels.fp8.fp8_linear`); the bias gradient is summed
+from the unquantised gradient.
 
 Each fp8 linear has three slots, input, weight and grad, each with a scale.
 
