@@ -63,7 +63,6 @@ from mlm.parallel.mesh import Mesh
 from mlm.parallel.placement import replicated
 from mlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
-SLOTS = ("input", "weight", "grad")
 INPUT, WEIGHT, GRAD = range(3)
 LAYERS = "layers."
 """Only linears under this module name prefix (the transformer layers) run in fp8."""
