@@ -554,9 +554,32 @@ class TrainConfig:
     """auto (cuda when available), cpu or cuda."""
     compile: bool = False
     """torch.compile each transformer layer (after parallelism, recompute and kernel choice)."""
+    fp8: str = ""
+    """FP8 linears in the transformer layers: "" off, e4m3, or hybrid (e4m3 forward, e5m2 gradients); needs bf16."""
+    fp8_recipe: str = "delayed"
+    """fp8 scaling: delayed (scale from an amax history) or tensorwise (from the tensor's own amax)."""
+    fp8_margin: int = 0
+    """fp8: scale = fp8 max / amax / 2^margin."""
+    fp8_amax_history_len: int = 1024
+    """fp8 delayed scaling: amax values (optimizer steps) kept per tensor."""
+    fp8_amax_compute_algo: str = "max"
+    """fp8 delayed scaling: the amax a scale comes from: max (of the history) or most_recent."""
 
     def __post_init__(self):
         _choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
+        _choice("train", "fp8", self.fp8, ("", "e4m3", "hybrid"))
+        _choice("train", "fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise"))
+        _choice("train", "fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("max", "most_recent"))
+        _check(self.fp8_margin >= 0, f"train.fp8_margin={self.fp8_margin}: must be 0 or more")
+        _check(
+            self.fp8_amax_history_len >= 1,
+            f"train.fp8_amax_history_len={self.fp8_amax_history_len}: must be at least 1",
+        )
+        _check(
+            not self.fp8 or self.precision == "bf16",
+            f"train.fp8={self.fp8!r} with train.precision={self.precision!r}: fp8 runs inside bf16 "
+            "(everything outside the fp8 linears, as in Megatron); set train.precision=bf16",
+        )
         _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
         _check(self.micro_batch_size > 0, f"train.micro_batch_size={self.micro_batch_size}: must be positive")
         _check(

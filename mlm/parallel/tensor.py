@@ -208,9 +208,14 @@ def _check_divisible(layer: str, field: str, n: int, tp: int) -> None:
 class ColumnParallelLinear(_Sharded):
     """y = x Wᵀ + b with W's output rows split over tp: weight [out/tp, in], bias [out/tp].
 
+    The product is `self.linear_op(x, weight, bias)`, `F.linear` unless replaced from outside
+    (`mlm.parallel.fp8.apply_fp8`: the fp8 linear).
+
     The input enters the tp region here (copy_to_tp, or gather_from_sp under sequence
     parallelism) unless `enter_region=False`, where the caller has already entered it once for
     several layers reading the same input (q, k, v); the output stays sharded on the last dim."""
+
+    linear_op = staticmethod(F.linear)
 
     def __init__(
         self,
@@ -239,7 +244,7 @@ class ColumnParallelLinear(_Sharded):
             x_BTD = (
                 gather_from_sp(x_BTD, self.mesh) if self.sequence_parallel else copy_to_tp(x_BTD, self.mesh)
             )
-        return F.linear(x_BTD, self.weight, self.bias)
+        return self.linear_op(x_BTD, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -255,7 +260,10 @@ class RowParallelLinear(_Sharded):
     The input is already sharded on its last dim (a column layer's output); the partial products
     are all-reduced (reduce_from_tp) or, under sequence parallelism, reduce-scattered along T; the
     bias is added after the reduction. Under sequence parallelism the bias then sees one sequence
-    shard, so its placement says `grad_sum_tp` (its gradient needs an all-reduce over tp)."""
+    shard, so its placement says `grad_sum_tp` (its gradient needs an all-reduce over tp).
+    The product is `self.linear_op(x, weight)`, as in `ColumnParallelLinear`."""
+
+    linear_op = staticmethod(F.linear)
 
     def __init__(
         self,
@@ -280,7 +288,7 @@ class RowParallelLinear(_Sharded):
             self.register_parameter("bias", None)
 
     def forward(self, x_BTf: torch.Tensor) -> torch.Tensor:
-        y_BTD = F.linear(x_BTf, self.weight)
+        y_BTD = self.linear_op(x_BTf, self.weight)
         if self.sequence_parallel:
             y_BTD = reduce_scatter_to_sp(y_BTD, self.mesh)
         else:

@@ -22,15 +22,18 @@ from mlm.parallel.parallelize import model_shards
 
 
 class TrainerCheckpoints:
-    """Mixed into `Trainer` (which provides cfg, mesh, model, optimizer, scaler, iteration,
+    """Mixed into `Trainer` (which provides cfg, mesh, model, optimizer, scaler, fp8, iteration,
     consumed_samples, total_iters, `_print` and `_barrier`)."""
 
     def _groups(self, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
         """Every parameter and its Adam moments as this rank's slices of the global tensors, each
-        written by its replica 0."""
+        written by its replica 0; under fp8 delayed scaling, the amax histories and scales ("fp8")."""
         opt = self.optimizer
         optim = opt.load_targets(self.iteration) if for_load else opt.save_tensors(self.iteration)
-        return {"model": model_shards(self.model, self.mesh), "optim": optim}
+        groups = {"model": model_shards(self.model, self.mesh), "optim": optim}
+        if self.fp8 and self.fp8.recipe.recipe == "delayed":
+            groups["fp8"] = self.fp8.shards()
+        return groups
 
     def save(self, root: str) -> Path:
         """Save this step's state (every rank its slices). With `checkpoint.async_save` the
@@ -126,7 +129,12 @@ class TrainerCheckpoints:
             load_checkpoint(iter_dir, {"model": groups["model"]}, job_keys=self._pipeline_keys(groups))
             self._print(f"[bold]initialised from[/] {iter_dir} (weights only: a new run)", highlight=False)
             return
+        if "fp8" in groups and not any(k.startswith("fp8/") for k in read_manifest(iter_dir)["tensors"]):
+            del groups["fp8"]  # saved without fp8 delayed scaling: the histories start empty
+            self._print("[bold]fp8[/] the checkpoint has no amax histories: they start empty")
         manifest = load_checkpoint(iter_dir, groups, job_keys=self._pipeline_keys(groups))
+        if "fp8" in groups:
+            self.fp8.started = True
         self.iteration = int(manifest["iteration"])
         self.optimizer.finish_load(manifest["optimizer_step"])
         self.consumed_samples = int(manifest["consumed_samples"])

@@ -38,6 +38,7 @@ from mlm.model.gpt import GPT
 from mlm.parallel import Mesh
 from mlm.parallel.context import check_context_parallel
 from mlm.parallel.expert import expert_load_step
+from mlm.parallel.fp8 import apply_fp8
 from mlm.parallel.launch import init_distributed, pick_device
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads
 from mlm.parallel.pipeline import Pipeline
@@ -107,6 +108,7 @@ class Trainer(TrainerCheckpoints):
         )
         self._seed_everything(t.seed)
         self.model = build_parallel_model(cfg, self.mesh, self.device)
+        self.fp8 = apply_fp8(self.model, t, self.mesh, self.device)  # None unless train.fp8
         self.attention_backend = self.model.set_attention_backend(cfg.model.attention_backend, self.device)
         self.kernels = self.model.set_kernels(cfg.model.kernels, self.device)
         if t.compile:  # last: after parallelism, recompute and the kernel choice
@@ -218,6 +220,8 @@ class Trainer(TrainerCheckpoints):
         scale = self.scaler.scale if self.scaler else 1.0
         micro = [self._batch(self.train_data, indices) for indices in batches]
         total = self.pipeline.train_step(micro, scale / self.num_micro, opt.all_grads, self._autocast)
+        if self.fp8:  # delayed scaling: this step's amaxes into the histories, the next scales
+            self.fp8.finish_step()
         self.pipeline.sync_tied_embedding()
         opt.all_grads.finish()
         allreduce_sequence_parallel_grads(self.model, self.mesh, opt.placements)
