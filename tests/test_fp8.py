@@ -324,7 +324,8 @@ def _mesh_rank(rank, world, sets):
 def test_mesh_matches_one_process_under_fp8(tmp_path, tiny_data, parallel, recipe):
     """tp 2 and dp 2 (gloo) against one process, all fp8 hybrid inside bf16, 4 steps.
 
-    Losses: at dp 2 equal to one process's (measured: bitwise); at tp 2 within 2e-3 relative
+    Losses: at dp 2 within 1e-6 relative of one process's (measured: bitwise before the residual
+    stream became bf16, 7.7e-8 since); at tp 2 within 2e-3 relative
     (measured up to 2.5e-4; bf16 partial sums over tp round differently, and fp8 requantisation
     amplifies that: the same runs in bf16 without fp8 agree to 1e-4).
     The amaxes of step 1, which set the scales of step 2, are reduced over the mesh (MAX over tp
@@ -341,10 +342,8 @@ def test_mesh_matches_one_process_under_fp8(tmp_path, tiny_data, parallel, recip
     sets = tiny_sets(tmp_path / "mesh", tiny_data, **{**FP8, "train.fp8_recipe": recipe, **parallel})
     per_rank = run_ranks(2, _mesh_rank, sets)
     for losses, first_amax, names in per_rank:
-        if parallel:
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-3, atol=0)
-        else:
-            assert losses == ref
+        rtol = 2e-3 if parallel else 1e-6
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=rtol, atol=0)
         assert names == one.fp8.names
         if recipe == "delayed":
             got, want = torch.tensor(first_amax), torch.tensor(_first_amax(one))
