@@ -14,6 +14,7 @@ Used by training (then `init_weights`) and by serving (then `load_checkpoint` of
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from mlm.config import ModelConfig, ParallelConfig
 from mlm.model import GPT
@@ -41,3 +42,13 @@ def build_sharded(
     apply_context_parallel(model, mesh, parallel.cp_comm_type, parallel.sequence_parallel)
     apply_recompute(model, cfg.recompute)
     return model.to_empty(device=device)
+
+
+@torch.no_grad()
+def cast_trainable(model: nn.Module, dtype: torch.dtype) -> None:
+    """Trainable parameters to `dtype` in place (train.param_dtype: after the fp32 init, so the
+    weights are that init rounded); frozen ones (the MoE router's expert bias, updated by its own
+    rule) and buffers stay as they are."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(dtype)

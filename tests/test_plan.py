@@ -212,10 +212,11 @@ def _measure(cfg, mesh, autocast=None) -> dict:
         tensors = []
         for d in opt.dists:
             steps = [st["step"] for st in d._adam.state.values()] if d._adam else []
-            tensors += [d.exp_avg, d.exp_avg_sq, *steps]
+            tensors += [d.exp_avg, d.exp_avg_sq, *steps, *([d.main] if d.main is not None else [])]
         optimizer = _storages(tensors)
-    else:
-        optimizer = _storages([t for st in opt.adamw.state.values() for t in st.values()])
+    else:  # with bf16 parameters the fp32 main weights too (the optimizer's)
+        states = [t for st in opt.adamw.state.values() for t in st.values()]
+        optimizer = _storages(states + list(opt.mains.values()))
     counted = {
         "weights": _storages(list(model.parameters())),
         "gradients": sum(g.buffer.untyped_storage().nbytes() for g in opt.all_grads.buckets),
