@@ -325,7 +325,8 @@ class Trainer(TrainerCheckpoints):
         self._print(
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
             f"mesh {self.mesh}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''}, attention {self.attention_backend}, "
-            f"{f'kernels {self.kernels}, ' if self.kernels != 'torch' else ''}{cfg.train.precision}, "
+            f"{f'kernels {self.kernels}, ' if self.kernels != 'torch' else ''}{cfg.train.precision}"
+            f"{f' ({cfg.train.param_dtype} parameters, fp32 main weights)' if cfg.train.param_dtype != 'fp32' else ''}, "
             f"{counts.total / 1e6:.2f}M parameters"
             + (f" ({counts.active / 1e6:.2f}M active per token)" if counts.active != counts.total else "")
             + (f" + MTP {counts.mtp / 1e6:.2f}M" if counts.mtp else ""),
