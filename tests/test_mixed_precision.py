@@ -205,3 +205,44 @@ def test_param_all_gather_overlaps_the_next_forward(tmp_path, tiny_data, dtype):
         assert pending["after forward"][1:] == [0, 0]  # the forward waited for all of them
         assert w_pending["after step"] == [0] * 3
         assert losses == w_losses and params == w_params  # bitwise
+
+
+def test_plan_prices_bf16_params_and_carries_them_into_training(tmp_path):
+    from cli.plan import plan as plan_command
+    from mlm.planfile import read_plan, train_overrides
+
+    model = ["preset=tiny-llama", "model.num_layers=2", "model.hidden_size=64", "model.vocab_size=512"]
+    written = {}
+    for dtype in ("fp32", "bf16"):
+        path = tmp_path / f"{dtype}.toml"
+        plan_command(
+            gpus=4,
+            config=None,
+            preset=None,
+            overrides=[*model, f"train.param_dtype={dtype}"],
+            gpus_per_node=4,
+            hardware="h100-80g",
+            seq_length=32,
+            global_batch=8,
+            tokens=None,
+            precision="bf16",
+            optimizer="auto",
+            ep=None,
+            cp=None,
+            top=1,
+            pick=1,
+            explain=False,
+            output=str(path),
+            png=None,
+            calibrate=[],
+            save_profile=None,
+        )
+        written[dtype] = read_plan(path)
+    sets = train_overrides(written["bf16"])
+    assert load_config(None, sets).train.param_dtype == "bf16"
+    assert load_config(None, train_overrides(written["fp32"])).train.param_dtype == "fp32"
+    fp32, bf16 = (written[d]["prediction"]["memory_gb"] for d in ("fp32", "bf16"))
+    assert written["fp32"]["mesh"] == written["bf16"]["mesh"]  # dp4 (a tiny model): the same layout
+    assert bf16["weights"] == pytest.approx(fp32["weights"] / 2)
+    assert bf16["gradients"] == fp32["gradients"]  # fp32 either way
+    assert bf16["weight_casts"] == 0 < fp32["weight_casts"]
