@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
 from mlm.config import ModelConfig, ParallelConfig
 from mlm.model import GPT
@@ -81,3 +82,13 @@ def compile_layers(model: GPT) -> list[str]:
         depth.layer.compile()
         compiled.append(f"mtp.{key}.layer")
     return compiled
+
+
+@torch.no_grad()
+def cast_trainable(model: nn.Module, dtype: torch.dtype) -> None:
+    """Trainable parameters to `dtype` in place (train.param_dtype: after the fp32 init, so the
+    weights are that init rounded); frozen ones (the MoE router's expert bias, updated by its own
+    rule) and buffers stay as they are."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(dtype)

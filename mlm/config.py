@@ -540,6 +540,8 @@ class TrainConfig:
     """Tokens to train on (steps = tokens / (global batch × seq length)); replaces train_iters."""
     precision: str = "fp32"
     """fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling)."""
+    param_dtype: str = "fp32"
+    """fp32, or train.precision's bf16/fp16: low-precision parameters, fp32 main weights and gradients."""
     initial_loss_scale: float = 2.0**16
     """fp16: starting loss scale."""
     loss_scale_window: int = 1000
@@ -581,6 +583,12 @@ class TrainConfig:
             "(everything outside the fp8 linears, as in Megatron); set train.precision=bf16",
         )
         _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+        _check(
+            self.param_dtype in ("fp32", self.precision),
+            f"train.param_dtype={self.param_dtype}: must be fp32 or the compute dtype "
+            f"train.precision={self.precision}; set --set train.param_dtype=fp32 or "
+            f"--set train.precision={self.param_dtype}",
+        )
         _check(self.micro_batch_size > 0, f"train.micro_batch_size={self.micro_batch_size}: must be positive")
         _check(
             self.global_batch_size % self.micro_batch_size == 0,

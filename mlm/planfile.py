@@ -106,6 +106,8 @@ def train_overrides(plan: dict) -> list[str]:
         f"parallel.distributed_optimizer={toml_value(choice['distributed_optimizer'])}",
         f"train.precision={toml_value(choice['precision'])}",
     ]
+    if "param_dtype" in choice:  # plans written before train.param_dtype: fp32 parameters
+        sets.append(f"train.param_dtype={toml_value(choice['param_dtype'])}")
     return sets
 
 

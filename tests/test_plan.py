@@ -86,6 +86,9 @@ DEEPSEEK = {
     "model.mtp_num_layers": 1,
 }
 # world 4: (name, extra settings); dp is what is left of 4 ranks
+# Megatron's mixed precision: bf16 parameters, fp32 main weights (counted as optimizer state) and gradients
+BF16_PARAMS = {"train.precision": "bf16", "train.param_dtype": "bf16"}
+
 MESHES = [
     ("tp2 dp2", {"parallel.tp": 2}),
     (
@@ -108,6 +111,12 @@ MESHES = [
         },
     ),
     ("pp2 dp2 gpt2 tied distopt", {"parallel.pp": 2, "parallel.distributed_optimizer": True, **GPT2}),
+    # bf16 parameters: 2-byte weights, fp32 gradients, fp32 main weights sharded like the moments
+    (
+        "tp2 dp2 distopt bf16-params",
+        {"parallel.tp": 2, "parallel.distributed_optimizer": True, **BF16_PARAMS},
+    ),
+    ("pp2 dp2 bf16-params", {"parallel.pp": 2, **BF16_PARAMS}),
     (
         "dp4 distopt bf16-reduce",
         {"parallel.distributed_optimizer": True, "parallel.grad_reduce_dtype": "bf16"},
@@ -212,10 +221,11 @@ def _measure(cfg, mesh, autocast=None) -> dict:
         tensors = []
         for d in opt.dists:
             steps = [st["step"] for st in d._adam.state.values()] if d._adam else []
-            tensors += [d.exp_avg, d.exp_avg_sq, *steps]
+            tensors += [d.exp_avg, d.exp_avg_sq, *steps, *([d.main] if d.main is not None else [])]
         optimizer = _storages(tensors)
-    else:
-        optimizer = _storages([t for st in opt.adamw.state.values() for t in st.values()])
+    else:  # with bf16 parameters the fp32 main weights too (the optimizer's)
+        states = [t for st in opt.adamw.state.values() for t in st.values()]
+        optimizer = _storages(states + list(opt.mains.values()))
     counted = {
         "weights": _storages(list(model.parameters())),
         "gradients": sum(g.buffer.untyped_storage().nbytes() for g in opt.all_grads.buckets),
@@ -270,7 +280,8 @@ def _ranks_main(rank, world, data, run_dir, plan_path):
         dp_cp_rank = (
             mesh.dp_rank * mesh.cp + mesh.cp_rank
         )  # the dense buffer's shard (the dp_cp group's order)
-        results.append((name, mesh.pp_rank, (dp_cp_rank, mesh.edp_rank), _measure(cfg, mesh)))
+        autocast = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        results.append((name, mesh.pp_rank, (dp_cp_rank, mesh.edp_rank), _measure(cfg, mesh, autocast)))
     batching = ("train.micro_batch_size", "train.global_batch_size")  # the plan's, not tiny_sets'
     sets = [s for s in tiny_sets(run_dir, data, **{"train.train_iters": 3}) if not s.startswith(batching)]
     train(
@@ -344,6 +355,8 @@ def test_memory_model_against_real_ranks_and_train_from_plan(tmp_path, tiny_data
             predicted = model_state_bytes(cfg, stage, lo, *ranks)
             for k in ("weights", "gradients", "optimizer"):
                 assert predicted[k] == counted[k], (name, pp_rank, ranks, k, predicted[k], counted[k])
+            if cfg.train.param_dtype != "fp32":  # the activation model assumes fp32 parameters
+                continue
             act = micro_batch_activation_bytes(cfg, lo, stage)
             err = act / counted["activations"] - 1
             errors[(name, pp_rank)] = err
@@ -388,10 +401,13 @@ def test_memory_model_against_real_ranks_and_train_from_plan(tmp_path, tiny_data
         {**DEEPSEEK, "model.recompute": "full", "model.mtp_num_layers": 2},
         {"model.fused_cross_entropy": True},
         {**DEEPSEEK, "model.fused_cross_entropy": True, "train.precision": "bf16"},
+        BF16_PARAMS,
+        {**MOE, **BF16_PARAMS},
     ],
     ids=[
         *("none", "selective", "full", "bf16-autocast", "dropout", "gpt2", "moe-shared", "moe-bf16"),
         *("mla-mtp", "mla-no-q-latent-bf16", "mla-mtp2-full", "fused-ce", "mla-mtp-fused-ce-bf16"),
+        *("bf16-params", "moe-bf16-params"),
     ],
 )
 def test_memory_model_one_process(extra):
@@ -404,6 +420,10 @@ def test_memory_model_one_process(extra):
     stage = rank_stage(cfg, 1, 1, 1, 0)
     for k in ("weights", "gradients", "optimizer"):
         assert model_state_bytes(cfg, stage, lo)[k] == counted[k], k
+    if cfg.train.param_dtype != "fp32":
+        # bf16 parameters make the residual stream bf16, which the activation model does not
+        # price yet (it predicts 11% more than measured here): model state only
+        return
     act = micro_batch_activation_bytes(cfg, lo, stage)
     assert abs(act / counted["activations"] - 1) < 0.10, (act, counted["activations"])
 

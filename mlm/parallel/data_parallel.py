@@ -1,7 +1,11 @@
 """Data parallelism: gradients in one flat buffer, reduced over dp in buckets overlapped with backward.
 
-Megatron's DistributedDataParallel idea. Every `param.grad` is a view into one contiguous fp32
-buffer (autograd accumulates into it in place, micro-batch after micro-batch). The buffer is
+Megatron's DistributedDataParallel idea. Every fp32 `param.grad` is a view into one contiguous fp32
+buffer (autograd accumulates into it in place, micro-batch after micro-batch). A bf16/fp16
+parameter (Megatron's `--bf16`: mixed precision with fp32 main weights) keeps no `.grad`: its
+post-accumulate-grad hook adds each micro-batch's low-precision gradient into its fp32 view of the
+buffer (Megatron's `main_grad`) and frees it. Whatever reads gradients after `finish()` reads
+`grad(i)` / `grad_of(param)`, the fp32 views, whatever the parameters' dtype. The buffer is
 laid out in reverse parameter order, the order backward produces gradients, and cut into buckets
 of about `bucket_size_bytes`. On the last micro-batch of a step a post-accumulate-grad hook per
 parameter notices when a bucket is complete and starts its asynchronous reduction while backward
@@ -46,6 +50,7 @@ REDUCE_SCATTER = (
 ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 REDUCE_DTYPES = (torch.float32, torch.bfloat16)
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
@@ -75,7 +80,8 @@ class Bucket:
 
 
 class GradBuckets:
-    """One fp32 gradient buffer for `model`'s trainable parameters, reduced over `dp_group` in buckets.
+    """One fp32 gradient buffer for `model`'s trainable parameters (fp32, bf16 or fp16), reduced over
+    `dp_group` in buckets.
 
     `dp_group` None means dp = 1 (as `Mesh.dp_group` gives): nothing is communicated, and the
     buffer still backs `param.grad`, so the trainer runs the same code at any dp.
@@ -121,11 +127,11 @@ class GradBuckets:
         ]
         if not named:
             raise MlmError("the model has no trainable parameters; there is nothing to reduce")
-        odd = [f"{n} ({p.dtype})" for n, p in named if p.dtype != torch.float32]
+        odd = [f"{n} ({p.dtype})" for n, p in named if p.dtype not in PARAM_DTYPES]
         if odd:
             raise MlmError(
-                f"data parallelism keeps fp32 parameters (mixed precision runs under autocast), but "
-                f"{', '.join(odd[:3])} {'is' if len(odd) == 1 else 'are'} not fp32; build the model in fp32"
+                f"data parallelism keeps fp32, bf16 or fp16 parameters, but {', '.join(odd[:3])} "
+                f"{'is' if len(odd) == 1 else 'are'} not; build the model in fp32 (train.param_dtype)"
             )
         devices = {p.device for _, p in named}
         if len(devices) != 1:
@@ -136,6 +142,9 @@ class GradBuckets:
         self.params = [p for _, p in named]
         self.device = devices.pop()
         self.held = {i for i, p in enumerate(self.params) if any(p is h for h in held)}
+        self.low = {i for i, p in enumerate(self.params) if p.dtype != torch.float32}
+        """Parameters in bf16/fp16: their fp32 gradient is only the buffer view (`grad(i)`)."""
+        self._index = {id(p): i for i, p in enumerate(self.params)}
 
         # Layout: reverse parameter order (backward order); a bucket closes once it reaches the size.
         pad = math.lcm(self.dp, 128) if reduce_scatter else 1
@@ -169,6 +178,16 @@ class GradBuckets:
     def bucket_view(self, bucket: Bucket) -> torch.Tensor:
         return self.buffer[bucket.start : bucket.end]
 
+    def grad(self, i: int) -> torch.Tensor:
+        """The fp32 gradient of parameter `i` (its view of the buffer; `params[i].grad` too when the
+        parameter is fp32)."""
+        return self.views[i]
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """`grad(i)` of parameter `p`; None when `p` is not in this buffer."""
+        i = self._index.get(id(p))
+        return None if i is None else self.views[i]
+
     # ------------------------------------------------------------------ per step
 
     def set_last_microbatch(self, is_last: bool) -> None:
@@ -196,8 +215,10 @@ class GradBuckets:
     # ------------------------------------------------------------------ internals
 
     def _attach_grads(self) -> None:
-        for p, v in zip(self.params, self.views, strict=True):
-            if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+        for i, (p, v) in enumerate(zip(self.params, self.views, strict=True)):
+            if i in self.low:  # torch refuses an fp32 .grad on a bf16 parameter: the hook adds into v
+                p.grad = None
+            elif p.grad is None or p.grad.data_ptr() != v.data_ptr():
                 p.grad = v
 
     def _reset(self) -> None:
@@ -206,10 +227,11 @@ class GradBuckets:
         self._inflight: list[tuple[object, torch.Tensor | None, torch.Tensor | None]] = []
 
     def _grad_ready(self, i: int, p: torch.Tensor) -> None:
-        assert p.grad is not None and p.grad.data_ptr() == self.views[i].data_ptr(), (
-            f"{self.names[i]}.grad is no longer a view of the gradient buffer (was it set to None by "
-            "optimizer.zero_grad()?); zero gradients with GradBuckets.zero_grad()"
-        )
+        if i in self.low:  # this micro-batch's bf16/fp16 gradient, accumulated in fp32
+            self.views[i].add_(p.grad)
+            p.grad = None
+        else:
+            self._check_view(i, p)
         if not self._last or i in self.held:
             return
         b = self.bucket_of[i]
@@ -222,6 +244,12 @@ class GradBuckets:
         while self._next < len(self.buckets) and not self._pending[self._next]:
             self._launch(self.buckets[self._next])
             self._next += 1
+
+    def _check_view(self, i: int, p: torch.Tensor) -> None:
+        assert p.grad is not None and p.grad.data_ptr() == self.views[i].data_ptr(), (
+            f"{self.names[i]}.grad is no longer a view of the gradient buffer (was it set to None by "
+            "optimizer.zero_grad()?); zero gradients with GradBuckets.zero_grad()"
+        )
 
     def _launch(self, bucket: Bucket) -> None:
         """Start the asynchronous reduction of one bucket (pre-scaled by 1/dp, as Megatron does)."""
@@ -266,3 +294,10 @@ class GradBucketSet:
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.zero_grad()
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 gradient of parameter `p` from whichever buffer holds it (None: none does)."""
+        for b in self.buckets:
+            if (g := b.grad_of(p)) is not None:
+                return g
+        return None

@@ -2,14 +2,23 @@
 
 Built on a `GradBuckets(..., reduce_scatter=True)`: after `finish()` rank r holds the reduced
 gradient of its r-th contiguous 1/dp of every bucket. The parameters become views into one flat
-fp32 buffer with the same layout as the gradient buffer, so rank r's slice of that buffer is its
-fp32 master copy; Adam's moments are two flat tensors of the shard's size. `step()` runs AdamW
+parameter buffer with the same layout as the gradient buffer; Adam's moments are two flat tensors
+of the shard's size. With fp32 parameters rank r's slice of that buffer is its fp32 main copy.
+With bf16/fp16 parameters (Megatron's `--bf16`) the buffer is bf16/fp16 and the fp32 main
+weights are a third flat tensor of the shard's size (`main`): per parameter 2 bytes of weights +
+4 of fp32 gradient + (4 main + 8 moments) / dp, Megatron's 6 + 12/dp. `step()` runs AdamW
 (torch's own kernel, with the caller's parameter groups and per-group weight decay) over the
-shard, cut at parameter boundaries into 1-D segments, then all-gathers every bucket of the
-parameter buffer, so each rank again holds the whole updated model.
+shard, cut at parameter boundaries into 1-D segments, casts the main shard into the parameter
+buffer when they differ, then all-gathers every bucket of the parameter buffer (in its dtype),
+so each rank again holds the whole updated model.
 
 Per rank this keeps 2/dp of the Adam state (8 bytes per parameter / dp) instead of all of it, for
 one reduce-scatter and one all-gather per bucket — the same bytes as one all-reduce.
+
+With `overlap_param_gather(model)` (as the trainer runs it: Megatron's `--overlap-param-gather`)
+`step()` returns with the all-gathers in flight; a forward pre-hook on every module that owns
+parameters waits for their buckets just before it first uses them, and `wait_for_params()`
+waits for all of it (before a checkpoint, an evaluation or a sample read the parameters).
 
 Per step:
 
@@ -21,17 +30,21 @@ Per step:
     opt.set_lr(lr)
     opt.step()                            # AdamW on the shard, then all-gather the parameters
     opt.zero_grad()
+    opt.wait_for_params()                 # only with overlap_param_gather, before reading weights
 
 Checkpoints keep one process's layout (`exp_avg.NAME`, `exp_avg_sq.NAME` in each parameter's
 global shape, as `mlm.train.adamw.adam_state_tensors`), so they load under any dp and with the
 optimizer sharded or not: `checkpoint_save_tensors()` gathers each parameter's state onto one dp
 rank (round robin) which writes it whole; `checkpoint_load_targets()` reads, for each parameter,
 the rows covering this rank's flat range, and `finish_load()` copies that range into the shard.
-The fp32 master weights are the parameters themselves (stored in the model group).
+The fp32 main weights are the parameters themselves (stored in the model group); with bf16/fp16
+parameters `checkpoint_save_tensors()` gathers the main shard with the moments, under the
+parameters' own names, for the caller's model group.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -69,7 +82,7 @@ def owned_range(grads: GradBuckets, index: int, rank: int) -> tuple[int, int]:
 
 
 class DistributedOptimizer:
-    """AdamW whose fp32 master weights and moments are sharded over dp.
+    """AdamW whose fp32 main weights and moments are sharded over dp.
 
     `param_groups` as for `torch.optim.AdamW` (`{"params": [...], "weight_decay": wd}`), covering
     exactly the parameters of `grads`; `from_adamw` takes them from `mlm.train.adamw.make_optimizer`.
@@ -100,7 +113,9 @@ class DistributedOptimizer:
         )
 
         # The parameters become views of one flat buffer laid out like the gradient buffer.
-        self.buffer = torch.zeros_like(grads.buffer)
+        dtypes = {p.dtype for p in grads.params}
+        assert len(dtypes) == 1, f"one parameter dtype per gradient buffer, not {sorted(map(str, dtypes))}"
+        self.buffer = torch.zeros(grads.numel, dtype=dtypes.pop(), device=grads.device)
         with torch.no_grad():
             for p, (s, e) in zip(grads.params, grads.ranges, strict=True):
                 self.buffer[s:e].copy_(p.detach().flatten())
@@ -119,16 +134,25 @@ class DistributedOptimizer:
             local += hi - lo
         self.exp_avg = torch.zeros(local, dtype=torch.float32, device=grads.device)
         self.exp_avg_sq = torch.zeros(local, dtype=torch.float32, device=grads.device)
+        self.main: torch.Tensor | None = None
+        """bf16/fp16 parameters: this rank's fp32 main weights (the shard, as the moments)."""
+        if self.buffer.dtype != torch.float32:
+            self.main = torch.zeros(local, dtype=torch.float32, device=grads.device)
+            for seg in self.segments:  # the fp32 init rounded, as the parameters hold it
+                self.main[seg.local : seg.local + seg.numel] = self.buffer[seg.start : seg.start + seg.numel]
 
-        # torch's AdamW over the segments (1-D views of the master shard), with the moments as
+        # torch's AdamW over the segments (1-D views of the main shard), with the moments as
         # views of the flat tensors: the exact update rule of the single-process optimizer.
         groups: dict[float, list[torch.Tensor]] = {}
         self._masters = []
+        self._params = []  # the parameter buffer's segments (the masters themselves in fp32)
         for seg in self.segments:
-            m = self.buffer[seg.start : seg.start + seg.numel]
+            p = self.buffer[seg.start : seg.start + seg.numel]
+            m = p if self.main is None else self.main[seg.local : seg.local + seg.numel]
             m.grad = grads.buffer[seg.start : seg.start + seg.numel]
             groups.setdefault(wd_of[id(grads.params[seg.index])], []).append(m)
             self._masters.append(m)
+            self._params.append(p)
         if fused is None:
             fused = grads.device.type in ("cuda", "cpu")
         self._adam = None
@@ -148,7 +172,11 @@ class DistributedOptimizer:
                     "exp_avg_sq": self.exp_avg_sq[seg.local : seg.local + seg.numel],
                 }
         self.lr = lr
-        self._load_targets: list[tuple[Segment, str, torch.Tensor, int]] = []
+        self._load_targets: list[tuple[Segment, str | None, torch.Tensor, int]] = []
+        self.overlap = False
+        """Whether `step()` returns with the parameter all-gathers in flight (`overlap_param_gather`)."""
+        self.gathers: dict[int, object] = {}
+        """Bucket index → its parameter all-gather still in flight."""
 
     @classmethod
     def from_adamw(
@@ -200,17 +228,53 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on this rank's shard, then all-gather every bucket of the parameter buffer."""
+        """AdamW on this rank's shard, then all-gather every bucket of the parameter buffer (left
+        in flight with `overlap`)."""
+        self.wait_for_params()  # the last step's gathers read the shard that AdamW now writes
         if self._adam is not None:
             self._adam.step()
+        self._gather()
+        if not self.overlap:
+            self.wait_for_params()
+
+    def _gather(self) -> None:
+        """Cast the main shard into the parameter buffer (bf16/fp16) and start the all-gathers."""
+        if self.main is not None and self._params:
+            torch._foreach_copy_(self._params, self._masters)
         if self.grads.dp == 1:
             return
-        works = [
-            all_gather(self.buffer[b.start : b.end], self.buffer[lo:hi], self.grads.group, async_op=True)
-            for b, (lo, hi) in zip(self.grads.buckets, self.shards, strict=True)
-        ]
-        for w in works:
-            w.wait()
+        for b, (lo, hi) in zip(self.grads.buckets, self.shards, strict=True):
+            dst, src = self.buffer[b.start : b.end], self.buffer[lo:hi]
+            self.gathers[b.index] = all_gather(dst, src, self.grads.group, async_op=True)
+
+    def _pre_forward(self, buckets, module, args) -> None:
+        self.wait_for_params(buckets)
+
+    def wait_for_params(self, buckets=None) -> None:
+        """Wait for the parameter all-gathers of `buckets` (bucket indices; default all) in flight."""
+        for k in list(self.gathers) if buckets is None else buckets:
+            work = self.gathers.pop(k, None)
+            if work is not None:
+                work.wait()
+
+    def overlap_param_gather(self, model: torch.nn.Module) -> list:
+        """From now on `step()` leaves the all-gathers in flight; each module of `model` that owns
+        parameters of this buffer waits for their buckets in a forward pre-hook. The output layer
+        and a tied embedding are read without their module's forward: the model's `final_norm`
+        (run just before them) waits for everything. Returns the hook handles."""
+        self.overlap = True
+        index = {id(p): i for i, p in enumerate(self.grads.params)}
+        handles = []
+        for name, module in model.named_modules():
+            own = {index[id(p)] for p in module.parameters(recurse=False) if id(p) in index}
+            if name == "final_norm":
+                waits = None  # everything
+            elif own:
+                waits = sorted({self.grads.bucket_of[i] for i in own})
+            else:
+                continue
+            handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, waits)))
+        return handles
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
@@ -229,17 +293,28 @@ class DistributedOptimizer:
         p, place = self.grads.params[index], self.placements.get(self.grads.names[index])
         return (place.global_shape, place.offset) if place else (tuple(p.shape), (0,) * p.ndim)
 
+    def _flat_state(self) -> list[tuple[str | None, torch.Tensor]]:
+        """(moment name, or None for the main weights; this rank's flat fp32 tensor) of every
+        sharded state a checkpoint holds."""
+        out: list[tuple[str | None, torch.Tensor]] = [(m, getattr(self, m)) for m in MOMENTS]
+        return out + ([(None, self.main)] if self.main is not None else [])
+
+    def _key(self, state: str | None, name: str) -> str:
+        return name if state is None else moment_key(state, name)
+
     @torch.no_grad()
     def checkpoint_save_tensors(self) -> list[ShardedTensor]:
-        """Collective over dp. Each parameter's moments, whole, from the dp rank that writes them
-        (parameter i: dp rank i % dp), on CPU; empty on the other ranks. Keys as one process's:
-        `exp_avg.NAME`, `exp_avg_sq.NAME`."""
+        """Collective over dp. Each parameter's moments (and with bf16/fp16 parameters its fp32
+        main weights), whole, from the dp rank that writes them (parameter i: dp rank i % dp), on
+        CPU; empty on the other ranks. Keys as one process's: `exp_avg.NAME`, `exp_avg_sq.NAME`
+        (and `NAME` for the main weights: the caller's model group)."""
         g, out = self.grads, []
+        states = self._flat_state()
         mine = {seg.index: seg for seg in self.segments}
         for i, p in enumerate(g.params):
             writer = i % g.dp
             if g.dp_rank == writer:
-                full = torch.zeros(2, p.numel(), dtype=torch.float32, device=g.device)
+                full = torch.zeros(len(states), p.numel(), dtype=torch.float32, device=g.device)
                 recvs = []
                 for r in range(g.dp):
                     a, z = owned_range(g, i, r)
@@ -247,38 +322,37 @@ class DistributedOptimizer:
                         continue
                     if r == g.dp_rank:
                         seg = mine[i]
-                        full[0, a:z] = self.exp_avg[seg.local : seg.local + seg.numel]
-                        full[1, a:z] = self.exp_avg_sq[seg.local : seg.local + seg.numel]
+                        for k, (_, t) in enumerate(states):
+                            full[k, a:z] = t[seg.local : seg.local + seg.numel]
                     else:
-                        buf = torch.empty(2, z - a, dtype=torch.float32, device=g.device)
+                        buf = torch.empty(len(states), z - a, dtype=torch.float32, device=g.device)
                         recvs.append((dist.irecv(buf, dist.get_global_rank(g.group, r), g.group), buf, a, z))
                 for work, buf, a, z in recvs:
                     work.wait()
                     full[:, a:z] = buf
                 shape, offset = self._global(i)
                 full = full.cpu()
-                for k, name in enumerate(MOMENTS):
-                    out.append(ShardedTensor(moment_key(name, g.names[i]), full[k].view_as(p), shape, offset))
+                for k, (state, _) in enumerate(states):
+                    out.append(ShardedTensor(self._key(state, g.names[i]), full[k].view_as(p), shape, offset))
             elif i in mine:
                 seg = mine[i]
-                piece = torch.stack(
-                    [t[seg.local : seg.local + seg.numel] for t in (self.exp_avg, self.exp_avg_sq)]
-                )
+                piece = torch.stack([t[seg.local : seg.local + seg.numel] for _, t in states])
                 dist.send(piece, dist.get_global_rank(g.group, writer), g.group)
         return out
 
     def checkpoint_load_targets(self) -> list[ShardedTensor]:
-        """Targets for `load_checkpoint` (every moment of every parameter, so strict loading works):
-        the rows covering this rank's flat range of each parameter (none where it owns nothing).
-        Call `finish_load(step)` after loading."""
+        """Targets for `load_checkpoint` (every moment of every parameter, so strict loading works,
+        and the main weights as `checkpoint_save_tensors` names them): the rows covering this
+        rank's flat range of each parameter (none where it owns nothing). Call `finish_load(step)`
+        after loading."""
         g, out = self.grads, []
         mine = {seg.index: seg for seg in self.segments}
         self._load_targets = []
         for i, p in enumerate(g.params):
             shape, offset = self._global(i)
             seg = mine.get(i)
-            for name in MOMENTS:
-                key = moment_key(name, g.names[i])
+            for name, _ in self._flat_state():
+                key = self._key(name, g.names[i])
                 if p.ndim == 0:  # a scalar: every rank reads it
                     rows, at, start = torch.empty(()), offset, 0
                 else:
@@ -292,10 +366,19 @@ class DistributedOptimizer:
         return out
 
     @torch.no_grad()
-    def finish_load(self, step: int) -> None:
-        """Copy the rows read through `checkpoint_load_targets()` into this rank's moments."""
+    def finish_load(self, step: int | None) -> None:
+        """Copy the rows read through `checkpoint_load_targets()` into this rank's moments and main
+        weights, and set the parameters from the main weights; `step` None: only the main weights
+        were read (a weights-only checkpoint), the moments stay."""
         for seg, name, rows, start in self._load_targets:
-            flat = getattr(self, name)[seg.local : seg.local + seg.numel]
+            if step is None and name is not None:
+                continue
+            flat = (self.main if name is None else getattr(self, name))[seg.local : seg.local + seg.numel]
             flat.copy_(rows.flatten()[start : start + seg.numel])
         self._load_targets = []
-        self.set_step(step)
+        if step is not None:
+            self.set_step(step)
+        if self.main is not None:
+            self.wait_for_params()
+            self._gather()
+            self.wait_for_params()

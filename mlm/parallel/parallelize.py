@@ -205,20 +205,22 @@ def _vocab_parallel_loss(
 
 
 def allreduce_sequence_parallel_grads(
-    model: nn.Module, mesh: Mesh, places: dict[str, Placement] | None = None
+    model: nn.Module, mesh: Mesh, places: dict[str, Placement] | None = None, grad_of=None
 ) -> None:
     """Sum over tp the gradients of the replicated parameters inside the sequence-parallel region
     (placements with `grad_sum_tp`: norms, row-parallel biases), which each tp rank computed from
     its sequence shard; call after backward, before clipping and the optimizer step (it commutes
     with the data-parallel reduction). `places`: the model's placements, if the caller keeps them.
-    A no-op at tp = 1 and without sequence parallelism."""
+    A no-op at tp = 1 and without sequence parallelism. `grad_of`: parameter → its fp32 gradient
+    (`GradBucketSet.grad_of`, which bf16 parameters need; default `.grad`)."""
     if mesh.tp == 1:
         return
     places = places or placements(model, mesh)
+    grad_of = grad_of or (lambda p: p.grad)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for name, p in model.named_parameters():
-        if places[name].grad_sum_tp and p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        if places[name].grad_sum_tp and (g := grad_of(p)) is not None:
+            by_dtype.setdefault(g.dtype, []).append(g)
     for grads in by_dtype.values():
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=mesh.tp_group)

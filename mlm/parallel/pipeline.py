@@ -266,12 +266,15 @@ class Pipeline:
 
     # ------------------------------------------------------------------ after backward
 
-    def sync_tied_embedding(self) -> None:
+    def sync_tied_embedding(self, grad_of=None) -> None:
         """Sum the tied embedding's gradient over its first- and last-stage copies (before the
-        data-parallel reduction: the copies are held out of it until `GradBuckets.finish`)."""
+        data-parallel reduction: the copies are held out of it until `GradBuckets.finish`).
+        `grad_of`: parameter → its fp32 gradient (`GradBucketSet.grad_of`; default `.grad`, which
+        a bf16 parameter does not keep)."""
         tied = self.model.tied_weight()
         if tied is not None:  # middle stages hold no copy
-            dist.all_reduce(tied.grad, group=self.mesh.group("embedding"))
+            grad = grad_of(tied) if grad_of is not None else tied.grad
+            dist.all_reduce(grad, group=self.mesh.group("embedding"))
 
     def sum_over_stages(self, t: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) over the pipeline: e.g. the loss, which only the last stage computes."""

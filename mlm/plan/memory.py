@@ -348,23 +348,30 @@ def parameter_counts(cfg: Config) -> ParameterCounts:
 
 
 @functools.lru_cache(maxsize=4096)
-def _state_bytes(numels: tuple[int, ...], bucket_elems: int, dp: int, distributed: bool, dp_rank: int):
+def _state_bytes(
+    numels: tuple[int, ...], bucket_elems: int, dp: int, distributed: bool, dp_rank: int, weight: int = 4
+):
     """(weights, gradients, optimizer) bytes of one gradient buffer's parameters, reduced over `dp`
-    ranks (this one `dp_rank`); the buffer's elements are gradients / 4."""
+    ranks (this one `dp_rank`); the buffer's elements are gradients / 4. `weight`: bytes per
+    parameter, 4 (fp32: the parameters are the main weights) or 2 (bf16/fp16, train.param_dtype:
+    the optimizer adds 4-byte fp32 main weights, sharded like the moments under the distributed
+    optimizer — Megatron's 2 + 4 + (4 + 8) / dp). The optimizer's 4 bytes per segment: AdamW's
+    step counts."""
     if not numels:
         return 0, 0, 0
+    main = 4 if weight != 4 else 0
     pad = math.lcm(dp, 128) if distributed else 1
     ranges, buckets = bucket_layout(list(numels), bucket_elems, pad)
     buffer = buckets[-1][1]
     if not distributed:
-        return 4 * sum(numels), 4 * buffer, 8 * sum(numels) + 4 * len(numels)
+        return weight * sum(numels), 4 * buffer, (8 + main) * sum(numels) + 4 * len(numels)
     local = segments = 0
     for start, end, members in buckets:
         size = (end - start) // dp
         lo, hi = start + dp_rank * size, start + (dp_rank + 1) * size
         local += size
         segments += sum(1 for i in members if max(ranges[i][0], lo) < min(ranges[i][1], hi))
-    return 4 * buffer, 4 * buffer, 8 * local + 4 * segments
+    return weight * buffer, 4 * buffer, (8 + main) * local + 4 * segments
 
 
 def buffer_bytes(cfg: Config, stage: Stage, layout: Layout, dp_rank: int = 0, edp_rank: int = 0):
@@ -373,10 +380,16 @@ def buffer_bytes(cfg: Config, stage: Stage, layout: Layout, dp_rank: int = 0, ed
     the expert-parallel one over edp (zeros at ep = 1)."""
     elems = max(1, int(cfg.parallel.bucket_size_mb * 2**20) // 4)
     dist = layout.distributed_optimizer
+    w = param_bytes(cfg)
     return {
-        "dense": _state_bytes(stage.numels, elems, layout.dp_cp, dist, dp_rank),
-        "expert": _state_bytes(stage.expert_numels, elems, layout.edp, dist, edp_rank),
+        "dense": _state_bytes(stage.numels, elems, layout.dp_cp, dist, dp_rank, w),
+        "expert": _state_bytes(stage.expert_numels, elems, layout.edp, dist, edp_rank, w),
     }
+
+
+def param_bytes(cfg: Config) -> int:
+    """Bytes of one trainable parameter as the model holds it: 4 (fp32), 2 (train.param_dtype bf16/fp16)."""
+    return 4 if cfg.train.param_dtype == "fp32" else 2
 
 
 def model_state_bytes(
@@ -384,7 +397,8 @@ def model_state_bytes(
 ) -> dict[str, int]:
     """{"weights", "gradients", "optimizer"} bytes of one rank, as allocated: the dense gradient
     buffer over dp × cp, the experts' over edp (each with its own padding and, with the distributed
-    optimizer, its own 1/dp or 1/edp shard of Adam state), plus any frozen parameters' weights."""
+    optimizer, its own 1/dp or 1/edp shard of Adam state), plus any frozen parameters' weights.
+    With bf16/fp16 parameters "optimizer" includes the fp32 main weights (Megatron counts them there)."""
     return _state(buffer_bytes(cfg, stage, layout, dp_rank, edp_rank), stage)
 
 
@@ -654,8 +668,9 @@ def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
 
 
 def weight_cast_bytes(cfg: Config, stage: Stage, layout: Layout) -> tuple[float, float]:
-    """(bytes of the layers' bf16/fp16 weight copies per micro-batch, the output layer's), 0 in fp32."""
-    if cfg.train.precision not in _AUTOCAST:
+    """(bytes of the layers' bf16/fp16 weight copies per micro-batch, the output layer's), 0 in fp32
+    and with bf16/fp16 parameters (train.param_dtype: autocast has nothing to cast)."""
+    if cfg.train.precision not in _AUTOCAST or cfg.train.param_dtype != "fp32":
         return 0.0, 0.0
     return (0.0 if layout.recompute == "full" else 2.0 * stage.layer_linear), 2.0 * stage.output_linear
 

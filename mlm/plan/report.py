@@ -256,6 +256,7 @@ def plan_dict(job: Job, c: Candidate, preset: str, overrides: list[str]) -> dict
             "recompute": lo.recompute,
             "distributed_optimizer": lo.distributed_optimizer,
             "precision": cfg.train.precision,
+            "param_dtype": cfg.train.param_dtype,
         },
         "prediction": {
             "step_time_s": c.timing.step_s,

@@ -3,7 +3,9 @@ scheduler, loss scaler, RNG per pipeline stage), saving it (in the step, or from
 thread after a copy to CPU) and resuming from it on any mesh.
 
 Each rank writes the slices it holds that are its to write (replica 0 of each slice: see
-`mlm.parallel.placement`); `DIR/latest` moves only after every rank has finished.
+`mlm.parallel.placement`); `DIR/latest` moves only after every rank has finished. The weights
+written are the fp32 main weights (the parameters themselves in fp32; the optimizer's main copy
+with train.param_dtype bf16/fp16).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolv
 from mlm.checkpoint.rng import rng_state_from_json, rng_state_to_json
 from mlm.config import config_from_dict
 from mlm.errors import MlmError
-from mlm.parallel.parallelize import model_shards
 
 
 class TrainerCheckpoints:
@@ -27,10 +28,10 @@ class TrainerCheckpoints:
 
     def _groups(self, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
         """Every parameter and its Adam moments as this rank's slices of the global tensors, each
-        written by its replica 0; under fp8 delayed scaling, the amax histories and scales ("fp8")."""
-        opt = self.optimizer
-        optim = opt.load_targets(self.iteration) if for_load else opt.save_tensors(self.iteration)
-        groups = {"model": model_shards(self.model, self.mesh), "optim": optim}
+        written by its replica 0; with bf16/fp16 parameters the model group holds the fp32 main
+        weights (`TrainOptimizer.checkpoint_groups`); under fp8 delayed scaling, the amax histories
+        and scales ("fp8")."""
+        groups = self.optimizer.checkpoint_groups(self.iteration, for_load)
         if self.fp8 and self.fp8.recipe.recipe == "delayed":
             groups["fp8"] = self.fp8.shards()
         return groups
@@ -127,6 +128,7 @@ class TrainerCheckpoints:
         if not any(k.startswith("optim/") for k in read_manifest(iter_dir)["tensors"]):
             # weights only (e.g. imported from Hugging Face): a new run starting from them
             load_checkpoint(iter_dir, {"model": groups["model"]}, job_keys=self._pipeline_keys(groups))
+            self.optimizer.finish_load(None)  # the parameters from the loaded (main) weights
             self._print(f"[bold]initialised from[/] {iter_dir} (weights only: a new run)", highlight=False)
             return
         if "fp8" in groups and not any(k.startswith("fp8/") for k in read_manifest(iter_dir)["tensors"]):

@@ -6,9 +6,23 @@ parallelism a second for the expert weights, reduced over edp (`all_grads` drive
 tensor-parallel or not, so that unscaling, inf checks and the global norm are written once.
 The checkpoint holds the optimizer as one process would: `exp_avg.NAME`, `exp_avg_sq.NAME` in
 each parameter's global shape, whatever the mesh.
+
+With `train.param_dtype` bf16/fp16 (Megatron's mixed precision) the parameters are bf16/fp16,
+gradients accumulate in the fp32 buffers, and the optimizer holds fp32 main weights: a copy of
+every parameter when replicated (AdamW steps the copies, which are then cast into the
+parameters), this rank's shard under the distributed optimizer. The checkpoint's model group then
+holds the fp32 main weights under the parameters' names (`checkpoint_groups`), so checkpoints of
+either dtype load into runs of either.
+
+Under the distributed optimizer `step()` returns with the parameter all-gathers in flight (their
+buckets are waited for by forward pre-hooks): call `wait_for_params()` before anything else reads
+the parameters.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import types
 
 import torch
 from torch import nn
@@ -20,6 +34,7 @@ from mlm.parallel.data_parallel import GradBuckets, GradBucketSet
 from mlm.parallel.dist_optim import DistributedOptimizer
 from mlm.parallel.grad_norm import any_nonfinite, clip_, global_grad_norm
 from mlm.parallel.mesh import Mesh
+from mlm.parallel.parallelize import model_shards
 from mlm.parallel.placement import placements
 from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step
 
@@ -60,11 +75,30 @@ class TrainOptimizer:
         # the last pipeline stage's copy of a tied embedding: updated like the original, counted once
         self.copy = model.tied_copy()
         self.adamw = make_optimizer(model, cfg.optimizer, device)
+        self.low_precision = cfg.train.param_dtype != "fp32"
+        """bf16/fp16 parameters with fp32 main weights in the optimizer."""
+        self.mains: dict[str, torch.Tensor] = {}
+        """Replicated optimizer, bf16/fp16 parameters: name → fp32 main weight (its .grad: the buffer)."""
         self.dists: list[DistributedOptimizer] = []
         if self.distributed:
             for g in self.all_grads.buckets:
                 self.dists.append(DistributedOptimizer.from_adamw(self.adamw, g, subset=True))
                 self.dists[-1].placements = self.placements
+                self.dists[-1].overlap_param_gather(model)
+        elif self.low_precision:
+            self._make_mains()
+
+    def _make_mains(self) -> None:
+        """An fp32 main copy of every trainable parameter, which AdamW steps in its place."""
+        main_of = {}
+        for g in self.all_grads.buckets:
+            for i, (n, p) in enumerate(zip(g.names, g.params, strict=True)):
+                main = p.detach().float().requires_grad_(True)
+                main.grad = g.grad(i)
+                self.mains[n] = main_of[id(p)] = main
+        for group in self.adamw.param_groups:  # before any step: AdamW holds no state yet
+            group["params"] = [main_of[id(p)] for p in group["params"]]
+        self._pairs = [(p, main_of[id(p)]) for g in self.all_grads.buckets for p in g.params]
 
     def _kind(self, name: str) -> bool | str:
         place = self.placements[name]
@@ -80,8 +114,8 @@ class TrainOptimizer:
         if not self.dists:
             for g in self.all_grads.buckets:
                 out += [
-                    (p.grad, self._kind(n))
-                    for n, p in zip(g.names, g.params, strict=True)
+                    (g.grad(i), self._kind(n))
+                    for i, (n, p) in enumerate(zip(g.names, g.params, strict=True))
                     if not (counted_once and p is self.copy)
                 ]
             return out
@@ -113,6 +147,7 @@ class TrainOptimizer:
         return float(norm)
 
     def step(self, lr: float) -> None:
+        """AdamW; under the distributed optimizer the parameters' all-gathers are left in flight."""
         if self.dists:
             for d in self.dists:
                 d.set_lr(lr)
@@ -121,6 +156,17 @@ class TrainOptimizer:
         for group in self.adamw.param_groups:
             group["lr"] = lr
         self.adamw.step()
+        self._params_from_mains()
+
+    @torch.no_grad()
+    def _params_from_mains(self) -> None:
+        if self.mains:
+            torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
+
+    def wait_for_params(self) -> None:
+        """Wait for the parameter all-gathers `step()` left in flight (before reading weights)."""
+        for d in self.dists:
+            d.wait_for_params()
 
     def zero_grad(self) -> None:
         self.all_grads.zero_grad()
@@ -139,23 +185,44 @@ class TrainOptimizer:
             t.padded_rows = name in self.padded_rows
         return tensors
 
-    def save_tensors(self, step: int) -> list[ShardedTensor]:
+    def checkpoint_groups(self, step: int, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
+        """{"model": every parameter, "optim": its moments} as this rank's slices (to write, or
+        with `for_load` to load into; then call `finish_load`). With bf16/fp16 parameters the model
+        group holds the fp32 main weights under the parameters' names. Collective under the
+        distributed optimizer."""
+        self.wait_for_params()
+        model = model_shards(self.model, self.mesh)
         if self.dists:
-            return self._placed([t for d in self.dists for t in d.checkpoint_save_tensors()])
+            tensors = [
+                t
+                for d in self.dists
+                for t in (d.checkpoint_load_targets() if for_load else d.checkpoint_save_tensors())
+            ]
+            optim = self._placed([t for t in tensors if t.key != param_of(t.key)])
+            if self.low_precision:  # the gathered main weights replace the parameters
+                mains = self._placed([t for t in tensors if t.key == param_of(t.key)])
+                held = set(self.placements) - {n for g in self.all_grads.buckets for n in g.names}
+                model = [t for t in model if t.key in held] + mains
+            return {"model": model, "optim": optim}
+        if self.mains:
+            model = [
+                dataclasses.replace(t, local=self.mains[t.key]) if t.key in self.mains else t for t in model
+            ]
+        # adam_state_tensors reads the parameters AdamW steps: the main copies when there are some
+        named = types.SimpleNamespace(named_parameters=lambda: iter(self.mains.items()))
         out = []
-        for key, t in adam_state_tensors(self.model, self.adamw, step).items():
+        for key, t in adam_state_tensors(named if self.mains else self.model, self.adamw, step).items():
             place = self.placements[param_of(key)]
             out.append(ShardedTensor(key, t, place.global_shape, place.offset))
-        return self._placed(out)
+        return {"model": model, "optim": self._placed(out)}
 
-    def load_targets(self, step: int) -> list[ShardedTensor]:
-        if self.dists:
-            return self._placed([t for d in self.dists for t in d.checkpoint_load_targets()])
-        return self.save_tensors(step)
-
-    def finish_load(self, step: int) -> None:
+    def finish_load(self, step: int | None) -> None:
+        """After loading `checkpoint_groups(for_load=True)`: the moments' step, and the parameters
+        from the loaded main weights; `step` None: a weights-only checkpoint (the model group)."""
         if self.dists:
             for d in self.dists:
                 d.finish_load(step)
-        else:
+            return
+        if step is not None:
             set_adam_step(self.adamw, step)
+        self._params_from_mains()

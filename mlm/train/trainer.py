@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mlm.build import build_sharded, compile_layers
+from mlm.build import build_sharded, cast_trainable, compile_layers
 from mlm.checkpoint import resolve_checkpoint
 from mlm.config import Config, to_toml
 from mlm.console import console
@@ -79,9 +79,11 @@ def check_supported(mesh: Mesh, cfg: Config) -> None:
 
 def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> GPT:
     """Meta → this rank's pipeline stage → parallelize → recompute → materialise (`build_sharded`)
-    → init (every rank gets its slice of one process's init)."""
+    → init (every rank gets its slice of one process's init) → train.param_dtype."""
     model = build_sharded(cfg.model, cfg.parallel, mesh, device)
     model.init_weights(cfg.train.seed)
+    if cfg.train.param_dtype != "fp32":  # the fp32 init rounded; the optimizer keeps fp32 main weights
+        cast_trainable(model, DTYPES[cfg.train.param_dtype])
     return model
 
 
@@ -222,9 +224,9 @@ class Trainer(TrainerCheckpoints):
         total = self.pipeline.train_step(micro, scale / self.num_micro, opt.all_grads, self._autocast)
         if self.fp8:  # delayed scaling: this step's amaxes into the histories, the next scales
             self.fp8.finish_step()
-        self.pipeline.sync_tied_embedding()
+        self.pipeline.sync_tied_embedding(opt.all_grads.grad_of)
         opt.all_grads.finish()
-        allreduce_sequence_parallel_grads(self.model, self.mesh, opt.placements)
+        allreduce_sequence_parallel_grads(self.model, self.mesh, opt.placements, opt.all_grads.grad_of)
         load = expert_load_step(self.model, self.mesh)  # and the aux-loss-free bias update
         overflow = bool(self.scaler) and opt.found_inf()
         if self.scaler and not overflow:
@@ -279,6 +281,7 @@ class Trainer(TrainerCheckpoints):
         the same samples, and so the same loss, whatever the mesh; the same at every evaluation).
         Each dp rank runs its micro batches of each global batch through the pipeline."""
         self.model.eval()
+        self.optimizer.wait_for_params()
         t = self.cfg.train
         m, G = t.micro_batch_size, t.global_batch_size
         micro = [
@@ -299,6 +302,7 @@ class Trainer(TrainerCheckpoints):
         from mlm.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tok_path)
+        self.optimizer.wait_for_params()
         # every rank runs the forward of its stage; the logits are gathered over tp and sent from
         # the last pipeline stage to all
         logits_fn = self.pipeline.logits
@@ -328,7 +332,8 @@ class Trainer(TrainerCheckpoints):
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
             f"mesh {self.mesh}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''}, attention {self.attention_backend}, "
             f"{f'kernels {self.kernels}, ' if self.kernels != 'torch' else ''}"
-            f"{'compiled layers, ' if cfg.train.compile else ''}{cfg.train.precision}, "
+            f"{'compiled layers, ' if cfg.train.compile else ''}{cfg.train.precision}"
+            f"{f' ({cfg.train.param_dtype} parameters, fp32 main weights)' if cfg.train.param_dtype != 'fp32' else ''}, "
             f"{counts.total / 1e6:.2f}M parameters"
             + (f" ({counts.active / 1e6:.2f}M active per token)" if counts.active != counts.total else "")
             + (f" + MTP {counts.mtp / 1e6:.2f}M" if counts.mtp else ""),
@@ -365,6 +370,7 @@ class Trainer(TrainerCheckpoints):
             elif not cfg.train.eval_interval:
                 self._print_sample()
             self._final_save(saved_at)
+            self.optimizer.wait_for_params()  # the model holds the final weights on return
         finally:
             log.close()
         return losses
