@@ -582,6 +582,12 @@ class TrainConfig:
             f"train.fp8={self.fp8!r} with train.precision={self.precision!r}: fp8 runs inside bf16 "
             "(everything outside the fp8 linears, as in Megatron); set train.precision=bf16",
         )
+        _check(
+            not (self.fp8 and self.compile),
+            f"train.fp8={self.fp8!r} with train.compile=true: the fp8 linears record amaxes into shared "
+            "state during forward and backward, which torch.compile's compiled backward cannot replay; "
+            "set train.compile=false (or train.fp8='')",
+        )
         _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
         _check(
             self.param_dtype in ("fp32", self.precision),

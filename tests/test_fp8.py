@@ -365,6 +365,8 @@ def test_fp8_refused_where_it_cannot_run():
         TrainConfig(fp8="hybrid")
     with pytest.raises(MlmError, match="train.fp8='e5m2': must be one of"):
         TrainConfig(precision="bf16", fp8="e5m2")
+    with pytest.raises(MlmError, match=r"train.fp8='hybrid' with train.compile=true.*train.compile=false"):
+        TrainConfig(precision="bf16", fp8="hybrid", compile=True)
     with pytest.raises(MlmError, match="fp8_amax_history_len=0"):
         fp8_cfg(fp8_amax_history_len=0)
     cuda = torch.device("cuda", 0)

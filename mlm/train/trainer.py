@@ -332,7 +332,8 @@ class Trainer(TrainerCheckpoints):
             f"[bold]mlm train[/] {self.total_iters} steps from {self.iteration}, device {self.device}, "
             f"mesh {self.mesh}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''}, attention {self.attention_backend}, "
             f"{f'kernels {self.kernels}, ' if self.kernels != 'torch' else ''}"
-            f"{'compiled layers, ' if cfg.train.compile else ''}{cfg.train.precision}"
+            f"{'compiled layers, ' if cfg.train.compile else ''}"
+            f"{f'fp8 {cfg.train.fp8} ({cfg.train.fp8_recipe}) in ' if cfg.train.fp8 else ''}{cfg.train.precision}"
             f"{f' ({cfg.train.param_dtype} parameters, fp32 main weights)' if cfg.train.param_dtype != 'fp32' else ''}, "
             f"{counts.total / 1e6:.2f}M parameters"
             + (f" ({counts.active / 1e6:.2f}M active per token)" if counts.active != counts.total else "")
