@@ -16,16 +16,17 @@ train.compile=true`) compiles each layer (`mlm.build.compile_layers`); `--vs-eag
 model uncompiled beside it (the compile speed-up). `--set` takes any config override, as `mlm train
 --set` does (`model.kernels=triton`, `model.recompute=full`, `model.fused_cross_entropy=true`,
 ...). Only what takes effect through these steps (the config, the model's build, `set_kernels`,
-`compile_layers`) reaches the model here: a setting the trainer applies elsewhere (in
-`Trainer.__init__`, say) needs a line in `build_mlm`. The loss is the model's own
+`compile_layers`, fp8's `apply_fp8`, the trainer's optimizer) reaches the model here: a setting
+the trainer applies elsewhere (in `Trainer.__init__`, say) needs a line in `build_mlm`. The loss is the model's own
 (`GPT.head_loss`). With HF (the default on CPU) it exports the weights with `mlm.hf.mlm_to_hf` and
 loads them into `LlamaForCausalLM` (attn_implementation="sdpa"). Then times full training steps
 (forward, the cross-entropy, backward, AdamW step, zero_grad; mlm with its trainer's optimizer, HF
 with torch.optim.AdamW as a transformers loop uses it) on the same batch of random tokens,
 alternating the two models step by step (and which goes first) so that both see the same machine
 state; warm-up steps (the first compiles) are not timed; torch's default thread count. HF is called
-with use_cache=False, as a training loop does. bf16 means torch.autocast (weights and optimizer
-stay fp32) for both. Prints tokens/s of each (from the median step time), MFU (Megatron's model
+with use_cache=False, as a training loop does. bf16 means torch.autocast for both (mlm: also
+train.precision=bf16; weights stay fp32 unless `--set train.param_dtype=bf16`, Megatron's bf16
+parameters with fp32 main weights; `--set train.fp8=hybrid` adds fp8 linears). Prints tokens/s of each (from the median step time), MFU (Megatron's model
 FLOPs, `mlm.flops.flops_per_token`, over the dense bf16 peak of `--hardware`,
 `mlm.train.metrics.peak_flops`; on CPU the measured fp32 matmul rate), on CUDA each model's peak
 memory (`torch.cuda.max_memory_allocated` over its steps), and the ratio mlm / HF (target >= 1.0).
@@ -47,13 +48,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlm.build import compile_layers  # noqa: E402
-from mlm.config import OptimizerConfig, load_config  # noqa: E402
+from mlm.config import load_config  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.flops import flops_per_token  # noqa: E402
 from mlm.hf import mlm_to_hf  # noqa: E402
 from mlm.parallel import Mesh  # noqa: E402
-from mlm.train.adamw import make_optimizer  # noqa: E402
+from mlm.parallel.fp8 import apply_fp8  # noqa: E402
 from mlm.train.metrics import peak_flops  # noqa: E402
+from mlm.train.optimizer import TrainOptimizer  # noqa: E402
 from mlm.train.trainer import build_parallel_model  # noqa: E402
 
 # GPU names (torch.cuda.get_device_name) → the hardware profile of their MFU peak
@@ -67,17 +69,21 @@ GPU_PROFILES = (
 
 
 def build_mlm(preset: str, seq: int, device: torch.device, sets: list[str], seed: int = 1234):
-    """(mlm GPT in train mode, Config): the preset with `sets` applied, built as `mlm train` builds
-    it on one process, with the config's attention backend and kernels, compiled with train.compile."""
+    """(mlm GPT in train mode, Config, its training step's state): the preset with `sets` applied,
+    built as `mlm train` builds it on one process (parameters in train.param_dtype, fp8 linears
+    under train.fp8), with the config's attention backend and kernels, compiled with train.compile;
+    the state is the trainer's optimizer (gradient buffer, fp32 main weights) and the fp8 state."""
     cfg = load_config(overrides=[f"preset={preset}", f"data.seq_length={seq}", f"train.seed={seed}", *sets])
     if cfg.model.position_embedding != "rope":
         raise MlmError(f"--preset {preset}: this benchmark compares Llama models; pick a llama preset")
-    model = build_parallel_model(cfg, Mesh.build(cfg.parallel), device).train()
+    mesh = Mesh.build(cfg.parallel)
+    model = build_parallel_model(cfg, mesh, device).train()
+    fp8 = apply_fp8(model, cfg.train, mesh, device)
     model.set_attention_backend(cfg.model.attention_backend, device)
     model.set_kernels(cfg.model.kernels, device)
     if cfg.train.compile:
         compile_layers(model)
-    return model, cfg
+    return model, cfg, (TrainOptimizer(model, cfg, mesh, device), fp8)
 
 
 def build_hf(mlm, cfg, device: torch.device):
@@ -90,6 +96,26 @@ def build_hf(mlm, cfg, device: torch.device):
     missing, unexpected = hf.load_state_dict(hf_state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     return hf.to(device).train()
+
+
+def mlm_step(model, cfg, state, autocast):
+    """The trainer's step on one process: backward into the fp32 gradient buffer, fp8's amax
+    bookkeeping, clipping, AdamW on the main weights (cast into the parameters), zeroing."""
+    opt, fp8 = state
+
+    def step(x_BT: torch.Tensor, y_BT: torch.Tensor) -> float:
+        with autocast():
+            loss = model.head_loss(model.hidden_states(x_BT), y_BT)
+        loss.backward()
+        if fp8:
+            fp8.finish_step()
+        opt.all_grads.finish()
+        opt.clip(cfg.optimizer.clip_grad)
+        opt.step(cfg.optimizer.lr)
+        opt.zero_grad()
+        return loss.item()
+
+    return step
 
 
 def make_step(loss_fn, autocast, opt):
@@ -147,31 +173,22 @@ def main() -> None:
     with_hf = args.hf if args.hf is not None else device.type == "cpu"
 
     torch.manual_seed(0)
-    sets = [*args.set, *(["train.compile=true"] if args.compile else [])]
-    mlm, cfg = build_mlm(args.preset, args.seq, device, sets)
+    sets = [f"train.precision={args.dtype}", *args.set, *(["train.compile=true"] if args.compile else [])]
+    mlm, cfg, state = build_mlm(args.preset, args.seq, device, sets)
     if args.dtype == "bf16":
         autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
     else:
         autocast = contextlib.nullcontext
     V = cfg.model.vocab_size
-    # each with its own trainer's optimizer: mlm's (fused AdamW, Megatron's no-decay groups)
-    # and the torch.optim.AdamW a transformers training loop uses
-    steps = {
-        "mlm": make_step(
-            lambda x, y: mlm.head_loss(mlm.hidden_states(x), y),
-            autocast,
-            make_optimizer(mlm, OptimizerConfig(), device),
-        )
-    }
+    # each with its own trainer's optimizer: mlm's (TrainOptimizer: fused AdamW, Megatron's
+    # no-decay groups, fp32 main weights under train.param_dtype=bf16) and the torch.optim.AdamW a
+    # transformers training loop uses
+    steps = {"mlm": mlm_step(mlm, cfg, state, autocast)}
     if args.vs_eager:
         if not cfg.train.compile:
             raise MlmError("--vs-eager compares the compiled layers with eager ones: add --compile")
-        eager, _ = build_mlm(args.preset, args.seq, device, [*sets, "train.compile=false"])
-        steps["eager"] = make_step(
-            lambda x, y: eager.head_loss(eager.hidden_states(x), y),
-            autocast,
-            make_optimizer(eager, OptimizerConfig(), device),
-        )
+        eager, _, eager_state = build_mlm(args.preset, args.seq, device, [*sets, "train.compile=false"])
+        steps["eager"] = mlm_step(eager, cfg, eager_state, autocast)
     if with_hf:
         hf = build_hf(mlm, cfg, device)
 
