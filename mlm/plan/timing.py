@@ -47,8 +47,9 @@
     dp          gradient all-reduce (or reduce-scatter with the distributed optimizer) of the fp32
                 (or bf16) gradient buffer over dp × cp, and under ep of the experts' buffer over edp, overlapped
                 with the last micro-batch's backward (only the excess counts); the distributed
-                optimizer's all-gather of the fp32 parameters after the step is not overlapped in
-                mlm and counts in full
+                optimizer's all-gather of the parameters (fp32, or bf16/fp16 under
+                train.param_dtype) after the step, overlapped with the next step's first forward
+                (only the excess over a third of a micro-batch's compute counts)
     optimizer   fused AdamW is memory-bound: 28 bytes read or written per local element / HBM bandwidth
 
 Tokens/s per GPU = global batch × seq / step / GPUs; MFU = Megatron model FLOPs (no recompute)
@@ -293,18 +294,19 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         (buffer_bytes(cfg, st, layout) for st in stages), key=lambda d: d["dense"][1] + d["expert"][1]
     )
     dp_bw, dp_lat = _link(hw, t * layout.cp * layout.dp <= job.gpus_per_node)
+    param_bytes = 4 if cfg.train.param_dtype == "fp32" else 2
     reduce = gather = local = 0.0
     for (_, grad_bytes, _), ranks in ((parts["dense"], layout.dp_cp), (parts["expert"], layout.edp)):
         elems = grad_bytes / 4
         wire = elems * (2 if cfg.parallel.grad_reduce_dtype == "bf16" else 4)
         if layout.distributed_optimizer:
             reduce += _collective(wire, ranks, dp_bw, dp_lat, 1.0)
-            gather += _collective(elems * 4, ranks, dp_bw, dp_lat, 1.0)
+            gather += _collective(elems * param_bytes, ranks, dp_bw, dp_lat, 1.0)
             local += elems / ranks
         else:
             reduce += _collective(wire, ranks, dp_bw, dp_lat, 2.0)
             local += elems
-    dp_exposed = max(0.0, reduce - c_mb * 2 / 3) + gather
+    dp_exposed = max(0.0, reduce - c_mb * 2 / 3) + max(0.0, gather - c_mb / 3)
     optimizer = 28 * local / hw.hbm_bandwidth
 
     terms = {
