@@ -102,4 +102,5 @@ def fp8_linear(
             scale_b=b_scale.float().reciprocal(),
             out_dtype=out_dtype,
         )
-    return (dequantize(a_q, a_scale) @ dequantize(b_q, b_scale).t()).to(out_dtype)
+    with torch.autocast(a_q.device.type, enabled=False):  # fp32, not autocast's bf16 matmul
+        return (dequantize(a_q, a_scale) @ dequantize(b_q, b_scale).t()).to(out_dtype)

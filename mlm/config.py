@@ -670,6 +670,12 @@ class Config:
             f"model.mtp_num_layers={self.model.mtp_num_layers} with data.seq_length={self.data.seq_length}: "
             "the deepest MTP depth would have no token to predict; use fewer depths or longer sequences",
         )
+        _check(
+            not (self.model.fp32_residual_connection and self.train.param_dtype != "fp32"),
+            f"model.fp32_residual_connection=true with train.param_dtype={self.train.param_dtype!r}: the "
+            "residual stream follows bf16/fp16 parameters (the embedding's output is in their dtype); "
+            "set train.param_dtype=fp32 to keep an fp32 residual stream, or model.fp32_residual_connection=false",
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -246,3 +246,11 @@ def test_plan_prices_bf16_params_and_carries_them_into_training(tmp_path):
     assert bf16["weights"] == pytest.approx(fp32["weights"] / 2)
     assert bf16["gradients"] == fp32["gradients"]  # fp32 either way
     assert bf16["weight_casts"] == 0 < fp32["weight_casts"]
+
+
+def test_an_fp32_residual_stream_needs_fp32_parameters():
+    sets = ["train.precision=bf16", "train.param_dtype=bf16", "model.fp32_residual_connection=true"]
+    with pytest.raises(
+        MlmError, match=r"fp32_residual_connection=true with train.param_dtype='bf16'.*param_dtype=fp32"
+    ):
+        load_config(None, sets)

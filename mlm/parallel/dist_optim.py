@@ -243,7 +243,9 @@ class DistributedOptimizer:
             torch._foreach_copy_(self._params, self._masters)
         if self.grads.dp == 1:
             return
-        for b, (lo, hi) in zip(self.grads.buckets, self.shards, strict=True):
+        # the last bucket first: the buffer is in reverse parameter order, so it holds what the next
+        # forward reads first (the embedding, the first layers); collectives complete in issue order
+        for b, (lo, hi) in reversed(list(zip(self.grads.buckets, self.shards, strict=True))):
             dst, src = self.buffer[b.start : b.end], self.buffer[lo:hi]
             self.gathers[b.index] = all_gather(dst, src, self.grads.group, async_op=True)
 
@@ -258,22 +260,34 @@ class DistributedOptimizer:
                 work.wait()
 
     def overlap_param_gather(self, model: torch.nn.Module) -> list:
-        """From now on `step()` leaves the all-gathers in flight; each module of `model` that owns
-        parameters of this buffer waits for their buckets in a forward pre-hook. The output layer
-        and a tied embedding are read without their module's forward: the model's `final_norm`
-        (run just before them) waits for everything. Returns the hook handles."""
+        """From now on `step()` leaves the all-gathers in flight; each top-level part of `model`
+        holding parameters of this buffer (the model's children and the entries of its module
+        containers: `embed`, each `layers.K`, each `mtp.K`, ...) waits for the buckets of all the
+        parameters under it in a forward pre-hook, so parameters read without their own module's
+        forward (a router's weight, stacked expert weights) are covered too. The output layer and a
+        tied embedding are read outside any forward: the model's `final_norm` (run just before
+        them) waits for everything. The hooks are left out of torch.compile's graphs (a compiled
+        layer breaks its graph once, at its start). Returns the hook handles."""
         self.overlap = True
-        index = {id(p): i for i, p in enumerate(self.grads.params)}
+        containers = (torch.nn.ModuleDict, torch.nn.ModuleList)
+        tops = [(n, m) for n, m in model.named_children() if not isinstance(m, containers)]
+        tops += [
+            (f"{n}.{k}", m)
+            for n, c in model.named_children()
+            if isinstance(c, containers)
+            for k, m in c.named_children()
+        ]
         handles = []
-        for name, module in model.named_modules():
-            own = {index[id(p)] for p in module.parameters(recurse=False) if id(p) in index}
+        for name, module in tops:
+            under = {self.grads._index[id(p)] for p in module.parameters() if id(p) in self.grads._index}
             if name == "final_norm":
                 waits = None  # everything
-            elif own:
-                waits = sorted({self.grads.bucket_of[i] for i in own})
+            elif under:
+                waits = sorted({self.grads.bucket_of[i] for i in under})
             else:
                 continue
-            handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, waits)))
+            hook = torch.compiler.disable(functools.partial(self._pre_forward, waits))
+            handles.append(module.register_forward_pre_hook(hook))
         return handles
 
     def zero_grad(self) -> None:

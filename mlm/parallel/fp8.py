@@ -23,7 +23,7 @@ Each fp8 linear has three slots, input, weight and grad, each with a scale.
 **delayed** (TE's `DelayedScaling`): each slot keeps an amax history of `fp8_amax_history_len`
 values, newest last, and the scale that the whole step uses, computed from the history before
 the step: scale = fp8_max / algo(history) / 2^margin, algo "max" (of the history) or
-"most_recent" (its last value); amax 0 → scale 1 (so the first step runs at scale 1). During the
+"most_recent" (its last value); amax 0 → scale 1. During the
 step each slot records the max |x| over its micro-batches; `finish_step()` (the trainer calls it
 after the step's backward) reduces those with MAX over tp (the shards of a sharded tensor) and
 over dp × cp (the other data), rolls them into the histories once per optimizer step and
@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels.fp8 import amax, check_fp8_device, fp8_linear, quantize, scale_from_amax
+from kernels.lean import autocast_dtype
 from mlm.checkpoint import ShardedTensor
 from mlm.config import TrainConfig
 from mlm.parallel.mesh import Mesh
@@ -158,11 +159,6 @@ class Fp8State:
         return f"Fp8State({len(self.names)} linears, {r.fmt}, {r.recipe})"
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x Wᵀ (+ b) from e4m3 x and W; saves the quantised x and W; backward from the
     quantised output gradient (see the module docstring)."""
@@ -204,7 +200,9 @@ class Fp8LinearOp:
         self.state, self.index = state, index
 
     def __call__(self, x, weight, bias=None):
-        return _Fp8LinearFn.apply(x, weight, bias, self, torch.is_grad_enabled(), _compute_dtype(x))
+        return _Fp8LinearFn.apply(
+            x, weight, bias, self, torch.is_grad_enabled(), autocast_dtype(x) or x.dtype
+        )
 
     def __repr__(self) -> str:
         return f"Fp8LinearOp({self.state.names[self.index]})"

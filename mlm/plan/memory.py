@@ -614,7 +614,7 @@ def moe_activation_bytes(cfg: Config, layout: Layout, e: int, u: int, A: int) ->
         linear_in = e * h * A if u > 1 else (N * h * A if autocast else 0)
         # the gate: the shared experts' output and the sigmoid, saved by their product
         gate = N * h * A + N * 4 if moe.shared_expert_gate else 0
-        out["shared experts"] = linear_in + (4 if gated else 2) * e * shared / t * A + gate
+        out["shared experts"] = linear_in + (3 if gated else 2) * e * shared / t * A + gate
     return out
 
 
@@ -766,8 +766,8 @@ def rank_memory(
             comm += 2 * n * m.moe.router_topk * h * A
         else:  # the gathered tokens and the outputs to reduce-scatter
             comm += layout.ep * n * h * 2 * A
-    if layout.pp > 1:
-        comm += 2 * e * h / u * 4
+    if layout.pp > 1:  # hidden states travel between stages in the parameters' dtype
+        comm += 2 * e * h / u * param_bytes(cfg)
     if t > 1:
         comm += 2 * e * h * 4
     if stage.layers:

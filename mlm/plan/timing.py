@@ -41,7 +41,7 @@
                       ((cp − 1)/cp of 2·b·S·(G/t)·K·A per rank), reduce-scatter their gradients
                       in the backward (the same bytes), not overlapped; repeated by recompute.
     p2p         per micro-batch and model chunk one activation forward and one gradient backward,
-                [b, s/sp, h] fp32, on NVLink if a pipeline neighbour is in the node, else the network
+                [b, s/sp, h] in the parameters' dtype, on NVLink if a pipeline neighbour is in the node, else the network
     bubble      the pipeline step is m · (compute + tp + ep + cp + p2p) / (1 − bubble_fraction(pp, m, vpp)),
                 i.e. (pp − 1)/(vpp · m) more than the work itself (Narayanan et al. 2021)
     dp          gradient all-reduce (or reduce-scatter with the distributed optimizer) of the fp32
@@ -65,7 +65,7 @@ from mlm.config import Config
 from mlm.flops import attention_flops, eh_proj_flops, logits_flops, mlp_flops
 from mlm.parallel.schedules import bubble_fraction
 from mlm.plan.layout import Job, Layout
-from mlm.plan.memory import Stage, buffer_bytes, kv_elems, local_tokens
+from mlm.plan.memory import Stage, buffer_bytes, kv_elems, local_tokens, param_bytes
 
 _AUTOCAST = ("bf16", "fp16")
 
@@ -269,7 +269,7 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     tp_layer = tp_layer_time(cfg, job, layout)
     tp_mtp = tp_layer_time(cfg, job, whole)  # an MTP depth's layer: never recomputed
     pp_bw, pp_lat = _link(hw, t * layout.cp * layout.dp < job.gpus_per_node)
-    p2p = 2 * layout.vpp * (e * h / u * 4 / pp_bw + pp_lat) if layout.pp > 1 else 0.0
+    p2p = 2 * layout.vpp * (e * h / u * param_bytes(cfg) / pp_bw + pp_lat) if layout.pp > 1 else 0.0
     ep_one = ep_exchange_time(cfg, job, layout)
     cp_one = cp_exchange_time(cfg, job, layout, rate)
     # an MTP depth's layer communicates as a layer does, without recompute
@@ -294,14 +294,13 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         (buffer_bytes(cfg, st, layout) for st in stages), key=lambda d: d["dense"][1] + d["expert"][1]
     )
     dp_bw, dp_lat = _link(hw, t * layout.cp * layout.dp <= job.gpus_per_node)
-    param_bytes = 4 if cfg.train.param_dtype == "fp32" else 2
     reduce = gather = local = 0.0
     for (_, grad_bytes, _), ranks in ((parts["dense"], layout.dp_cp), (parts["expert"], layout.edp)):
         elems = grad_bytes / 4
         wire = elems * (2 if cfg.parallel.grad_reduce_dtype == "bf16" else 4)
         if layout.distributed_optimizer:
             reduce += _collective(wire, ranks, dp_bw, dp_lat, 1.0)
-            gather += _collective(elems * param_bytes, ranks, dp_bw, dp_lat, 1.0)
+            gather += _collective(elems * param_bytes(cfg), ranks, dp_bw, dp_lat, 1.0)
             local += elems / ranks
         else:
             reduce += _collective(wire, ranks, dp_bw, dp_lat, 2.0)

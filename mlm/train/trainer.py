@@ -228,6 +228,14 @@ class Trainer(TrainerCheckpoints):
         opt.all_grads.finish()
         allreduce_sequence_parallel_grads(self.model, self.mesh, opt.placements, opt.all_grads.grad_of)
         load = expert_load_step(self.model, self.mesh)  # and the aux-loss-free bias update
+        # the logged values first: their collectives would queue behind the distributed
+        # optimizer's parameter all-gathers, which step() leaves in flight for the next forward
+        loss = self._dp_mean(self.pipeline.sum_over_stages(total) / self.num_micro)
+        extra = self._step_metrics(load)
+        mtp = self.pipeline.mtp_total
+        if mtp.numel():  # each depth's loss, averaged as the main loss is
+            mtp = self._dp_average(self.pipeline.sum_over_stages(mtp) / self.num_micro)
+            extra.update({f"mtp_loss.{k}": float(v) for k, v in enumerate(mtp.tolist(), start=1)})
         overflow = bool(self.scaler) and opt.found_inf()
         if self.scaler and not overflow:
             opt.unscale(1.0 / scale)
@@ -239,12 +247,6 @@ class Trainer(TrainerCheckpoints):
         if self.scaler:
             self.scaler.update(overflow)
         opt.zero_grad()
-        loss = self._dp_mean(self.pipeline.sum_over_stages(total) / self.num_micro)
-        extra = self._step_metrics(load)
-        mtp = self.pipeline.mtp_total
-        if mtp.numel():  # each depth's loss, averaged as the main loss is
-            mtp = self._dp_average(self.pipeline.sum_over_stages(mtp) / self.num_micro)
-            extra.update({f"mtp_loss.{k}": float(v) for k, v in enumerate(mtp.tolist(), start=1)})
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": overflow, "extra": extra}
 
     def _step_metrics(self, load: dict[str, float]) -> dict[str, float]:
