@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+# the repository first: this folder's bench/kernels.py would otherwise shadow the kernels package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 
 PATHS = {"plain": linear_cross_entropy_reference, "fused": linear_cross_entropy}
 
