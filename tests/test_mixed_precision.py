@@ -17,6 +17,8 @@ Tolerances (measured on CPU, tiny-llama, 2 layers, h 64, seq 32, lr 1e-2):
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -205,6 +207,70 @@ def test_param_all_gather_overlaps_the_next_forward(tmp_path, tiny_data, dtype):
         assert pending["after forward"][1:] == [0, 0]  # the forward waited for all of them
         assert w_pending["after step"] == [0] * 3
         assert losses == w_losses and params == w_params  # bitwise
+
+
+class _LazyGather:
+    """An all-gather that happens only when waited for: a parameter read before its wait sees
+    the previous step's values of the other rank's shard (deterministically, unlike a race)."""
+
+    def __init__(self, output, input, group, async_op=False):
+        self.args = (output, input, group)
+
+    def wait(self):
+        from mlm.parallel.data_parallel import all_gather
+
+        if self.args is not None:
+            all_gather(*self.args)
+            self.args = None
+
+
+def _lazy_moe_rank(rank, world, sets, overlap):
+    """3 steps on dp2 (ep 1: the experts in the dense buffer) of a MoE model under the distributed
+    optimizer, the gathers lazy: the losses and the final parameters."""
+    from unittest import mock
+
+    from mlm.parallel import Mesh
+    from mlm.parallel.pipeline import Pipeline
+    from mlm.train.optimizer import TrainOptimizer
+    from mlm.train.trainer import build_parallel_model
+
+    cfg = load_config(None, sets)
+    mesh = Mesh.build(cfg.parallel)
+    model = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    opt = TrainOptimizer(model, cfg, mesh, torch.device("cpu"))
+    for d in opt.dists:
+        d.overlap = overlap
+    pipe = Pipeline(model, mesh, cfg.parallel.vpp)
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    with mock.patch("mlm.parallel.dist_optim.all_gather", _LazyGather):
+        for _ in range(3):
+            micro = [torch.randint(0, cfg.model.vocab_size, (2, 33), generator=gen) for _ in range(2)]
+            losses.append(float(pipe.train_step(micro, 0.5, opt.all_grads, contextlib.nullcontext)))
+            opt.all_grads.finish()
+            opt.clip(1.0)
+            opt.step(1e-2)
+            opt.zero_grad()
+        opt.wait_for_params()
+    return losses, [p.detach().tolist() for p in model.parameters()]
+
+
+def test_every_parameter_is_waited_for_before_the_forward_reads_it(tmp_path, tiny_data):
+    """MoE reads its router's and its stacked experts' weights outside their own modules'
+    forwards: the waits must come from the layer. With gathers that happen only when waited for,
+    the overlapped run equals the waiting one bitwise only if nothing is read early."""
+    moe = {
+        "model.mlp_kind": "moe",
+        "model.first_k_dense": 1,
+        "model.moe.num_experts": 4,
+        "model.moe.router_topk": 2,
+        "model.moe.ffn_hidden_size": 32,
+    }
+    parallel = {"parallel.distributed_optimizer": "true", "parallel.bucket_size_mb": 0.02}
+    sets = tiny_sets(tmp_path, tiny_data, **{"model.hidden_dropout": 0.0, **moe, **parallel})
+    overlapped = run_ranks(2, _lazy_moe_rank, sets, True)
+    waited = run_ranks(2, _lazy_moe_rank, sets, False)
+    assert overlapped == waited
 
 
 def test_plan_prices_bf16_params_and_carries_them_into_training(tmp_path):
