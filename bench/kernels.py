@@ -40,6 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from linear_cross_entropy import _rss  # noqa: E402  (bench/linear_cross_entropy.py: the resident-set reader)
+
 from kernels.layernorm import layer_norm_reference  # noqa: E402
 from kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 from kernels.rmsnorm import rms_norm_reference  # noqa: E402
@@ -114,14 +116,6 @@ def _saved_bytes(fn, inputs, extra) -> int:
         out = fn(*inputs, *extra)
     del out
     return sum(seen.values())
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _glibc_threshold(nbytes: int) -> None:
