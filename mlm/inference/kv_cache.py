@@ -162,9 +162,9 @@ class PagedKVCache:
     ) -> None:
         """Store the keys (and values, unless the layout keeps them in the keys) of T tokens."""
         assert (v_TGK is None) == (self.v_LNSGK is None), "values given to a latent cache, or missing"
-        self.k_LNSGK[layer].view(-1, *k_TGK.shape[1:])[slots_T] = k_TGK
+        self.k_LNSGK[layer].view(-1, *k_TGK.shape[1:]).index_copy_(0, slots_T, k_TGK)
         if v_TGK is not None:
-            self.v_LNSGK[layer].view(-1, *v_TGK.shape[1:])[slots_T] = v_TGK
+            self.v_LNSGK[layer].view(-1, *v_TGK.shape[1:]).index_copy_(0, slots_T, v_TGK)
 
     def read(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Keys and values [length, G, K] of the first `length` tokens of a sequence whose first
