@@ -44,6 +44,24 @@ def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = output_dtype(x, weight)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps).to(dtype)
+
+
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
+    """(y in `output_dtype`, mean, rstd)."""
+    dtype = output_dtype(x, weight)
+    with torch.autocast(x.device.type, enabled=False):
+        y, mean, rstd = torch.native_layer_norm(x.float(), x.shape[-1:], weight.float(), _fp32(bias), eps)
+    return y.to(dtype), mean, rstd
+
+
+def _swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (F.silu(a.float()) * b.float()).to(torch.promote_types(a.dtype, b.dtype))
+
+
 class RMSNormFunction(torch.autograd.Function):
     """x enters twice, as torch's composite rms_norm uses it twice (in x · rstd and in mean(x²)):
     in fp32 the backward returns the two terms of dx apart, so that autograd adds them to x's other
@@ -51,12 +69,9 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, x_again: torch.Tensor, weight: torch.Tensor, eps: float):
-        dtype = output_dtype(x, weight)
-        with torch.autocast(x.device.type, enabled=False):
-            y = F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps)
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        return y.to(dtype)
+        return _rms_norm(x, weight, eps)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -81,11 +96,9 @@ class RMSNormFunction(torch.autograd.Function):
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
-        dtype = output_dtype(x, weight)
-        with torch.autocast(x.device.type, enabled=False):
-            y, mean, rstd = torch.native_layer_norm(x.float(), x.shape[-1:], weight.float(), _fp32(bias), eps)
+        y, mean, rstd = _layer_norm(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        return y.to(dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -101,7 +114,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b)
-        return (F.silu(a.float()) * b.float()).to(torch.promote_types(a.dtype, b.dtype))
+        return _swiglu(a, b)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -113,7 +126,10 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [..., N] with weight [N], saving only x; output in `output_dtype`."""
+    """RMSNorm of x [..., N] with weight [N], saving only x; output in `output_dtype`. Without
+    autograd (serving), the forward alone: the same numbers without a Function's overhead."""
+    if not torch.is_grad_enabled():
+        return _rms_norm(x, weight, eps)
     return RMSNormFunction.apply(
         x, x.view_as(x), weight, eps
     )  # a view: torch.compile refuses one tensor twice
@@ -121,10 +137,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """LayerNorm of x [..., N] with weight [N] and optional bias [N], saving x, mean and rstd;
-    output in `output_dtype`."""
+    output in `output_dtype` (without autograd, the forward alone)."""
+    if not torch.is_grad_enabled():
+        return _layer_norm(x, weight, bias, eps)[0]
     return LayerNormFunction.apply(x, weight, bias, eps)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """silu(a) · b, saving only a and b; output in their promoted dtype."""
+    """silu(a) · b, saving only a and b; output in their promoted dtype (without autograd, the
+    forward alone)."""
+    if not torch.is_grad_enabled():
+        return _swiglu(a, b)
     return SwiGLUFunction.apply(a, b)
