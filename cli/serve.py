@@ -71,6 +71,11 @@ def serve(
         help="Jinja chat template file; default: the tokenizer's own, else role: text.",
     ),
     tp: int | None = _TP,
+    cuda_graphs: bool = typer.Option(
+        False,
+        "--cuda-graphs",
+        help="Replay decode steps as CUDA graphs (CUDA, tp 1; never run on a GPU yet).",
+    ),
 ) -> None:
     """Serve a checkpoint over HTTP: OpenAI /v1/completions, /v1/chat/completions, Megatron PUT /api.
     Under torchrun, tensor-parallel over the processes; only rank 0 binds the port."""
@@ -83,6 +88,7 @@ def serve(
         max_tokens_per_step=max_tokens_per_step,
         num_blocks=_kv_blocks(kv_blocks, kv_memory, dtype, ckpt, tp),
         max_waiting=max_waiting,
+        cuda_graphs=cuda_graphs,
     )
     limits = Limits(max_body_bytes=max_body, max_tokens=max_tokens)
     run(

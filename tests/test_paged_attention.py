@@ -3,7 +3,8 @@ over each sequence's whole keys and values, computed here without the cache: dec
 batched in one call (block tables of different lengths, padded and masked), whole prompts, later
 chunks of prompts, steps that mix them in any order, grouped-query heads and MLA's latent cache
 (values = the keys' first columns). fp32; tolerance 1e-5 absolute on outputs of size ~1 (the
-padded reduction only changes rounding).
+padded reduction only changes rounding). And the fixed-shape decode step of CUDA graphs
+(mlm.inference.decode_graphs) against the eager runner, on the CPU without capture.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from mlm.config import MLAConfig, ModelConfig
+from mlm.errors import MlmError
+from mlm.inference.decode_graphs import DecodeGraphs
+from mlm.inference.engine import EngineConfig, build_runner
 from mlm.inference.kv_cache import PagedKVCache, blocks_needed
-from mlm.inference.model_runner import Segment
+from mlm.inference.model_runner import ModelRunner, Segment
 from mlm.inference.paged_attention import PagedAttention
+from mlm.model.gpt import GPT
 
 S = 4  # block size: small, so that tables have many blocks and partial last blocks
 
@@ -84,3 +89,47 @@ def test_batched_paged_attention_equals_each_sequence_alone(kind, order):
             want = reference(q_nHK, k_LGK, v, start, scale)
             torch.testing.assert_close(got[offset : offset + n], want, rtol=0, atol=1e-5)
             offset += n
+
+
+def test_decode_graphs_static_path_equals_the_eager_runner():
+    """The fixed-shape decode step that CUDA graphs capture (`decode_graphs`), run on the CPU
+    without capture: 5 sequences padded to a bucket of 8 and to power-of-two table widths give the
+    eager runner's logits (1e-5) and leave the same keys and values in every real block; the
+    padding rows write only the scratch block. Capture and replay themselves need CUDA."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        num_layers=2, hidden_size=48, num_attention_heads=6, num_query_groups=2, vocab_size=97,
+        max_position_embeddings=64, ffn_hidden_size=96, normalization="rmsnorm", activation="swiglu",
+    )  # fmt: skip
+    model = GPT(cfg).eval()
+    cpu = torch.device("cpu")
+    eager = ModelRunner(model, PagedKVCache(cfg, 40, S, torch.float32, cpu))
+    cache = PagedKVCache(cfg, 40, S, torch.float32, cpu, scratch=True)
+    graphs = DecodeGraphs(model, cache, max_seqs=8, capture=False)
+    static = ModelRunner(model, cache, graphs=graphs)
+    lengths = [3, 9, 4, 13, 6]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(5)]
+    prompts = [
+        Segment([(7 * i + j) % 97 for j in range(n)], 0, t)
+        for i, (n, t) in enumerate(zip(lengths, tables, strict=True))
+    ]
+    assert not graphs.takes(prompts)
+    for runner in (eager, static):
+        runner.forward(prompts)
+    for k in range(8):  # crosses block boundaries: tables of 1 to 6 blocks, widths 2, 4 and 8
+        step = [
+            Segment([(5 * i + k) % 97], n + k, t)
+            for i, (n, t) in enumerate(zip(lengths, tables, strict=True))
+        ]
+        assert graphs.takes(step)
+        torch.testing.assert_close(static.forward(step), eager.forward(step), rtol=0, atol=1e-5)
+    assert {key[0] for key in graphs.buckets} == {8} and {key[1] for key in graphs.buckets} == {4, 8}
+    torch.testing.assert_close(cache.k_LNSGK[:, :40], eager.cache.k_LNSGK, rtol=0, atol=1e-6)
+    torch.testing.assert_close(cache.v_LNSGK[:, :40], eager.cache.v_LNSGK, rtol=0, atol=1e-6)
+    assert cache.k_LNSGK[:, 40].abs().sum() > 0  # the padding rows wrote there
+
+
+def test_cuda_graphs_are_refused_off_cuda():
+    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=31)
+    with pytest.raises(MlmError, match="--cuda-graphs on cpu: CUDA graphs run on a CUDA device at tp 1 only"):
+        build_runner(GPT(cfg), EngineConfig(cuda_graphs=True))

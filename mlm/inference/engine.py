@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlm.errors import MlmError
+from mlm.inference.decode_graphs import DecodeGraphs
 from mlm.inference.kv_cache import PagedKVCache, blocks_needed
 from mlm.inference.model_runner import ModelRunner, Segment
 from mlm.inference.sampling import SamplingParams, TokenLogprob, generator, sample
@@ -51,6 +52,8 @@ class EngineConfig:
     """KV-cache blocks; unset means enough for max_seqs sequences of the full context."""
     max_waiting: int = 256
     """Requests that may wait for a place in the batch; more are refused (HTTP 429)."""
+    cuda_graphs: bool = False
+    """Replay decode steps as CUDA graphs (CUDA, tp = 1; see `decode_graphs`: never run on a GPU yet)."""
 
     def __post_init__(self):
         for name in ("max_seqs", "max_tokens_per_step", "block_size", "max_waiting"):
@@ -109,8 +112,14 @@ def build_runner(model: GPT, config: EngineConfig, mesh: Mesh | None = None) -> 
     p = next(model.parameters())
     context = model.cfg.max_position_embeddings
     num_blocks = config.num_blocks or config.max_seqs * blocks_needed(context, config.block_size)
-    cache = PagedKVCache(model.cfg, num_blocks, config.block_size, p.dtype, p.device, mesh.tp)
-    return ModelRunner(model, cache, mesh)
+    if config.cuda_graphs and (p.device.type != "cuda" or mesh.tp > 1):
+        where = f"on {p.device.type}" if p.device.type != "cuda" else f"at tp {mesh.tp}"
+        raise MlmError(f"--cuda-graphs {where}: CUDA graphs run on a CUDA device at tp 1 only; leave it off")
+    cache = PagedKVCache(
+        model.cfg, num_blocks, config.block_size, p.dtype, p.device, mesh.tp, scratch=config.cuda_graphs
+    )
+    graphs = DecodeGraphs(model, cache, config.max_seqs, capture=True) if config.cuda_graphs else None
+    return ModelRunner(model, cache, mesh, graphs)
 
 
 class Sequence:

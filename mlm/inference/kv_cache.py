@@ -136,13 +136,17 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         tp: int = 1,
+        scratch: bool = False,
     ):
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
+        self.scratch_block = num_blocks if scratch else None
+        """With `scratch`, one more block that the allocator never hands out: where padding rows
+        of a fixed-shape step (`decode_graphs`) write."""
         self.layout = layout = cache_layout(cfg, tp)
         self.bytes_per_token = bytes_per_token(cfg, dtype, tp)
         self.description = describe_bytes_per_token(cfg, dtype, tp)
-        shape = (cfg.num_layers, num_blocks, block_size, layout.heads, layout.key_dim)
+        shape = (cfg.num_layers, num_blocks + int(scratch), block_size, layout.heads, layout.key_dim)
         self.k_LNSGK = torch.zeros(shape, dtype=dtype, device=device)
         self.v_LNSGK = None if layout.values_in_keys else torch.zeros(shape, dtype=dtype, device=device)
 
@@ -150,7 +154,10 @@ class PagedKVCache:
         """One line for `mlm serve`'s log: blocks, bytes on this rank, bytes per token."""
         total = self.k_LNSGK.nbytes + (0 if self.v_LNSGK is None else self.v_LNSGK.nbytes)
         n, S = self.allocator.num_blocks, self.block_size
-        return f"KV cache: {n} blocks of {S} tokens, {total / 2**20:.2f} MiB per rank; {self.description}"
+        extra = " (and 1 scratch block)" if self.scratch_block is not None else ""
+        return (
+            f"KV cache: {n} blocks of {S} tokens{extra}, {total / 2**20:.2f} MiB per rank; {self.description}"
+        )
 
     def slots(self, table: list[int], start: int, n: int) -> list[int]:
         """Flat slot index (block · S + offset) of tokens start .. start + n - 1 of a sequence."""

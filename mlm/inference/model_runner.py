@@ -29,6 +29,7 @@ from itertools import accumulate
 
 import torch
 
+from mlm.inference.decode_graphs import DecodeGraphs
 from mlm.inference.kv_cache import PagedKVCache
 from mlm.inference.lockstep import broadcast_step, receive_step, stop_followers
 from mlm.inference.paged_attention import PagedAttention
@@ -52,10 +53,15 @@ class ModelRunner:
     """Runs scheduled segments through the model over the paged cache: `forward` on tp rank 0
     (and at tp = 1), `follow` on the other tp ranks."""
 
-    def __init__(self, model: GPT, cache: PagedKVCache, mesh: Mesh | None = None):
+    def __init__(
+        self, model: GPT, cache: PagedKVCache, mesh: Mesh | None = None, graphs: DecodeGraphs | None = None
+    ):
+        """`graphs`: CUDA graphs that run the decode steps they take (tp = 1 only)."""
         self.model = model.eval()
         self.cache = cache
         self.mesh = mesh or Mesh.single()
+        assert graphs is None or self.mesh.tp == 1, "decode graphs run at tp = 1 only"
+        self.graphs = graphs
         self._closed = False
         self.device = next(model.parameters()).device
         self.vocab = model.cfg.vocab_size
@@ -64,6 +70,9 @@ class ModelRunner:
         """Logits [B, V] (unpadded vocabulary) after the last token of each segment that samples (on
         tp rank 0, which sends the step to the other tp ranks first)."""
         assert not self._closed, "the other tp ranks have left: close() released them"
+        self.model.check_position(max(c.start + len(c.tokens) for c in segments) - 1)
+        if self.graphs is not None and self.graphs.takes(segments):
+            return self.graphs.run(segments)[:, : self.vocab]
         if self.mesh.tp > 1:
             broadcast_step(segments, self.mesh, self.device)
         return self._run(segments)

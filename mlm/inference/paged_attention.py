@@ -64,6 +64,15 @@ class PagedAttention:
             contiguous = rows == list(range(len(rows)))
             self.decode_rows = slice(0, len(rows)) if contiguous else torch.tensor(rows, device=dev)
 
+    @classmethod
+    def decoding(cls, cache: PagedKVCache, slots_B, tables_BN, mask_B11L) -> PagedAttention:
+        """A step of B decoding sequences given as tensors (`decode_graphs`' static buffers):
+        their cache slots, their block tables padded to N blocks (flattened) and the length mask."""
+        step = cls.__new__(cls)
+        step.cache, step.slots_T, step.T, step.prompts = cache, slots_B, len(slots_B), []
+        step.decode_rows, step.tables_BN, step.mask_B11L = slice(0, len(slots_B)), tables_BN, mask_B11L
+        return step
+
     def attend(self, layer: int, q_1THK, k_1TGK, v_1TGK, scale=None, value_dim=None) -> torch.Tensor:
         """[1, T, H, E] attention output of the packed step at layer `layer` (E = K, the head dim).
         With `v_1TGK` None (MLA's latent cache: one key head [latent ; rope key], see

@@ -244,12 +244,9 @@ class GPT(nn.Module):
         spec = self.chunks[chunk]
         T = x.shape[1] if spec.first else x.shape[1] * self.sequence_shards
         if spec.first:
-            limit = self.cfg.max_position_embeddings
-            last = T - 1 if positions is None else int(positions.max()) if positions.numel() else 0
-            if last >= limit:
-                raise MlmError(
-                    f"position {last} (a sequence of {last + 1} tokens) is beyond "
-                    f"model.max_position_embeddings={limit}; shorten it or raise the limit"
+            if cache is None:  # under a KV cache the serving runner checks on the host (no device sync)
+                self.check_position(
+                    T - 1 if positions is None else int(positions.max()) if positions.numel() else 0
                 )
             x_BTD = self.embed(x)
             if self.pos_embed is not None:
@@ -263,6 +260,15 @@ class GPT(nn.Module):
         for key in spec.layers:
             x_BTD = self.layers[key](x_BTD, rope, cache, documents)
         return x_BTD
+
+    def check_position(self, last: int) -> None:
+        """Refuse a position the model has no embedding or RoPE range for."""
+        limit = self.cfg.max_position_embeddings
+        if last >= limit:
+            raise MlmError(
+                f"position {last} (a sequence of {last + 1} tokens) is beyond "
+                f"model.max_position_embeddings={limit}; shorten it or raise the limit"
+            )
 
     def residual(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """Hidden states entering the layers, in the residual stream's dtype (`to_residual`)."""
