@@ -1,10 +1,12 @@
 """The inference engine: request lifecycle, the step loop and cancellation.
 
-`submit` (any thread) queues a request; each `step` admits what fits (see `scheduler`), runs one
-forward over the whole batch (see `model_runner`), samples a token for every sequence that has
-consumed all its tokens, and reports each sequence's new tokens and text to its `on_output`
-callback. A sequence leaves at once when it stops (stop token or string), reaches max_tokens,
-is aborted (`abort`, any thread) or fails, and its cache blocks go back to the pool. `start`
+`submit` (any thread) queues a request; each `step` admits what fits, gives running sequences the
+cache blocks their next tokens need or preempts one when none is free, reuses cached prompt
+prefixes (see `scheduler`), runs one forward over the whole batch (see `model_runner`), samples a
+token for every sequence that has consumed all its tokens, and reports each sequence's new tokens
+and text to its `on_output` callback. A sequence leaves at once when it stops (stop token or
+string), reaches max_tokens, is aborted (`abort`, any thread) or fails, and its cache blocks go
+back to the pool (its full blocks stay cached for later requests until memory is needed). `start`
 runs the loop on a background thread (the server's way); `generate` drives it in the caller's
 thread (the CLI's way). Under tensor parallelism the engine lives on tp rank 0 and the other
 ranks only run `build_runner(...).follow()` (see `lockstep`).
