@@ -5,21 +5,29 @@ greedy tokens as an engine without prefix caching; a cache too small for the run
 and recomputes, and every request still gets the tokens of an unconstrained run (seeded sampling
 included); a cached prefix is evicted when memory is needed and a later request is still right; a
 hash collision cannot share a block; 1,000 mixed requests (shared prefixes, aborts, early stops,
-preemptions) leave every block unreferenced. A tiny random Llama-style model (GQA) with a
-512-token context, so that a 200-token prefix fits.
+preemptions) leave every block unreferenced; at tp = 2, where rank 0 alone allocates, prefix hits
+and preemptions give the tokens of tp = 1. A tiny random Llama-style model (GQA) with a 512-token
+context, so that a 200-token prefix fits.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import asdict
 
 import pytest
+import torch
+from test_inference_tp import _checkpoint
 
 from mlm.config import ModelConfig
-from mlm.inference.engine import Completion, Engine, EngineConfig
+from mlm.inference.engine import Completion, Engine, EngineConfig, build_runner
 from mlm.inference.kv_cache import BlockAllocator
+from mlm.inference.loader import load_model
+from mlm.inference.lockstep import serving_mesh
 from mlm.inference.sampling import SamplingParams
 from mlm.model.gpt import build_model
+
+from distributed import run_ranks
 
 VOCAB = 100
 LLAMA = dict(
@@ -204,3 +212,37 @@ def test_thousand_mixed_requests_leave_no_block_referenced(model):
     assert sum(engine.finished.values()) == 1000 and all(c.finish_reason for c in results.values())
     assert min(engine.finished[r] for r in ("abort", "stop", "length")) > 0
     assert engine.stats.preemptions > 0 and engine.stats.prefix_hits > 0 and pool.num_cached > 0
+
+
+# tp: 8 requests, 4 of them sharing a 20-token prefix, in 24 blocks of 4 tokens (12 for the longest)
+TIGHT = EngineConfig(max_seqs=8, max_tokens_per_step=64, block_size=4, num_blocks=24)
+TP_PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+def tp_prompts() -> list[list[int]]:
+    rng = random.Random(4)
+    shared = random_tokens(rng, 20)
+    return [(shared if i < 4 else []) + random_tokens(rng, rng.randint(3, 12)) for i in range(8)]
+
+
+def _tp_rank(rank: int, world_size: int, ckpt: str):
+    mesh = serving_mesh(ModelConfig(**LLAMA), None, torch.device("cpu"))  # tp = WORLD_SIZE
+    model, _, _ = load_model(ckpt, device="cpu", mesh=mesh)
+    if rank != 0:
+        return dict(steps=build_runner(model, TIGHT, mesh).follow())  # until the stop message
+    engine = Engine(model, None, TIGHT, mesh)
+    results = engine.generate(tp_prompts(), TP_PARAMS)
+    engine.stop()
+    used = engine.cache.allocator.num_used
+    return dict(tokens=[r.token_ids for r in results], stats=asdict(engine.stats), used=used)
+
+
+def test_tp2_prefix_hits_and_preemption_equal_tp1(tmp_path):
+    ckpt = _checkpoint(tmp_path, LLAMA)
+    lead, follower = run_ranks(2, _tp_rank, ckpt)
+    model, _, _ = load_model(ckpt, device="cpu")
+    one = Engine(model, None, TIGHT)
+    assert lead["tokens"] == [r.token_ids for r in one.generate(tp_prompts(), TP_PARAMS)]
+    assert lead["stats"] == asdict(one.stats)  # the same schedule
+    assert one.stats.preemptions > 0 and one.stats.prefix_hits > 0
+    assert lead["used"] == 0 and follower["steps"] > 0
