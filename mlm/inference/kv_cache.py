@@ -41,9 +41,11 @@ class BlockAllocator:
     A block is referenced by every running sequence whose table holds it; at 0 references it goes
     to the free queue. A full block whose keys and values are computed can be `register`ed under
     its key, (parent id, its token ids): the parent id names the whole prefix before the block (the
-    id `register` gave the previous block, ROOT for the first), so a key names a prefix exactly.
-    The cache is a dict over these keys: Python hashes the key and compares it in full on a match,
-    so a hash collision costs a probe, never another prefix's tokens. A registered block keeps its
+    id `register` gave the previous block, ROOT for the first), so a key names a prefix exactly
+    (vLLM chains the parent's hash instead; an id handed out once has nothing to collide with).
+    The cache is a dict over these keys: Python hashes the key (within this one process) and
+    compares it in full on a match, so a hash collision costs a probe, never another prefix's
+    tokens. A registered block keeps its
     key and contents in the free queue, where `match` still finds it and `take` revives it;
     `allocate` hands out the least recently freed block and evicts its key then. Unregistered
     blocks go to the front of the queue, so blocks worth keeping are evicted last. The ids are
