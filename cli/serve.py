@@ -58,6 +58,11 @@ def serve(
     kv_memory: str | None = typer.Option(
         None, "--kv-memory", help="KV-cache size per rank instead, e.g. 2GiB or 500MB."
     ),
+    prefix_caching: bool = typer.Option(
+        True,
+        "--prefix-caching/--no-prefix-caching",
+        help="Share the KV-cache blocks of common prompt prefixes between requests.",
+    ),
     max_tokens: int | None = typer.Option(
         None, "--max-tokens-limit", help="Largest max_tokens a request may ask; default: the context."
     ),
@@ -88,6 +93,7 @@ def serve(
         max_tokens_per_step=max_tokens_per_step,
         num_blocks=_kv_blocks(kv_blocks, kv_memory, dtype, ckpt, tp),
         max_waiting=max_waiting,
+        prefix_caching=prefix_caching,
         cuda_graphs=cuda_graphs,
     )
     limits = Limits(max_body_bytes=max_body, max_tokens=max_tokens)

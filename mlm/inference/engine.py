@@ -1,10 +1,12 @@
 """The inference engine: request lifecycle, the step loop and cancellation.
 
-`submit` (any thread) queues a request; each `step` admits what fits (see `scheduler`), runs one
-forward over the whole batch (see `model_runner`), samples a token for every sequence that has
-consumed all its tokens, and reports each sequence's new tokens and text to its `on_output`
-callback. A sequence leaves at once when it stops (stop token or string), reaches max_tokens,
-is aborted (`abort`, any thread) or fails, and its cache blocks go back to the pool. `start`
+`submit` (any thread) queues a request; each `step` admits what fits, gives running sequences the
+cache blocks their next tokens need or preempts one when none is free, reuses cached prompt
+prefixes (see `scheduler`), runs one forward over the whole batch (see `model_runner`), samples a
+token for every sequence that has consumed all its tokens, and reports each sequence's new tokens
+and text to its `on_output` callback. A sequence leaves at once when it stops (stop token or
+string), reaches max_tokens, is aborted (`abort`, any thread) or fails, and its cache blocks go
+back to the pool (its full blocks stay cached for later requests until memory is needed). `start`
 runs the loop on a background thread (the server's way); `generate` drives it in the caller's
 thread (the CLI's way). Under tensor parallelism the engine lives on tp rank 0 and the other
 ranks only run `build_runner(...).follow()` (see `lockstep`).
@@ -52,6 +54,8 @@ class EngineConfig:
     """KV-cache blocks; unset means enough for max_seqs sequences of the full context."""
     max_waiting: int = 256
     """Requests that may wait for a place in the batch; more are refused (HTTP 429)."""
+    prefix_caching: bool = True
+    """Share the cache blocks of common prompt prefixes between requests (see `scheduler`)."""
     cuda_graphs: bool = False
     """Replay decode steps as CUDA graphs (CUDA, tp = 1; see `decode_graphs`: never run on a GPU yet)."""
 
@@ -133,6 +137,8 @@ class Sequence:
         self.on_output: Callable[[RequestOutput], None] = on_output
         self.blocks: list[int] = []
         self.num_computed = 0
+        self.prefix_ids: list[int] = []
+        self.num_prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0  # output_ids plus a stop token, which is not output
         self.max_length = min(len(prompt_ids) + params.max_tokens, context)
         self.gen = None if params.greedy else generator(params.seed)
@@ -147,9 +153,17 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids start .. end - 1 of prompt + output."""
+        P = len(self.prompt_ids)
+        if end <= P:
+            return self.prompt_ids[start:end]
+        if start >= P:
+            return self.output_ids[start - P : end - P]
+        return self.prompt_ids[start:] + self.output_ids[: end - P]
+
     def pending(self, n: int) -> list[int]:
-        tokens = self.prompt_ids + self.output_ids
-        return tokens[self.num_computed : self.num_computed + n]
+        return self.tokens(self.num_computed, self.num_computed + n)
 
 
 class Engine:
@@ -172,8 +186,10 @@ class Engine:
         self.runner = build_runner(model, cfg, mesh)
         self.cache = self.runner.cache
         self.scheduler = Scheduler(
-            self.cache.allocator, cfg.block_size, cfg.max_seqs, cfg.max_tokens_per_step
+            self.cache.allocator, cfg.block_size, cfg.max_seqs, cfg.max_tokens_per_step, cfg.prefix_caching
         )
+        self.stats = self.scheduler.stats
+        """Tokens run (prefill, decode), prefix-cache tokens queried and hit, preemptions."""
         self.on_step: Callable[[int, int], None] | None = None
         """Called after each step with (sequences run, tokens run), e.g. by the server's metrics."""
         self._live: dict[str, Sequence] = {}
@@ -259,8 +275,7 @@ class Engine:
                 for seq, n in batch
             ]
             logits_BV = self.runner.forward(segments)  # rows: the segments that sample
-            for seq, n in batch:
-                seq.num_computed += n
+            self.scheduler.computed(batch)
             seqs = [seq for (seq, _), c in zip(batch, segments, strict=True) if c.sample]
             tokens, logprobs = sample(
                 logits_BV,

@@ -12,15 +12,21 @@ tensor: the latent's columns are the values (the up-projections are absorbed int
 the output, see `mlm.model.mla`). Every head reads that latent, so each tp rank holds all of it.
 `bytes_per_token` is the figure `mlm serve` reports.
 
-All tp ranks use the same blocks; rank 0's allocator hands out the block ids and sends each step's
-tables to the others, whose allocators stay unused.
+Blocks are reference-counted and full blocks are cached by their prefix (`BlockAllocator`), so
+requests that share a prompt prefix share its blocks (see `scheduler`). All tp ranks use the same
+blocks; rank 0's allocator hands out the block ids and sends each step's tables to the others,
+whose allocators stay unused (they compute the same steps, so their cached blocks hold the same
+prefixes).
 
 Shape legend: L layers, N blocks, S block size, G this rank's key heads, K key dims, T tokens.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,28 +36,112 @@ from mlm.errors import MlmError
 
 
 class BlockAllocator:
-    """Free list of block ids; `allocate` hands out ids, `free` takes them back."""
+    """Blocks with reference counts, and the prefix cache over them.
+
+    A block is referenced by every running sequence whose table holds it; at 0 references it goes
+    to the free queue. A full block whose keys and values are computed can be `register`ed under
+    its key, (parent id, its token ids): the parent id names the whole prefix before the block (the
+    id `register` gave the previous block, ROOT for the first), so a key names a prefix exactly
+    (vLLM chains the parent's hash instead; an id handed out once has nothing to collide with).
+    The cache is a dict over these keys: Python hashes the key (within this one process) and
+    compares it in full on a match, so a hash collision costs a probe, never another prefix's
+    tokens. A registered block keeps its
+    key and contents in the free queue, where `match` still finds it and `take` revives it;
+    `allocate` hands out the least recently freed block and evicts its key then. Unregistered
+    blocks go to the front of the queue, so blocks worth keeping are evicted last. The ids are
+    never reused: the children of an evicted block are keyed under an id that nobody computes
+    again, so they are found no more and wait in the queue for their own eviction.
+    """
+
+    ROOT = -1
+    """The parent id of a sequence's first block."""
 
     def __init__(self, num_blocks: int):
         assert num_blocks > 0
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self.refs = [0] * num_blocks
+        """References to each block (running sequences whose tables hold it)."""
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # first out first
+        self._key: list[tuple | None] = [None] * num_blocks  # the key a block is registered under
+        self._id = [self.ROOT] * num_blocks  # the prefix id its children are keyed by
+        self._cached: dict[tuple, int] = {}  # key -> block
+        self._ids = itertools.count()
 
     @property
     def num_free(self) -> int:
+        """Blocks that `allocate` can hand out: unreferenced ones, cached or not."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
+        """Blocks that some sequence references."""
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered under a key (referenced or not)."""
+        return len(self._cached)
+
     def allocate(self, n: int) -> list[int]:
+        """`n` blocks of one reference each, evicting the keys of cached ones."""
         assert n <= len(self._free), f"{n} blocks asked, {len(self._free)} free"
-        return [self._free.pop() for _ in range(n)]
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            if self._key[b] is not None:
+                del self._cached[self._key[b]]
+                self._key[b], self._id[b] = None, self.ROOT
+            self.refs[b] = 1
+            blocks.append(b)
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-        assert len(self._free) <= self.num_blocks, "a block was freed twice"
+        """Drop one reference to each block; a sequence's last blocks are evicted first."""
+        for b in reversed(blocks):
+            assert self.refs[b] > 0, f"block {b} was freed twice"
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self._free[b] = None
+                if self._key[b] is None:
+                    self._free.move_to_end(b, last=False)
+
+    def match(self, parent: int, chunks: Iterable[list[int]]) -> list[int]:
+        """The cached blocks holding the leading `chunks` (each a full block's token ids), the
+        first chunk following prefix id `parent`; stops at the first chunk not cached."""
+        blocks = []
+        for tokens in chunks:
+            b = self._cached.get((parent, tuple(tokens)))
+            if b is None:
+                break
+            blocks.append(b)
+            parent = self._id[b]
+        return blocks
+
+    def take(self, blocks: list[int]) -> None:
+        """One more reference to each of `blocks` (cached blocks found by `match`)."""
+        for b in blocks:
+            if self.refs[b] == 0:
+                del self._free[b]
+            self.refs[b] += 1
+
+    def num_reviving(self, blocks: list[int]) -> int:
+        """How many of `blocks` are unreferenced: `take` removes them from the free queue."""
+        return sum(self.refs[b] == 0 for b in blocks)
+
+    def prefix_id(self, block: int) -> int:
+        """The id `block`'s children are keyed by (ROOT if it is not registered)."""
+        return self._id[block]
+
+    def register(self, block: int, parent: int, tokens: list[int]) -> int:
+        """Cache `block`, which holds the computed full block `tokens` after prefix id `parent`;
+        the prefix id of its contents. When another block already holds that key, that one stays
+        cached (and its id is returned) and `block` stays unregistered."""
+        assert self.refs[block] > 0 and self._key[block] is None, f"block {block}: not a fresh block"
+        key = (parent, tuple(tokens))
+        if (other := self._cached.get(key)) is not None:
+            return self._id[other]
+        self._cached[key], self._key[block], self._id[block] = block, key, next(self._ids)
+        return self._id[block]
 
 
 @dataclass(frozen=True)

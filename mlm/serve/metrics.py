@@ -1,5 +1,6 @@
 """`GET /metrics`: Prometheus text. Requests by endpoint and status, tokens, finished requests by
-reason, queue length, batch size, KV-cache blocks and bytes per token, and latency histograms."""
+reason, queue length, batch size, KV-cache blocks and bytes per token, tokens run (prefill and
+decode), prefix-cache queries and hits, preemptions, and latency histograms."""
 
 from __future__ import annotations
 
@@ -44,14 +45,21 @@ class Metrics:
         e = self.engine
         if e is None:
             return
+        a, st = e.cache.allocator, e.stats
+        hit_rate = st.prefix_hits / st.prefix_queries if st.prefix_queries else 0.0
         gauges = {
             "mlm_queue_length": ("Requests waiting for a place in the batch", e.num_waiting),
             "mlm_running_sequences": ("Sequences in the running batch", e.num_running),
-            "mlm_kv_blocks_used": ("KV-cache blocks in use", e.cache.allocator.num_used),
-            "mlm_kv_blocks_total": ("KV-cache blocks in the pool", e.cache.allocator.num_blocks),
+            "mlm_kv_blocks_used": ("KV-cache blocks that running sequences reference", a.num_used),
+            "mlm_kv_blocks_cached": ("KV-cache blocks holding a cached prefix, in use or not", a.num_cached),
+            "mlm_kv_blocks_total": ("KV-cache blocks in the pool", a.num_blocks),
             "mlm_kv_cache_bytes_per_token": (
                 "KV-cache bytes one token takes over every layer, on each tp rank",
                 e.cache.bytes_per_token,
+            ),
+            "mlm_prefix_cache_hit_rate": (
+                "Prefix-cache hits / queries since the start, in tokens (0 before any query)",
+                hit_rate,
             ),
         }
         for name, (doc, value) in gauges.items():
@@ -60,6 +68,24 @@ class Metrics:
             "mlm_prompt_tokens", "Prompt tokens of finished requests", value=e.prompt_tokens
         )
         yield CounterMetricFamily("mlm_generation_tokens", "Tokens generated", value=e.generated_tokens)
+        counters = {
+            "mlm_prefill_tokens": (
+                "Tokens run through the model as prompts or recomputed",
+                st.prefill_tokens,
+            ),
+            "mlm_decode_tokens": (
+                "Tokens run through the model one at a time after sampling",
+                st.decode_tokens,
+            ),
+            "mlm_prefix_cache_queries": (
+                "Tokens of admitted requests looked up in the prefix cache",
+                st.prefix_queries,
+            ),
+            "mlm_prefix_cache_hits": ("Of those, tokens found in the cache (not computed)", st.prefix_hits),
+            "mlm_preemptions": ("Running sequences preempted for want of KV-cache blocks", st.preemptions),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
         finished = CounterMetricFamily(
             "mlm_finished_requests", "Requests finished, by reason", labels=["reason"]
         )
