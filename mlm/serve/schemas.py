@@ -179,8 +179,8 @@ def check_text(body: dict) -> None:
                 name = key.encode("utf-8", "backslashreplace").decode()
                 todo.append((f"{path}.{name}" if path else name, item))
                 todo.append((f"{path}.{name} (key)" if path else f"{name} (key)", key))
-        elif isinstance(v, list):
-            todo += [(f"{path}.{i}", item) for i, item in enumerate(v)]
+        elif isinstance(v, list):  # numbers (token ids) need no look
+            todo += [(f"{path}.{i}", item) for i, item in enumerate(v) if isinstance(item, str | list | dict)]
 
 
 def _bad_char(s: str) -> int:
