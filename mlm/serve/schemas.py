@@ -58,7 +58,7 @@ class _Request(BaseModel):
     @classmethod
     def _seed_in_range(cls, v: int | None) -> int | None:
         if v is not None and not SEED_MIN <= v <= SEED_MAX:
-            raise ValueError(f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (2**64 - 1)")
+            raise ValueError(f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
         return v
 
     def stops(self) -> tuple[str, ...]:
