@@ -201,7 +201,7 @@ def sample(
     """Next token (and log-probs when asked) of each row, and each row's error (None when it
     sampled): a row that fails (NaN logits, an exception) gets its message and token -1, and the
     other rows are unaffected. Plain greedy rows take one batched argmax on the logits' device;
-    the others are processed one by one on the CPU in fp32."""
+    the others are processed one by one on the CPU in fp32 (fp64 from the temperature on)."""
     tokens = logits_BV.argmax(-1).tolist()
     nan = torch.isnan(logits_BV).any(-1).tolist()
     errors: list[str | None] = [None] * len(params)
