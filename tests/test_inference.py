@@ -23,7 +23,7 @@ from mlm.convert.hf import import_hf  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.inference.engine import Completion, Engine, EngineConfig, QueueFull  # noqa: E402
 from mlm.inference.loader import load_checkpoint_tokenizer, load_model  # noqa: E402
-from mlm.inference.sampling import SamplingParams, apply_penalties, truncate  # noqa: E402
+from mlm.inference.sampling import SamplingParams, apply_penalties, sample, truncate  # noqa: E402
 from mlm.inference.text import TextStream  # noqa: E402
 from mlm.model.generate import greedy  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
@@ -269,6 +269,71 @@ def test_blocks_are_freed_after_finish_cancel_and_error(llama):
     engine.runner.forward = working
     assert engine.generate([ps[0]], GREEDY)[0].finish_reason == "length"
     assert engine.finished == {"abort": 2, "length": 2, "error": 1}
+
+
+def test_a_failed_sampling_fails_only_its_request(llama):
+    """A row whose sampling raises (here a logit_bias id outside the vocabulary, which only the
+    HTTP layer checks) or whose logits are NaN finishes alone with "error"; the others go on."""
+    _, model, _, _ = llama
+    ps = prompts(model.cfg.vocab_size, [6, 11, 4])
+    engine = Engine(model, None, EngineConfig(max_seqs=3, block_size=4))
+    bad = SamplingParams(max_tokens=24, temperature=1.0, logit_bias=((model.cfg.vocab_size + 5, 1.0),))
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    results = engine.generate(ps, [GREEDY, bad, seeded])
+    assert results[1].finish_reason == "error" and results[1].token_ids == []
+    assert results[1].error.startswith("sampling failed: IndexError")
+    assert results[0].token_ids == Engine(model).generate([ps[0]], GREEDY)[0].token_ids
+    assert results[2].token_ids == Engine(model).generate([ps[2]], seeded)[0].token_ids
+    assert engine.finished == {"error": 1, "length": 2} and engine.cache.allocator.num_used == 0
+
+    logits = torch.randn(3, 50)
+    logits[1, 7] = float("nan")
+    gens = [torch.Generator().manual_seed(0) for _ in range(3)]
+    plain, sampled = SamplingParams(), SamplingParams(temperature=1.0)
+    for params in ([plain, plain, plain], [plain, sampled, plain]):
+        tokens, _, errors = sample(logits, params, gens, [[1]] * 3, [[]] * 3)
+        assert errors[0] is None and errors[2] is None and "NaN" in errors[1]
+        assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+
+
+def test_extreme_sampling_values_give_finite_probabilities(llama):
+    """Values that made NaN probabilities (issue 19, fuzz case 3): a tiny temperature is greedy, a
+    top_p that is 0 in fp32 keeps the most likely token, a repetition penalty of 1e-40 (or 1e40)
+    gives finite logits; logit_bias forces or forbids tokens."""
+    _, model, _, _ = llama
+    p = prompts(model.cfg.vocab_size, [5])[0]
+    (greedy_run,) = Engine(model).generate([p], GREEDY)
+    for extreme in (
+        SamplingParams(max_tokens=24, temperature=5e-324, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1e-40, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1.0, top_p=1e-300, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=2.0, top_k=1, top_p=1e-300, ignore_eos=True),
+    ):
+        (r,) = Engine(model).generate([p], extreme)
+        assert r.token_ids == greedy_run.token_ids, extreme
+    for penalty in (1e-40, 1e40):
+        params = SamplingParams(
+            max_tokens=24, temperature=1.0, repetition_penalty=penalty, seed=0, ignore_eos=True
+        )
+        (r,) = Engine(model).generate([p], params)
+        assert r.finish_reason == "length" and len(r.token_ids) == 24
+        if penalty < 1:  # the seen tokens' positive logits become fp32's largest: only they are drawn
+            assert set(r.token_ids) <= set(p)
+    logits = torch.tensor([1.0, 3.0, -2.0])
+    rep = apply_penalties(logits.clone(), SamplingParams(repetition_penalty=1e-40), [0, 2], [])
+    assert torch.isfinite(rep).all() and rep[0] == torch.finfo(torch.float32).max and rep[1] == 3.0
+    assert torch.isfinite(truncate(logits, 0, 1e-300)).tolist() == [False, True, False]
+
+    forced = (p[0] + 1) % model.cfg.vocab_size
+    (r,) = Engine(model).generate([p], SamplingParams(max_tokens=8, logit_bias=((forced, 100.0),)))
+    assert r.token_ids == [forced] * 8
+    first = greedy_run.token_ids[0]
+    (r,) = Engine(model).generate([p], SamplingParams(max_tokens=8, logit_bias=((first, -100.0),)))
+    assert r.token_ids[0] != first
+    with pytest.raises(MlmError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 100.5),))
+    with pytest.raises(MlmError, match=r"seed=18446744073709551616: must be in \[-9223372036854775808"):
+        SamplingParams(seed=2**64)
 
 
 def test_admission_limits(llama):

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import time
@@ -29,17 +30,24 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 NAME = "tiny-llama"
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, hf_tokenizer_json):
-    """(server thread, its state): the tiny Llama checkpoint served with an API key."""
-    _, ckpt = tiny_llama_checkpoint(tmp_path_factory.mktemp("serve"), hf_tokenizer_json)
-    state = ServerState(NAME, api_key=KEY, limits=Limits(max_body_bytes=4096, max_tokens=100))
+@contextlib.contextmanager
+def serving(root, tokenizer_json, limits: Limits):
+    """(server thread, its state): the tiny Llama checkpoint served with the API key KEY."""
+    _, ckpt = tiny_llama_checkpoint(root, tokenizer_json)
+    state = ServerState(NAME, api_key=KEY, limits=limits)
     engine = load_into(state, str(ckpt), EngineConfig(max_seqs=16, max_tokens_per_step=256), device="cpu")
     try:
         with ServerThread(create_app(state)) as server:
             yield server, state
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, hf_tokenizer_json):
+    limits = Limits(max_body_bytes=4096, max_tokens=100)
+    with serving(tmp_path_factory.mktemp("serve"), hf_tokenizer_json, limits) as served:
+        yield served
 
 
 def wait_idle(engine: Engine, timeout: float = 20.0) -> None:

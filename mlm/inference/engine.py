@@ -6,7 +6,8 @@ prefixes (see `scheduler`), runs one forward over the whole batch (see `model_ru
 token for every sequence that has consumed all its tokens, and reports each sequence's new tokens
 and text to its `on_output` callback. A sequence leaves at once when it stops (stop token or
 string), reaches max_tokens, is aborted (`abort`, any thread) or fails, and its cache blocks go
-back to the pool (its full blocks stay cached for later requests until memory is needed). `start`
+back to the pool (its full blocks stay cached for later requests until memory is needed). A
+failed forward fails the step's batch; a failed sampling fails only its own sequence. `start`
 runs the loop on a background thread (the server's way); `generate` drives it in the caller's
 thread (the CLI's way). Under tensor parallelism the engine lives on tp rank 0 and the other
 ranks only run `build_runner(...).follow()` (see `lockstep`).
@@ -277,20 +278,24 @@ class Engine:
             logits_BV = self.runner.forward(segments)  # rows: the segments that sample
             self.scheduler.computed(batch)
             seqs = [seq for (seq, _), c in zip(batch, segments, strict=True) if c.sample]
-            tokens, logprobs = sample(
+            tokens, logprobs, errors = sample(
                 logits_BV,
                 [s.params for s in seqs],
                 [s.gen for s in seqs],
                 [s.prompt_ids for s in seqs],
                 [s.output_ids for s in seqs],
             )
-        except Exception as e:  # a failed step fails its batch, never the engine
+        except Exception as e:  # a failed forward fails its batch, never the engine
             log.exception("inference step failed")
             for seq, _ in batch:
                 self._finish(seq, RequestOutput(seq.id), "error", error=f"{type(e).__name__}: {e}")
             return len(batch)
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            self._append(seq, token, lp)
+        for seq, token, lp, error in zip(seqs, tokens, logprobs, errors, strict=True):
+            if error is None:
+                self._append(seq, token, lp)
+            else:  # its sampling failed: it alone finishes
+                log.warning("sampling %s failed: %s", seq.id, error)
+                self._finish(seq, RequestOutput(seq.id), "error", error=f"sampling failed: {error}")
         if self.on_step is not None:
             self.on_step(len(batch), sum(len(c.tokens) for c in segments))
         return len(batch)

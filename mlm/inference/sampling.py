@@ -1,9 +1,16 @@
-"""Per-request sampling: penalties, greedy or temperature / top-k / top-p draws, log-probs.
+"""Per-request sampling: logit bias and penalties, greedy or temperature / top-k / top-p draws,
+log-probs.
 
 Each request draws from its own `torch.Generator` (seeded by `seed`, or at random), one draw per
 token, so a seeded request gives the same tokens whichever requests share its batch. Log-probs
-are those of the model's own distribution (log-softmax of the raw logits), before penalties,
-temperature and truncation, as OpenAI reports them.
+are those of the model's own distribution (log-softmax of the raw logits), before bias,
+penalties, temperature and truncation, as OpenAI reports them.
+
+Any valid `SamplingParams` gives finite probabilities on finite logits, however extreme: biased
+and penalised logits are clamped to fp32's finite range, temperature divides logits minus their
+maximum in fp64 (so 5e-324 is the greedy limit, not 0/0), and top-p always keeps the most
+likely token. A row that fails all the same (NaN logits from the model, a bad token id) fails
+alone: `sample` returns its error and the other rows their tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ import torch
 from mlm.errors import MlmError
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+"""Most entries of `logit_bias` (OpenAI's limit)."""
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""The seeds `torch.Generator.manual_seed` takes (a negative seed counts modulo 2**64)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,8 @@ class SamplingParams:
     """Do not stop at the tokenizer's end-of-text token."""
     logprobs: int | None = None
     """Return each chosen token's log-prob and this many most likely alternatives; unset means none."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias in [-100, 100]) added to the logits before anything else (OpenAI's logit_bias)."""
 
     def __post_init__(self):
         def check(ok: bool, msg: str) -> None:
@@ -63,6 +76,17 @@ class SamplingParams:
             f"logprobs={self.logprobs}: must be in [0, {MAX_LOGPROBS}]",
         )
         check(all(s for s in self.stop), "stop: strings must not be empty")
+        check(
+            self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+            f"seed={self.seed}: must be in [{SEED_MIN}, {SEED_MAX}]",
+        )
+        check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            f"logit_bias: {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}",
+        )
+        for token, bias in self.logit_bias:
+            check(token >= 0, f"logit_bias: token id {token} is negative")
+            check(-100 <= bias <= 100, f"logit_bias[{token}]={bias}: must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
@@ -73,10 +97,18 @@ class SamplingParams:
         """Greedy with nothing to apply first: the argmax of the raw logits."""
         return (
             self.greedy
+            and not self.logit_bias
             and self.repetition_penalty == 1.0
             and self.presence_penalty == 0.0
             and self.frequency_penalty == 0.0
         )
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` (0, 1, ...) of a request asking for several (OpenAI's `n`):
+    seed + choice modulo 2**64 (as vLLM derives them), so choice 0 keeps the request's seed; no
+    seed stays no seed (each choice draws at random)."""
+    return seed if seed is None or choice == 0 else (seed + choice) % 2**64
 
 
 def generator(seed: int | None) -> torch.Generator:
@@ -94,6 +126,11 @@ class TokenLogprob:
 def apply_penalties(
     logits_V: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]
 ) -> torch.Tensor:
+    """`logits_V` (fp32, changed in place) with the logit bias and the penalties applied, clamped
+    to fp32's finite range (a repetition penalty of 1e-40 divides a logit of 1 into inf)."""
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias, strict=True)
+        logits_V.index_add_(0, torch.tensor(ids), torch.tensor(bias, dtype=logits_V.dtype))
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
         if len(seen):
@@ -104,11 +141,13 @@ def apply_penalties(
         ids = torch.tensor(list(counts), dtype=torch.long)
         n = torch.tensor(list(counts.values()), dtype=logits_V.dtype)
         logits_V[ids] -= p.presence_penalty + p.frequency_penalty * n
-    return logits_V
+    finite = torch.finfo(logits_V.dtype)
+    return logits_V.clamp_(finite.min, finite.max)
 
 
 def truncate(logits_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """-inf outside the top-k tokens and outside the top-p nucleus (the first token always stays)."""
+    """-inf outside the top-k tokens and outside the top-p nucleus (the most likely token always
+    stays, even when top_p rounds to 0 in the logits' dtype)."""
     if 0 < top_k < logits_V.numel():
         kth = torch.topk(logits_V, top_k).values[-1]
         logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
@@ -116,6 +155,7 @@ def truncate(logits_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         sorted_V, order = torch.sort(logits_V, descending=True)
         cum = torch.softmax(sorted_V, -1).cumsum(-1)
         drop = cum - torch.softmax(sorted_V, -1) >= top_p  # mass before this token already ≥ top_p
+        drop[0] = False
         logits_V = logits_V.clone()
         logits_V[order[drop]] = float("-inf")
     return logits_V
@@ -128,12 +168,20 @@ def choose(
     prompt_ids: list[int],
     output_ids: list[int],
 ) -> int:
-    """The next token of one sequence from its fp32 CPU logits [V]."""
+    """The next token of one sequence from its fp32 CPU logits [V]. Temperature divides the logits
+    minus their maximum, in fp64: the most likely token stays at 0 and the others go to -inf as
+    the temperature goes to 0, so any temperature > 0 (5e-324 too) gives finite probabilities,
+    near 0 those of greedy (ties share the draw). Raises MlmError on NaN logits or probabilities."""
     logits_V = apply_penalties(logits_V.clone(), p, prompt_ids, output_ids)
+    if torch.isnan(logits_V).any():
+        raise MlmError("the model's logits contain NaN")
     if p.greedy:
         return int(logits_V.argmax())
-    logits_V = truncate(logits_V / p.temperature, p.top_k, p.top_p)
-    return int(torch.multinomial(torch.softmax(logits_V, -1), 1, generator=gen))
+    scaled_V = (logits_V.double() - logits_V.max()) / p.temperature
+    probs_V = torch.softmax(truncate(scaled_V, p.top_k, p.top_p), -1)
+    if not torch.isfinite(probs_V).all():
+        raise MlmError(f"the probabilities are not finite (temperature={p.temperature}, top_p={p.top_p})")
+    return int(torch.multinomial(probs_V, 1, generator=gen))
 
 
 def token_logprob(logits_V: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
@@ -149,18 +197,31 @@ def sample(
     gens: list[torch.Generator],
     prompts: list[list[int]],
     outputs: list[list[int]],
-) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Next token (and log-probs when asked) of each row. Plain greedy rows take one batched argmax
-    on the logits' device; the others are processed one by one on the CPU in fp32."""
+) -> tuple[list[int], list[TokenLogprob | None], list[str | None]]:
+    """Next token (and log-probs when asked) of each row, and each row's error (None when it
+    sampled): a row that fails (NaN logits, an exception) gets its message and token -1, and the
+    other rows are unaffected. Plain greedy rows take one batched argmax on the logits' device;
+    the others are processed one by one on the CPU in fp32 (fp64 from the temperature on)."""
     tokens = logits_BV.argmax(-1).tolist()
+    nan = torch.isnan(logits_BV).any(-1).tolist()
+    errors: list[str | None] = [None] * len(params)
     special = [i for i, p in enumerate(params) if not p.plain_greedy or p.logprobs is not None]
     logprobs: list[TokenLogprob | None] = [None] * len(params)
+    for i, p in enumerate(params):
+        if p.plain_greedy and nan[i]:
+            errors[i] = "MlmError: the model's logits contain NaN"
     if special:
         rows = logits_BV[special].float().cpu()
         for row, i in zip(rows, special, strict=True):
             p = params[i]
-            if not p.plain_greedy:
-                tokens[i] = choose(row, p, gens[i], prompts[i], outputs[i])
-            if p.logprobs is not None:
-                logprobs[i] = token_logprob(row, tokens[i], p.logprobs)
-    return tokens, logprobs
+            try:
+                if not p.plain_greedy:
+                    tokens[i] = choose(row, p, gens[i], prompts[i], outputs[i])
+                if p.logprobs is not None and errors[i] is None:
+                    logprobs[i] = token_logprob(row, tokens[i], p.logprobs)
+            except Exception as e:  # this row fails alone
+                errors[i] = f"{type(e).__name__}: {e}"
+    for i, e in enumerate(errors):
+        if e is not None:
+            tokens[i], logprobs[i] = -1, None
+    return tokens, logprobs, errors

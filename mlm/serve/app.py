@@ -2,16 +2,20 @@
 server-sent events) and `/v1/models`; Megatron's `PUT /api`; `/health` and `/metrics`.
 
 Every request is checked in this order, each failure an OpenAI-shaped error: API key (401), model
-loaded (503 + Retry-After), body size (413), JSON object (422), fields (400), model name (404),
-prompt and max_tokens against the context (400), room in the queue (429 + Retry-After). A request
-lives in the engine as an `EngineStream`; a client that disconnects cancels it, which frees its
-cache blocks at the next engine step.
+loaded (503 + Retry-After), body size (413), JSON object (422), valid Unicode and fields (400),
+model name (404), prompt and max_tokens against the context (400), room in the queue (429 +
+Retry-After). Anything else that goes wrong is a 500 in the same shape (`CatchFaults`), and every
+error leaves the keep-alive connection usable. A request's choices (`n`, `best_of`) live in the
+engine as one `EngineStream`; a client that disconnects cancels them, which frees their cache
+blocks at the next engine step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,8 +31,10 @@ from mlm.inference.sampling import SamplingParams, TokenLogprob
 from mlm.serve import megatron
 from mlm.serve.errors import ApiError
 from mlm.serve.metrics import Metrics
-from mlm.serve.schemas import ChatRequest, CompletionRequest, parse
+from mlm.serve.schemas import ChatRequest, CompletionRequest, check_text, parse
 from mlm.tokenizer import Tokenizer
+
+log = logging.getLogger("mlm.serve")
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/api", "/health", "/metrics")
 
@@ -70,52 +76,67 @@ class ServerState:
 
 
 class EngineStream:
-    """One request in the engine, its outputs arriving on this event loop."""
+    """One prompt's requests in the engine (choices 0..n-1, one `SamplingParams` each), their
+    outputs arriving on this event loop as (choice, output)."""
 
-    def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, state: ServerState, prompt_ids: list[int], params: list[SamplingParams]):
         loop = asyncio.get_running_loop()
         self.state, self.engine = state, state.engine
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.done = False
+        self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        self.ids: list[str] = []
+        self.live: set[int] = set()
+        """Choices not finished yet."""
         self.start, self.first = time.perf_counter(), None
         try:
-            self.id = self.engine.submit(
-                prompt_ids, params, lambda out: loop.call_soon_threadsafe(self.queue.put_nowait, out)
-            )
+            for i, p in enumerate(params):
+
+                def put(out: RequestOutput, i: int = i) -> None:
+                    loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+
+                self.ids.append(self.engine.submit(prompt_ids, p, put))
+                self.live.add(i)
         except QueueFull as e:
+            self.cancel()
             retry = str(state.limits.retry_after_s)
             raise ApiError(
                 429, f"the server is busy ({e}); retry later", headers={"Retry-After": retry}
             ) from None
         except MlmError as e:
+            self.cancel()
             raise ApiError(400, str(e), param="prompt") from None
 
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
     async def __aiter__(self):
-        while not self.done:
-            out = await self.queue.get()
+        while self.live:
+            i, out = await self.queue.get()
             now = time.perf_counter()
             if self.first is None and (out.token_ids or out.finished):
                 self.first = now
                 self.state.metrics.ttft.observe(now - self.start)
             if out.finished:
-                self.done = True
-                self.state.metrics.latency.observe(now - self.start)
-            yield out
+                self.live.discard(i)
+                if not self.live:
+                    self.state.metrics.latency.observe(now - self.start)
+            yield i, out
 
     def cancel(self) -> None:
-        if not self.done:
-            self.done = True
-            self.engine.abort(self.id)
+        """Abort the choices not finished yet."""
+        for i in sorted(self.live):
+            self.engine.abort(self.ids[i])
+        self.live.clear()
 
-    async def gather(self) -> Completion:
-        result = Completion()
-        async for out in self:
-            result.add(out)
-        return result
+    async def gather(self) -> list[Completion]:
+        results = [Completion() for _ in self.ids]
+        async for i, out in self:
+            results[i].add(out)
+        return results
 
 
-async def collect(request: Request, streams: list[EngineStream]) -> list[Completion]:
-    """Each stream's outputs put together; all are cancelled if the client goes away first."""
+async def collect(request: Request, streams: list[EngineStream]) -> list[list[Completion]]:
+    """Each stream's choices put together; all are cancelled if the client goes away first."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -135,7 +156,7 @@ async def collect(request: Request, streams: list[EngineStream]) -> list[Complet
     if gone:
         raise ApiError(400, "the client disconnected")  # nobody reads it
     results = work.result()
-    for r in results:
+    for r in (c for choices in results for c in choices):
         if r.finish_reason == "error":
             raise ApiError(500, f"generation failed: {r.error}")
     return results
@@ -147,7 +168,10 @@ async def collect(request: Request, streams: list[EngineStream]) -> list[Complet
 def _check_access(state: ServerState, request: Request) -> None:
     if state.api_key is not None:
         auth = request.headers.get("authorization", "")
-        if auth != f"Bearer {state.api_key}":
+        scheme, _, key = auth.partition(" ")  # the scheme is case-insensitive (RFC 7235)
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            key.strip().encode(), state.api_key.encode()
+        ):
             what = "a wrong API key" if auth else "no API key"
             raise ApiError(
                 401, f"{what}: send the header `Authorization: Bearer KEY`", code="invalid_api_key"
@@ -169,12 +193,19 @@ async def _read_json(state: ServerState, request: Request) -> dict:
         if len(body) > limit:
             raise too_big
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(body, parse_constant=_not_json)
+    except RecursionError:
+        raise ApiError(422, "the request body is not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # also JSONDecodeError, UnicodeDecodeError, integers of over 4300 digits
         raise ApiError(422, f"the request body is not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ApiError(422, f"the request body must be a JSON object, not {type(data).__name__}")
+    check_text(data)
     return data
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -213,9 +244,11 @@ def _max_tokens(state: ServerState, prompt_len: int, asked: int | None, default:
     return asked
 
 
-def _params(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(
+    state: ServerState, req, max_tokens: int, logprobs: int | None, count: int
+) -> list[SamplingParams]:
     try:
-        return req.sampling(max_tokens, logprobs)
+        return req.sampling(max_tokens, logprobs, state.engine.model.cfg.vocab_size, count)
     except MlmError as e:
         raise ApiError(400, str(e)) from None
 
@@ -254,31 +287,39 @@ def _chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob]) -> dict | None:
     }
 
 
-def _usage(c: Completion | RequestOutput) -> dict:
-    return {
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": c.completion_tokens,
-        "total_tokens": c.prompt_tokens + c.completion_tokens,
-    }
+def _usage(choices: list[Completion] | list[RequestOutput]) -> dict:
+    """The prompt counted once, the completion tokens of every choice."""
+    prompt, completion = choices[0].prompt_tokens, sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _event_stream(stream: EngineStream, head: dict, choice, include_usage: bool, first: dict | None):
-    """SSE chunks: `choice(out)` makes each chunk's choice; `first`, a choice sent before any token."""
+async def _event_stream(stream: EngineStream, head: dict, choice, include_usage: bool, first):
+    """SSE chunks: `choice(i, out)` makes each chunk's choice (of index i); `first(i)`, when given,
+    a choice sent for each index before any token. A failure ends the stream with an error event."""
     try:
         if first is not None:
-            yield _sse({**head, "choices": [first]})
-        async for out in stream:
+            for i in range(stream.n):
+                yield _sse({**head, "choices": [first(i)]})
+        finals: list[RequestOutput] = []
+        async for i, out in stream:
             if out.finish_reason == "error":
                 yield _sse(ApiError(500, f"generation failed: {out.error}").body())
                 break
             if out.text or out.logprobs or out.finished:
-                yield _sse({**head, "choices": [choice(out)]})
-            if out.finished and include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(out)})
+                yield _sse({**head, "choices": [choice(i, out)]})
+            if out.finished:
+                finals.append(out)
+        else:
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(finals)})
+        yield _sse("[DONE]")
+    except Exception as e:  # a fault of ours mid-stream: the client still gets a complete response
+        log.exception("streaming %s failed", head["id"])
+        yield _sse(ApiError(500, f"internal error: {type(e).__name__}: {e}").body())
         yield _sse("[DONE]")
     finally:  # the client went away (the task is cancelled) or the stream ended
         stream.cancel()
@@ -310,9 +351,38 @@ class CountRequests:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
 
+class CatchFaults:
+    """ASGI middleware: an unexpected exception becomes a logged 500 in OpenAI's shape and goes no
+    further. Starlette's own handler (an `exception_handler(Exception)`) re-raises after sending
+    its response, and uvicorn then closes the connection, so the client's next request on that
+    keep-alive connection failed too."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            if started:  # nothing to answer with: uvicorn closes the unfinished response
+                return
+            await ApiError(500, f"internal error: {type(e).__name__}: {e}").response()(scope, receive, send)
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="mlm serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(CountRequests, metrics=state.metrics)
+    app.add_middleware(CatchFaults)
+    app.add_middleware(CountRequests, metrics=state.metrics)  # outside CatchFaults: counts its 500s
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -321,10 +391,6 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):
         return ApiError(e.status_code, str(e.detail), headers=e.headers).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()
 
     @app.get("/health")
     async def health():
@@ -352,27 +418,38 @@ def create_app(state: ServerState) -> FastAPI:
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt: one prompt per request, got {len(prompt)}", param="prompt")
             prompt = prompt[0]
+        best_of = req.best_of or req.n
+        if best_of < req.n:
+            raise ApiError(400, f"best_of={best_of} is less than n={req.n}", param="best_of")
+        if req.stream and best_of > req.n:
+            raise ApiError(400, "best_of > n cannot be streamed: set stream to false", param="best_of")
         ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = _params(req, _max_tokens(state, len(ids), req.max_tokens, 16), req.logprobs)
-        stream = EngineStream(state, ids, params)
+        max_tokens = _max_tokens(state, len(ids), req.max_tokens, 16)
+        # best_of ranks the candidates by their tokens' log-probs: they are computed, shown if asked
+        logprobs = req.logprobs if req.logprobs is not None or best_of == req.n else 0
+        stream = EngineStream(state, ids, _params(state, req, max_tokens, logprobs, best_of))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
         head["model"] = state.model_name
-        offset = [0]
+        offsets = [0] * best_of  # of each choice's text so far
 
-        def choice(out: RequestOutput | Completion) -> dict:
+        def choice(i: int, out: RequestOutput | Completion) -> dict:
             lp = (
-                _completion_logprobs(state.tokenizer, out.logprobs, offset[0])
-                if params.logprobs is not None
+                _completion_logprobs(state.tokenizer, out.logprobs, offsets[i])
+                if req.logprobs is not None
                 else None
             )
-            offset[0] += len(out.text)
-            return {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": _reason(out)}
+            offsets[i] += len(out.text)
+            return {"index": i, "text": out.text, "logprobs": lp, "finish_reason": _reason(out)}
 
         if req.stream:
             events = _event_stream(stream, head, choice, req.include_usage, None)
             return StreamingResponse(events, media_type="text/event-stream")
-        (result,) = await collect(request, [stream])
-        return {**head, "choices": [choice(result)], "usage": _usage(result)}
+        (results,) = await collect(request, [stream])
+        best = results
+        if best_of > req.n:  # the n of highest summed log-prob, best first (ties keep their order)
+            best = sorted(results, key=lambda c: -sum(lp.logprob for lp in c.logprobs))[: req.n]
+        # usage counts every candidate generated
+        return {**head, "choices": [choice(i, c) for i, c in enumerate(best)], "usage": _usage(results)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -388,7 +465,7 @@ def create_app(state: ServerState) -> FastAPI:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         asked = req.max_completion_tokens or req.max_tokens
-        params = _params(req, _max_tokens(state, len(ids), asked, None), logprobs)
+        params = _params(state, req, _max_tokens(state, len(ids), asked, None), logprobs, req.n)
         stream = EngineStream(state, ids, params)
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -403,32 +480,32 @@ def create_app(state: ServerState) -> FastAPI:
         if req.stream:
             head["object"] = "chat.completion.chunk"
 
-            def choice(out: RequestOutput) -> dict:
+            def choice(i: int, out: RequestOutput) -> dict:
                 delta = {"content": out.text} if out.text else {}
                 return {
-                    "index": 0,
+                    "index": i,
                     "delta": delta,
                     "logprobs": logprobs_of(out),
                     "finish_reason": _reason(out),
                 }
 
-            first = {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
+            def first(i: int) -> dict:
+                delta = {"role": "assistant", "content": ""}
+                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+
             events = _event_stream(stream, head, choice, req.include_usage, first)
             return StreamingResponse(events, media_type="text/event-stream")
-        (result,) = await collect(request, [stream])
-        message = {"role": "assistant", "content": result.text}
-        body = {
-            "index": 0,
-            "message": message,
-            "logprobs": logprobs_of(result),
-            "finish_reason": _reason(result),
-        }
-        return {**head, "choices": [body], "usage": _usage(result)}
+        (results,) = await collect(request, [stream])
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": logprobs_of(r),
+                "finish_reason": _reason(r),
+            }
+            for i, r in enumerate(results)
+        ]
+        return {**head, "choices": choices, "usage": _usage(results)}
 
     @app.put("/api")
     async def megatron_api(request: Request):
@@ -442,12 +519,12 @@ def create_app(state: ServerState) -> FastAPI:
                 if req.add_bos and tok.bos_id is not None:
                     ids = [tok.bos_id, *ids]
                 params = megatron.sampling(req, _max_tokens(state, len(ids), req.tokens_to_generate, None))
-                streams.append((ids, EngineStream(state, ids, params)))
+                streams.append((ids, EngineStream(state, ids, [params])))
             results = await collect(request, [s for _, s in streams])
         finally:
             for _, s in streams:
                 s.cancel()
-        return megatron.response(tok, req, [ids for ids, _ in streams], results)
+        return megatron.response(tok, req, [ids for ids, _ in streams], [r for (r,) in results])
 
     return app
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 
 TYPES = {
@@ -36,4 +38,12 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _AsciiJSON(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _AsciiJSON(JSONResponse):
+    """JSON with non-ASCII characters escaped: a message that quotes a bad input (a lone surrogate
+    included, which UTF-8 cannot encode) still renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()

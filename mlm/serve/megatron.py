@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlm.inference.engine import Completion
-from mlm.inference.sampling import SamplingParams
+from mlm.inference.sampling import SEED_MAX, SamplingParams
 from mlm.serve.errors import ApiError
 from mlm.tokenizer import Tokenizer
 
@@ -55,7 +55,14 @@ def parse(body: dict) -> MegatronRequest:
     add_bos = _field(body, "add_BOS", bool, False, must="true or false")
     if any(not p for p in prompts) and not add_bos:
         raise ApiError(400, "prompts: an empty prompt needs add_BOS=true", param="prompts")
-    seed = _field(body, "random_seed", int, -1, lambda v: v >= -1, "an integer >= 0 (-1: random)")
+    seed = _field(
+        body,
+        "random_seed",
+        int,
+        -1,
+        lambda v: -1 <= v <= SEED_MAX,
+        f"an integer in [0, {SEED_MAX}] (-1: random)",
+    )
     return MegatronRequest(
         prompts=prompts,
         tokens_to_generate=_field(body, "tokens_to_generate", int, 64, lambda v: v >= 1, "an integer >= 1"),
