@@ -246,3 +246,18 @@ def test_tp2_prefix_hits_and_preemption_equal_tp1(tmp_path):
     assert lead["stats"] == asdict(one.stats)  # the same schedule
     assert one.stats.preemptions > 0 and one.stats.prefix_hits > 0
     assert lead["used"] == 0 and follower["steps"] > 0
+
+
+def test_recomputation_after_preemption_is_not_a_prefix_hit(model):
+    """The prefix-cache counters (and /metrics' hit rate) count each request once, at its first
+    admission: a preempted sequence that finds its own blocks still cached when it is admitted
+    again is recomputation (prefill tokens, preemptions), not prompts sharing a prefix."""
+    rng = random.Random(5)
+    ps = [random_tokens(rng, rng.randint(10, 20)) for _ in range(12)]  # no common block of 4
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    tight = Engine(model, None, EngineConfig(max_seqs=12, block_size=4, num_blocks=30))
+    tight.generate(ps, params)
+    assert tight.stats.preemptions > 0
+    assert tight.stats.prefix_queries == sum(len(p) for p in ps)
+    assert tight.stats.prefix_hits == 0
+    assert metric_lines(tight)["mlm_prefix_cache_hit_rate"] == 0.0
