@@ -20,7 +20,7 @@ import torch
 from test_inference_tp import _checkpoint
 
 from mlm.config import ModelConfig
-from mlm.inference.engine import Completion, Engine, EngineConfig, build_runner
+from mlm.inference.engine import Completion, Engine, EngineConfig, Sequence, build_runner
 from mlm.inference.kv_cache import BlockAllocator
 from mlm.inference.loader import load_model
 from mlm.inference.lockstep import serving_mesh
@@ -261,3 +261,15 @@ def test_recomputation_after_preemption_is_not_a_prefix_hit(model):
     assert tight.stats.prefix_queries == sum(len(p) for p in ps)
     assert tight.stats.prefix_hits == 0
     assert metric_lines(tight)["mlm_prefix_cache_hit_rate"] == 0.0
+
+
+def test_one_token_chunks_of_recomputation_count_as_prefill(model):
+    """A recomputing sequence can get a chunk of one token (the step's budget left over): tokens it
+    had already run count as prefill; only its pending token, sampled and never run, is a decode."""
+    engine = Engine(model, None, EngineConfig(block_size=4, prefix_caching=False))
+    seq = Sequence("s", [1, 2, 3], SamplingParams(), lambda out: None, None, 512)
+    seq.output_ids = [4, 5, 6]  # 6 pending after a preemption; 3 recomputed so far
+    seq.num_computed = 3
+    for _ in range(3):
+        engine.scheduler.computed([(seq, 1)])
+    assert (engine.stats.prefill_tokens, engine.stats.decode_tokens) == (2, 1)

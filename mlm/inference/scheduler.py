@@ -163,7 +163,8 @@ class Scheduler:
         blocks it completed."""
         S = self.block_size
         for seq, n in batch:
-            if n == 1 and seq.num_computed >= seq.num_prompt_tokens:
+            sampled_never_run = seq.num_prompt_tokens <= seq.num_computed == seq.num_tokens - 1
+            if n == 1 and sampled_never_run:
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += n
