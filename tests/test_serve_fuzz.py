@@ -377,3 +377,30 @@ def test_n_choices(fuzz):
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert_error(f.post("/v1/completions", {**GREEDY, "n": 17}), 400, param="n")
     f.greedy()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_n_choices_are_all_cancelled_when_the_client_disconnects(fuzz, monkeypatch, stream):
+    """n = 3 choices, streamed or not: a client that goes away aborts all three, and their cache
+    blocks (shared prompt blocks included) go back."""
+    engine = fuzz.state.engine
+    forward = engine.runner.forward
+
+    def slow(segments):  # 90 steps of at least 20 ms: surely running when the client leaves at 0.5 s
+        time.sleep(0.02)
+        return forward(segments)
+
+    monkeypatch.setattr(engine.runner, "forward", slow)
+    wait_idle(engine)
+    aborted = engine.finished["abort"]
+    body = {"prompt": PROMPT, "max_tokens": 90, "ignore_eos": True, "temperature": 1.0, "n": 3}
+    url = f"{fuzz.server.url}/v1/completions"
+    if stream:
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=30) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+            assert engine.cache.allocator.num_used > 0
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting
+            httpx.post(url, json=body, headers=AUTH, timeout=0.5)
+    wait_idle(engine)
+    assert engine.finished["abort"] == aborted + 3 and engine.cache.allocator.num_used == 0
