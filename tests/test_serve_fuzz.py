@@ -20,10 +20,11 @@ pytest.importorskip("transformers")
 
 from mlm.inference import engine as engine_module  # noqa: E402
 from mlm.inference import sampling  # noqa: E402
-from mlm.inference.engine import Engine  # noqa: E402
+from mlm.inference.engine import Engine, EngineConfig  # noqa: E402
 from mlm.inference.sampling import SamplingParams  # noqa: E402
 from mlm.serve import app as app_module  # noqa: E402
-from mlm.serve.app import Limits  # noqa: E402
+from mlm.serve.app import Limits, ServerState, create_app  # noqa: E402
+from mlm.serve.server import ServerThread  # noqa: E402
 
 from test_serve import AUTH, KEY, assert_error, serving, wait_idle  # noqa: E402
 
@@ -404,3 +405,25 @@ def test_n_choices_are_all_cancelled_when_the_client_disconnects(fuzz, monkeypat
             httpx.post(url, json=body, headers=AUTH, timeout=0.5)
     wait_idle(engine)
     assert engine.finished["abort"] == aborted + 3 and engine.cache.allocator.num_used == 0
+
+
+def test_more_choices_than_may_wait_is_a_400_not_a_429(fuzz):
+    """n (or best_of) above --max-waiting can never be queued: a 400 naming the field, not a 429
+    that tells the client to retry; n = max_waiting is queued."""
+    state = fuzz.state
+    small = ServerState("small")
+    engine = Engine(state.engine.model, state.tokenizer, EngineConfig(max_waiting=2))  # not started
+    small.ready(engine, state.tokenizer, state.chat)
+    with ServerThread(create_app(small)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        for field, body in [("n", {"n": 3}), ("best_of", {"n": 1, "best_of": 3})]:
+            err = assert_error(http.post("/v1/completions", json={**GREEDY, **body}), 400, param=field)
+            assert "--max-waiting 2" in err["message"]
+        messages = [{"role": "user", "content": "hi"}]
+        assert_error(http.post("/v1/chat/completions", json={"messages": messages, "n": 3}), 400, param="n")
+        assert engine.num_waiting == 0
+        with http.stream("POST", "/v1/completions", json={**GREEDY, "n": 2, "stream": True}) as r:
+            assert r.status_code == 200  # queued (nobody runs this engine): the client leaves
+            deadline = time.monotonic() + 10
+            while engine.num_waiting < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.num_waiting == 2
