@@ -133,3 +133,64 @@ def test_cuda_graphs_are_refused_off_cuda():
     cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=31)
     with pytest.raises(MlmError, match="--cuda-graphs on cpu: CUDA graphs run on a CUDA device at tp 1 only"):
         build_runner(GPT(cfg), EngineConfig(cuda_graphs=True))
+
+
+def test_only_short_prompts_attend_on_one_cpu_thread(monkeypatch):
+    """On the CPU a short prompt's attention runs on one intra-op thread (too small to split) and
+    a long one's on all of them (one thread made a 2,000-token prompt's attention 1.7x slower on
+    two cores). The numbers are those of test_batched_paged_attention_equals_each_sequence_alone."""
+    cfg = ModelConfig(num_layers=1, hidden_size=48, num_attention_heads=6, num_query_groups=2)
+    cache = PagedKVCache(cfg, num_blocks=80, block_size=S, dtype=torch.float32, device=torch.device("cpu"))
+    short, long = 8, 200  # 64 and 40,000 scores per head
+    segments = [Segment([1] * short, 0, list(range(2))), Segment([1] * long, 0, list(range(2, 52)))]
+    slots_T = torch.tensor([s for c in segments for s in cache.slots(c.blocks, c.start, len(c.tokens))])
+    step = PagedAttention(cache, segments, slots_T)
+    threads = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kw):
+        threads.append((q.shape[2], torch.get_num_threads()))
+        return sdpa(q, *args, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        T = short + long
+        step.attend(0, torch.randn(1, T, 6, 8), torch.randn(1, T, 2, 8), torch.randn(1, T, 2, 8))
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(threads) == [(short, 1), (long, 2)]
+
+
+def test_decode_graphs_go_eager_after_a_failed_capture(monkeypatch, caplog):
+    """A model whose decode step cannot be captured (a host sync inside, as MoE routing has) is
+    served eagerly: the step whose capture failed still gives the eager runner's logits, one
+    warning says why, and no later step tries again. The capture is made to fail here (no CUDA)."""
+    cfg = ModelConfig(num_layers=1, hidden_size=48, num_attention_heads=6, num_query_groups=2, vocab_size=97)
+    model = GPT(cfg).eval()
+    cpu = torch.device("cpu")
+    eager = ModelRunner(model, PagedKVCache(cfg, 8, S, torch.float32, cpu))
+    cache = PagedKVCache(cfg, 8, S, torch.float32, cpu, scratch=True)
+    graphs = DecodeGraphs(model, cache, max_seqs=4, capture=False)
+    graphs.capture = True  # as on CUDA, with a capture that fails
+    tries = []
+
+    def capture(bucket):
+        tries.append(bucket)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    static = ModelRunner(model, cache, graphs=graphs)
+    prompts = [Segment([3, 5, 7], 0, [0, 1]), Segment([2, 4], 0, [2, 3])]
+    for runner in (eager, static):
+        runner.forward(prompts)
+    with caplog.at_level("WARNING", logger="mlm.inference"):
+        for k in range(3):
+            step = [Segment([11 + k], 3 + k, [0, 1]), Segment([13 + k], 2 + k, [2, 3])]
+            assert graphs.takes(step) == (k == 0)
+            torch.testing.assert_close(static.forward(step), eager.forward(step), rtol=0, atol=1e-5)
+    assert len(tries) == 1 and "stream is capturing" in graphs.failed
+    assert [r.message for r in caplog.records].count(
+        f"CUDA graphs off: the decode step could not be captured ({graphs.failed})"
+    ) == 1

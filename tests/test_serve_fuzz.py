@@ -20,10 +20,11 @@ pytest.importorskip("transformers")
 
 from mlm.inference import engine as engine_module  # noqa: E402
 from mlm.inference import sampling  # noqa: E402
-from mlm.inference.engine import Engine  # noqa: E402
+from mlm.inference.engine import Engine, EngineConfig  # noqa: E402
 from mlm.inference.sampling import SamplingParams  # noqa: E402
 from mlm.serve import app as app_module  # noqa: E402
-from mlm.serve.app import Limits  # noqa: E402
+from mlm.serve.app import Limits, ServerState, create_app  # noqa: E402
+from mlm.serve.server import ServerThread  # noqa: E402
 
 from test_serve import AUTH, KEY, assert_error, serving, wait_idle  # noqa: E402
 
@@ -377,3 +378,52 @@ def test_n_choices(fuzz):
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert_error(f.post("/v1/completions", {**GREEDY, "n": 17}), 400, param="n")
     f.greedy()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_n_choices_are_all_cancelled_when_the_client_disconnects(fuzz, monkeypatch, stream):
+    """n = 3 choices, streamed or not: a client that goes away aborts all three, and their cache
+    blocks (shared prompt blocks included) go back."""
+    engine = fuzz.state.engine
+    forward = engine.runner.forward
+
+    def slow(segments):  # 90 steps of at least 20 ms: surely running when the client leaves at 0.5 s
+        time.sleep(0.02)
+        return forward(segments)
+
+    monkeypatch.setattr(engine.runner, "forward", slow)
+    wait_idle(engine)
+    aborted = engine.finished["abort"]
+    body = {"prompt": PROMPT, "max_tokens": 90, "ignore_eos": True, "temperature": 1.0, "n": 3}
+    url = f"{fuzz.server.url}/v1/completions"
+    if stream:
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=30) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+            assert engine.cache.allocator.num_used > 0
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting
+            httpx.post(url, json=body, headers=AUTH, timeout=0.5)
+    wait_idle(engine)
+    assert engine.finished["abort"] == aborted + 3 and engine.cache.allocator.num_used == 0
+
+
+def test_more_choices_than_may_wait_is_a_400_not_a_429(fuzz):
+    """n (or best_of) above --max-waiting can never be queued: a 400 naming the field, not a 429
+    that tells the client to retry; n = max_waiting is queued."""
+    state = fuzz.state
+    small = ServerState("small")
+    engine = Engine(state.engine.model, state.tokenizer, EngineConfig(max_waiting=2))  # not started
+    small.ready(engine, state.tokenizer, state.chat)
+    with ServerThread(create_app(small)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        for field, body in [("n", {"n": 3}), ("best_of", {"n": 1, "best_of": 3})]:
+            err = assert_error(http.post("/v1/completions", json={**GREEDY, **body}), 400, param=field)
+            assert "--max-waiting 2" in err["message"]
+        messages = [{"role": "user", "content": "hi"}]
+        assert_error(http.post("/v1/chat/completions", json={"messages": messages, "n": 3}), 400, param="n")
+        assert engine.num_waiting == 0
+        with http.stream("POST", "/v1/completions", json={**GREEDY, "n": 2, "stream": True}) as r:
+            assert r.status_code == 200  # queued (nobody runs this engine): the client leaves
+            deadline = time.monotonic() + 10
+            while engine.num_waiting < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.num_waiting == 2

@@ -140,6 +140,7 @@ class Sequence:
         self.num_computed = 0
         self.prefix_ids: list[int] = []
         self.num_prompt_tokens = len(prompt_ids)
+        self.preemptions = 0
         self.completion_tokens = 0  # output_ids plus a stop token, which is not output
         self.max_length = min(len(prompt_ids) + params.max_tokens, context)
         self.gen = None if params.greedy else generator(params.seed)

@@ -35,6 +35,7 @@ class Schedulable(Protocol):
     num_computed: int  # tokens whose keys and values are in the cache
     prefix_ids: list[int]  # the prefix id of each of its leading full blocks that are cached
     num_prompt_tokens: int
+    preemptions: int  # times it was preempted
 
     @property
     def num_tokens(self) -> int: ...  # prompt + generated so far
@@ -54,7 +55,8 @@ class SchedulerStats:
     decode_tokens: int = 0
     """Tokens run through the model one at a time after being sampled."""
     prefix_queries: int = 0
-    """Tokens of admitted requests looked up in the prefix cache (all of each request's tokens)."""
+    """Tokens of requests looked up in the prefix cache at their first admission (all of each
+    request's tokens; a preempted sequence admitted again is recomputation, not counted here)."""
     prefix_hits: int = 0
     """Of those, tokens found cached (so not computed)."""
     preemptions: int = 0
@@ -146,7 +148,7 @@ class Scheduler:
             seq.blocks = cached + self.allocator.allocate(need)
             seq.prefix_ids = [self.allocator.prefix_id(b) for b in cached]
             seq.num_computed = start
-            if self.prefix_caching:
+            if self.prefix_caching and not seq.preemptions:
                 self.stats.prefix_queries += seq.num_tokens
                 self.stats.prefix_hits += start
             self.running.append(seq)
@@ -161,7 +163,8 @@ class Scheduler:
         blocks it completed."""
         S = self.block_size
         for seq, n in batch:
-            if n == 1 and seq.num_computed >= seq.num_prompt_tokens:
+            sampled_never_run = seq.num_prompt_tokens <= seq.num_computed == seq.num_tokens - 1
+            if n == 1 and sampled_never_run:
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += n
@@ -208,6 +211,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         self.waiting.appendleft(seq)
+        seq.preemptions += 1
         self.stats.preemptions += 1
 
     def _release(self, seq: Schedulable) -> None:

@@ -247,6 +247,16 @@ def _max_tokens(state: ServerState, prompt_len: int, asked: int | None, default:
 def _params(
     state: ServerState, req, max_tokens: int, logprobs: int | None, count: int
 ) -> list[SamplingParams]:
+    """The params of `count` choices (n, or best_of candidates), each an engine request."""
+    limit = state.engine.config.max_waiting
+    if count > limit:  # could never all be queued: a 429 would have the client retry in vain
+        field = "best_of" if getattr(req, "best_of", None) else "n"
+        raise ApiError(
+            400,
+            f"{field}={count}: more choices than may wait in the server's queue (--max-waiting {limit}); "
+            f"ask for at most {limit}",
+            param=field,
+        )
     try:
         return req.sampling(max_tokens, logprobs, state.engine.model.cfg.vocab_size, count)
     except MlmError as e:

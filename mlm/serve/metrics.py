@@ -78,7 +78,7 @@ class Metrics:
                 st.decode_tokens,
             ),
             "mlm_prefix_cache_queries": (
-                "Tokens of admitted requests looked up in the prefix cache",
+                "Tokens of requests looked up in the prefix cache at their first admission",
                 st.prefix_queries,
             ),
             "mlm_prefix_cache_hits": ("Of those, tokens found in the cache (not computed)", st.prefix_hits),
