@@ -101,7 +101,10 @@ class DecodeGraphs:
             try:
                 self._capture(b)
             except Exception as e:  # noqa: BLE001 - served eagerly from here on, said once
-                self.failed = f"{type(e).__name__}: {e}"
+                cause = e.__context__  # an error inside the capture, then capture_end's own
+                self.failed = f"{type(e).__name__}: {e}" + (
+                    f" (after {type(cause).__name__}: {cause})" if cause else ""
+                )
                 log.warning("CUDA graphs off: the decode step could not be captured (%s)", self.failed)
                 return self._forward(b)[:B]
         b.graph.replay()
@@ -123,14 +126,21 @@ class DecodeGraphs:
 
     def _capture(self, b: _Bucket) -> None:
         """Warm up on a side stream (lazy initialisation must not be captured), then capture. The
-        buffers already hold this step's inputs, so the warm-up writes its keys and values."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(b)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            b.logits_BV = self._forward(b)
+        buffers already hold this step's inputs, so the warm-up writes its keys and values. A failed
+        capture can leave its capture stream current (`torch.cuda.graph` ends the capture before
+        it restores the stream): the caller's stream is set back."""
+        stream = torch.cuda.current_stream()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(b)
+            stream.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                b.logits_BV = self._forward(b)
+        except Exception:
+            torch.cuda.set_stream(stream)
+            raise
         b.graph = graph
