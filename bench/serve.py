@@ -3,7 +3,7 @@
 first token and inter-token latency of 32 streaming HTTP clients against `mlm serve`'s app.
 
     .venv/bin/python bench/serve.py [--shape tiny|smollm2-135m] [--requests 16] [--new-tokens 48]
-                                    [--device cpu|cuda] [--dtype fp32|bf16]
+                                    [--repeat 1] [--device cpu|cuda] [--dtype fp32|bf16]
                                     [--http-clients 32] [--http-requests 64] [--skip-generate]
 
 Shapes (random weights, seed 0; a LlamaForCausalLM, and mlm's GPT with the same weights through
@@ -15,18 +15,19 @@ Shapes (random weights, seed 0; a LlamaForCausalLM, and mlm's GPT with the same 
   100,000, RMSNorm eps 1e-5, context 2048; 134.5M parameters.
 
 The requests are prompts of 8 to 128 tokens, each asking for `--new-tokens` greedy tokens with no
-early stop. Three ways, each run once untimed on two short requests (warm-up), then timed:
+early stop. Three ways, each run once untimed on two short requests (warm-up), then timed
+`--repeat` times (the shortest time counts; on a shared machine single runs vary a lot):
 - mlm: all submitted at once to an `Engine` (continuous batching, paged KV cache) and stepped to the
   end in this thread;
 - HF one at a time: `generate(do_sample=False)` per request, batch 1 (as a one-request-at-a-time
   server runs it);
 - HF padded batch: one `generate` of all requests, left-padded with `attention_mask` and
-  `pad_token_id` (the best a static-batch server does when every request arrives together).
+  `pad_token_id` (a static-batch server at its best: every request arrives at once).
 Prints output tokens/s of each, the ratios mlm / one-at-a-time (target >= 8 on smollm2-135m) and
 mlm / padded batch (target >= 1.5 on smollm2-135m), and how many requests gave the same tokens. HF
 can give a padded sequence slightly different logits than the same sequence alone (other matmul
 shapes, masked positions), so a near-tie may go the other way there; the line "HF one at a time vs
-padded batch" shows how often that happens.
+padded" shows how often that happens.
 
 `--http-clients N` (0: off) serves the same model in this process with `mlm.serve.app.create_app`
 on `ServerThread` (uvicorn, loopback, engine `--max-seqs 16` as `mlm serve` defaults) and drives N
@@ -161,6 +162,13 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def best(repeat: int, run) -> tuple[float, list[list[int]]]:
+    """The shortest time of `repeat` runs, and the tokens (the same in every run: greedy)."""
+    runs = [run() for _ in range(repeat)]
+    assert all(r[1] == runs[0][1] for r in runs), "greedy tokens changed between repeats"
+    return min(t for t, _ in runs), runs[0][1]
+
+
 def same(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b, strict=True))
 
@@ -170,12 +178,15 @@ def generate_bench(a, hf, ours) -> None:
     run_mlm(ours, prompts[:2], 4)  # warm-up, each side
     run_hf(hf, prompts[:2], 4, a.device)
     run_hf_padded(hf, prompts[:2], 4, a.device)
-    t_mlm, out_mlm = run_mlm(ours, prompts, a.new_tokens)
-    t_one, out_one = run_hf(hf, prompts, a.new_tokens, a.device)
-    t_pad, out_pad = run_hf_padded(hf, prompts, a.new_tokens, a.device)
+    t_mlm, out_mlm = best(a.repeat, lambda: run_mlm(ours, prompts, a.new_tokens))
+    t_one, out_one = best(a.repeat, lambda: run_hf(hf, prompts, a.new_tokens, a.device))
+    t_pad, out_pad = best(a.repeat, lambda: run_hf_padded(hf, prompts, a.new_tokens, a.device))
     n, r = a.requests * a.new_tokens, a.requests
     lens = [len(p) for p in prompts]
-    print(f"{a.requests} requests, prompts {min(lens)}-{max(lens)} tokens, {a.new_tokens} new tokens each")
+    print(
+        f"{a.requests} requests, prompts {min(lens)}-{max(lens)} tokens, {a.new_tokens} new tokens each; "
+        f"best of {a.repeat} timed run(s) after a warm-up"
+    )
     print(f"mlm engine, {r} concurrent:   {n / t_mlm:9.1f} tokens/s ({t_mlm:.2f} s)")
     print(f"HF generate, one at a time:  {n / t_one:9.1f} tokens/s ({t_one:.2f} s)")
     print(f"HF generate, padded batch:   {n / t_pad:9.1f} tokens/s ({t_pad:.2f} s)")
@@ -301,6 +312,7 @@ def main() -> None:
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs of each way; the best is printed")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--http-clients", type=int, default=0, help="streaming HTTP clients; 0: no HTTP part")
