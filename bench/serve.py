@@ -3,7 +3,7 @@
 first token and inter-token latency of 32 streaming HTTP clients against `mlm serve`'s app.
 
     .venv/bin/python bench/serve.py [--shape tiny|smollm2-135m] [--requests 16] [--new-tokens 48]
-                                    [--repeat 1] [--device cpu|cuda] [--dtype fp32|bf16]
+                                    [--repeat 1] [--threads N] [--device cpu|cuda] [--dtype fp32|bf16]
                                     [--http-clients 32] [--http-requests 64] [--skip-generate]
 
 Shapes (random weights, seed 0; a LlamaForCausalLM, and mlm's GPT with the same weights through
@@ -16,7 +16,9 @@ Shapes (random weights, seed 0; a LlamaForCausalLM, and mlm's GPT with the same 
 
 The requests are prompts of 8 to 128 tokens, each asking for `--new-tokens` greedy tokens with no
 early stop. Three ways, each run once untimed on two short requests (warm-up), then timed
-`--repeat` times (the shortest time counts; on a shared machine single runs vary a lot):
+`--repeat` times (the shortest time counts; on a shared machine single runs vary a lot; there,
+`--threads 1` also helps: with two threads on two busy cores, every parallel op waits for the
+descheduled thread, which costs a batch-1 decode step far more than a batched one):
 - mlm: all submitted at once to an `Engine` (continuous batching, paged KV cache) and stepped to the
   end in this thread;
 - HF one at a time: `generate(do_sample=False)` per request, batch 1 (as a one-request-at-a-time
@@ -313,12 +315,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs of each way; the best is printed")
+    ap.add_argument("--threads", type=int, help="torch threads; default: torch's own (one per core)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--http-clients", type=int, default=0, help="streaming HTTP clients; 0: no HTTP part")
     ap.add_argument("--http-requests", type=int, default=64, help="requests the HTTP clients send in all")
     ap.add_argument("--skip-generate", action="store_true", help="only the HTTP part")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     hf, ours = build(a.shape, a.device, DTYPES[a.dtype])
     params = sum(p.numel() for p in hf.parameters())
     s = SHAPES[a.shape]
