@@ -292,6 +292,8 @@ def http_bench(a, ours) -> None:
     ttft = [ev[0] - start for start, ev, _ in results if ev]
     itl = [b - x for _, ev, _ in results for x, b in zip(ev, ev[1:], strict=False)]
     tokens = sum(len(ev) for _, ev, _ in results)
+    if not ttft:
+        raise SystemExit(f"no stream gave a token; the first: {bad[:3]}")
     lens = [len(p) for p in prompts]
     print(
         f"HTTP: {len(bodies)} streaming /v1/completions requests (prompts {min(lens)}-{max(lens)} tokens, "
@@ -301,9 +303,11 @@ def http_bench(a, ours) -> None:
     print(
         f"  time to first token: p50 {1000 * percentile(ttft, 50):.0f} ms, p99 {1000 * percentile(ttft, 99):.0f} ms"
     )
-    print(
-        f"  inter-token latency: p50 {1000 * percentile(itl, 50):.1f} ms, p99 {1000 * percentile(itl, 99):.1f} ms"
-    )
+    if itl:  # none with --new-tokens 1
+        print(
+            f"  inter-token latency: p50 {1000 * percentile(itl, 50):.1f} ms, "
+            f"p99 {1000 * percentile(itl, 99):.1f} ms"
+        )
     print(
         f"  streams not ending in [DONE]: {len(bad)} {bad[:3]}; with a token count other than {a.new_tokens}: {len(short)}"
     )
