@@ -1,0 +1,36 @@
+"""bench/serve.py runs end to end on a small load (the tiny shape, 3 requests, 5 tokens, 3 streaming
+HTTP clients) and its checks hold: mlm's engine gives HF's one-at-a-time greedy tokens, every HTTP
+stream ends with [DONE] after one event per token. Its speed figures are not asserted (they live in
+bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("httpx")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_serve_small_run_checks_pass():
+    args = ["--shape", "tiny", "--requests", "3", "--new-tokens", "5"]
+    args += ["--http-clients", "3", "--http-requests", "5"]
+    out = subprocess.run(
+        [sys.executable, "bench/serve.py", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    ).stdout
+    assert "same greedy tokens, mlm vs HF one at a time:     3/3 requests" in out, out
+    assert "HTTP: 5 streaming /v1/completions requests" in out, out
+    assert "streams not ending in [DONE]: 0 []; with a token count other than 5: 0" in out, out
