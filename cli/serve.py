@@ -20,13 +20,15 @@ _TP = typer.Option(
 
 
 def _kv_blocks(
-    kv_blocks: int | None, kv_memory: str | None, dtype: str, ckpt: str, tp: int | None
+    kv_blocks: int | None, kv_memory: str | None, dtype: str, ckpt: str, tp: int | None, cuda_graphs: bool
 ) -> int | None:
+    """The cache's blocks: --kv-blocks, or what --kv-memory holds (less the scratch block of
+    --cuda-graphs)."""
+    from mlm.errors import MlmError
+
     if kv_memory is None:
         return kv_blocks
     if kv_blocks is not None:
-        from mlm.errors import MlmError
-
         raise MlmError("give --kv-blocks or --kv-memory, not both")
     from mlm.inference.kv_cache import blocks_for_memory
     from mlm.inference.loader import model_config
@@ -34,7 +36,12 @@ def _kv_blocks(
     from mlm.units import DTYPES, parse_size
 
     cfg, dt = model_config(ckpt), DTYPES.get(dtype, DTYPES["fp32"])
-    return blocks_for_memory(cfg, 16, dt, parse_size(kv_memory, "--kv-memory"), tp or detect().world_size)
+    n = blocks_for_memory(cfg, 16, dt, parse_size(kv_memory, "--kv-memory"), tp or detect().world_size)
+    if cuda_graphs and n < 2:
+        raise MlmError(
+            f"--kv-memory {kv_memory} holds one block, which --cuda-graphs keeps as scratch: give more"
+        )
+    return n - int(cuda_graphs)
 
 
 def serve(
@@ -91,7 +98,7 @@ def serve(
     engine_config = EngineConfig(
         max_seqs=max_seqs,
         max_tokens_per_step=max_tokens_per_step,
-        num_blocks=_kv_blocks(kv_blocks, kv_memory, dtype, ckpt, tp),
+        num_blocks=_kv_blocks(kv_blocks, kv_memory, dtype, ckpt, tp, cuda_graphs),
         max_waiting=max_waiting,
         prefix_caching=prefix_caching,
         cuda_graphs=cuda_graphs,

@@ -8,6 +8,8 @@ equal the reference, on the same connection (the client's local port never chang
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -427,3 +429,41 @@ def test_more_choices_than_may_wait_is_a_400_not_a_429(fuzz):
             while engine.num_waiting < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert engine.num_waiting == 2
+
+
+def test_a_stream_whose_client_left_before_its_first_byte_is_cancelled(fuzz, monkeypatch):
+    """A streaming request whose client is gone before the response starts (the server's first
+    send fails, as uvicorn's does under ASGI 2.4 for a closed connection, so the event generator
+    never starts): its n = 3 choices are aborted, not generated to max_tokens."""
+    engine = fuzz.state.engine
+    forward = engine.runner.forward
+
+    def slow(segments):  # 90 steps of at least 20 ms: still running when the request has ended
+        time.sleep(0.02)
+        return forward(segments)
+
+    monkeypatch.setattr(engine.runner, "forward", slow)
+    wait_idle(engine)
+    aborted = engine.finished["abort"]
+    body = json.dumps({**GREEDY, "max_tokens": 90, "ignore_eos": True, "n": 3, "stream": True}).encode()
+    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-length", str(len(body)).encode())]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "headers": headers, "client": ("127.0.0.1", 1),
+    }  # fmt: skip
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            raise OSError("the client has gone")
+
+    async def request():
+        with contextlib.suppress(Exception):  # whatever the app makes of the failed send
+            await create_app(fuzz.state)(scope, receive, send)
+
+    asyncio.run(request())
+    wait_idle(engine)
+    assert engine.finished["abort"] == aborted + 3 and engine.cache.allocator.num_used == 0

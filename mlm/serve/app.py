@@ -335,6 +335,22 @@ async def _event_stream(stream: EngineStream, head: dict, choice, include_usage:
         stream.cancel()
 
 
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events of one engine stream, whose choices are cancelled however the response
+    ends: also when the client has gone before the first byte, where `_event_stream` never starts
+    (so its own `finally` never runs) and the choices would otherwise generate to max_tokens."""
+
+    def __init__(self, events, stream: EngineStream):
+        super().__init__(events, media_type="text/event-stream")
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.cancel()
+
+
 # ---------------------------------------------------------------------- the app
 
 
@@ -453,7 +469,7 @@ def create_app(state: ServerState) -> FastAPI:
 
         if req.stream:
             events = _event_stream(stream, head, choice, req.include_usage, None)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return EventStreamResponse(events, stream)
         (results,) = await collect(request, [stream])
         best = results
         if best_of > req.n:  # the n of highest summed log-prob, best first (ties keep their order)
@@ -504,7 +520,7 @@ def create_app(state: ServerState) -> FastAPI:
                 return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
 
             events = _event_stream(stream, head, choice, req.include_usage, first)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return EventStreamResponse(events, stream)
         (results,) = await collect(request, [stream])
         choices = [
             {
