@@ -84,6 +84,18 @@ def fuzz(tmp_path_factory, hf_tokenizer_json):
             yield f
 
 
+def slow_steps(monkeypatch, engine: Engine, seconds: float = 0.02) -> None:
+    """Every engine step takes at least `seconds`, so that a request of 90 tokens is surely still
+    running when its client goes away."""
+    forward = engine.runner.forward
+
+    def slow(segments):
+        time.sleep(seconds)
+        return forward(segments)
+
+    monkeypatch.setattr(engine.runner, "forward", slow)
+
+
 def failing_choose(monkeypatch) -> None:
     """Sampling raises for the requests seeded FAIL_SEED (choose is called per sampled row)."""
     real = sampling.choose
@@ -387,13 +399,7 @@ def test_n_choices_are_all_cancelled_when_the_client_disconnects(fuzz, monkeypat
     """n = 3 choices, streamed or not: a client that goes away aborts all three, and their cache
     blocks (shared prompt blocks included) go back."""
     engine = fuzz.state.engine
-    forward = engine.runner.forward
-
-    def slow(segments):  # 90 steps of at least 20 ms: surely running when the client leaves at 0.5 s
-        time.sleep(0.02)
-        return forward(segments)
-
-    monkeypatch.setattr(engine.runner, "forward", slow)
+    slow_steps(monkeypatch, engine)  # 90 steps: surely running when the client leaves at 0.5 s
     wait_idle(engine)
     aborted = engine.finished["abort"]
     body = {"prompt": PROMPT, "max_tokens": 90, "ignore_eos": True, "temperature": 1.0, "n": 3}
@@ -436,13 +442,7 @@ def test_a_stream_whose_client_left_before_its_first_byte_is_cancelled(fuzz, mon
     send fails, as uvicorn's does under ASGI 2.4 for a closed connection, so the event generator
     never starts): its n = 3 choices are aborted, not generated to max_tokens."""
     engine = fuzz.state.engine
-    forward = engine.runner.forward
-
-    def slow(segments):  # 90 steps of at least 20 ms: still running when the request has ended
-        time.sleep(0.02)
-        return forward(segments)
-
-    monkeypatch.setattr(engine.runner, "forward", slow)
+    slow_steps(monkeypatch, engine)  # 90 steps: still running when the request has ended
     wait_idle(engine)
     aborted = engine.finished["abort"]
     body = json.dumps({**GREEDY, "max_tokens": 90, "ignore_eos": True, "n": 3, "stream": True}).encode()

@@ -309,7 +309,8 @@ def _sse(data: dict | str) -> str:
 
 async def _event_stream(stream: EngineStream, head: dict, choice, include_usage: bool, first):
     """SSE chunks: `choice(i, out)` makes each chunk's choice (of index i); `first(i)`, when given,
-    a choice sent for each index before any token. A failure ends the stream with an error event."""
+    a choice sent for each index before any token. A failure ends the stream with an error event.
+    The choices left are cancelled by the response (`EventStreamResponse`), however it ends."""
     try:
         if first is not None:
             for i in range(stream.n):
@@ -331,8 +332,6 @@ async def _event_stream(stream: EngineStream, head: dict, choice, include_usage:
         log.exception("streaming %s failed", head["id"])
         yield _sse(ApiError(500, f"internal error: {type(e).__name__}: {e}").body())
         yield _sse("[DONE]")
-    finally:  # the client went away (the task is cancelled) or the stream ended
-        stream.cancel()
 
 
 class EventStreamResponse(StreamingResponse):
