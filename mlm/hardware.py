@@ -61,6 +61,10 @@ class Hardware:
     """GEMM side at which half of gemm_max is reached."""
     peak_fp32: float = 0.0
     """fp32 FLOP/s (used when training in fp32; 0: a quarter of the bf16 peak)."""
+    memory_efficiency: float = 0.85
+    """Fraction of hbm_bandwidth that elementwise kernels (norms, activations, casts) reach."""
+    host_bandwidth: float = 32e9
+    """Host-to-GPU bandwidth, one direction (bytes/s): PCIe 4.0 x16 32 GB/s, 5.0 x16 64 GB/s."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -70,8 +74,9 @@ class Hardware:
         for name in ("peak_bf16", "hbm_bytes", "intra_bandwidth", "inter_bandwidth"):
             if getattr(self, name) <= 0:
                 raise MlmError(f"hardware {self.name}: {name} must be positive")
-        if not 0 < self.gemm_max <= 1:
-            raise MlmError(f"hardware {self.name}: gemm_max={self.gemm_max} must be in (0, 1]")
+        for name in ("gemm_max", "memory_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise MlmError(f"hardware {self.name}: {name}={getattr(self, name)} must be in (0, 1]")
 
     def peak(self, precision: str) -> float:
         """Peak FLOP/s for a training precision (fp32 trains on the fp32 rate)."""

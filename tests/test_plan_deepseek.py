@@ -21,6 +21,7 @@ from mlm.plan.memory import parameter_counts as planned_counts
 from mlm.plan.memory import rank_stage
 from mlm.plan.report import model_line
 from mlm.plan.search import evaluate, plan, uneven_split
+from mlm.plan.software import Software
 from mlm.presets import PRESETS
 
 
@@ -31,24 +32,26 @@ def test_planned_parameter_counts_equal_the_built_models(preset):
 
 
 def test_compute_time_is_the_flops_of_mla_and_mtp():
-    # one GEMM efficiency whatever the shape, so the compute term is FLOPs / (peak × efficiency)
+    # one GEMM efficiency whatever the shape, and the attention core as two GEMMs over every score
+    # (no flash attention), so the compute term is FLOPs / (peak × efficiency)
     hw = dataclasses.replace(PROFILES["h100-80g"], gemm_half=0.0)
     sets = ["preset=tiny-deepseek", "model.mlp_kind=dense", "model.mtp_num_layers=2"]
-    job = make_job(None, sets, 8, 8, hw, 256, 16, None, "bf16")
+    unfused = Software("unfused", flash_attention=False)
+    job = make_job(None, sets, 8, 8, hw, 256, 16, None, "bf16", unfused)
     m, rate = job.cfg.model, hw.peak("bf16") * hw.gemm_max
     tokens = 2 * 256  # one micro-batch of 2 per rank: dp 8 at tp 1, 2 micro-batches at tp 2
     per_token = flops_per_token(m, 256)
     one = evaluate(job, Layout(1, 1, 8, 2, 16))
-    assert one.timing.terms["compute"] == pytest.approx(tokens * per_token / rate, rel=1e-12)
+    assert one.timing.terms["GEMMs and attention"] == pytest.approx(tokens * per_token / rate, rel=1e-12)
     # under tp 2 every GEMM splits but MLA's down-projections (3 layers and 2 MTP depths) and
     # eh_proj, which each rank computes whole over its own tokens (Megatron's layout): without
     # sequence parallelism the whole sequence, under it the rank's half
     whole = (3 + 2) * attention_flops(m, 256).replicated + 2 * eh_proj_flops(m)
     two = evaluate(job, Layout(2, 1, 4, 2, 16))
     expected = 2 * tokens * ((per_token - whole) / 2 + whole) / rate
-    assert two.timing.terms["compute"] == pytest.approx(expected, rel=1e-12)
+    assert two.timing.terms["GEMMs and attention"] == pytest.approx(expected, rel=1e-12)
     two_sp = evaluate(job, Layout(2, 1, 4, 2, 16, sequence_parallel=True))
-    assert two_sp.timing.terms["compute"] == pytest.approx(2 * tokens * per_token / 2 / rate, rel=1e-12)
+    assert two_sp.timing.terms["GEMMs and attention"] == pytest.approx(2 * tokens * per_token / 2 / rate, rel=1e-12)
 
 
 @pytest.mark.parametrize("q_lora", [24, None], ids=["query-latent", "no-query-latent"])
@@ -100,15 +103,16 @@ def test_deepseek_v3_plan_on_512_h100():
     """DeepSeek trained V3 on 2,048 H800 with PP 16, EP 64, no TP (arXiv 2412.19437 §3), hiding the
     cross-node all-to-all behind DualPipe: 180K GPU-hours per trillion tokens, 1,543 tokens/s per
     GPU (FP8 GEMMs). mlm overlaps no all-to-all, so the planner keeps ep inside a node (ep 8);
-    PP 16 over the 61 layers it also finds, at bf16 and about two thirds of that rate."""
+    PP 16 over the 61 layers it also finds, at bf16 and about half of that rate (mlm's torch-op
+    norms, and its fp32 weights cast to bf16 in each of the 128 micro-batches)."""
     job = make_job(None, ["preset=deepseek-v3"], 512, 8, load_hardware("h100-80g"), 4096, 4096, None, "bf16")
     result = plan(job, ep=8, cp=1)
     best = result.ranked[0]
     lo = best.layout
     assert (lo.pp, lo.ep, lo.first_stage_layers, lo.last_stage_layers) == (16, 8, 3, 2)
     assert lo.tp <= 8 and best.fits
-    assert 0.25 < best.timing.mfu < 0.5
-    assert 0.5 < best.timing.tokens_per_s_per_gpu / 1543 < 1.0
+    assert 0.2 < best.timing.mfu < 0.5
+    assert 0.4 < best.timing.tokens_per_s_per_gpu / 1543 < 1.0
     # tp 1, which DeepSeek used, does not fit here: mlm keeps fp32 weights and an fp32 gradient
     # buffer (8 bytes per parameter before the optimizer), 27.5 GB each on a 4-layer stage at ep 8
     assert "needs" in result.rejected[(1, 16)]

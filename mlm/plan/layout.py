@@ -11,16 +11,23 @@ from mlm.config import Config, load_config
 from mlm.errors import MlmError
 from mlm.flops import flops_per_token
 from mlm.hardware import Hardware
+from mlm.plan.software import Software, default_software
 
 
 @dataclass(frozen=True)
 class Job:
-    """The fixed inputs: model, sequence, batch, precision (all in `cfg`) and the cluster."""
+    """The fixed inputs: model, sequence, batch, precision (all in `cfg`), the cluster, and the
+    software whose kernels the time model counts (mlm's own by default, `mlm.plan.software`)."""
 
     cfg: Config
     gpus: int
     gpus_per_node: int
     hardware: Hardware
+    software: Software | None = None
+
+    def __post_init__(self):
+        if self.software is None:
+            object.__setattr__(self, "software", default_software(self.cfg))
 
     @property
     def seq(self) -> int:
@@ -100,6 +107,7 @@ def make_job(
     global_batch: int | None = None,
     tokens: int | None = None,
     precision: str = "bf16",
+    software: Software | None = None,
 ) -> Job:
     """The job from a run config and/or `--set` items (a preset among them), with the command's
     sequence, batch and precision applied over them; MlmError on an impossible request."""
@@ -127,4 +135,4 @@ def make_job(
         cfg = load_config(
             config, sets + [f"train.global_batch_size={global_batch}", "train.micro_batch_size=1"]
         )
-    return Job(cfg, gpus, gpus_per_node, hardware)
+    return Job(cfg, gpus, gpus_per_node, hardware, software)

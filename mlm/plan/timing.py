@@ -66,8 +66,13 @@ from mlm.flops import attention_flops, eh_proj_flops, logits_flops, mlp_flops
 from mlm.parallel.schedules import bubble_fraction
 from mlm.plan.layout import Job, Layout
 from mlm.plan.memory import Stage, buffer_bytes, kv_elems, local_tokens, param_bytes
+from mlm.plan.work import Work, embedding_work, layer_work, loss_work, parameter_work
 
 _AUTOCAST = ("bf16", "fp16")
+OPTIMIZER_BYTES = 36
+"""Bytes per local element of the optimizer step: fused AdamW reads the fp32 parameter, gradient
+and two moments and writes three (28), the gradient norm reads the gradient (4), and zeroing the
+gradient buffer writes it (4)."""
 
 
 @dataclass
@@ -222,30 +227,60 @@ def tp_layer_time(cfg: Config, job: Job, layout: Layout) -> float:
     return sec
 
 
+def gemm_rates(job: Job, layout: Layout) -> tuple[float, float, float]:
+    """(peak FLOP/s, GEMM efficiency of the layer's projections, rate of its tp-split GEMMs):
+    efficiency at the smallest GEMM side (tokens of a micro-batch, h/t, ffn/t); the peak is fp8's
+    under train.fp8 (the linear layers' GEMMs; attention stays in the compute dtype)."""
+    cfg, hw = job.cfg, job.hardware
+    e, t = layout.micro_batch * local_tokens(cfg, layout), layout.tp
+    peak = hw.peak("fp8" if cfg.train.fp8 else cfg.train.precision)
+    eff = hw.efficiency(min(e, cfg.model.hidden_size / t, cfg.model.ffn_size / t))
+    return peak, eff, t * peak * eff
+
+
+def core_seconds(job: Job, layout: Layout, recompute: str) -> float:
+    """Seconds per token of one layer's attention core (scores and values over the sequence) on a
+    rank. With flash attention (`Software.flash_attention`) the causal half Megatron's count
+    includes is skipped and the kernel runs at `attention_efficiency` of peak; without it both
+    batched GEMMs run over every score at the efficiency of their smallest side, the head dim
+    (their s × s outputs' memory traffic is `mlm.plan.work`'s). Full recompute repeats the
+    forward (a third of the work), selective recompute repeats it too (not torchtitan's per-op
+    policy, which keeps the attention output)."""
+    cfg, hw, sw = job.cfg, job.hardware, job.software
+    m, t = cfg.model, layout.tp
+    core = attention_flops(m, cfg.data.seq_length).core
+    again = recompute == "full" or (recompute == "selective" and sw.selective == "core")
+    core *= 4 / 3 if again else 1.0
+    peak = hw.peak(cfg.train.precision)
+    if sw.flash_attention:
+        return core / 2 / (t * peak * sw.attention_efficiency)
+    head = m.mla.qk_head_dim if m.attention_kind == "mla" else m.head_dim
+    return core / (t * peak * hw.efficiency(head))
+
+
 def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     """The step of `layout`; `stages`: the pipeline ranks to consider (the slowest sets the pace)."""
     cfg: Config = job.cfg
-    hw, m = job.hardware, cfg.model
-    s, t, u = cfg.data.seq_length, layout.tp, layout.tp if layout.sequence_parallel else 1
+    hw, m, sw = job.hardware, cfg.model, job.software
+    t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
     e, h = layout.micro_batch * local_tokens(cfg, layout), m.hidden_size
     total_per_token = job.flops_per_token
     logits_per_token = logits_flops(m)
-    attention = attention_flops(m, s)
-    peak = hw.peak(cfg.train.precision)
-    side = min(e, h / t, m.ffn_size / t)
-    eff = hw.efficiency(side)
-    rate = t * peak * eff
+    attention = attention_flops(m, cfg.data.seq_length)
+    peak, eff, rate = gemm_rates(job, layout)
     whole = replace(layout, recompute="none")  # MTP depths: `mlm.parallel.recompute` never wraps them
+    memory_rate = hw.hbm_bandwidth * hw.memory_efficiency
 
-    def layer_seconds(kind: str, recompute: str) -> float:
-        """Seconds per token of one layer of MLP kind `kind`: tp-split GEMMs at `rate`; MLA's
-        down-projections whole on each tp rank over its e/u tokens; the router and the routed
-        experts whole on each rank, on its e/u tokens, at the experts' GEMM efficiency (rows per
-        expert = the copies a rank's E/ep experts receive from the ep ranks)."""
-        rerun = {"full": 4 / 3, "selective": 1.0, "none": 1.0}[recompute]  # full: one more forward
-        core = attention.core / 3 if recompute == "selective" else 0.0  # the attention core again
+    def gemm_seconds(kind: str, recompute: str) -> float:
+        """Seconds per token of one layer's GEMMs of MLP kind `kind`: tp-split projections at
+        `rate`; MLA's down-projections whole on each tp rank over its e/u tokens; the router and
+        the routed experts whole on each rank, on its e/u tokens, at the experts' GEMM efficiency
+        (rows per expert = the copies a rank's E/ep experts receive from the ep ranks)."""
+        rerun = 4 / 3 if recompute == "full" else 1.0  # full: one more forward
+        if recompute == "selective" and sw.selective == "op":
+            rerun = 7 / 6  # torchtitan's per-op policy: every other matmul's forward again
         f = mlp_flops(m, kind)
-        sec = ((attention.tp + attention.core + f.tp) * rerun + core) / rate
+        sec = (attention.tp + f.tp) * rerun / rate
         sec += attention.replicated * rerun / (peak * eff * u)
         if kind == "moe":
             E, k = m.moe.num_experts, m.moe.router_topk
@@ -254,20 +289,41 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
             sec += (f.routed * rerun / eff_e + f.router * rerun / eff) / (peak * u)
         return sec
 
-    per_token = {kind: layer_seconds(kind, layout.recompute) for kind in set(job.mlp_kinds)}
-    # one MTP depth: its layer (the last layer's kind), eh_proj (replicated over tp, on this rank's
-    # e/u tokens) and another pass of the output layer
+    kinds = set(job.mlp_kinds)
+    gemm = {k: gemm_seconds(k, layout.recompute) for k in kinds}
+    core = core_seconds(job, layout, layout.recompute)
+    work = {k: layer_work(cfg, layout, sw, k, layout.recompute) for k in kinds}
+    # one MTP depth: its layer (the last layer's kind, never recomputed), eh_proj (replicated over
+    # tp, on this rank's e/u tokens) and another pass of the output layer and its loss
     last_kind = job.mlp_kinds[-1]
-    mtp_depth = (
-        layer_seconds(last_kind, "none") + eh_proj_flops(m) / (peak * eff * u) + logits_per_token / rate
+    mtp_gemm = (
+        gemm_seconds(last_kind, "none")
+        + core_seconds(job, whole, "none")
+        + eh_proj_flops(m) / (peak * eff * u)
+        + logits_per_token / rate
     )
+    mtp_work = layer_work(cfg, whole, sw, last_kind, "none")
+    mtp_work += loss_work(cfg, layout, sw)
+    loss = loss_work(cfg, layout, sw)
+    embed = embedding_work(cfg, layout)
 
-    def compute(stage: Stage) -> float:
-        layers = sum(per_token[k] * n for k, n in stage.kind_counts)
-        return e * (layers + (logits_per_token / rate if stage.last else 0.0) + stage.mtp * mtp_depth)
+    def stage_work(stage: Stage) -> tuple[float, float, float]:
+        """(GEMM and attention seconds, memory-bound seconds, kernels) of one micro-batch."""
+        c = e * sum((gemm[k] + core) * n for k, n in stage.kind_counts)
+        c += e * ((logits_per_token / rate if stage.last else 0.0) + stage.mtp * mtp_gemm)
+        w = Work()
+        for k, n in stage.kind_counts:
+            w.bytes += n * work[k].bytes
+            w.kernels += n * work[k].kernels
+        for part, times in ((loss, stage.last), (embed, stage.first), (mtp_work, stage.mtp)):
+            w.bytes += times * part.bytes
+            w.kernels += times * part.kernels
+        params = sum(stage.numels) + sum(stage.expert_numels)
+        w.bytes += parameter_work(cfg, sw, params, layout.recompute)
+        return c, w.bytes / memory_rate, w.kernels
 
     tp_layer = tp_layer_time(cfg, job, layout)
-    tp_mtp = tp_layer_time(cfg, job, whole)  # an MTP depth's layer: never recomputed
+    tp_mtp = tp_layer_time(cfg, job, whole)
     pp_bw, pp_lat = _link(hw, t * layout.cp * layout.dp < job.gpus_per_node)
     p2p = 2 * layout.vpp * (e * h / u * param_bytes(cfg) / pp_bw + pp_lat) if layout.pp > 1 else 0.0
     ep_one = ep_exchange_time(cfg, job, layout)
@@ -275,16 +331,24 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     # an MTP depth's layer communicates as a layer does, without recompute
     mtp_ep = ep_exchange_time(cfg, job, whole) if last_kind == "moe" else 0.0
     mtp_cp = cp_exchange_time(cfg, job, whole, rate)
+    # the batch from host memory: tokens, labels, loss mask and positions (8 + 8 + 4 + 8 bytes)
+    data = layout.micro_batch * local_tokens(cfg, layout) * 28 / hw.host_bandwidth
 
     per_micro = []
     for stage in stages:
-        c = compute(stage)
+        c, mem, kernels = stage_work(stage)
+        launch = max(0.0, kernels * sw.launch_s - c - mem)
         tp_s = len(stage.layers) * tp_layer + stage.mtp * tp_mtp
+        if sw.tp_overlap:  # pipelined in tp chunks with the GEMMs: the first chunk is exposed
+            tp_s = tp_s / t + max(0.0, tp_s * (t - 1) / t - c)
         ep_s = dict(stage.kind_counts).get("moe", 0) * ep_one + stage.mtp * mtp_ep
+        if sw.ep_overlap:  # behind another micro-batch's compute
+            ep_s = max(0.0, ep_s - c)
         cp_s = len(stage.layers) * cp_one + stage.mtp * mtp_cp
-        per_micro.append((c + tp_s + ep_s + cp_s + p2p, c, tp_s, ep_s, cp_s))
+        total = c + mem + launch + tp_s + ep_s + cp_s + p2p + data
+        per_micro.append((total, c, mem, launch, tp_s, ep_s, cp_s))
     slowest = max(per_micro)
-    c_mb, tp_mb, ep_mb, cp_mb = slowest[1:]
+    c_mb, mem_mb, launch_mb, tp_mb, ep_mb, cp_mb = slowest[1:]
     stretch = layout.num_micro / (1 - bubble_fraction(layout.pp, layout.num_micro, layout.vpp))
     bubble = (stretch - layout.num_micro) * slowest[0]
 
@@ -298,18 +362,27 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     for (_, grad_bytes, _), ranks in ((parts["dense"], layout.dp_cp), (parts["expert"], layout.edp)):
         elems = grad_bytes / 4
         wire = elems * (2 if cfg.parallel.grad_reduce_dtype == "bf16" else 4)
-        if layout.distributed_optimizer:
+        if layout.distributed_optimizer or sw.fsdp:
             reduce += _collective(wire, ranks, dp_bw, dp_lat, 1.0)
             gather += _collective(elems * param_bytes(cfg), ranks, dp_bw, dp_lat, 1.0)
             local += elems / ranks
         else:
             reduce += _collective(wire, ranks, dp_bw, dp_lat, 2.0)
             local += elems
-    dp_exposed = max(0.0, reduce - c_mb * 2 / 3) + max(0.0, gather - c_mb / 3)
-    optimizer = 28 * local / hw.hbm_bandwidth
+    if sw.fsdp:  # gathered again for each micro-batch's forward and backward, layer by layer
+        gathers = layout.num_micro * max(0.0, 2 * gather - c_mb)
+    elif sw.overlap_param_gather:
+        gathers = max(0.0, gather - c_mb / 3)
+    else:
+        gathers = gather
+    dp_exposed = (max(0.0, reduce - c_mb * 2 / 3) if sw.overlap_grad_reduce else reduce) + gathers
+    optimizer = OPTIMIZER_BYTES * local / memory_rate
 
     terms = {
-        "compute": layout.num_micro * c_mb,
+        "GEMMs and attention": layout.num_micro * c_mb,
+        "memory-bound ops": layout.num_micro * mem_mb,
+        "launch overhead (exposed)": layout.num_micro * launch_mb,
+        "data loading": layout.num_micro * data,
         "tp collectives": layout.num_micro * tp_mb,
         "ep all-to-all": layout.num_micro * ep_mb,
         "cp exchange (exposed)": layout.num_micro * cp_mb,
@@ -319,18 +392,25 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         "optimizer step": optimizer,
     }
     step = sum(terms.values())
-    work = slowest[0]
-    compute_s = terms["compute"] + bubble * (c_mb / work if work else 0)
-    comm_s = step - compute_s - optimizer
-    tokens = layout.global_batch * s
+    busy = slowest[0]
+    compute_s = terms["GEMMs and attention"] + bubble * (c_mb / busy if busy else 0)
+    fixed_s = (
+        optimizer
+        + terms["memory-bound ops"]
+        + terms["launch overhead (exposed)"]
+        + terms["data loading"]
+        + bubble * ((mem_mb + launch_mb + data) / busy if busy else 0)
+    )
+    comm_s = step - compute_s - fixed_s
+    tokens = layout.global_batch * cfg.data.seq_length
     gpus = layout.gpus
     return Timing(
         terms=terms,
         compute_s=compute_s,
         comm_s=comm_s,
-        fixed_s=optimizer,
+        fixed_s=fixed_s,
         step_s=step,
         tokens_per_s_per_gpu=tokens / step / gpus,
-        mfu=total_per_token * tokens / (step * gpus * peak),
+        mfu=total_per_token * tokens / (step * gpus * hw.peak(cfg.train.precision)),
         gemm_efficiency=eff,
     )

@@ -1,0 +1,53 @@
+"""The planner's time model against published training throughputs: predicted and measured tokens/s
+per GPU for every run in tests/data/published_throughput.toml (and its held-back rows), as the
+markdown table of docs/plan.md.
+
+    python bench/plan_published.py              # the table (runs, then the holdout)
+    python bench/plan_published.py --holdout    # only the held-back check (Narayanan et al. 2021)
+
+No GPU needed: it evaluates the model (`mlm.plan.published`), it does not train.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mlm.plan.published import evaluable, load_runs, predict
+
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "published_throughput.toml"
+
+
+def table(runs: list[dict]) -> str:
+    lines = [
+        "| run | GPUs | layout | software | measured tok/s/GPU | predicted | predicted / measured |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in runs:
+        if not evaluable(run):
+            continue
+        p = predict(run)
+        lo = p.candidate.layout
+        mesh = f"tp{lo.tp} pp{lo.pp}" + (f" vpp{lo.vpp}" if lo.vpp > 1 else "") + f" dp{lo.dp}"
+        mesh += (f" cp{lo.cp}" if lo.cp > 1 else "") + (f" ep{lo.ep}" if lo.ep > 1 else "")
+        mesh += f" mb{lo.micro_batch} {lo.recompute}"
+        lines.append(
+            f"| {run['id']} | {run['gpus']} | {mesh} | {p.candidate_software} | {p.measured:,.0f} | "
+            f"{p.predicted:,.0f} | {p.ratio:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--holdout", action="store_true", help="only the held-back rows")
+    args = ap.parse_args()
+    data = load_runs(DATA)
+    if not args.holdout:
+        print(table(data["run"]))
+        print()
+    print(table(data.get("holdout", [])))
+
+
+if __name__ == "__main__":
+    main()

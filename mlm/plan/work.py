@@ -1,0 +1,182 @@
+"""The work that does not run on tensor cores: bytes moved and kernels launched, per micro-batch.
+
+A layer's GEMMs are compute-bound; everything between them — norms, the activation, RoPE, the
+residual adds (with bias and dropout), the attention's layout copies, and without flash attention
+the softmax over every s × s score matrix — reads and writes whole activations once or a few times
+and is bound by memory bandwidth. So is the loss over the vocabulary, the cast of fp32 weights
+under autocast, a gradient accumulation outside the GEMM, and the optimizer step. For a small
+model these are a large share of the step; for a large one they vanish behind GEMMs.
+
+Counts are passes over a tensor of the autocast dtype (A bytes an element), forward and backward,
+for the kernels a `Software` profile uses (one fused kernel, or the torch ops of an unfused
+version), per token of the rank's tensor (widths over tp where the tensor is split):
+
+    norm (×2 per layer)     fused 2 + 3 (read x, write y; read x and dy, write dx), 1 + 2 kernels;
+                            torch ops (fp32 statistics, casts, weight) 12 + 24, 6 + 10 kernels;
+                            width h on e/u tokens (replicated over tp without sequence parallelism)
+    residual add (×2)       3 + 3 (read two, write one; the gradient's sum), 1 + 1 kernels; with
+                            biases or hidden dropout, fused bias-dropout-add +0.5 + 0.5 (the 1-byte
+                            mask), as torch ops +4 + 3 and 2 + 1 kernels more; width h on e/u tokens
+    attention output copy   2 + 2 ([b, s, heads, dim] to the projection's layout), 1 + 1 kernels
+    RoPE                    q and k: fused 2 + 2, 2 + 2 kernels; torch ops 8 + 8, 10 + 10 kernels
+    attention core          flash: reads q, k, v and writes the output (1 + 2 over each),
+                            1 + 3 kernels; else the scores, (H/t)·S per token: softmax fused 2 + 3
+                            (1 + 1 kernels) or as torch ops 6 + 6 (4 + 4), attention dropout
+                            +2.5 + 2.5 (1 + 1), and the two batched GEMMs each way
+    activation              GeLU fused 2 + 3, torch ops 4 + 8 (bias: +2 forward); SwiGLU fused
+                            3 + 5, torch ops 5 + 10; width ffn/t (an MoE layer: its k experts'
+                            width per token)
+    MoE dispatch            the k copies of each routed token permuted and unpermuted, 4 + 4 over
+                            k·h, plus the router's softmax and top-k over E (2 + 2); 8 + 8 kernels
+    GEMMs                   1 + 2 kernels each (q, k, v in one, out, the MLP's two or three)
+
+Forward passes repeat under recompute: full re-runs each layer's forward, selective the attention
+core's (`Software.selective` "elementwise" and "op": every elementwise op's instead).
+Under train.fp8 each GEMM's input is cast forward and its output gradient backward: 2.5 passes
+(read for the amax, read and write one byte), and each weight 6 B per micro-batch. Per local parameter and micro-batch: `weight_casts` 6 B forward (read fp32, write the
+compute dtype) and 6 B backward; without `grad_accumulation_fusion` 10 B (read the gradient and
+the fp32 accumulator, write it). The loss: about 48 bytes per logit as the vocab-parallel
+cross-entropy's torch ops move them (fp32 copies, max, exp, sum, the softmax gradient and its
+cast), 12 fused; 20 kernels or 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlm.config import Config
+from mlm.plan.layout import Layout
+from mlm.plan.memory import local_tokens
+from mlm.plan.software import Software
+
+NORM = {True: (2, 3, 1, 2), False: (12, 24, 6, 10)}
+ROPE = {True: (2, 2, 2, 2), False: (8, 8, 10, 10)}
+SOFTMAX = {True: (2, 3, 1, 1), False: (6, 6, 4, 4)}
+GELU = {True: (2, 3, 1, 1), False: (4, 8, 2, 4)}
+SWIGLU = {True: (3, 5, 1, 1), False: (5, 10, 2, 4)}
+LOSS_BYTES = {True: 12, False: 48}
+LOSS_KERNELS = {True: 4, False: 20}
+CAST_BYTES = 6
+FP8_PASSES = 2.5
+"""fp8 (train.fp8): reading a GEMM input for its amax, then reading it and writing one byte."""
+FP8_WEIGHT_BYTES = 6
+"""fp8: each weight read twice (amax, cast) and written as fp8 and as its fp8 transpose."""
+ACCUMULATE_BYTES = 10
+
+
+@dataclass
+class Work:
+    """Memory-bound bytes and kernels of one micro-batch's forward and backward."""
+
+    bytes: float = 0.0
+    kernels: float = 0.0
+
+    def add(self, passes: tuple, width: float, tokens: float, A: int, forward_times: int = 1) -> None:
+        """One op: (forward passes, backward passes, forward kernels, backward kernels) over
+        `width` elements per token of `tokens`, its forward run `forward_times` times."""
+        f, b, kf, kb = passes
+        self.bytes += (f * forward_times + b) * width * tokens * A
+        self.kernels += kf * forward_times + kb
+
+    def __iadd__(self, other: Work) -> Work:
+        self.bytes += other.bytes
+        self.kernels += other.kernels
+        return self
+
+
+def act_bytes(cfg: Config) -> int:
+    return 2 if cfg.train.precision in ("bf16", "fp16") else 4
+
+
+def layer_work(cfg: Config, layout: Layout, sw: Software, kind: str, recompute: str) -> Work:
+    """One layer of MLP kind `kind` for one micro-batch on one rank."""
+    m = cfg.model
+    t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
+    e = layout.micro_batch * local_tokens(cfg, layout)
+    A = act_bytes(cfg)
+    selective = sw.selective if recompute == "selective" else None
+    full = 2 if recompute == "full" or selective in ("op", "elementwise") else 1  # the forward's ops again
+    core = 2 if recompute == "full" or selective == "core" else 1
+    h, H, G = m.hidden_size, m.num_attention_heads, m.query_groups
+    if m.attention_kind == "mla":
+        qk, v = m.mla.qk_head_dim, m.mla.v_head_dim
+        q_width, kv_width, out_width = H * qk / t, H * (qk + v) / t, H * v / t
+    else:
+        K = m.head_dim
+        q_width, kv_width, out_width = H * K / t, 2 * G * K / t, H * K / t
+    w = Work()
+    w.add(NORM[sw.fused_norm], h, e / u, A, full)
+    w.add(NORM[sw.fused_norm], h, e / u, A, full)
+    if m.attention_kind == "mla":  # the latents' norms, on the rank's own tokens
+        latent = m.mla.kv_lora_rank + (m.mla.q_lora_rank or 0)
+        w.add(NORM[sw.fused_norm], latent, e / u, A, full)
+    if m.qk_norm:
+        w.add(NORM[sw.fused_norm], q_width + kv_width / 2, e, A, full)
+    residual = (3, 3, 1, 1)
+    if m.add_bias or m.hidden_dropout > 0:
+        residual = (3.5, 3.5, 1, 1) if sw.fused_residual else (7, 6, 3, 2)
+    w.add(residual, h, e / u, A, full)
+    w.add(residual, h, e / u, A, full)
+    w.add((2, 2, 1, 1), out_width, e, A, full)
+    if m.position_embedding == "rope":
+        rope_width = q_width + kv_width / 2 if m.attention_kind != "mla" else (H / t + 1) * m.mla.qk_rope_head_dim
+        w.add(ROPE[sw.fused_rope], rope_width, e, A, full)
+    if sw.flash_attention:
+        w.add((1, 2, 1, 3), q_width + kv_width + out_width, e, A, core)
+    else:
+        scores = H / t * cfg.data.seq_length
+        w.add(SOFTMAX[sw.fused_softmax], scores, e, A, core)
+        if m.attention_dropout > 0:
+            w.add((2.5, 2.5, 1, 1), scores, e, A, core)
+        w.kernels += 2 * core + 4  # the batched GEMMs QKᵀ and PV, and their backward
+    gated = m.activation == "swiglu"
+    act = SWIGLU[sw.fused_activation] if gated else GELU[sw.fused_activation]
+    if not gated and m.add_bias and not sw.fused_activation:
+        act = (act[0] + 2, act[1], act[2] + 1, act[3])
+    gemms = 4 + (1 if gated else 0)  # qkv, out, the MLP's (mlm's gate and up are two)
+    if kind == "moe":
+        moe = m.moe
+        k = moe.router_topk
+        w.add((2, 2, 4, 4), moe.num_experts, e / u, A, full)  # router softmax, top-k, aux
+        w.add((4, 4, 4, 4), k * h, e / u, A, full)  # permute and unpermute the copies
+        w.add(act, m.expert_ffn_size, e / u * k, A, full)
+        shared = moe.shared_expert_ffn_hidden_size or 0
+        if shared:
+            w.add(act, shared / t, e, A, full)
+        gemms = 2 + 1 + (3 if shared else 0) + (3 if gated else 2)  # grouped experts: one GEMM per matrix
+    else:
+        w.add(act, m.ffn_size / t, e, A, full)
+    w.kernels += gemms * (full + 2)
+    if cfg.train.fp8:  # each GEMM's input cast forward (amax, scale) and its output gradient backward
+        inputs = 2 * h + out_width + m.ffn_size / t
+        grads = q_width + kv_width + 2 * h + m.ffn_size / t * (2 if gated else 1)
+        w.add((FP8_PASSES, 0, gemms, 0), inputs, e, A, full)
+        w.add((0, FP8_PASSES, 0, gemms), grads, e, A)
+    if t > 1:
+        w.kernels += 4 + (2 if recompute == "full" else 0)  # the tp collectives
+    return w
+
+
+def loss_work(cfg: Config, layout: Layout, sw: Software) -> Work:
+    """The output layer's loss over the (padded) vocabulary for one micro-batch, last stage."""
+    fused = sw.fused_cross_entropy or cfg.model.fused_cross_entropy
+    e = layout.micro_batch * local_tokens(cfg, layout)
+    logits = e * cfg.model.padded_vocab_size(layout.tp) / layout.tp
+    return Work(LOSS_BYTES[fused] * logits, LOSS_KERNELS[fused] + 3)
+
+
+def embedding_work(cfg: Config, layout: Layout) -> Work:
+    """The embedding lookup and its scatter-add gradient for one micro-batch, first stage."""
+    u = layout.tp if layout.sequence_parallel else 1
+    e = layout.micro_batch * local_tokens(cfg, layout)
+    w = Work()
+    w.add((2, 3, 1, 2), cfg.model.hidden_size, e / u, act_bytes(cfg))
+    return w
+
+
+def parameter_work(cfg: Config, sw: Software, params: float, recompute: str) -> float:
+    """Bytes per micro-batch over a rank's `params` local parameters: autocast's weight casts, fp8's
+    weight casts, and a gradient accumulation outside the GEMM."""
+    casts = CAST_BYTES * (3 if recompute == "full" else 2) if sw.weight_casts else 0
+    casts += FP8_WEIGHT_BYTES if cfg.train.fp8 else 0
+    return params * (casts + (0 if sw.grad_accumulation_fusion else ACCUMULATE_BYTES))
