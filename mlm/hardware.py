@@ -13,6 +13,9 @@ direction (NVLink's "900 GB/s" is both directions together: 450 GB/s each way). 
                         7.7 TB/s, NVLink 5 1.8 TB/s; 400 Gb/s ConnectX-7 per GPU
 
 Latencies (5 µs in a node, 10 µs across) are typical NCCL small-message times, not datasheet values.
+The host link is PCIe 4.0 x16 (A100: 32 GB/s each way) or 5.0 x16 (H100, H200, B200: 64 GB/s).
+memory_efficiency 0.85 is the share of the datasheet bandwidth that streaming kernels (copies,
+elementwise ops) reach, an assumption in the range STREAM-like GPU benchmarks report (80-90 %).
 
 Achievable fraction of peak (`efficiency`): a GEMM of m × n × k reaches a fraction of peak that
 grows with its smallest dimension d and saturates: `gemm_max · d / (d + gemm_half)`. The default
@@ -100,11 +103,43 @@ PROFILES: dict[str, Hardware] = {
         "a100-80g", 312e12, 0.0, 80 * _GB, 2039e9, 300e9, 5e-6, 25e9, 10e-6, peak_fp32=156e12
     ),
     "h100-80g": Hardware(
-        "h100-80g", 989e12, 1979e12, 80 * _GB, 3350e9, 450e9, 5e-6, 50e9, 10e-6, peak_fp32=494e12
+        "h100-80g",
+        989e12,
+        1979e12,
+        80 * _GB,
+        3350e9,
+        450e9,
+        5e-6,
+        50e9,
+        10e-6,
+        peak_fp32=494e12,
+        host_bandwidth=64e9,
     ),
-    "h200": Hardware("h200", 989e12, 1979e12, 141 * _GB, 4800e9, 450e9, 5e-6, 50e9, 10e-6, peak_fp32=494e12),
+    "h200": Hardware(
+        "h200",
+        989e12,
+        1979e12,
+        141 * _GB,
+        4800e9,
+        450e9,
+        5e-6,
+        50e9,
+        10e-6,
+        peak_fp32=494e12,
+        host_bandwidth=64e9,
+    ),
     "b200": Hardware(
-        "b200", 2250e12, 4500e12, 180 * _GB, 7700e9, 900e9, 5e-6, 50e9, 10e-6, peak_fp32=1125e12
+        "b200",
+        2250e12,
+        4500e12,
+        180 * _GB,
+        7700e9,
+        900e9,
+        5e-6,
+        50e9,
+        10e-6,
+        peak_fp32=1125e12,
+        host_bandwidth=64e9,
     ),
 }
 

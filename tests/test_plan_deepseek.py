@@ -51,7 +51,9 @@ def test_compute_time_is_the_flops_of_mla_and_mtp():
     expected = 2 * tokens * ((per_token - whole) / 2 + whole) / rate
     assert two.timing.terms["GEMMs and attention"] == pytest.approx(expected, rel=1e-12)
     two_sp = evaluate(job, Layout(2, 1, 4, 2, 16, sequence_parallel=True))
-    assert two_sp.timing.terms["GEMMs and attention"] == pytest.approx(2 * tokens * per_token / 2 / rate, rel=1e-12)
+    assert two_sp.timing.terms["GEMMs and attention"] == pytest.approx(
+        2 * tokens * per_token / 2 / rate, rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("q_lora", [24, None], ids=["query-latent", "no-query-latent"])

@@ -123,7 +123,7 @@ def job_and_layout(run: dict) -> tuple[Job, Layout]:
             f'train.param_dtype="{dtype}"',
         ]
         if precision == "fp8":
-            sets.append(f'train.fp8="hybrid"')
+            sets.append('train.fp8="hybrid"')
         cfg = load_config(None, sets)
         fields = dict(run.get("hardware_overrides", {}))
         base = HARDWARE[profile_name(fields.pop("base", run["hardware"]))]
@@ -195,7 +195,9 @@ def evaluable(run: dict) -> bool:
         return False
     gaps = missing(run)
     if gaps and not set(gaps) - {"profile"} <= set(run.get("unknown", [])):
-        raise MlmError(f"published run {run.get('id', '?')!r}: missing {gaps} (neither in `unknown` nor assumed)")
+        raise MlmError(
+            f"published run {run.get('id', '?')!r}: missing {gaps} (neither in `unknown` nor assumed)"
+        )
     return not gaps
 
 

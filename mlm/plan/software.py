@@ -41,7 +41,6 @@ from pathlib import Path
 from mlm.errors import MlmError
 from mlm.fileio import read_toml
 
-
 SELECTIVE = ("core", "elementwise", "op")
 
 

@@ -1,19 +1,36 @@
-"""Predicted time of one training step of a layout, term by term.
+"""Predicted time of one training step of a layout, term by term, for the kernels and overlaps of a
+software profile (`mlm.plan.software`: mlm's own by default, or what a published run used).
 
-    compute     per micro-batch and pipeline rank: its tokens (micro-batch × seq_length / cp: under
+    GEMMs and attention
+                per micro-batch and pipeline rank: its tokens (micro-batch × seq_length / cp: under
                 context parallelism each rank holds 1/cp of every sequence, and the zigzag split
-                gives every cp rank the same causal attention work) × (its layers' FLOPs + the logits' on the
-                last stage; Megatron's count, `mlm.flops`), plus recompute (full: one more forward
-                of each layer; selective: one more forward of the attention core), over
-                tp × peak(precision) × efficiency(smallest GEMM side)  (`Hardware.efficiency`),
-                but MLA's down-projections over peak × efficiency on this rank's e/u tokens (u = tp
-                under sequence parallelism, else 1: replicated over tp, each rank computes them
-                whole for its own tokens, Megatron's layout);
+                gives every cp rank the same causal attention work) × its layers' GEMM FLOPs and
+                the logits' on the last stage (Megatron's count, `mlm.flops`), plus recompute
+                (full: one more forward of each layer; torchtitan's per-op selective policy: every
+                other matmul's), over tp × peak (fp8's under train.fp8) × efficiency(smallest GEMM
+                side) (`Hardware.efficiency`), but MLA's down-projections over peak × efficiency on
+                this rank's e/u tokens (u = tp under sequence parallelism, else 1: replicated over
+                tp, each rank computes them whole for its own tokens, Megatron's layout);
+                the attention core (`core_seconds`): with flash attention the causal half at the
+                profile's `attention_efficiency` of peak, without it two batched GEMMs over every
+                score at the efficiency of the head dim; selective and full recompute repeat it;
                 the last stage adds each MTP depth: its layer (never recomputed), eh_proj over its
                 e/u tokens and another pass of the output layer;
                 an MoE layer's router and k routed experts run whole on each rank over its e/u
                 tokens, at the efficiency of the expert GEMMs' smallest side (rows per expert
                 = e/u · k · ep / E: ep raises it)
+    memory-bound ops
+                the bytes a micro-batch's norms, activations, RoPE, residual adds, attention copies
+                (and without flash attention its softmax over the s × s scores), MoE dispatch, loss
+                over the vocabulary, embedding, fp8 and autocast casts and gradient accumulation
+                move (`mlm.plan.work`, by the profile's fused or torch-op kernels) over
+                hbm_bandwidth × memory_efficiency
+    launch overhead (exposed)
+                kernels per micro-batch × the profile's launch_s, where that host time exceeds the
+                GPU's work (small micro-batches of small models)
+    data loading
+                the micro-batch's tokens, labels, loss mask and positions (28 B a token) over the
+                host link
     tp          per layer and micro-batch 4 all-reduces of [b, s, h] (2 forward, 2 backward; under
                 sequence parallelism the same bytes as all-gathers + reduce-scatters; 6 with full
                 recompute), ring cost 2(t−1)/t · bytes / bandwidth + latency, on NVLink when the tp
@@ -26,7 +43,8 @@
                 and reduce-scatters, half of every pair)
     ep          per MoE layer and micro-batch the token exchange (`ep_exchange_time`): alltoall
                 about 4 · (e/u) · k · h · bytes · (ep − 1)/ep, the shares for ranks in the node
-                over NVLink, the rest over the network; not overlapped with compute (as in mlm)
+                over NVLink, the rest over the network; not overlapped with compute (as in mlm) unless
+                the profile's ep_overlap
     cp          per layer and micro-batch (`cp_exchange_time`), with s = seq_length / cp local tokens
                 and one message = this rank's K and V, 2·b·s·(G/t)·K·A bytes, on NVLink when the
                 cp group (tp·cp consecutive ranks) fits in a node, else on the network:
@@ -50,7 +68,13 @@
                 optimizer's all-gather of the parameters (fp32, or bf16/fp16 under
                 train.param_dtype) after the step, overlapped with the next step's first forward
                 (only the excess over a third of a micro-batch's compute counts)
-    optimizer   fused AdamW is memory-bound: 28 bytes read or written per local element / HBM bandwidth
+    optimizer   fused AdamW, the gradient norm and zeroing the gradients are memory-bound: 36 bytes
+                read or written per local element / (HBM bandwidth × memory efficiency)
+    overlaps    by the profile: `tp_overlap` (the tp collectives in tp chunks pipelined with the
+                GEMMs: the first chunk and any excess over the GEMMs count), `ep_overlap` (the
+                all-to-all behind another micro-batch's compute), `overlap_grad_reduce` and
+                `overlap_param_gather` (else the dp collectives count whole), `fsdp` (the
+                parameters gathered per layer for every micro-batch's forward and backward)
 
 Tokens/s per GPU = global batch × seq / step / GPUs; MFU = Megatron model FLOPs (no recompute)
 per step / (step × GPUs × peak).

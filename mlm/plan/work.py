@@ -119,7 +119,9 @@ def layer_work(cfg: Config, layout: Layout, sw: Software, kind: str, recompute: 
     w.add(residual, h, e / u, A, full)
     w.add((2, 2, 1, 1), out_width, e, A, full)
     if m.position_embedding == "rope":
-        rope_width = q_width + kv_width / 2 if m.attention_kind != "mla" else (H / t + 1) * m.mla.qk_rope_head_dim
+        rope_width = (
+            q_width + kv_width / 2 if m.attention_kind != "mla" else (H / t + 1) * m.mla.qk_rope_head_dim
+        )
         w.add(ROPE[sw.fused_rope], rope_width, e, A, full)
     if sw.flash_attention:
         w.add((1, 2, 1, 3), q_width + kv_width + out_width, e, A, core)
