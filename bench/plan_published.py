@@ -11,20 +11,26 @@ No GPU needed: it evaluates the model (`mlm.plan.published`), it does not train.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from mlm.plan.published import evaluable, load_runs, predict
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's `kernels` package, not bench/kernels.py
 
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "published_throughput.toml"
+from mlm.plan.published import evaluable, family, load_runs, predict  # noqa: E402
+
+DATA = ROOT / "tests" / "data" / "published_throughput.toml"
 
 
 def table(runs: list[dict]) -> str:
+    skipped: list[dict] = []
     lines = [
-        "| run | GPUs | layout | software | measured tok/s/GPU | predicted | predicted / measured |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| run | family | GPUs | layout | software | measured tokens/s/GPU | predicted | predicted / measured |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in runs:
         if not evaluable(run):
+            skipped.append(run)
             continue
         p = predict(run)
         lo = p.candidate.layout
@@ -32,9 +38,15 @@ def table(runs: list[dict]) -> str:
         mesh += (f" cp{lo.cp}" if lo.cp > 1 else "") + (f" ep{lo.ep}" if lo.ep > 1 else "")
         mesh += f" mb{lo.micro_batch} {lo.recompute}"
         lines.append(
-            f"| {run['id']} | {run['gpus']} | {mesh} | {p.candidate_software} | {p.measured:,.0f} | "
+            f"| {run['id']} | {family(run)} | {run['gpus']} | {mesh} | {p.candidate_software} | {p.measured:,.0f} | "
             f"{p.predicted:,.0f} | {p.ratio:.3f} |"
         )
+    if skipped:
+        lines.append("")
+        lines.append("Not evaluated:")
+        for run in skipped:
+            why = run.get("not_evaluated") or f"not published: {', '.join(run.get('unknown', []))}"
+            lines.append(f"- {run['id']}: {why}")
     return "\n".join(lines)
 
 

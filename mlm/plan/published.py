@@ -130,7 +130,9 @@ def job_and_layout(run: dict) -> tuple[Job, Layout]:
         hw = dataclasses.replace(base, name=run["hardware"], **fields) if fields else base
         sw = SOFTWARE[run["profile"]]
         if "software_overrides" in run:
-            sw = software_from_dict({"base": run["profile"], **run["software_overrides"]}, f"{rid}")
+            sw = software_from_dict(
+                {"base": run["profile"], **run["software_overrides"]}, f"published run {rid!r}"
+            )
         tp, pp, cp, vpp = run["tp"], run["pp"], run.get("cp", 1), run.get("vpp", 1)
         dp = run.get("dp", run["gpus"] // (tp * pp * cp))
         first, last = stage_split(run["num_layers"], pp, vpp)

@@ -142,7 +142,8 @@ def default_software(cfg) -> Software:
 
 
 def load_software(spec: str, cfg=None) -> Software:
-    """A built-in profile by name, a custom TOML profile by path, or (spec "auto") mlm's own."""
+    """A built-in profile by name, a custom TOML profile by path, or (spec "auto") mlm's own for
+    `cfg` (its model.kernels)."""
     if spec == "auto":
         return default_software(cfg) if cfg is not None else PROFILES["mlm"]
     if spec in PROFILES:
@@ -150,14 +151,15 @@ def load_software(spec: str, cfg=None) -> Software:
     path = Path(spec)
     if not path.is_file():
         raise MlmError(
-            f"--software {spec!r}: not a known profile ({', '.join(PROFILES)}) nor a TOML file; "
+            f"--software {spec!r}: not a known profile (auto, {', '.join(PROFILES)}) nor a TOML file; "
             "see docs/plan.md for the keys"
         )
-    return software_from_dict(read_toml(path), str(path))
+    return software_from_dict(read_toml(path), str(path), path.stem)
 
 
-def software_from_dict(data: dict, where: str) -> Software:
-    """A profile from TOML-like keys, optionally over `base = NAME`; MlmError naming `where`."""
+def software_from_dict(data: dict, where: str, name: str | None = None) -> Software:
+    """A profile from TOML keys, optionally over `base = NAME`; named `name`, or after its base and
+    the keys it changes ("megatron-core (tp_overlap)"); MlmError naming `where`."""
     data = dict(data)
     base = data.pop("base", None)
     known = {f.name for f in dataclasses.fields(Software)} - {"name"}
@@ -166,5 +168,10 @@ def software_from_dict(data: dict, where: str) -> Software:
         raise MlmError(f"{where}: unknown software keys {unknown}; known: {sorted(known)}")
     if base is not None and base not in PROFILES:
         raise MlmError(f"{where}: base={base!r} is not a built-in profile ({', '.join(PROFILES)})")
-    start = PROFILES[base] if base is not None else Software(Path(where).stem)
-    return dataclasses.replace(start, name=Path(where).stem if base is None else f"{base}+", **data)
+    if name is None:
+        name = f"{base} ({', '.join(data)})" if base and data else (base or where)
+    start = PROFILES[base] if base is not None else Software(name)
+    try:
+        return dataclasses.replace(start, name=name, **data)
+    except TypeError as e:
+        raise MlmError(f"{where}: {e}") from None
