@@ -1,0 +1,149 @@
+"""The time model's software profiles and memory-bound terms (`mlm.plan.software`, `mlm.plan.work`):
+byte counts by hand for one layer, and each profile switch moving the term it should."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mlm.errors import MlmError
+from mlm.plan.hardware import load_hardware
+from mlm.plan.layout import Layout, make_job
+from mlm.plan.search import evaluate
+from mlm.plan.software import PROFILES, Software, load_software
+from mlm.plan.work import layer_work, loss_work
+
+GPT = [
+    "model.num_layers=4",
+    "model.hidden_size=1024",
+    "model.num_attention_heads=16",
+    "model.vocab_size=51200",
+    'model.normalization="layernorm"',
+    'model.position_embedding="learned"',
+    'model.activation="gelu"',
+    "model.add_bias=true",
+    "model.hidden_dropout=0.1",
+    "model.attention_dropout=0.1",
+    "model.max_position_embeddings=2048",
+    'train.param_dtype="bf16"',
+]
+
+
+def _job(software: Software, sets=GPT, seq=2048):
+    return make_job(None, sets, 8, 8, load_hardware("a100-80g"), seq, 64, None, "bf16", software)
+
+
+def test_gpt_layer_bytes_by_hand_megatron_2021():
+    """One GPT layer, one micro-batch of 2 × 2048 tokens, tp 2 without sequence parallelism, as
+    Megatron-LM ran it in 2021 (`mlm/plan/work.py` lists the passes):
+    norms 2 × (2 + 3) h, residual bias-dropout-add 2 × (3.5 + 3.5) h (both on all e tokens, replicated
+    over tp), the output copy (2 + 2) h/t, the fused softmax (2 + 3) and attention dropout (2.5 + 2.5)
+    over (H/t)·S scores per token, fused bias-GeLU (2 + 3) f/t; A = 2 bytes."""
+    sw = PROFILES["megatron-2021"]
+    job = _job(sw)
+    lo = Layout(2, 1, 4, 2, 64)
+    e, h, t, f, S, H = 2 * 2048, 1024, 2, 4096, 2048, 16
+    per_token = 2 * 5 * h + 2 * 7 * h + 4 * h / t + 10 * (H / t) * S + 5 * f / t
+    w = layer_work(job.cfg, lo, sw, "dense", "none")
+    assert w.bytes == pytest.approx(e * per_token * 2, rel=1e-12)
+    # selective recompute runs the softmax and dropout forward again: (2 + 2.5) more passes
+    again = layer_work(job.cfg, lo, sw, "dense", "selective")
+    assert again.bytes - w.bytes == pytest.approx(e * 4.5 * (H / t) * S * 2, rel=1e-12)
+    # sequence parallelism splits the norms and residual adds over tp
+    sp = layer_work(job.cfg, Layout(2, 1, 4, 2, 64, sequence_parallel=True), sw, "dense", "none")
+    assert w.bytes - sp.bytes == pytest.approx(e * (2 * 5 + 2 * 7) * h / 2 * 2, rel=1e-12)
+
+
+def test_flash_attention_removes_the_scores_and_halves_the_core():
+    old, new = PROFILES["megatron-2021"], dataclasses.replace(PROFILES["megatron-2021"], flash_attention=True)
+    lo = Layout(1, 1, 8, 1, 64)
+    a, b = evaluate(_job(old), lo).timing, evaluate(_job(new), lo).timing
+    assert b.terms["memory-bound ops"] < 0.7 * a.terms["memory-bound ops"]  # the s × s passes
+    assert b.terms["GEMMs and attention"] < a.terms["GEMMs and attention"]
+
+
+def test_fused_kernels_and_weight_casts_move_only_memory_bound_work():
+    llama = [
+        "preset=tiny-llama",
+        "model.hidden_size=1024",
+        "model.num_attention_heads=16",
+        "model.max_position_embeddings=2048",
+    ]
+    lo = Layout(1, 1, 8, 1, 64)
+    plain, fused = (evaluate(_job(PROFILES[n], llama), lo).timing for n in ("mlm", "mlm-triton"))
+    assert plain.terms["GEMMs and attention"] == fused.terms["GEMMs and attention"]
+    assert plain.terms["memory-bound ops"] > 1.5 * fused.terms["memory-bound ops"]
+    no_casts = dataclasses.replace(PROFILES["mlm-triton"], weight_casts=False)
+    assert (
+        evaluate(_job(no_casts, llama), lo).timing.terms["memory-bound ops"] < fused.terms["memory-bound ops"]
+    )
+
+
+def test_loss_bytes_per_logit():
+    job = _job(PROFILES["megatron-2021"])
+    lo = Layout(2, 1, 4, 1, 64)
+    logits = 2048 * 51200 / 2
+    assert loss_work(job.cfg, lo, PROFILES["megatron-2021"]).bytes == 48 * logits
+    assert loss_work(job.cfg, lo, PROFILES["megatron-core"]).bytes == 12 * logits
+
+
+def test_launch_overhead_counts_only_where_the_host_is_slower():
+    tiny = ["preset=tiny-llama"]
+    lo = Layout(1, 1, 8, 1, 64)
+    fast = evaluate(_job(PROFILES["mlm"], tiny, seq=256), lo).timing
+    slow = evaluate(_job(dataclasses.replace(PROFILES["mlm"], launch_s=1e-3), tiny, seq=256), lo).timing
+    assert slow.terms["launch overhead (exposed)"] > 0.5 * slow.step_s
+    big = ["preset=llama3-8b"]
+    assert evaluate(_job(PROFILES["mlm"], big, seq=8192), lo).timing.terms["launch overhead (exposed)"] == 0
+    assert fast.terms["data loading"] > 0
+
+
+def test_overlaps_hide_their_collectives():
+    sets = ["preset=llama3-8b"]
+    job = make_job(
+        None, sets, 64, 8, load_hardware("h100-80g"), 8192, 64, None, "bf16", PROFILES["megatron-core"]
+    )
+    lo = Layout(8, 1, 8, 1, 64, sequence_parallel=True, distributed_optimizer=True)
+    base = evaluate(job, lo).timing
+    over = evaluate(
+        dataclasses.replace(job, software=dataclasses.replace(job.software, tp_overlap=True)), lo
+    ).timing
+    assert over.terms["tp collectives"] == pytest.approx(base.terms["tp collectives"] / 8)  # the first chunk
+    serial = dataclasses.replace(job.software, overlap_grad_reduce=False, overlap_param_gather=False)
+    assert (
+        evaluate(dataclasses.replace(job, software=serial), lo).timing.terms["dp (exposed)"]
+        > base.terms["dp (exposed)"]
+    )
+
+
+def test_fp8_uses_the_fp8_peak_for_the_linear_layers():
+    sets = ["preset=llama3-8b"]
+    hw = load_hardware("h100-80g")
+    lo = Layout(1, 1, 8, 1, 64)
+    bf16 = evaluate(make_job(None, sets, 8, 8, hw, 8192, 64, None, "bf16"), lo).timing
+    fp8 = evaluate(make_job(None, sets + ['train.fp8="hybrid"'], 8, 8, hw, 8192, 64, None, "bf16"), lo).timing
+    assert fp8.terms["GEMMs and attention"] < 0.75 * bf16.terms["GEMMs and attention"]
+    assert fp8.terms["memory-bound ops"] > bf16.terms["memory-bound ops"]  # the casts
+    assert fp8.mfu > bf16.mfu  # MFU stays over the bf16 peak
+
+
+def test_custom_software_profile(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('base = "megatron-core"\ntp_overlap = true\nattention_efficiency = 0.6\n')
+    sw = load_software(str(path))
+    assert (sw.name, sw.tp_overlap, sw.attention_efficiency, sw.fused_cross_entropy) == (
+        "mine",
+        True,
+        0.6,
+        True,
+    )
+    path.write_text('base = "megatron-core"\nflash = true\n')
+    with pytest.raises(MlmError, match=r"mine.toml: unknown software keys \['flash'\]"):
+        load_software(str(path))
+    path.write_text("attention_efficiency = 1.5\n")
+    with pytest.raises(MlmError, match=r"attention_efficiency=1.5 must be in \(0, 1\]"):
+        load_software(str(path))
+    with pytest.raises(MlmError, match="not a known profile"):
+        load_software("megatron-1999")
+    assert load_software("auto", _job(PROFILES["mlm"]).cfg).name == "mlm"
