@@ -171,6 +171,13 @@ def test_constraints_narrow_the_search(job, result, k, holds):
     assert narrowed.ranked[0].timing == allowed[0].timing
 
 
+def test_smallest_takes_the_least_memory_recompute_allowed(job):
+    """Given in any order, the recompute modes are tried least memory last (what `smallest` and
+    the GPUs-needed estimate use)."""
+    least = search(job, k=Constraints(recompute=("selective", "none")), smallest=True)
+    assert least.ranked and {c.layout.recompute for c in least.ranked} == {"selective"}
+
+
 def test_a_pinned_tp_crosses_nodes():
     """On nodes of 4, the search rejects tp 8 unasked; pinned, tp 8 is evaluated (and fits)."""
     job4 = make_job(None, ["preset=llama3-70b"], 512, 4, load_hardware("h100-80g"), 8192, 1024)

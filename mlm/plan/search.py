@@ -59,7 +59,7 @@ class Constraints:
     micro_batch: int | None = None
     """only this micro-batch (any divisor of global batch / dp, even above MAX_MICRO_BATCH)"""
     recompute: tuple[str, ...] = RECOMPUTE
-    """the recompute modes to try, in RECOMPUTE's order (least memory last)"""
+    """the recompute modes to try (none, selective, full)"""
     cp_comm_type: str | None = None
     """only this attention under context parallelism (p2p, all_gather)"""
 
@@ -316,6 +316,7 @@ def _cp_layouts(
         mbs = [k.micro_batch] if (gb // dp) % k.micro_batch == 0 else []
     else:
         mbs = [d for d in _divisors(gb // dp) if d <= (1 if smallest else MAX_MICRO_BATCH)]
+    rcs = [r for r in RECOMPUTE if r in k.recompute]  # least memory last
     for vpp in [k.vpp] if k.vpp is not None else vpps:
         try:
             first, last = stage_split(L, pp, vpp)
@@ -325,7 +326,7 @@ def _cp_layouts(
             m = gb // (mb * dp)
             if vpp > 1 and m % pp:
                 continue
-            for rc in k.recompute[-1:] if smallest else k.recompute:
+            for rc in rcs[-1:] if smallest else rcs:
                 for dist in (False,) if dp * cp == 1 else optimizers[-1:] if smallest else optimizers:
                     for e in eps:
                         yield Layout(tp, pp, dp, mb, gb, vpp, tp > 1, rc, dist, first, last, cp, e, comm)
