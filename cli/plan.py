@@ -4,14 +4,28 @@ mlm plan --preset llama3-70b --gpus 512 --hardware h100-80g --global-batch 1024 
 mlm plan --preset llama3-70b --gpus 512 --explain --png plan.png
 mlm plan --preset mixtral-8x7b --gpus 64 --global-batch 512 --ep 8
 mlm plan --preset llama3-8b --gpus 64 --seq-length 131072 --global-batch 64 --cp 8
+mlm plan --preset llama3-70b --gpus 512 --max-tp 4 --recompute none,selective --micro-batch 1
+mlm plan --preset llama3-70b --gpus 512 --layout tp8pp4vpp2cp2p2pzero1mb1rcsel -o plan.toml
 mlm plan --config run.toml --gpus 8 --calibrate runs/x/metrics.jsonl --save-profile mine.toml
+
+The report goes to stdout (to stderr with `-o -`, whose plan then has stdout to itself); in a file
+every table is whole, on a terminal too narrow for one it is stacked (`mlm.plan.report.Grid`).
+`--layout` exits 2 on an invalid mesh (the rule's message) and 1 when the layout does not fit.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
+
+LAYOUT_HELP = (
+    "Explain one layout instead of searching: tp<N> pp<N> vpp<N> dp<N> cp<N> ep<N> sp zero1 p2p ag "
+    "(as mlm parity --layouts) and mb<N>, rcnone|rcsel|rcfull, e.g. tp8pp4vpp2cp2mb1rcsel; missing "
+    "sizes are 1 but dp (what --gpus leaves), sp is on with tp > 1, and the choices not given "
+    "(micro-batch, recompute, zero1, p2p/ag) are the fastest that fit."
+)
 
 
 def plan(
@@ -57,16 +71,28 @@ def plan(
     save_profile: Path | None = typer.Option(
         None, "--save-profile", help="Write the calibrated profile here."
     ),
+    layout: Annotated[str | None, typer.Option("--layout", help=LAYOUT_HELP)] = None,
+    tp: Annotated[int | None, typer.Option("--tp", help="Only this tensor-parallel size.")] = None,
+    pp: Annotated[int | None, typer.Option("--pp", help="Only this pipeline-parallel size.")] = None,
+    max_tp: Annotated[int | None, typer.Option("--max-tp", help="Tensor-parallel sizes up to this.")] = None,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="Only this micro-batch.")] = None,
+    recompute: Annotated[
+        str | None,
+        typer.Option("--recompute", help="Only these recompute modes: none, selective, full (a comma list)."),
+    ] = None,
 ) -> None:
     """Choose tp × pp × dp × cp (and ep for MoE models), micro-batch, recompute and optimizer
     sharding; predict memory and speed."""
-    from mlm.console import console
+    from mlm.console import console, make_console
     from mlm.errors import MlmError
     from mlm.plan import report
     from mlm.plan.hardware import hardware_toml, load_hardware
     from mlm.plan.layout import make_job
+    from mlm.plan.search import RECOMPUTE, Constraints
     from mlm.plan.search import plan as search
     from mlm.planfile import dumps, write_plan
+
+    out = make_console(stderr=output == "-")
 
     if optimizer not in ("auto", "adam", "distributed"):
         raise MlmError(f"--optimizer {optimizer!r}: must be auto, adam or distributed")
@@ -89,23 +115,46 @@ def plan(
         runs = [load_run(m, gpus, gpus_per_node, job.hardware) for m in calibrate]
         hw, c, b = refit(job.hardware, runs)
         after = [load_run(m, gpus, gpus_per_node, hw) for m in calibrate]
-        console.print(report.calibration_table(runs, after, c, b))
+        out.print(report.calibration_table(runs, after, c, b))
         if save_profile:
             from mlm.fileio import atomic_write_text
 
             atomic_write_text(save_profile, hardware_toml(hw))
             console.print(f"wrote {save_profile}; plan with --hardware {save_profile}")
         return
-    result = search(job, optimizer, ep, cp)
-    if not 1 <= pick <= len(result.ranked):
-        raise MlmError(f"--pick {pick}: {len(result.ranked)} plans fit; choose 1 to {len(result.ranked)}")
-    chosen = result.ranked[pick - 1]
-    console.print(report.ranked_table(job, result, top))
-    console.print(report.rejected_table(result))
-    if explain:
-        console.print(report.explain(job, chosen))
+    modes = tuple(r.strip() for r in recompute.split(",")) if recompute is not None else RECOMPUTE
+    k = Constraints(tp=tp, pp=pp, max_tp=max_tp, micro_batch=micro_batch, recompute=modes)
+    if layout is not None:
+        pinned = [
+            o
+            for o, v in (
+                ("--tp", tp),
+                ("--pp", pp),
+                ("--max-tp", max_tp),
+                ("--ep", ep),
+                ("--cp", cp),
+                ("--micro-batch", micro_batch),
+                ("--recompute", recompute),
+            )
+            if v is not None
+        ]
+        if pinned:
+            raise MlmError(
+                f"--layout {layout} with {', '.join(pinned)}: the layout gives the mesh and its choices; "
+                "write them in it (tp<N>, pp<N>, ep<N>, cp<N>, mb<N>, rcnone/rcsel/rcfull)"
+            )
+        chosen, ranked = _explain_layout(job, layout, optimizer, out), None
+    else:
+        result = search(job, optimizer, ep, cp, k)
+        if not 1 <= pick <= len(result.ranked):
+            raise MlmError(f"--pick {pick}: {len(result.ranked)} plans fit; choose 1 to {len(result.ranked)}")
+        chosen, ranked = result.ranked[pick - 1], result.ranked
+        out.print(report.ranked_table(job, result, top))
+        out.print(report.rejected_table(result))
+        if explain:
+            out.print(report.explain(job, chosen, layout_arg(chosen.layout)))
     if png:
-        report.save_memory_png(job, result.ranked, str(png), top)
+        report.save_memory_png(job, ranked or [chosen], str(png), top)
         console.print(f"wrote {png}")
         if chosen.layout.pp > 1:
             schedule = png.with_name(f"{png.stem}-schedule.png")
@@ -118,3 +167,60 @@ def plan(
         else:
             write_plan(output, report.plan_dict(job, chosen, preset or job.cfg.preset, sets))
             console.print(f"wrote {output}: mlm train --config RUN.toml --plan {output}")
+
+
+def layout_arg(lo) -> str:
+    """A plan's layout as `--layout` reads it back to the same plan ('tp4pp8dp4cp4p2pspzero1mb1rcnone';
+    `--optimizer adam` appended where a replicated optimizer was chosen over dp × cp ranks)."""
+    from mlm.train.parity.layouts import layout_text
+
+    text = layout_text(
+        lo.tp,
+        lo.pp,
+        lo.vpp,
+        lo.dp,
+        lo.cp,
+        lo.ep,
+        lo.sequence_parallel,
+        lo.distributed_optimizer,
+        lo.cp_comm_type,
+        lo.micro_batch,
+        lo.recompute,
+    )
+    return text + (" --optimizer adam" if lo.dp_cp > 1 and not lo.distributed_optimizer else "")
+
+
+def _explain_layout(job, text: str, optimizer: str, out):
+    """Print `--layout TEXT`'s explanation and what was chosen for it; its candidate if it fits,
+    else exit 1 after its memory breakdown (an invalid mesh is the rule's MlmError: exit 2)."""
+    from mlm.console import console
+    from mlm.plan import report
+    from mlm.plan.search import explain_layout, why_not
+    from mlm.train.parity.layouts import parse_terms
+
+    terms = parse_terms(text, planner=True)
+    c, result = explain_layout(job, terms, optimizer)
+    lo, given = c.layout, terms.sizes.keys() | terms.flags
+    chosen = [f"dp {lo.dp} (from --gpus {job.gpus})"] if "dp" not in given else []
+    if lo.tp > 1 and "sp" not in given:
+        chosen.append("sequence parallelism on (tp > 1)")
+    if terms.micro_batch is None:
+        chosen.append(f"micro-batch {lo.micro_batch}")
+    if terms.recompute is None:
+        chosen.append(f"recompute {lo.recompute}")
+    if "zero1" not in given and optimizer == "auto" and lo.dp_cp > 1:
+        chosen.append(f"{'distributed' if lo.distributed_optimizer else 'replicated'} optimizer")
+    if lo.cp > 1 and terms.cp_comm_type is None:
+        chosen.append(f"{lo.cp_comm_type} attention")
+    of = f"{len(result.ranked)} that fit" if c.fits else f"none of {result.evaluated} fits; the least memory"
+    out.print(report.model_line(job), highlight=False)
+    out.print(
+        f"--layout {terms.name} on {job.gpus} × {job.hardware.name}: {result.evaluated} layouts of this "
+        f"mesh evaluated, {of}" + (f"; chosen: {', '.join(chosen)}" if chosen else ""),
+        highlight=False,
+    )
+    out.print(report.explain(job, c, layout_arg(lo)))
+    if not c.fits:
+        console.print(f"[bold red]does not fit:[/] --layout {terms.name} {why_not(c)}", highlight=False)
+        raise typer.Exit(1)
+    return c

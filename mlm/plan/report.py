@@ -1,13 +1,20 @@
 """What `mlm plan` prints and writes: the ranked table, rejected families, `--explain` for one
-layout, the plan-file dict, and the `--png` drawing (memory bars + the best plan's schedule)."""
+layout, the plan-file dict, and the `--png` drawing (memory bars + the best plan's schedule).
+
+Every table is a `Grid`: rich's table where its natural width fits (always in a file, whose
+console is `mlm.console.LOG_WIDTH` wide), otherwise one block per row of `column: value` pairs, so
+that no header or cell is ever abbreviated or cut, however narrow the terminal."""
 
 from __future__ import annotations
 
-from rich.console import Group
+import textwrap
+
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from mlm.console import human
+from mlm.console import LOG_WIDTH, human
 from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
 from mlm.plan.layout import Job, Layout
 from mlm.plan.memory import (
@@ -20,6 +27,8 @@ from mlm.plan.memory import (
 from mlm.plan.search import Candidate, SearchResult
 
 GB = 1e9
+MESH_CHOICES = ("mesh", "sp", "recompute", "dist opt")
+"""The ranked table's left-justified columns (words); the others are numbers."""
 MEMORY_ORDER = (
     "weights",
     "gradients",
@@ -33,6 +42,57 @@ MEMORY_ORDER = (
 )
 
 
+class Grid:
+    """A table shown whole: rich's Table at its natural width where that fits the console, else
+    stacked, one block per row of `column: value` pairs packed into lines (a pair is never split
+    unless it alone is wider than the console; then it wraps, whole)."""
+
+    def __init__(self, title: str, columns: tuple[str, ...], right: tuple[str, ...] = ()):
+        self.title, self.columns, self.right = title, columns, right
+        self.rows: list[tuple[tuple[str, ...], bool]] = []
+
+    def add_row(self, *cells: str, bold: bool = False) -> None:
+        assert len(cells) == len(self.columns), (cells, self.columns)
+        self.rows.append((cells, bold))
+
+    def table(self) -> Table:
+        t = Table(title=self.title, title_justify="left")
+        for col in self.columns:
+            t.add_column(col, justify="right" if col in self.right else "left", no_wrap=True)
+        for cells, bold in self.rows:
+            t.add_row(*cells, style="bold" if bold else None)
+        return t
+
+    def stacked(self, width: int) -> Text:
+        out = Text(self.title)
+        for cells, bold in self.rows:
+            lines = [""]
+            for pair in (f"{c}: {v}" for c, v in zip(self.columns, cells, strict=True)):
+                if lines[-1] and len(lines[-1]) + 3 + len(pair) > width:
+                    lines.append("    ")
+                if len(lines[-1]) + len(pair) > width:  # alone too wide: wrapped at spaces, indented
+                    lines[-1:] = textwrap.wrap(
+                        pair,
+                        width,
+                        initial_indent=lines[-1],
+                        subsequent_indent="        ",
+                        break_long_words=False,
+                    )
+                    lines.append("    ")
+                else:
+                    lines[-1] += ("   " if lines[-1].strip() else "") + pair
+            out.append("\n" + "\n".join(x for x in lines if x.strip()), style="bold" if bold else "")
+        return out
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        table = self.table()
+        natural = Measurement.get(console, options.update(max_width=LOG_WIDTH), table).maximum
+        if natural <= options.max_width:
+            yield table
+        else:
+            yield self.stacked(options.max_width)
+
+
 def _mesh(lo: Layout) -> str:
     s = f"tp{lo.tp} pp{lo.pp}" + (f" vpp{lo.vpp}" if lo.vpp > 1 else "") + f" dp{lo.dp}"
     if lo.cp > 1:
@@ -40,7 +100,7 @@ def _mesh(lo: Layout) -> str:
     if lo.ep > 1:
         s += f" ep{lo.ep}"
     if lo.first_stage_layers is not None:
-        s += f" ({lo.first_stage_layers}/…/{lo.last_stage_layers} layers)"
+        s += f" (first/last stage {lo.first_stage_layers}/{lo.last_stage_layers} layers)"
     return s
 
 
@@ -55,16 +115,32 @@ def model_line(job: Job) -> str:
     )
 
 
-def ranked_table(job: Job, result: SearchResult, top: int) -> Table:
-    t = Table(
-        title=f"mlm plan: {job.gpus} × {job.hardware.name}, {result.evaluated} layouts evaluated, "
-        f"{len(result.ranked)} fit; best {min(top, len(result.ranked))}\n{model_line(job)}",
-        title_justify="left",
+RANKED_COLUMNS = (
+    "#",
+    "mesh",
+    "sp",
+    "mb",
+    "m",
+    "recompute",
+    "dist opt",
+    "weights",
+    "grads",
+    "optim",
+    "activ.",
+    "other",
+    "total GB",
+    "step s",
+    "tok/s/GPU",
+    "MFU",
+)
+
+
+def ranked_table(job: Job, result: SearchResult, top: int) -> Grid:
+    title = (
+        f"mlm plan: {job.gpus} × {job.hardware.name}, {result.evaluated} layouts evaluated, "
+        f"{len(result.ranked)} fit; best {min(top, len(result.ranked))}\n{model_line(job)}"
     )
-    for col in ("#", "mesh", "sp", "mb", "m", "recompute", "dist opt"):
-        t.add_column(col, justify="right" if col in ("#", "mb", "m") else "left")
-    for col in ("weights", "grads", "optim", "activ.", "other", "total GB", "step s", "tok/s/GPU", "MFU"):
-        t.add_column(col, justify="right")
+    t = Grid(title, RANKED_COLUMNS, right=tuple(c for c in RANKED_COLUMNS if c not in MESH_CHOICES))
     for i, c in enumerate(result.ranked[:top], 1):
         lo, mem = c.layout, c.memory.components
         other = sum(
@@ -73,11 +149,11 @@ def ranked_table(job: Job, result: SearchResult, top: int) -> Table:
         t.add_row(
             str(i),
             _mesh(lo),
-            "on" if lo.sequence_parallel else "",
+            "on" if lo.sequence_parallel else "off",
             str(lo.micro_batch),
             str(lo.num_micro),
             lo.recompute,
-            "yes" if lo.distributed_optimizer else "",
+            "yes" if lo.distributed_optimizer else "no",
             *(f"{mem[k] / GB:.1f}" for k in ("weights", "gradients", "optimizer", "activations")),
             f"{other / GB:.1f}",
             f"{c.memory.total / GB:.1f}",
@@ -88,18 +164,16 @@ def ranked_table(job: Job, result: SearchResult, top: int) -> Table:
     return t
 
 
-def rejected_table(result: SearchResult) -> Table:
-    t = Table(title="rejected families (tp, pp)", title_justify="left")
-    t.add_column("tp", justify="right")
-    t.add_column("pp", justify="right")
-    t.add_column("why")
+def rejected_table(result: SearchResult) -> Grid:
+    t = Grid("rejected families (tp, pp)", ("tp", "pp", "why"), right=("tp", "pp"))
     for (tp, pp), why in sorted(result.rejected.items()):
         t.add_row(str(tp), str(pp), why)
     return t
 
 
-def explain(job: Job, c: Candidate) -> Group:
-    """Every term of one layout's memory and time, with the equations' inputs."""
+def explain(job: Job, c: Candidate, layout_arg: str | None = None) -> Group:
+    """Every term of one layout's memory and time, with the equations' inputs; `layout_arg`: the
+    layout as `mlm plan --layout` reads it, shown in the heading."""
     cfg, lo, mem, tm = job.cfg, c.layout, c.memory, c.timing
     m = cfg.model
     head = Text(
@@ -109,6 +183,8 @@ def explain(job: Job, c: Candidate) -> Group:
         f"optimizer, {cfg.train.precision}; {job.gpus} × {job.hardware.name}",
         style="bold",
     )
+    if layout_arg:
+        head.append(f"\n--layout {layout_arg}", style="bold")
     if lo.ep > 1:
         moe = m.moe
         head.append(
@@ -126,23 +202,21 @@ def explain(job: Job, c: Candidate) -> Group:
             + ("; the rank also holds an embedding copy for their inputs" if lo.pp > 1 else ""),
             style="bold",
         )
-    mt = Table(
-        title=f"memory per GPU (pipeline rank {mem.pp_rank}, {mem.in_flight} micro-batch chunks in flight)",
-        title_justify="left",
+    mt = Grid(
+        f"memory per GPU (pipeline rank {mem.pp_rank}, {mem.in_flight} micro-batch chunks in flight)",
+        ("component", "GB"),
+        right=("GB",),
     )
-    mt.add_column("component")
-    mt.add_column("GB", justify="right")
     for k in MEMORY_ORDER:
         if k in mem.components:
             mt.add_row(k, f"{mem.components[k] / GB:.2f}")
-    mt.add_row("total", f"{mem.total / GB:.2f} of {mem.hbm / GB:.0f}", style="bold")
+    mt.add_row("total", f"{mem.total / GB:.2f} of {mem.hbm / GB:.0f}", bold=True)
     moe_layer = "expert outputs" in mem.per_layer
-    lt = Table(
-        title=f"activations per {'MoE ' if moe_layer else ''}layer and micro-batch (mlm's layers)",
-        title_justify="left",
+    lt = Grid(
+        f"activations per {'MoE ' if moe_layer else ''}layer and micro-batch (mlm's layers)",
+        ("part", "MB"),
+        right=("MB",),
     )
-    lt.add_column("part")
-    lt.add_column("MB", justify="right")
     for k, v in mem.per_layer.items():
         lt.add_row(k, f"{v / 1e6:.1f}")
     mode = (
@@ -159,14 +233,12 @@ def explain(job: Job, c: Candidate) -> Group:
         "total",
         f"{sum(mem.per_layer.values()) / 1e6:.1f}  ({'a dense GPT layer, ' if moe_layer else ''}"
         f"Korthikanti et al. {mode}: {paper / 1e6:.1f})",
-        style="bold",
+        bold=True,
     )
-    tt = Table(title="time per step", title_justify="left")
-    tt.add_column("term")
-    tt.add_column("s", justify="right")
+    tt = Grid("time per step", ("term", "s"), right=("s",))
     for k, v in tm.terms.items():
         tt.add_row(k, f"{v:.3f}")
-    tt.add_row("step", f"{tm.step_s:.3f}", style="bold")
+    tt.add_row("step", f"{tm.step_s:.3f}", bold=True)
     rates = Text(
         f"GEMM efficiency {tm.gemm_efficiency:.1%} of {job.hardware.peak(cfg.train.precision) / 1e12:.0f} "
         f"TFLOP/s; {tm.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; MFU {tm.mfu:.1%}"
@@ -205,14 +277,13 @@ def context_parallel_line(job: Job, lo: Layout) -> str:
     )
 
 
-def calibration_table(before: list, after: list, c: float, b: float) -> Table:
+def calibration_table(before: list, after: list, c: float, b: float) -> Grid:
     """Measured step against the prediction before and after calibration, per run."""
-    t = Table(
-        title=f"calibration: compute × {c:.3f}, communication × {b:.3f}",
-        title_justify="left",
+    t = Grid(
+        f"calibration: compute × {c:.3f}, communication × {b:.3f}",
+        ("run", "mesh", "measured s", "predicted before", "after"),
+        right=("measured s", "predicted before", "after"),
     )
-    for col in ("run", "mesh", "measured s", "predicted before", "after"):
-        t.add_column(col, justify="left" if col in ("run", "mesh") else "right")
     for r0, r1 in zip(before, after, strict=True):
         t.add_row(
             str(r0.path),

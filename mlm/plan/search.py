@@ -14,6 +14,12 @@ tp × pp and splits the sequence (seq_length divisible by 2·cp, times tp under 
 parallelism: `check_cp`), with both attention implementations (p2p, all_gather); dp is what is
 left, and gradients are reduced over dp × cp; each rank keeps at least MIN_CP_TOKENS tokens of a
 sequence. `cp=` pins one.
+
+`Constraints` narrow the search (`mlm plan --tp/--pp/--max-tp/--micro-batch/--recompute`): only
+the families and choices they allow are enumerated, and a pinned tp is tried even when it crosses
+nodes. `explain_layout` evaluates one mesh (`mlm plan --layout`) with the search restricted to it,
+the choices it leaves open (micro-batch, recompute, optimizer sharding, cp attention) the fastest
+that fits.
 """
 
 from __future__ import annotations
@@ -38,6 +44,59 @@ seq 8192 the best cp 16 plans of llama3-8b on 64 GPUs and llama3-70b on 512 are 
 slower than their best, cp 32 2.7× and 1.4×; `--cp` pins any size)."""
 
 
+@dataclass(frozen=True)
+class Constraints:
+    """What the search may choose beyond `search`'s own `optimizer`, `ep` and `cp` (None: any)."""
+
+    tp: int | None = None
+    """only this tensor-parallel size (tried even when it crosses nodes)"""
+    pp: int | None = None
+    """only this pipeline-parallel size"""
+    max_tp: int | None = None
+    """tensor-parallel sizes up to this"""
+    vpp: int | None = None
+    """only this number of virtual stages per pipeline rank"""
+    micro_batch: int | None = None
+    """only this micro-batch (any divisor of global batch / dp, even above MAX_MICRO_BATCH)"""
+    recompute: tuple[str, ...] = RECOMPUTE
+    """the recompute modes to try (none, selective, full)"""
+    cp_comm_type: str | None = None
+    """only this attention under context parallelism (p2p, all_gather)"""
+
+    def allows(self, tp: int, pp: int) -> bool:
+        return self.tp in (None, tp) and self.pp in (None, pp) and (self.max_tp is None or tp <= self.max_tp)
+
+
+def check_constraints(job: Job, k: Constraints) -> None:
+    """MlmError naming the `mlm plan` option, the rule and the fix for a value no layout can have."""
+    N, cfg, gb = job.gpus, job.cfg, job.global_batch
+    for opt, v in (("--tp", k.tp), ("--pp", k.pp), ("--max-tp", k.max_tp), ("--micro-batch", k.micro_batch)):
+        if v is not None and v < 1:
+            raise MlmError(f"{opt} {v}: must be at least 1")
+    if k.tp is not None:
+        if N % k.tp:
+            raise MlmError(f"--tp {k.tp} does not divide --gpus {N}; choose one of {_divisors(N)}")
+        check_tensor_parallel(cfg.model, cfg.model.padded_vocab_size(k.tp), k.tp)
+        if k.max_tp is not None and k.tp > k.max_tp:
+            raise MlmError(f"--tp {k.tp} is above --max-tp {k.max_tp}; give one of them")
+    if k.pp is not None:
+        if N % k.pp:
+            raise MlmError(f"--pp {k.pp} does not divide --gpus {N}; choose one of {_divisors(N)}")
+        stage_split(cfg.model.num_layers, k.pp, k.vpp or 1)
+    if k.micro_batch is not None and gb % k.micro_batch:
+        raise MlmError(
+            f"--micro-batch {k.micro_batch} does not divide the global batch {gb}: each dp rank runs "
+            f"whole micro-batches; choose a divisor of {gb} / dp, e.g. one of "
+            f"{', '.join(map(str, _divisors(gb)[:8]))}"
+        )
+    bad = [r for r in k.recompute if r not in RECOMPUTE]
+    if bad or not k.recompute:
+        raise MlmError(
+            f"--recompute {','.join(k.recompute)!r}: each must be one of {', '.join(RECOMPUTE)} "
+            "(a comma list tries those, e.g. --recompute none,selective)"
+        )
+
+
 @dataclass
 class Candidate:
     layout: Layout
@@ -56,6 +115,8 @@ class SearchResult:
     rejected: dict[tuple[int, int], str] = field(default_factory=dict)
     """(tp, pp) → why no layout of that family is in `ranked`."""
     evaluated: int = 0
+    least: dict[tuple[int, int], Candidate] = field(default_factory=dict)
+    """(tp, pp) → the family's layout needing the least memory, where none fits."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -228,11 +289,12 @@ def _family_layouts(
     smallest: bool = False,
     ep: int | None = None,
     cps: tuple[int, ...] = (1,),
+    k: Constraints = Constraints(),
 ):
     for cp in cps:
-        comms = CP_COMM_TYPES if cp > 1 else CP_COMM_TYPES[:1]
+        comms = CP_COMM_TYPES[:1] if cp == 1 else (k.cp_comm_type,) if k.cp_comm_type else CP_COMM_TYPES
         for comm in comms:
-            yield from _cp_layouts(job, tp, pp, cp, comm, optimizers, smallest, ep)
+            yield from _cp_layouts(job, tp, pp, cp, comm, optimizers, smallest, ep, k)
 
 
 def _cp_layouts(
@@ -244,21 +306,27 @@ def _cp_layouts(
     optimizers: tuple[bool, ...],
     smallest: bool,
     ep: int | None,
+    k: Constraints,
 ):
     L, gb = job.cfg.model.num_layers, job.global_batch
     dp = job.gpus // (tp * pp * cp)
     eps = expert_parallel_sizes(job.cfg, dp * cp * tp, ep)
     vpps = [1] + [v for v in range(2, 9) if L // (pp * v) >= 2] if pp > 1 else [1]
-    for vpp in vpps:
+    if k.micro_batch is not None:
+        mbs = [k.micro_batch] if (gb // dp) % k.micro_batch == 0 else []
+    else:
+        mbs = [d for d in _divisors(gb // dp) if d <= (1 if smallest else MAX_MICRO_BATCH)]
+    rcs = [r for r in RECOMPUTE if r in k.recompute]  # least memory last
+    for vpp in [k.vpp] if k.vpp is not None else vpps:
         try:
             first, last = stage_split(L, pp, vpp)
         except MlmError:
             continue
-        for mb in (d for d in _divisors(gb // dp) if d <= (1 if smallest else MAX_MICRO_BATCH)):
+        for mb in mbs:
             m = gb // (mb * dp)
             if vpp > 1 and m % pp:
                 continue
-            for rc in ("full",) if smallest else RECOMPUTE:
+            for rc in rcs[-1:] if smallest else rcs:
                 for dist in (False,) if dp * cp == 1 else optimizers[-1:] if smallest else optimizers:
                     for e in eps:
                         yield Layout(tp, pp, dp, mb, gb, vpp, tp > 1, rc, dist, first, last, cp, e, comm)
@@ -270,12 +338,14 @@ def search(
     smallest: bool = False,
     ep: int | None = None,
     cp: int | None = None,
+    k: Constraints = Constraints(),
 ) -> SearchResult:
     """Every valid layout of `job`; `optimizer`: adam (replicated), distributed, or auto (both).
     `smallest`: only the least memory of each mesh (micro-batch 1, full recompute, the optimizer
-    sharded if allowed), enough to tell whether anything fits. `ep`, `cp`: only this
-    expert-parallel / context-parallel size (default: every valid one)."""
+    sharded if allowed, as far as `k` allows), enough to tell whether anything fits. `ep`, `cp`:
+    only this expert-parallel / context-parallel size (default: every valid one); `k`: the rest."""
     cfg, N, g = job.cfg, job.gpus, job.gpus_per_node
+    check_constraints(job, k)
     if ep is not None:
         check_ep(cfg, ep)
     if cp is not None:
@@ -289,6 +359,8 @@ def search(
         if tp > cfg.model.num_attention_heads:
             break
         for pp in _divisors(N // tp):
+            if not k.allows(tp, pp):
+                continue
             key = (tp, pp)
             try:
                 Mesh.shape_for(cfg.parallel.__class__(tp=tp, pp=pp, cp=cp or 1, ep=ep or 1), N)
@@ -298,7 +370,7 @@ def search(
             except MlmError as e:
                 result.rejected[key] = _first_line(e)
                 continue
-            if tp > g:
+            if tp > g and k.tp is None:
                 result.rejected[key] = f"tp={tp} crosses nodes (gpus_per_node={g})"
                 continue
             whole = tuple(c for c in cps if job.global_batch % (N // (tp * pp * c)) == 0)
@@ -308,7 +380,7 @@ def search(
                 continue
             least: Candidate | None = None  # the family's smallest need
             fitting = []
-            for layout in _family_layouts(job, tp, pp, optimizers, smallest, ep, whole):
+            for layout in _family_layouts(job, tp, pp, optimizers, smallest, ep, whole, k):
                 c = evaluate(job, layout, stages)
                 result.evaluated += 1
                 if c.fits:
@@ -319,6 +391,7 @@ def search(
                 result.ranked += fitting
             elif least is not None:
                 result.rejected[key] = why_not(least)
+                result.least[key] = least
             else:
                 result.rejected[key] = "no micro-batch schedule fits the global batch"
     result.ranked.sort(key=lambda c: (-c.timing.tokens_per_s_per_gpu, c.memory.total))
@@ -340,12 +413,18 @@ def why_not(c: Candidate) -> str:
     return f"needs {_gb(c.memory.total)} > {_gb(c.memory.hbm)} at best ({how}): {big}"
 
 
-def plan(job: Job, optimizer: str = "auto", ep: int | None = None, cp: int | None = None) -> SearchResult:
+def plan(
+    job: Job,
+    optimizer: str = "auto",
+    ep: int | None = None,
+    cp: int | None = None,
+    k: Constraints = Constraints(),
+) -> SearchResult:
     """`search`, or an MlmError saying what would be needed when nothing fits."""
-    result = search(job, optimizer, ep=ep, cp=cp)
+    result = search(job, optimizer, ep=ep, cp=cp, k=k)
     if result.ranked:
         return result
-    need = _gpus_needed(job, optimizer, ep, cp)
+    need = _gpus_needed(job, optimizer, ep, cp, k)
     reasons = "; ".join(f"tp={tp} pp={pp}: {r}" for (tp, pp), r in list(result.rejected.items())[:4])
     more = (
         f"it needs at least {need} GPUs ({need // job.gpus_per_node} nodes of {job.gpus_per_node})"
@@ -358,8 +437,38 @@ def plan(job: Job, optimizer: str = "auto", ep: int | None = None, cp: int | Non
     )
 
 
-def _gpus_needed(job: Job, optimizer: str, ep: int | None = None, cp: int | None = None) -> int | None:
-    """The smallest multiple of gpus_per_node (and of a pinned cp) on which some layout fits
+def explain_layout(job: Job, terms, optimizer: str = "auto") -> tuple[Candidate, SearchResult]:
+    """The layout `terms` describe (a parsed `mlm plan --layout`: `sizes` {"tp": 8, ...}, `flags`
+    {"zero1", ...}, `micro_batch`, `recompute`, `cp_comm_type`, None where not given): missing
+    sizes are 1 but dp, which is what --gpus leaves; sequence parallelism is on with tp > 1; the
+    choices not given (micro-batch, recompute, optimizer sharding, cp attention) are the fastest
+    that fit, from the search restricted to the mesh. Returns that candidate, or where none fits
+    the one needing the least memory, and the restricted search; MlmError (the rule's own
+    message) when the mesh is invalid."""
+    sizes, L, gb = terms.sizes, job.cfg.model.num_layers, job.global_batch
+    tp, pp, vpp, cp, ep = (sizes.get(d, 1) for d in ("tp", "pp", "vpp", "cp", "ep"))
+    if "zero1" in terms.flags:
+        if optimizer == "adam":
+            raise MlmError(
+                f"--layout {terms.name}: zero1 shards the optimizer, --optimizer adam replicates it; drop one"
+            )
+        optimizer = "distributed"
+    parallel = job.cfg.parallel.__class__(tp=tp, pp=pp, cp=cp, ep=ep)
+    dp = sizes["dp"] if "dp" in sizes else Mesh.shape_for(parallel, job.gpus)["dp"]
+    first, last = stage_split(L, pp, vpp)
+    mb, rc = terms.micro_batch, terms.recompute
+    probe = Layout(tp, pp, dp, mb or 1, gb, vpp, tp > 1, rc or "full", False, first, last, cp, ep)
+    check_layout(job, replace(probe, cp_comm_type=terms.cp_comm_type or "p2p"))
+    k = Constraints(tp, pp, None, vpp, mb, (rc,) if rc else RECOMPUTE, terms.cp_comm_type)
+    result = search(job, optimizer, ep=ep, cp=cp, k=k)
+    assert result.ranked or (tp, pp) in result.least, result.rejected  # a valid mesh has layouts
+    return (result.ranked[0] if result.ranked else result.least[(tp, pp)]), result
+
+
+def _gpus_needed(
+    job: Job, optimizer: str, ep: int | None = None, cp: int | None = None, k: Constraints = Constraints()
+) -> int | None:
+    """The smallest multiple of gpus_per_node (and of a pinned cp × tp × pp) on which some layout fits
     (doubling, then bisecting), the global batch raised to a multiple of the GPU count where
     needed; None beyond 64×."""
 
@@ -367,9 +476,9 @@ def _gpus_needed(job: Job, optimizer: str, ep: int | None = None, cp: int | None
         cfg = job.cfg
         if job.global_batch % n:
             cfg = replace(cfg, train=replace(cfg.train, global_batch_size=math.lcm(job.global_batch, n)))
-        return bool(search(replace(job, gpus=n, cfg=cfg), optimizer, smallest=True, ep=ep, cp=cp).ranked)
+        return bool(search(replace(job, gpus=n, cfg=cfg), optimizer, smallest=True, ep=ep, cp=cp, k=k).ranked)
 
-    g = math.lcm(job.gpus_per_node, cp or 1)
+    g = math.lcm(job.gpus_per_node, (cp or 1) * (k.tp or 1) * (k.pp or 1))
     lo, hi = max(job.gpus, g) // g, max(job.gpus, g) // g * 2
     while not fits(hi * g):
         lo, hi = hi, hi * 2

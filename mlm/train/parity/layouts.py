@@ -9,6 +9,10 @@ the config's); missing sizes are 1 and the world size is tp × pp × dp × cp. E
 folds over each pipeline stage's dp × cp × tp ranks (`mlm.parallel.mesh`), so it adds no ranks:
 where `ep<N>` comes without `dp<N>`, dp is the smallest that ep folds over, N / gcd(N, tp × cp)
 (`ep2` is dp 2, `tp2ep2` and `cp2ep2` dp 1). Junk is an MlmError naming the bad term.
+
+`mlm plan --layout` reads the same terms (`parse_terms`) plus two of its own, `mb<N>` (the
+micro-batch) and `rcnone` / `rcsel` / `rcfull` (recompute none, selective, full); `mlm parity`
+refuses those two: its runs take both from the config.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from dataclasses import dataclass
 from mlm.errors import MlmError
 
 TERMS_HELP = "use tp<N>, pp<N>, vpp<N>, dp<N>, cp<N>, ep<N>, sp, zero1, p2p, ag"
-_TERM = re.compile(r"(vpp|tp|pp|dp|cp|ep)(\d*)|sp|zero1|p2p|ag")
+PLAN_TERMS_HELP = TERMS_HELP + ", mb<N> (micro-batch), rcnone, rcsel, rcfull (recompute)"
+_TERM = re.compile(r"(vpp|tp|pp|dp|cp|ep|mb)(\d*)|rc(none|sel|full)|sp|zero1|p2p|ag")
+RECOMPUTE_TERMS = {"none": "none", "sel": "selective", "full": "full"}
+"""`rc<X>` → the recompute it chooses (model.recompute)."""
 COMM_TERMS = {"p2p": "p2p", "ag": "all_gather"}
 """The layout terms that choose parallel.cp_comm_type."""
 
@@ -67,20 +74,51 @@ class Layout:
         return sets
 
 
-def parse_layout(text: str) -> Layout:
-    """'tp2dp2sp' → Layout(tp=2, dp=2, sp=True); MlmError naming the bad term otherwise."""
-    name, sizes, flags, i = text.strip(), {}, set(), 0
+@dataclass(frozen=True)
+class Terms:
+    """A layout's terms as written: `sizes` ({"tp": 2, ...}, only those given), `flags` ({"sp", ...}),
+    `recompute` (None unless an rc term is given)."""
+
+    name: str
+    sizes: dict[str, int]
+    flags: frozenset[str]
+    recompute: str | None = None
+
+    @property
+    def micro_batch(self) -> int | None:
+        return self.sizes.get("mb")
+
+    @property
+    def cp_comm_type(self) -> str | None:
+        comms = sorted(self.flags & COMM_TERMS.keys())
+        return COMM_TERMS[comms[0]] if comms else None
+
+
+def parse_terms(text: str, planner: bool = False) -> Terms:
+    """'tp2dp2sp' → its terms; `planner`: also mb<N> and rc<X> (`mlm plan --layout`). MlmError
+    naming the bad term otherwise."""
+    name, sizes, flags, recompute, i = text.strip(), {}, set(), None, 0
+    option, terms_help = ("--layout", PLAN_TERMS_HELP) if planner else ("--layouts", TERMS_HELP)
     if not name:
-        raise MlmError(f"empty layout in --layouts; {TERMS_HELP}, e.g. tp2dp2")
+        raise MlmError(f"empty layout in {option}; {terms_help}, e.g. tp2dp2")
     while i < len(name):
         m = _TERM.match(name, i)
         if m is None:
             j = next((j for j in range(i + 1, len(name)) if _TERM.match(name, j)), len(name))
-            raise MlmError(f"layout {name!r}: unknown term {name[i:j]!r}; {TERMS_HELP}")
-        term, (dim, digits) = m.group(0), m.groups()
-        if (dim or term) in sizes.keys() | flags:
-            raise MlmError(f"layout {name!r}: {dim or term} is given twice")
-        if dim is None:
+            raise MlmError(f"layout {name!r}: unknown term {name[i:j]!r}; {terms_help}")
+        term, (dim, digits, rc) = m.group(0), m.groups()
+        key = "rc" if rc else dim or term
+        if not planner and key in ("mb", "rc"):
+            raise MlmError(
+                f"layout {name!r}: {term!r} is a term of `mlm plan --layout`; mlm parity takes the "
+                "micro-batch and recompute from the config: --set train.micro_batch_size=N, "
+                "--set model.recompute=full"
+            )
+        if key in sizes.keys() | flags or key == "rc" and recompute:
+            raise MlmError(f"layout {name!r}: {'recompute' if key == 'rc' else key} is given twice")
+        if rc:
+            recompute = RECOMPUTE_TERMS[rc]
+        elif dim is None:
             flags.add(term)
         elif not digits or int(digits) < 1:
             raise MlmError(f"layout {name!r}: {term!r} needs a size of at least 1, e.g. {dim}2")
@@ -95,10 +133,40 @@ def parse_layout(text: str) -> Layout:
             f"layout {name!r}: {comms[0]} chooses context parallelism's attention "
             f"(parallel.cp_comm_type) and needs cp<N> with N ≥ 2, e.g. cp2{comms[0]}"
         )
+    return Terms(name, sizes, frozenset(flags), recompute)
+
+
+def parse_layout(text: str) -> Layout:
+    """'tp2dp2sp' → Layout(tp=2, dp=2, sp=True); MlmError naming the bad term otherwise."""
+    terms = parse_terms(text)
+    sizes, flags = dict(terms.sizes), terms.flags
     if "ep" in sizes and "dp" not in sizes:  # the fewest ranks ep folds over (it adds none)
         sizes["dp"] = sizes["ep"] // math.gcd(sizes["ep"], sizes.get("tp", 1) * sizes.get("cp", 1))
-    comm = COMM_TERMS[comms[0]] if comms else None
-    return Layout(name, **sizes, sp="sp" in flags, zero1="zero1" in flags, cp_comm_type=comm)
+    return Layout(
+        terms.name, **sizes, sp="sp" in flags, zero1="zero1" in flags, cp_comm_type=terms.cp_comm_type
+    )
+
+
+def layout_text(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    dp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    sp: bool = False,
+    zero1: bool = False,
+    cp_comm_type: str | None = None,
+    micro_batch: int | None = None,
+    recompute: str | None = None,
+) -> str:
+    """The terms `parse_terms(..., planner=True)` reads back as these values, e.g. 'tp8pp2vpp2dp32sp'."""
+    text = f"tp{tp}pp{pp}" + (f"vpp{vpp}" if vpp > 1 else "") + f"dp{dp}"
+    if cp > 1:
+        text += f"cp{cp}" + next((t for t, c in COMM_TERMS.items() if c == cp_comm_type), "")
+    text += (f"ep{ep}" if ep > 1 else "") + ("sp" if sp else "") + ("zero1" if zero1 else "")
+    text += f"mb{micro_batch}" if micro_batch is not None else ""
+    return text + next((f"rc{t}" for t, r in RECOMPUTE_TERMS.items() if r == recompute), "")
 
 
 def parse_layouts(text: str) -> list[Layout]:
