@@ -7,6 +7,7 @@ mlm plan --preset llama3-8b --gpus 64 --seq-length 131072 --global-batch 64 --cp
 mlm plan --preset llama3-70b --gpus 512 --max-tp 4 --recompute none,selective --micro-batch 1
 mlm plan --preset llama3-70b --gpus 512 --layout tp8pp4vpp2cp2p2pzero1mb1rcsel -o plan.toml
 mlm plan --config run.toml --gpus 8 --calibrate runs/x/metrics.jsonl --save-profile mine.toml
+mlm plan --preset llama3-70b --gpus 512 --software megatron-core   # predicted for Megatron-core's kernels
 
 The report goes to stdout (to stderr with `-o -`, whose plan then has stdout to itself); in a file
 every table is whole, on a terminal too narrow for one it is stacked (`mlm.plan.report.Grid`).
@@ -15,6 +16,7 @@ every table is whole, on a terminal too narrow for one it is stacked (`mlm.plan.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -80,6 +82,14 @@ def plan(
         str | None,
         typer.Option("--recompute", help="Only these recompute modes: none, selective, full (a comma list)."),
     ] = None,
+    software: Annotated[
+        str,
+        typer.Option(
+            "--software",
+            help="Kernels the time model counts: auto (mlm's own), mlm, mlm-triton, megatron-2021, "
+            "megatron-2022, megatron-core, torchtitan, or a profile TOML.",
+        ),
+    ] = "auto",
 ) -> None:
     """Choose tp × pp × dp × cp (and ep for MoE models), micro-batch, recompute and optimizer
     sharding; predict memory and speed."""
@@ -90,6 +100,7 @@ def plan(
     from mlm.plan.layout import make_job
     from mlm.plan.search import RECOMPUTE, Constraints
     from mlm.plan.search import plan as search
+    from mlm.plan.software import load_software
     from mlm.planfile import dumps, write_plan
 
     out = make_console(stderr=output == "-")
@@ -108,13 +119,14 @@ def plan(
         tokens,
         precision,
     )
+    job = dataclasses.replace(job, software=load_software(software, job.cfg))
     if calibrate:
         from mlm.plan.calibrate import calibrate as refit
         from mlm.plan.calibrate import load_run
 
-        runs = [load_run(m, gpus, gpus_per_node, job.hardware) for m in calibrate]
+        runs = [load_run(m, gpus, gpus_per_node, job.hardware, job.software) for m in calibrate]
         hw, c, b = refit(job.hardware, runs)
-        after = [load_run(m, gpus, gpus_per_node, hw) for m in calibrate]
+        after = [load_run(m, gpus, gpus_per_node, hw, job.software) for m in calibrate]
         out.print(report.calibration_table(runs, after, c, b))
         if save_profile:
             from mlm.fileio import atomic_write_text

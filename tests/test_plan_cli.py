@@ -53,6 +53,7 @@ def test_layout_of_each_top_plan_reads_back_to_it(job, result):
         assert back.memory.components == c.memory.components and back.timing == c.timing
     best = result.ranked[0].layout
     mesh = f"tp{best.tp}pp{best.pp}dp{best.dp}" + (f"cp{best.cp}" if best.cp > 1 else "")
+    mesh += f"vpp{best.vpp}" if best.vpp > 1 else ""
     assert _explained(job, mesh).layout == best  # micro-batch, recompute, optimizer, attention chosen
     assert {c.layout.vpp for c in result.ranked[:10]} > {1}
     assert any(c.layout.first_stage_layers for c in result.ranked[:10])

@@ -27,6 +27,7 @@ from mlm.errors import MlmError
 from mlm.hardware import Hardware
 from mlm.plan.layout import Job, Layout
 from mlm.plan.search import check_layout, evaluate
+from mlm.plan.software import Software
 
 
 @dataclass
@@ -34,7 +35,8 @@ class Run:
     path: Path
     layout: Layout
     measured_s: float
-    """The measured step, less the prediction's fixed part (the optimizer step)."""
+    """The measured step, less the prediction's fixed part (memory-bound work, launches, data
+    loading and the optimizer step, which neither GEMM efficiency nor bandwidth scales)."""
     compute_s: float
     comm_s: float
     fixed_s: float
@@ -57,8 +59,11 @@ def measured_step(metrics: Path) -> float:
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
-def load_run(metrics: str | Path, gpus: int, gpus_per_node: int, hw: Hardware) -> Run:
-    """The run beside `metrics` (its config.toml), predicted with `hw` on `gpus` ranks."""
+def load_run(
+    metrics: str | Path, gpus: int, gpus_per_node: int, hw: Hardware, software: Software | None = None
+) -> Run:
+    """The run beside `metrics` (its config.toml), predicted with `hw` (and `software`: mlm's own
+    by default) on `gpus` ranks."""
     metrics = Path(metrics)
     config = metrics.parent / "config.toml"
     if not config.is_file():
@@ -88,7 +93,7 @@ def load_run(metrics: str | Path, gpus: int, gpus_per_node: int, hw: Hardware) -
         ep=p.ep,
         cp_comm_type=p.cp_comm_type,
     )
-    job = Job(cfg, gpus, gpus_per_node, hw)
+    job = Job(cfg, gpus, gpus_per_node, hw, software)
     check_layout(job, layout)
     c = evaluate(job, layout)
     tm = c.timing

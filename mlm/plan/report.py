@@ -137,7 +137,8 @@ RANKED_COLUMNS = (
 
 def ranked_table(job: Job, result: SearchResult, top: int) -> Grid:
     title = (
-        f"mlm plan: {job.gpus} × {job.hardware.name}, {result.evaluated} layouts evaluated, "
+        f"mlm plan: {job.gpus} × {job.hardware.name}, software {job.software.name}, "
+        f"{result.evaluated} layouts evaluated, "
         f"{len(result.ranked)} fit; best {min(top, len(result.ranked))}\n{model_line(job)}"
     )
     t = Grid(title, RANKED_COLUMNS, right=tuple(c for c in RANKED_COLUMNS if c not in MESH_CHOICES))
@@ -180,7 +181,7 @@ def explain(job: Job, c: Candidate, layout_arg: str | None = None) -> Group:
         f"{_mesh(lo)}{' sp' if lo.sequence_parallel else ''}, micro-batch {lo.micro_batch} × "
         f"{lo.num_micro} per step per dp rank (global {lo.global_batch}, seq {cfg.data.seq_length}), "
         f"{lo.recompute} recompute, {'distributed' if lo.distributed_optimizer else 'replicated'} "
-        f"optimizer, {cfg.train.precision}; {job.gpus} × {job.hardware.name}",
+        f"optimizer, {cfg.train.precision}; {job.gpus} × {job.hardware.name}, software {job.software.name}",
         style="bold",
     )
     if layout_arg:
@@ -330,6 +331,7 @@ def plan_dict(job: Job, c: Candidate, preset: str, overrides: list[str]) -> dict
             "param_dtype": cfg.train.param_dtype,
         },
         "prediction": {
+            "software": job.software.name,
             "step_time_s": c.timing.step_s,
             "tokens_per_s_per_gpu": c.timing.tokens_per_s_per_gpu,
             "mfu": c.timing.mfu,
