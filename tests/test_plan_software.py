@@ -147,3 +147,30 @@ def test_custom_software_profile(tmp_path):
     with pytest.raises(MlmError, match="not a known profile"):
         load_software("megatron-1999")
     assert load_software("auto", _job(PROFILES["mlm"]).cfg).name == "mlm"
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_cp_exchange_repeats_only_where_selective_recompute_reruns_the_core(comm):
+    """Selective recompute repeats the cp exchange's forward only where it re-runs the attention core
+    (`selective = "core"`, as `core_seconds` counts it); torchtitan's per-op policy keeps the
+    attention output and Megatron's elementwise modules run no attention: their exchange is the
+    one of no recompute. Full recompute repeats it under every profile."""
+    from mlm.plan.timing import cp_exchange_time, gemm_rates
+
+    sets = ["preset=llama3-8b", "model.num_layers=4"]
+    lo = Layout(1, 1, 4, 1, 64, cp=2, cp_comm_type=comm)
+    seconds = {}
+    for sel in ("core", "elementwise", "op"):
+        job = _job(dataclasses.replace(PROFILES["mlm"], selective=sel), sets, seq=8192)
+        job = dataclasses.replace(job, hardware=dataclasses.replace(job.hardware, intra_bandwidth=1e9))
+        rate = gemm_rates(job, lo)[2]
+        seconds[sel] = {
+            rc: cp_exchange_time(job.cfg, job, dataclasses.replace(lo, recompute=rc), rate)
+            for rc in ("none", "selective", "full")
+        }
+    none = seconds["core"]["none"]
+    assert none > 0
+    assert seconds["core"]["selective"] > 1.1 * none  # the forward exchange again
+    for sel in ("elementwise", "op"):
+        assert seconds[sel]["selective"] == pytest.approx(none, rel=1e-12)
+        assert seconds[sel]["full"] == pytest.approx(seconds["core"]["full"], rel=1e-12)

@@ -53,11 +53,13 @@ software profile (`mlm.plan.software`: mlm's own by default, or what a published
                       last send home. Each step's transfer overlaps that step's attention compute
                       (1/cp of the core's 4·s·S·H·K forward FLOPs per token, twice in the
                       backward), so a step takes max(transfer, compute) and only the excess
-                      counts; the last send is exposed. Recompute (selective, full) repeats the
-                      forward ring.
+                      counts; the last send is exposed. Recompute repeats the forward ring where
+                      it re-runs the attention core (full; selective with the profile's
+                      selective = "core").
                 all_gather  all-gather K and V of the whole sequence before attention
                       ((cp − 1)/cp of 2·b·S·(G/t)·K·A per rank), reduce-scatter their gradients
-                      in the backward (the same bytes), not overlapped; repeated by recompute.
+                      in the backward (the same bytes), not overlapped; the forward's repeated
+                      as the ring's.
     p2p         per micro-batch and model chunk one activation forward and one gradient backward,
                 [b, s/sp, h] in the parameters' dtype, on NVLink if a pipeline neighbour is in the node, else the network
     bubble      the pipeline step is m · (compute + tp + ep + cp + p2p) / (1 − bubble_fraction(pp, m, vpp)),
@@ -194,7 +196,11 @@ def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float) -> floa
     S, s, b = cfg.data.seq_length, local_tokens(cfg, layout), layout.micro_batch
     kv = kv_elems(cfg, layout, s)  # one message: this rank's K and V
     bw, lat = cp_link(job, layout)
-    passes = 1 if layout.recompute == "none" else 2  # recompute re-runs the attention core
+    # the forward exchange again where recompute re-runs the attention core (as `core_seconds`)
+    rerun = layout.recompute == "full" or (
+        layout.recompute == "selective" and job.software.selective == "core"
+    )
+    passes = 2 if rerun else 1
     if layout.cp_comm_type == "all_gather":
         # K and V gathered separately (two collectives), their gradients reduce-scattered
         one = 2 * _collective(kv * cp / 2 * A, cp, bw, lat, 1.0)
