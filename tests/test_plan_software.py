@@ -174,3 +174,32 @@ def test_cp_exchange_repeats_only_where_selective_recompute_reruns_the_core(comm
     for sel in ("elementwise", "op"):
         assert seconds[sel]["selective"] == pytest.approx(none, rel=1e-12)
         assert seconds[sel]["full"] == pytest.approx(seconds["core"]["full"], rel=1e-12)
+
+
+def test_fp8_casts_of_an_moe_layer_over_its_experts_widths():
+    """Under train.fp8 an MoE layer casts its routed experts' GEMM inputs and output gradients on the
+    e/u · k rows they receive at the expert width (and the shared experts' at ffn/t on e tokens),
+    not the dense MLP's ffn/t on e tokens: by hand for one layer (tp 2 with sequence
+    parallelism, u = 2, k = 2 of 8 experts, SwiGLU), 2.5 passes of A = 2 bytes each."""
+    moe = [
+        "preset=llama3-8b",
+        "model.num_layers=4",
+        'model.mlp_kind="moe"',
+        "model.moe.num_experts=8",
+        "model.moe.router_topk=2",
+        "model.moe.ffn_hidden_size=512",
+        "model.moe.shared_expert_ffn_hidden_size=1024",
+    ]
+    sw, seq = PROFILES["mlm"], 2048
+    lo = Layout(2, 1, 4, 1, 64, sequence_parallel=True)
+    plain = layer_work(_job(sw, moe, seq).cfg, lo, sw, "moe", "none")
+    cfg = _job(sw, moe + ['train.fp8="hybrid"'], seq).cfg
+    fp8 = layer_work(cfg, lo, sw, "moe", "none")
+    m, t, e, A = cfg.model, 2, seq, 2
+    h, K, H, G, F, S = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups, 512, 1024
+    attention = (h + H * K / t) + (H * K / t + 2 * G * K / t + h)  # qkv's and out's inputs, gradients
+    shared = (h + S / t) + (2 * S / t + h)  # up/gate's and down's inputs, gradients
+    routed = (h + F) + (2 * F + h)  # the same per routed row
+    rows = e / t * 2
+    by_hand = 2.5 * A * ((attention + shared) * e + routed * rows)
+    assert fp8.bytes - plain.bytes == pytest.approx(by_hand, rel=1e-12)

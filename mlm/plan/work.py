@@ -33,9 +33,11 @@ version), per token of the rank's tensor (widths over tp where the tensor is spl
 Forward passes repeat under recompute: full re-runs each layer's forward, selective the attention
 core's (`Software.selective` "elementwise" and "op": every elementwise op's instead).
 Under train.fp8 each GEMM's input is cast forward and its output gradient backward: 2.5 passes
-(read for the amax, read and write one byte), and each weight 6 B per micro-batch. Per local parameter and micro-batch: `weight_casts` 6 B forward (read fp32, write the
-compute dtype) and 6 B backward; without `grad_accumulation_fusion` 10 B (read the gradient and
-the fp32 accumulator, write it). The loss: about 48 bytes per logit as the vocab-parallel
+(read for the amax, read and write one byte) over the rows the GEMM computes (an MoE layer's
+routed experts: e/u · k rows at the expert width), and each weight 6 B per micro-batch. Per
+local parameter and micro-batch: `weight_casts` 6 B forward (read fp32, write the compute dtype)
+and 6 B backward; without `grad_accumulation_fusion` 10 B (read the gradient and the fp32
+accumulator, write it). The loss: about 48 bytes per logit as the vocab-parallel
 cross-entropy's torch ops move them (fp32 copies, max, exp, sum, the softmax gradient and its
 cast), 12 fused; 20 kernels or 4.
 """
@@ -143,17 +145,21 @@ def layer_work(cfg: Config, layout: Layout, sw: Software, kind: str, recompute: 
         w.add((4, 4, 4, 4), k * h, e / u, A, full)  # permute and unpermute the copies
         w.add(act, m.expert_ffn_size, e / u * k, A, full)
         shared = moe.shared_expert_ffn_hidden_size or 0
+        mlps = [(m.expert_ffn_size, e / u * k)]  # (hidden width, rows): the routed copies
         if shared:
             w.add(act, shared / t, e, A, full)
+            mlps.append((shared / t, e))
         gemms = 2 + 1 + (3 if shared else 0) + (3 if gated else 2)  # grouped experts: one GEMM per matrix
     else:
         w.add(act, m.ffn_size / t, e, A, full)
+        mlps = [(m.ffn_size / t, e)]
     w.kernels += gemms * (full + 2)
     if cfg.train.fp8:  # each GEMM's input cast forward (amax, scale) and its output gradient backward
-        inputs = 2 * h + out_width + m.ffn_size / t
-        grads = q_width + kv_width + 2 * h + m.ffn_size / t * (2 if gated else 1)
-        w.add((FP8_PASSES, 0, gemms, 0), inputs, e, A, full)
-        w.add((0, FP8_PASSES, 0, gemms), grads, e, A)
+        w.add((FP8_PASSES, 0, gemms, 0), h + out_width, e, A, full)  # qkv's and out's inputs
+        w.add((0, FP8_PASSES, 0, gemms), q_width + kv_width + h, e, A)
+        for width, rows in mlps:  # each MLP's up (and gate) and down, on the rows it computes
+            w.add((FP8_PASSES, 0, 0, 0), h + width, rows, A, full)
+            w.add((0, FP8_PASSES, 0, 0), width * (2 if gated else 1) + h, rows, A)
     if t > 1:
         w.kernels += 4 + (2 if recompute == "full" else 0)  # the tp collectives
     return w
