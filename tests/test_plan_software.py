@@ -203,3 +203,36 @@ def test_fp8_casts_of_an_moe_layer_over_its_experts_widths():
     rows = e / t * 2
     by_hand = 2.5 * A * ((attention + shared) * e + routed * rows)
     assert fp8.bytes - plain.bytes == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_selective_modes_rerun_what_their_docstrings_say():
+    """Selective recompute's extra forward work by `Software.selective`, for one Llama layer (tp 2
+    with sequence parallelism, fused kernels, A = 2): `elementwise` (Megatron's --recompute-modules
+    layernorm, moe_act) re-runs the two norms (2 passes over h on e/u tokens, 1 kernel each) and
+    SwiGLU (3 passes over ffn/t on e tokens, 1 kernel), no residual add, RoPE, copy or GEMM; `op`
+    (torchtitan's) re-runs every elementwise op (under fp8 the GEMMs' input casts among them) and
+    every other GEMM (half the GEMMs' kernels); `core` re-runs the attention core only."""
+    sets = ["preset=llama3-8b", "model.num_layers=4"]
+    lo = Layout(2, 1, 4, 1, 64, sequence_parallel=True)
+    e, A, t = 2048, 2, 2
+
+    def extra(selective, fp8=False):
+        sw = dataclasses.replace(PROFILES["mlm-triton"], selective=selective)
+        cfg = _job(sw, sets + (['train.fp8="hybrid"'] if fp8 else []), 2048).cfg
+        plain, again = (layer_work(cfg, lo, sw, "dense", rc) for rc in ("none", "selective"))
+        return cfg.model, again.bytes - plain.bytes, again.kernels - plain.kernels
+
+    m, bytes_, kernels = extra("elementwise")
+    h, f = m.hidden_size, m.ffn_size
+    assert bytes_ == pytest.approx(A * (2 * 2 * h * e / t + 3 * f / t * e), rel=1e-12)
+    assert kernels == 3
+    # op: residual adds (3 + 3) and the output copy, RoPE, norms and SwiGLU forward again, 5 GEMMs / 2
+    m, bytes_, kernels = extra("op")
+    q, kv = m.num_attention_heads * m.head_dim / t, 2 * m.query_groups * m.head_dim / t
+    ops = 2 * 2 * h * e / t + 3 * f / t * e + 2 * 3 * h * e / t + 2 * q * e + 2 * (q + kv / 2) * e
+    assert bytes_ == pytest.approx(A * ops, rel=1e-12)
+    assert kernels == 2 + 1 + 2 + 1 + 2 + 2.5
+    _, fp8_bytes, _ = extra("op", fp8=True)  # the GEMMs' input casts (2.5 passes) again
+    assert fp8_bytes - bytes_ == pytest.approx(A * 2.5 * (h + q + h + f / t) * e, rel=1e-12)
+    _, fp8_bytes, _ = extra("elementwise", fp8=True)  # not under Megatron's elementwise modules
+    assert fp8_bytes == pytest.approx(A * (2 * 2 * h * e / t + 3 * f / t * e), rel=1e-12)
