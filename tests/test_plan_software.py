@@ -236,3 +236,25 @@ def test_selective_modes_rerun_what_their_docstrings_say():
     assert fp8_bytes - bytes_ == pytest.approx(A * 2.5 * (h + q + h + f / t) * e, rel=1e-12)
     _, fp8_bytes, _ = extra("elementwise", fp8=True)  # not under Megatron's elementwise modules
     assert fp8_bytes == pytest.approx(A * (2 * 2 * h * e / t + 3 * f / t * e), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "sets, precision",
+    [([], "fp32"), (['train.param_dtype="bf16"'], "bf16")],
+    ids=["fp32-no-autocast", "bf16-parameters"],
+)
+def test_weight_casts_only_where_autocast_casts_fp32_weights(sets, precision):
+    """`weight_casts` counts autocast's per-micro-batch casts of fp32 weights (6 B forward, 6 B
+    backward); in fp32 there is no autocast and bf16 parameters are already in the compute dtype
+    (as the memory model's cast cache, `mlm.plan.memory`): only the gradient accumulation's 10 B."""
+    from mlm.plan.work import parameter_work
+
+    sw = PROFILES["mlm"]
+    cfg = make_job(
+        None, ["preset=llama3-8b", *sets], 8, 8, load_hardware("h100-80g"), 2048, 64, None, precision
+    ).cfg
+    assert parameter_work(cfg, sw, 1000, "none") == 1000 * 10
+    autocast = make_job(
+        None, ["preset=llama3-8b"], 8, 8, load_hardware("h100-80g"), 2048, 64, None, "bf16"
+    ).cfg
+    assert parameter_work(autocast, sw, 1000, "none") == 1000 * (12 + 10)

@@ -77,7 +77,8 @@ class Software:
     weight_casts: bool = True
     """fp32 weights cast to the compute dtype in every micro-batch's forward (autocast, mlm's way),
     and their gradients cast back; off where the model holds weights in the compute dtype
-    (Megatron's bf16 parameters with fp32 main copies, FSDP's mixed precision)."""
+    (Megatron's bf16 parameters with fp32 main copies, FSDP's mixed precision). Counted only under
+    bf16/fp16 autocast of fp32 parameters (train.param_dtype fp32)."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient reduce overlapped with the backward (only the excess counts)."""
     overlap_param_gather: bool = True

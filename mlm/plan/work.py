@@ -190,8 +190,10 @@ def embedding_work(cfg: Config, layout: Layout) -> Work:
 
 
 def parameter_work(cfg: Config, sw: Software, params: float, recompute: str) -> float:
-    """Bytes per micro-batch over a rank's `params` local parameters: autocast's weight casts, fp8's
-    weight casts, and a gradient accumulation outside the GEMM."""
-    casts = CAST_BYTES * (3 if recompute == "full" else 2) if sw.weight_casts else 0
+    """Bytes per micro-batch over a rank's `params` local parameters: autocast's weight casts (of
+    fp32 parameters under bf16/fp16 autocast), fp8's weight casts, and a gradient accumulation
+    outside the GEMM."""
+    autocast = cfg.train.precision in ("bf16", "fp16") and cfg.train.param_dtype == "fp32"
+    casts = CAST_BYTES * (3 if recompute == "full" else 2) if sw.weight_casts and autocast else 0
     casts += FP8_WEIGHT_BYTES if cfg.train.fp8 else 0
     return params * (casts + (0 if sw.grad_accumulation_fusion else ACCUMULATE_BYTES))
