@@ -16,9 +16,9 @@ DATA = load_runs(Path(__file__).parent / "data" / "published_throughput.toml")
 RUNS = [r for r in DATA["run"] if evaluable(r)]
 TOLERANCE = {
     "megatron dense": 0.15,  # predicted / measured 0.87-1.13; the aim of 10 % holds for 13 of 18
-    "megatron moe": 0.40,  # 0.86-1.33: balanced routing, grouped GEMMs at the dense efficiency
-    "torchtitan": 0.70,  # 1.10-1.66: the model is optimistic about torchtitan's runs
-    "torchtitan cp": 1.00,  # 1.24-1.96: its long-sequence attention runs well below FA2's rate
+    "megatron moe": 0.40,  # 0.86-1.30: balanced routing, grouped GEMMs at the dense efficiency
+    "torchtitan": 0.70,  # 1.10-1.61: the model is optimistic about torchtitan's runs
+    "torchtitan cp": 1.00,  # 1.24-1.95: its long-sequence attention runs well below FA2's rate
 }
 """|predicted / measured − 1| allowed per family (`mlm.plan.published.family`)."""
 

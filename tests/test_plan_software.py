@@ -258,3 +258,22 @@ def test_weight_casts_only_where_autocast_casts_fp32_weights(sets, precision):
         None, ["preset=llama3-8b"], 8, 8, load_hardware("h100-80g"), 2048, 64, None, "bf16"
     ).cfg
     assert parameter_work(autocast, sw, 1000, "none") == 1000 * (12 + 10)
+
+
+def test_fp8_leaves_the_output_layer_at_the_compute_dtype_peak():
+    """train.fp8 runs the transformer layers' linear layers in fp8; the output layer (the logits'
+    6·D·V FLOPs per token) stays in bf16 (`mlm.parallel.fp8`, as in Transformer Engine's Megatron
+    and torchtitan's float8): doubling the vocabulary adds its GEMMs at the bf16 peak."""
+    hw = load_hardware("h100-80g")
+    lo = Layout(1, 1, 8, 1, 64)
+
+    def gemms(vocab: int) -> float:
+        sets = ["preset=llama3-8b", "model.num_layers=2", f"model.vocab_size={vocab}", 'train.fp8="hybrid"']
+        job = make_job(None, sets, 8, 8, hw, 2048, 64, None, "bf16")
+        return evaluate(job, lo).timing.terms["GEMMs and attention"], job
+
+    (small, job), (large, _) = gemms(64000), gemms(128000)
+    m = job.cfg.model
+    eff = hw.efficiency(min(2048, m.hidden_size, m.ffn_size))
+    by_hand = 8 * 2048 * 6 * m.hidden_size * 64000 / (hw.peak("bf16") * eff)  # 8 micro-batches
+    assert large - small == pytest.approx(by_hand, rel=1e-9)

@@ -7,7 +7,8 @@ software profile (`mlm.plan.software`: mlm's own by default, or what a published
                 gives every cp rank the same causal attention work) × its layers' GEMM FLOPs and
                 the logits' on the last stage (Megatron's count, `mlm.flops`), plus recompute
                 (full: one more forward of each layer; torchtitan's per-op selective policy: every
-                other matmul's), over tp × peak (fp8's under train.fp8) × efficiency(smallest GEMM
+                other matmul's), over tp × peak (fp8's under train.fp8, but the logits' at the
+                compute dtype's: the output layer is not fp8) × efficiency(smallest GEMM
                 side) (`Hardware.efficiency`), but MLA's down-projections over peak × efficiency on
                 this rank's e/u tokens (u = tp under sequence parallelism, else 1: replicated over
                 tp, each rank computes them whole for its own tokens, Megatron's layout);
@@ -260,7 +261,8 @@ def tp_layer_time(cfg: Config, job: Job, layout: Layout) -> float:
 def gemm_rates(job: Job, layout: Layout) -> tuple[float, float, float]:
     """(peak FLOP/s, GEMM efficiency of the layer's projections, rate of its tp-split GEMMs):
     efficiency at the smallest GEMM side (tokens of a micro-batch, h/t, ffn/t); the peak is fp8's
-    under train.fp8 (the linear layers' GEMMs; attention stays in the compute dtype)."""
+    under train.fp8 (the layers' linear GEMMs; attention and the output layer stay in the compute
+    dtype, `mlm.parallel.fp8`)."""
     cfg, hw = job.cfg, job.hardware
     e, t = layout.micro_batch * local_tokens(cfg, layout), layout.tp
     peak = hw.peak("fp8" if cfg.train.fp8 else cfg.train.precision)
@@ -298,6 +300,7 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     logits_per_token = logits_flops(m)
     attention = attention_flops(m, cfg.data.seq_length)
     peak, eff, rate = gemm_rates(job, layout)
+    logits_rate = t * hw.peak(cfg.train.precision) * eff  # the output layer stays out of fp8
     whole = replace(layout, recompute="none")  # MTP depths: `mlm.parallel.recompute` never wraps them
     memory_rate = hw.hbm_bandwidth * hw.memory_efficiency
 
@@ -330,7 +333,7 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         gemm_seconds(last_kind, "none")
         + core_seconds(job, whole, "none")
         + eh_proj_flops(m) / (peak * eff * u)
-        + logits_per_token / rate
+        + logits_per_token / logits_rate
     )
     mtp_work = layer_work(cfg, whole, sw, last_kind, "none")
     mtp_work += loss_work(cfg, layout, sw)
@@ -340,7 +343,7 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     def stage_work(stage: Stage) -> tuple[float, float, float]:
         """(GEMM and attention seconds, memory-bound seconds, kernels) of one micro-batch."""
         c = e * sum((gemm[k] + core) * n for k, n in stage.kind_counts)
-        c += e * ((logits_per_token / rate if stage.last else 0.0) + stage.mtp * mtp_gemm)
+        c += e * ((logits_per_token / logits_rate if stage.last else 0.0) + stage.mtp * mtp_gemm)
         w = Work()
         for k, n in stage.kind_counts:
             w.bytes += n * work[k].bytes
