@@ -176,33 +176,64 @@ def test_cp_exchange_repeats_only_where_selective_recompute_reruns_the_core(comm
         assert seconds[sel]["full"] == pytest.approx(seconds["core"]["full"], rel=1e-12)
 
 
+MOE = [
+    "preset=llama3-8b",
+    "model.num_layers=4",
+    'model.mlp_kind="moe"',
+    "model.moe.num_experts=8",
+    "model.moe.router_topk=2",
+    "model.moe.ffn_hidden_size=512",
+    "model.moe.shared_expert_ffn_hidden_size=1024",
+]
+
+
 def test_fp8_casts_of_an_moe_layer_over_its_experts_widths():
     """Under train.fp8 an MoE layer casts its routed experts' GEMM inputs and output gradients on the
-    e/u · k rows they receive at the expert width (and the shared experts' at ffn/t on e tokens),
-    not the dense MLP's ffn/t on e tokens: by hand for one layer (tp 2 with sequence
-    parallelism, u = 2, k = 2 of 8 experts, SwiGLU), 2.5 passes of A = 2 bytes each."""
-    moe = [
-        "preset=llama3-8b",
-        "model.num_layers=4",
-        'model.mlp_kind="moe"',
-        "model.moe.num_experts=8",
-        "model.moe.router_topk=2",
-        "model.moe.ffn_hidden_size=512",
-        "model.moe.shared_expert_ffn_hidden_size=1024",
-    ]
-    sw, seq = PROFILES["mlm"], 2048
+    e/u · k rows they receive at the expert width where the software runs them in fp8
+    (`fp8_experts`, Megatron-core's), and the shared experts' at ffn/t on e tokens, not the dense
+    MLP's ffn/t on e tokens: by hand for one layer (tp 2 with sequence parallelism, u = 2, k = 2
+    of 8 experts, SwiGLU), 2.5 passes of A = 2 bytes each. mlm's fp8 leaves the routed experts in
+    bf16: no casts of theirs."""
+    seq = 2048
     lo = Layout(2, 1, 4, 1, 64, sequence_parallel=True)
-    plain = layer_work(_job(sw, moe, seq).cfg, lo, sw, "moe", "none")
-    cfg = _job(sw, moe + ['train.fp8="hybrid"'], seq).cfg
-    fp8 = layer_work(cfg, lo, sw, "moe", "none")
+    extra = {}
+    for name in ("megatron-core", "mlm"):
+        sw = PROFILES[name]
+        plain = layer_work(_job(sw, MOE, seq).cfg, lo, sw, "moe", "none")
+        cfg = _job(sw, MOE + ['train.fp8="hybrid"'], seq).cfg
+        extra[name] = layer_work(cfg, lo, sw, "moe", "none").bytes - plain.bytes
     m, t, e, A = cfg.model, 2, seq, 2
     h, K, H, G, F, S = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups, 512, 1024
     attention = (h + H * K / t) + (H * K / t + 2 * G * K / t + h)  # qkv's and out's inputs, gradients
     shared = (h + S / t) + (2 * S / t + h)  # up/gate's and down's inputs, gradients
     routed = (h + F) + (2 * F + h)  # the same per routed row
     rows = e / t * 2
-    by_hand = 2.5 * A * ((attention + shared) * e + routed * rows)
-    assert fp8.bytes - plain.bytes == pytest.approx(by_hand, rel=1e-12)
+    assert extra["megatron-core"] == pytest.approx(
+        2.5 * A * ((attention + shared) * e + routed * rows), rel=1e-12
+    )
+    assert extra["mlm"] == pytest.approx(2.5 * A * (attention + shared) * e, rel=1e-12)
+
+
+def test_fp8_routed_experts_at_the_fp8_peak_only_where_the_software_runs_them_so():
+    """mlm's fp8 (`mlm.parallel.fp8`) leaves the routed experts' grouped GEMMs in bf16: widening
+    the experts adds the same GEMM time with and without train.fp8; Megatron-core (Transformer
+    Engine's fp8 grouped GEMMs, `fp8_experts`) adds it over fp8's speedup (1979 / 989 TFLOP/s)."""
+    hw = load_hardware("h100-80g")
+    lo = Layout(1, 1, 8, 1, 64)
+
+    def added(software: str, fp8: bool) -> float:
+        terms = []
+        for width in (512, 1024):  # the experts' GEMMs stay at efficiency(512 rows)
+            sets = MOE + [f"model.moe.ffn_hidden_size={width}"] + (['train.fp8="hybrid"'] if fp8 else [])
+            job = make_job(None, sets, 8, 8, hw, 2048, 64, None, "bf16", PROFILES[software])
+            terms.append(evaluate(job, lo).timing.terms["GEMMs and attention"])
+        return terms[1] - terms[0]
+
+    assert added("mlm", True) == pytest.approx(added("mlm", False), rel=1e-9)
+    fp8_speedup = hw.peak("fp8") / hw.peak("bf16")
+    assert added("megatron-core", True) == pytest.approx(
+        added("megatron-core", False) / fp8_speedup, rel=1e-9
+    )
 
 
 def test_selective_modes_rerun_what_their_docstrings_say():

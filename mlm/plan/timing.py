@@ -19,7 +19,8 @@ software profile (`mlm.plan.software`: mlm's own by default, or what a published
                 e/u tokens and another pass of the output layer;
                 an MoE layer's router and k routed experts run whole on each rank over its e/u
                 tokens, at the efficiency of the expert GEMMs' smallest side (rows per expert
-                = e/u · k · ep / E: ep raises it)
+                = e/u · k · ep / E: ep raises it), the router at the compute dtype's peak and the
+                experts at fp8's only under the profile's fp8_experts
     memory-bound ops
                 the bytes a micro-batch's norms, activations, RoPE, residual adds, attention copies
                 (and without flash attention its softmax over the s × s scores), MoE dispatch, loss
@@ -261,8 +262,8 @@ def tp_layer_time(cfg: Config, job: Job, layout: Layout) -> float:
 def gemm_rates(job: Job, layout: Layout) -> tuple[float, float, float]:
     """(peak FLOP/s, GEMM efficiency of the layer's projections, rate of its tp-split GEMMs):
     efficiency at the smallest GEMM side (tokens of a micro-batch, h/t, ffn/t); the peak is fp8's
-    under train.fp8 (the layers' linear GEMMs; attention and the output layer stay in the compute
-    dtype, `mlm.parallel.fp8`)."""
+    under train.fp8 (the layers' linear GEMMs; attention, the routers and the output layer stay
+    in the compute dtype, the routed experts unless `Software.fp8_experts`: `mlm.parallel.fp8`)."""
     cfg, hw = job.cfg, job.hardware
     e, t = layout.micro_batch * local_tokens(cfg, layout), layout.tp
     peak = hw.peak("fp8" if cfg.train.fp8 else cfg.train.precision)
@@ -300,7 +301,8 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     logits_per_token = logits_flops(m)
     attention = attention_flops(m, cfg.data.seq_length)
     peak, eff, rate = gemm_rates(job, layout)
-    logits_rate = t * hw.peak(cfg.train.precision) * eff  # the output layer stays out of fp8
+    compute_peak = hw.peak(cfg.train.precision)  # what stays out of fp8 runs at (`gemm_rates`)
+    logits_rate = t * compute_peak * eff
     whole = replace(layout, recompute="none")  # MTP depths: `mlm.parallel.recompute` never wraps them
     memory_rate = hw.hbm_bandwidth * hw.memory_efficiency
 
@@ -308,7 +310,8 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         """Seconds per token of one layer's GEMMs of MLP kind `kind`: tp-split projections at
         `rate`; MLA's down-projections whole on each tp rank over its e/u tokens; the router and
         the routed experts whole on each rank, on its e/u tokens, at the experts' GEMM efficiency
-        (rows per expert = the copies a rank's E/ep experts receive from the ep ranks)."""
+        (rows per expert = the copies a rank's E/ep experts receive from the ep ranks) and at
+        fp8's peak only where the software runs them in fp8 (`Software.fp8_experts`)."""
         rerun = 4 / 3 if recompute == "full" else 1.0  # full: one more forward
         if recompute == "selective" and sw.selective == "op":
             rerun = 7 / 6  # torchtitan's per-op policy: every other matmul's forward again
@@ -319,7 +322,8 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
             E, k = m.moe.num_experts, m.moe.router_topk
             rows = e / u * k * layout.ep / E
             eff_e = hw.efficiency(min(rows, h, m.expert_ffn_size))
-            sec += (f.routed * rerun / eff_e + f.router * rerun / eff) / (peak * u)
+            experts_peak = peak if sw.fp8_experts else compute_peak  # the router never in fp8
+            sec += (f.routed * rerun / (eff_e * experts_peak) + f.router * rerun / (eff * compute_peak)) / u
         return sec
 
     kinds = set(job.mlp_kinds)

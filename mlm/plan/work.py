@@ -36,7 +36,8 @@ Forward passes repeat under recompute: full re-runs each layer's forward; select
 among them) and every other GEMM's.
 Under train.fp8 each GEMM's input is cast forward and its output gradient backward: 2.5 passes
 (read for the amax, read and write one byte) over the rows the GEMM computes (an MoE layer's
-routed experts: e/u · k rows at the expert width), and each weight 6 B per micro-batch. Per
+routed experts, where `Software.fp8_experts`: e/u · k rows at the expert width), and each weight
+6 B per micro-batch. Per
 local parameter and micro-batch: `weight_casts` 6 B forward (read fp32, write the compute dtype)
 and 6 B backward; without `grad_accumulation_fusion` 10 B (read the gradient and the fp32
 accumulator, write it). The loss: about 48 bytes per logit as the vocab-parallel
@@ -151,7 +152,8 @@ def layer_work(cfg: Config, layout: Layout, sw: Software, kind: str, recompute: 
         w.add((4, 4, 4, 4), k * h, e / u, A, full)  # permute and unpermute the copies
         w.add(act, m.expert_ffn_size, e / u * k, A, norm_act)
         shared = moe.shared_expert_ffn_hidden_size or 0
-        mlps = [(m.expert_ffn_size, e / u * k)]  # (hidden width, rows): the routed copies
+        # (hidden width, rows) of its fp8 GEMMs: the routed copies' where the software runs them in fp8
+        mlps = [(m.expert_ffn_size, e / u * k)] if sw.fp8_experts else []
         if shared:
             w.add(act, shared / t, e, A, norm_act)
             mlps.append((shared / t, e))
