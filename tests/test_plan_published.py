@@ -84,3 +84,18 @@ def test_holdout_is_kept_apart():
     assert len(DATA["holdout"]) == 10
     assert all(r["id"].startswith("narayanan2021") for r in DATA["holdout"])
     assert not any(r["id"].startswith("narayanan2021") for r in DATA["run"])
+
+
+def test_a_run_missing_only_its_software_profile_is_an_error_not_skipped():
+    """`evaluable` skips a run whose source does not publish what the prediction needs (`unknown`,
+    no assumed value); a run that lacks only its `profile` is a mistake in the data (the test
+    would silently lose it): MlmError naming the run and the key."""
+    from mlm.errors import MlmError
+
+    run = next(r for r in RUNS if r["id"] == "korthikanti2022-22b")
+    without = {k: v for k, v in run.items() if k != "profile"}
+    with pytest.raises(MlmError, match=r"korthikanti2022-22b.*missing \['profile'\]"):
+        evaluable(without)
+    unknown_layout = {**without, "unknown": ["tp"]}
+    del unknown_layout["tp"]
+    assert not evaluable(unknown_layout)  # nothing to predict with: skipped, whatever its profile
