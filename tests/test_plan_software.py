@@ -308,3 +308,21 @@ def test_fp8_leaves_the_output_layer_at_the_compute_dtype_peak():
     eff = hw.efficiency(min(2048, m.hidden_size, m.ffn_size))
     by_hand = 8 * 2048 * 6 * m.hidden_size * 64000 / (hw.peak("bf16") * eff)  # 8 micro-batches
     assert large - small == pytest.approx(by_hand, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('fused_norm = "false"', r"fused_norm='false' must be true or false"),
+        ("tp_overlap = 1", r"tp_overlap=1 must be true or false"),
+        ('attention_efficiency = "0.5"', r"attention_efficiency='0.5' must be a number"),
+        ("selective = 2", r"selective=2 must be one of core, elementwise, op"),
+    ],
+)
+def test_custom_software_profile_values_of_the_wrong_type(tmp_path, line, message):
+    """A TOML value of the wrong type is an MlmError naming the key, the value and the rule (a
+    string "false" would otherwise switch a kernel on)."""
+    path = tmp_path / "mine.toml"
+    path.write_text(f'base = "megatron-core"\n{line}\n')
+    with pytest.raises(MlmError, match=message):
+        load_software(str(path))

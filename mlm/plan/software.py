@@ -107,6 +107,12 @@ class Software:
     shorter)."""
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                raise MlmError(f"software {self.name}: {f.name}={v!r} must be true or false")
+            if f.type == "float" and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise MlmError(f"software {self.name}: {f.name}={v!r} must be a number")
         if not 0 < self.attention_efficiency <= 1:
             raise MlmError(
                 f"software {self.name}: attention_efficiency={self.attention_efficiency} must be in (0, 1]"
