@@ -326,3 +326,24 @@ def test_custom_software_profile_values_of_the_wrong_type(tmp_path, line, messag
     path.write_text(f'base = "megatron-core"\n{line}\n')
     with pytest.raises(MlmError, match=message):
         load_software(str(path))
+
+
+def test_cp_ring_hides_behind_the_attention_at_its_own_rate():
+    """The p2p ring's transfers overlap each step's attention, which runs at the attention's own
+    rate (`core_seconds`: the causal half at the profile's attention_efficiency of the compute
+    dtype's peak), not at the linear layers' GEMM rate: train.fp8 (GEMMs only) leaves the
+    exposed exchange as it is; a faster attention kernel hides less of it. On 100 GB/s links a
+    llama3-8b micro-batch of 8192 tokens over cp 2 hides part of its ring."""
+    hw = dataclasses.replace(load_hardware("h100-80g"), intra_bandwidth=100e9)
+    lo = Layout(1, 1, 4, 1, 64, cp=2)
+
+    def exposed(fp8: bool = False, attention_efficiency: float = 0.35) -> float:
+        sets = ["preset=llama3-8b", "model.num_layers=2"] + (['train.fp8="hybrid"'] if fp8 else [])
+        sw = dataclasses.replace(PROFILES["mlm"], attention_efficiency=attention_efficiency)
+        job = make_job(None, sets, 8, 8, hw, 8192, 64, None, "bf16", sw)
+        return evaluate(job, lo).timing.terms["cp exchange (exposed)"]
+
+    base = exposed()
+    assert base > 0
+    assert exposed(fp8=True) == pytest.approx(base, rel=1e-12)
+    assert exposed(attention_efficiency=0.7) > 1.2 * base

@@ -53,9 +53,9 @@ software profile (`mlm.plan.software`: mlm's own by default, or what a published
                 p2p   forward cp − 1 ring steps each sending one message; backward cp − 1 steps
                       sending the message and the fp32 dK/dV accumulators, plus the accumulators'
                       last send home. Each step's transfer overlaps that step's attention compute
-                      (1/cp of the core's 4·s·S·H·K forward FLOPs per token, twice in the
-                      backward), so a step takes max(transfer, compute) and only the excess
-                      counts; the last send is exposed. Recompute repeats the forward ring where
+                      (1/cp of the core's forward time, `core_seconds`: the attention's own rate,
+                      never fp8's; twice in the backward), so a step takes max(transfer,
+                      compute) and only the excess counts; the last send is exposed. Recompute repeats the forward ring where
                       it re-runs the attention core (full; selective with the profile's
                       selective = "core").
                 all_gather  all-gather K and V of the whole sequence before attention
@@ -189,7 +189,8 @@ def cp_link(job: Job, layout: Layout) -> tuple[float, float]:
 
 def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float) -> float:
     """Exposed seconds of one layer's cp exchange for one micro-batch, forward and backward (see
-    the module doc); `rate`: the FLOP/s the layer's attention runs at on this rank."""
+    the module doc); `rate`: the FLOP/s the layer's attention core runs at on this rank, in
+    Megatron's count of its FLOPs (`attention_flops(...).core` per token over `core_seconds`)."""
     cp = layout.cp
     if cp <= 1:
         return 0.0
@@ -364,10 +365,12 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     pp_bw, pp_lat = _link(hw, t * layout.cp * layout.dp < job.gpus_per_node)
     p2p = 2 * layout.vpp * (e * h / u * param_bytes(cfg) / pp_bw + pp_lat) if layout.pp > 1 else 0.0
     ep_one = ep_exchange_time(cfg, job, layout)
-    cp_one = cp_exchange_time(cfg, job, layout, rate)
+    # the FLOP/s (Megatron's count of the core) the attention runs at: the ring hides behind it
+    attention_rate = attention.core / core_seconds(job, whole, "none")
+    cp_one = cp_exchange_time(cfg, job, layout, attention_rate)
     # an MTP depth's layer communicates as a layer does, without recompute
     mtp_ep = ep_exchange_time(cfg, job, whole) if last_kind == "moe" else 0.0
-    mtp_cp = cp_exchange_time(cfg, job, whole, rate)
+    mtp_cp = cp_exchange_time(cfg, job, whole, attention_rate)
     # the batch from host memory: tokens, labels, loss mask and positions (8 + 8 + 4 + 8 bytes)
     data = layout.micro_batch * local_tokens(cfg, layout) * 28 / hw.host_bandwidth
 
