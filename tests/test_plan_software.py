@@ -347,3 +347,19 @@ def test_cp_ring_hides_behind_the_attention_at_its_own_rate():
     assert base > 0
     assert exposed(fp8=True) == pytest.approx(base, rel=1e-12)
     assert exposed(attention_efficiency=0.7) > 1.2 * base
+
+
+def test_explain_names_the_peak_the_gemms_run_at():
+    """Under train.fp8 the explanation's GEMM efficiency is of fp8's peak (1979 TFLOP/s on an H100),
+    the one the linear layers' GEMMs are timed at; MFU stays over the bf16 peak."""
+    import io
+
+    from rich.console import Console
+
+    from mlm.plan import report
+
+    hw = load_hardware("h100-80g")
+    job = make_job(None, ["preset=llama3-8b", 'train.fp8="hybrid"'], 8, 8, hw, 8192, 64, None, "bf16")
+    con = Console(file=io.StringIO(), width=200)
+    con.print(report.explain(job, evaluate(job, Layout(1, 1, 8, 1, 64))))
+    assert "of 1979 TFLOP/s" in con.file.getvalue()
