@@ -55,9 +55,9 @@ software profile (`mlm.plan.software`: mlm's own by default, or what a published
                       last send home. Each step's transfer overlaps that step's attention compute
                       (1/cp of the core's forward time, `core_seconds`: the attention's own rate,
                       never fp8's; twice in the backward), so a step takes max(transfer,
-                      compute) and only the excess counts; the last send is exposed. Recompute repeats the forward ring where
-                      it re-runs the attention core (full; selective with the profile's
-                      selective = "core").
+                      compute) and only the excess counts; the last send is exposed. Recompute
+                      repeats the forward ring where it re-runs the attention core (full;
+                      selective with the profile's selective = "core").
                 all_gather  all-gather K and V of the whole sequence before attention
                       ((cp − 1)/cp of 2·b·S·(G/t)·K·A per rank), reduce-scatter their gradients
                       in the backward (the same bytes), not overlapped; the forward's repeated

@@ -37,12 +37,11 @@ among them) and every other GEMM's.
 Under train.fp8 each GEMM's input is cast forward and its output gradient backward: 2.5 passes
 (read for the amax, read and write one byte) over the rows the GEMM computes (an MoE layer's
 routed experts, where `Software.fp8_experts`: e/u · k rows at the expert width), and each weight
-6 B per micro-batch. Per
-local parameter and micro-batch: `weight_casts` 6 B forward (read fp32, write the compute dtype)
-and 6 B backward; without `grad_accumulation_fusion` 10 B (read the gradient and the fp32
-accumulator, write it). The loss: about 48 bytes per logit as the vocab-parallel
-cross-entropy's torch ops move them (fp32 copies, max, exp, sum, the softmax gradient and its
-cast), 12 fused; 20 kernels or 4.
+6 B per micro-batch. Per local parameter and micro-batch: `weight_casts` 6 B forward (read fp32,
+write the compute dtype) and 6 B backward, under autocast of fp32 parameters; without
+`grad_accumulation_fusion` 10 B (read the gradient and the fp32 accumulator, write it). The
+loss: about 48 bytes per logit as the vocab-parallel cross-entropy's torch ops move them (fp32
+copies, max, exp, sum, the softmax gradient and its cast), 12 fused; 20 kernels or 4.
 """
 
 from __future__ import annotations
@@ -76,7 +75,7 @@ class Work:
     bytes: float = 0.0
     kernels: float = 0.0
 
-    def add(self, passes: tuple, width: float, tokens: float, A: int, forward_times: float = 1) -> None:
+    def add(self, passes: tuple, width: float, tokens: float, A: int, forward_times: int = 1) -> None:
         """One op: (forward passes, backward passes, forward kernels, backward kernels) over
         `width` elements per token of `tokens`, its forward run `forward_times` times."""
         f, b, kf, kb = passes
