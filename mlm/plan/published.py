@@ -191,12 +191,14 @@ def missing(run: dict) -> list[str]:
 
 def evaluable(run: dict) -> bool:
     """Whether the run can be predicted: not when it says why not (`not_evaluated`), or when a
-    key its source does not publish (in `unknown`) has no assumed value; MlmError for a key
-    missing by mistake."""
+    key its source does not publish (in `unknown`) has no assumed value (then its `profile` may
+    be missing too: a run that cannot be laid out names no software); MlmError for a key missing
+    by mistake, `profile` included when it is the only gap."""
     if "not_evaluated" in run:
         return False
     gaps = missing(run)
-    if gaps and not set(gaps) - {"profile"} <= set(run.get("unknown", [])):
+    unknown = set(gaps) & set(run.get("unknown", []))
+    if set(gaps) - unknown - ({"profile"} if unknown else set()):
         raise MlmError(
             f"published run {run.get('id', '?')!r}: missing {gaps} (neither in `unknown` nor assumed)"
         )

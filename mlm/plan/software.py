@@ -23,7 +23,8 @@ bytes moved and kernels launched per layer). The built-in profiles:
     megatron-core   Megatron-core with Transformer Engine (2024-2025): fused norms (into the
                     following linear layer), fused RoPE, bias-activation and cross-entropy, cuDNN
                     fused attention, fused weight-gradient accumulation, overlapped gradient
-                    reduce-scatter and parameter all-gather (the published H100 and MoE runs)
+                    reduce-scatter and parameter all-gather, fp8 grouped GEMMs for the routed
+                    experts under fp8 (the published H100 and MoE runs)
     torchtitan      torchtitan with FSDP2 and torch.compile: compiled (fused) norms, SwiGLU and
                     RoPE, SDPA attention, parameters all-gathered and gradients reduce-scattered
                     per layer, overlapped with compute
@@ -77,7 +78,8 @@ class Software:
     weight_casts: bool = True
     """fp32 weights cast to the compute dtype in every micro-batch's forward (autocast, mlm's way),
     and their gradients cast back; off where the model holds weights in the compute dtype
-    (Megatron's bf16 parameters with fp32 main copies, FSDP's mixed precision)."""
+    (Megatron's bf16 parameters with fp32 main copies, FSDP's mixed precision). Counted only under
+    bf16/fp16 autocast of fp32 parameters (train.param_dtype fp32)."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient reduce overlapped with the backward (only the excess counts)."""
     overlap_param_gather: bool = True
@@ -93,6 +95,10 @@ class Software:
     `elementwise`, Megatron's --recompute-modules of norms and activations (their forward again,
     no GEMM); or `op`, torchtitan's per-op policy (every other matmul and every elementwise op of
     the forward again; the attention output is kept)."""
+    fp8_experts: bool = False
+    """Under train.fp8 the routed experts' grouped GEMMs run in fp8 too (Transformer Engine's, in
+    Megatron-core); mlm's fp8 leaves them in the compute dtype, with the routers, the output layer
+    and the MTP depths (`mlm.parallel.fp8`)."""
     fsdp: bool = False
     """Parameters sharded over dp and all-gathered per layer (FSDP / ZeRO-3): the gathers and the
     gradient reduce-scatter run per layer, overlapped with the layers' compute."""
@@ -101,6 +107,12 @@ class Software:
     shorter)."""
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                raise MlmError(f"software {self.name}: {f.name}={v!r} must be true or false")
+            if f.type == "float" and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise MlmError(f"software {self.name}: {f.name}={v!r} must be a number")
         if not 0 < self.attention_efficiency <= 1:
             raise MlmError(
                 f"software {self.name}: attention_efficiency={self.attention_efficiency} must be in (0, 1]"
@@ -131,6 +143,7 @@ PROFILES: dict[str, Software] = {
         fused_cross_entropy=True,
         grad_accumulation_fusion=True,
         weight_casts=False,
+        fp8_experts=True,
     ),
     "torchtitan": Software("torchtitan", weight_casts=False, fsdp=True, selective="op"),
 }

@@ -7,7 +7,8 @@ software profile (`mlm.plan.software`: mlm's own by default, or what a published
                 gives every cp rank the same causal attention work) × its layers' GEMM FLOPs and
                 the logits' on the last stage (Megatron's count, `mlm.flops`), plus recompute
                 (full: one more forward of each layer; torchtitan's per-op selective policy: every
-                other matmul's), over tp × peak (fp8's under train.fp8) × efficiency(smallest GEMM
+                other matmul's), over tp × peak (fp8's under train.fp8, but the logits' at the
+                compute dtype's: the output layer is not fp8) × efficiency(smallest GEMM
                 side) (`Hardware.efficiency`), but MLA's down-projections over peak × efficiency on
                 this rank's e/u tokens (u = tp under sequence parallelism, else 1: replicated over
                 tp, each rank computes them whole for its own tokens, Megatron's layout);
@@ -18,7 +19,8 @@ software profile (`mlm.plan.software`: mlm's own by default, or what a published
                 e/u tokens and another pass of the output layer;
                 an MoE layer's router and k routed experts run whole on each rank over its e/u
                 tokens, at the efficiency of the expert GEMMs' smallest side (rows per expert
-                = e/u · k · ep / E: ep raises it)
+                = e/u · k · ep / E: ep raises it), the router at the compute dtype's peak and the
+                experts at fp8's only under the profile's fp8_experts
     memory-bound ops
                 the bytes a micro-batch's norms, activations, RoPE, residual adds, attention copies
                 (and without flash attention its softmax over the s × s scores), MoE dispatch, loss
@@ -51,13 +53,15 @@ software profile (`mlm.plan.software`: mlm's own by default, or what a published
                 p2p   forward cp − 1 ring steps each sending one message; backward cp − 1 steps
                       sending the message and the fp32 dK/dV accumulators, plus the accumulators'
                       last send home. Each step's transfer overlaps that step's attention compute
-                      (1/cp of the core's 4·s·S·H·K forward FLOPs per token, twice in the
-                      backward), so a step takes max(transfer, compute) and only the excess
-                      counts; the last send is exposed. Recompute (selective, full) repeats the
-                      forward ring.
+                      (1/cp of the core's forward time, `core_seconds`: the attention's own rate,
+                      never fp8's; twice in the backward), so a step takes max(transfer,
+                      compute) and only the excess counts; the last send is exposed. Recompute
+                      repeats the forward ring where it re-runs the attention core (full;
+                      selective with the profile's selective = "core").
                 all_gather  all-gather K and V of the whole sequence before attention
                       ((cp − 1)/cp of 2·b·S·(G/t)·K·A per rank), reduce-scatter their gradients
-                      in the backward (the same bytes), not overlapped; repeated by recompute.
+                      in the backward (the same bytes), not overlapped; the forward's repeated
+                      as the ring's.
     p2p         per micro-batch and model chunk one activation forward and one gradient backward,
                 [b, s/sp, h] in the parameters' dtype, on NVLink if a pipeline neighbour is in the node, else the network
     bubble      the pipeline step is m · (compute + tp + ep + cp + p2p) / (1 − bubble_fraction(pp, m, vpp)),
@@ -185,7 +189,8 @@ def cp_link(job: Job, layout: Layout) -> tuple[float, float]:
 
 def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float) -> float:
     """Exposed seconds of one layer's cp exchange for one micro-batch, forward and backward (see
-    the module doc); `rate`: the FLOP/s the layer's attention runs at on this rank."""
+    the module doc); `rate`: the FLOP/s the layer's attention core runs at on this rank, in
+    Megatron's count of its FLOPs (`attention_flops(...).core` per token over `core_seconds`)."""
     cp = layout.cp
     if cp <= 1:
         return 0.0
@@ -194,7 +199,11 @@ def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float) -> floa
     S, s, b = cfg.data.seq_length, local_tokens(cfg, layout), layout.micro_batch
     kv = kv_elems(cfg, layout, s)  # one message: this rank's K and V
     bw, lat = cp_link(job, layout)
-    passes = 1 if layout.recompute == "none" else 2  # recompute re-runs the attention core
+    # the forward exchange again where recompute re-runs the attention core (as `core_seconds`)
+    rerun = layout.recompute == "full" or (
+        layout.recompute == "selective" and job.software.selective == "core"
+    )
+    passes = 2 if rerun else 1
     if layout.cp_comm_type == "all_gather":
         # K and V gathered separately (two collectives), their gradients reduce-scattered
         one = 2 * _collective(kv * cp / 2 * A, cp, bw, lat, 1.0)
@@ -254,7 +263,8 @@ def tp_layer_time(cfg: Config, job: Job, layout: Layout) -> float:
 def gemm_rates(job: Job, layout: Layout) -> tuple[float, float, float]:
     """(peak FLOP/s, GEMM efficiency of the layer's projections, rate of its tp-split GEMMs):
     efficiency at the smallest GEMM side (tokens of a micro-batch, h/t, ffn/t); the peak is fp8's
-    under train.fp8 (the linear layers' GEMMs; attention stays in the compute dtype)."""
+    under train.fp8 (the layers' linear GEMMs; attention, the routers and the output layer stay
+    in the compute dtype, the routed experts unless `Software.fp8_experts`: `mlm.parallel.fp8`)."""
     cfg, hw = job.cfg, job.hardware
     e, t = layout.micro_batch * local_tokens(cfg, layout), layout.tp
     peak = hw.peak("fp8" if cfg.train.fp8 else cfg.train.precision)
@@ -292,6 +302,8 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     logits_per_token = logits_flops(m)
     attention = attention_flops(m, cfg.data.seq_length)
     peak, eff, rate = gemm_rates(job, layout)
+    compute_peak = hw.peak(cfg.train.precision)  # what stays out of fp8 runs at (`gemm_rates`)
+    logits_rate = t * compute_peak * eff
     whole = replace(layout, recompute="none")  # MTP depths: `mlm.parallel.recompute` never wraps them
     memory_rate = hw.hbm_bandwidth * hw.memory_efficiency
 
@@ -299,7 +311,8 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         """Seconds per token of one layer's GEMMs of MLP kind `kind`: tp-split projections at
         `rate`; MLA's down-projections whole on each tp rank over its e/u tokens; the router and
         the routed experts whole on each rank, on its e/u tokens, at the experts' GEMM efficiency
-        (rows per expert = the copies a rank's E/ep experts receive from the ep ranks)."""
+        (rows per expert = the copies a rank's E/ep experts receive from the ep ranks) and at
+        fp8's peak only where the software runs them in fp8 (`Software.fp8_experts`)."""
         rerun = 4 / 3 if recompute == "full" else 1.0  # full: one more forward
         if recompute == "selective" and sw.selective == "op":
             rerun = 7 / 6  # torchtitan's per-op policy: every other matmul's forward again
@@ -310,7 +323,8 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
             E, k = m.moe.num_experts, m.moe.router_topk
             rows = e / u * k * layout.ep / E
             eff_e = hw.efficiency(min(rows, h, m.expert_ffn_size))
-            sec += (f.routed * rerun / eff_e + f.router * rerun / eff) / (peak * u)
+            experts_peak = peak if sw.fp8_experts else compute_peak  # the router never in fp8
+            sec += (f.routed * rerun / (eff_e * experts_peak) + f.router * rerun / (eff * compute_peak)) / u
         return sec
 
     kinds = set(job.mlp_kinds)
@@ -324,7 +338,7 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         gemm_seconds(last_kind, "none")
         + core_seconds(job, whole, "none")
         + eh_proj_flops(m) / (peak * eff * u)
-        + logits_per_token / rate
+        + logits_per_token / logits_rate
     )
     mtp_work = layer_work(cfg, whole, sw, last_kind, "none")
     mtp_work += loss_work(cfg, layout, sw)
@@ -334,7 +348,7 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     def stage_work(stage: Stage) -> tuple[float, float, float]:
         """(GEMM and attention seconds, memory-bound seconds, kernels) of one micro-batch."""
         c = e * sum((gemm[k] + core) * n for k, n in stage.kind_counts)
-        c += e * ((logits_per_token / rate if stage.last else 0.0) + stage.mtp * mtp_gemm)
+        c += e * ((logits_per_token / logits_rate if stage.last else 0.0) + stage.mtp * mtp_gemm)
         w = Work()
         for k, n in stage.kind_counts:
             w.bytes += n * work[k].bytes
@@ -351,10 +365,12 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     pp_bw, pp_lat = _link(hw, t * layout.cp * layout.dp < job.gpus_per_node)
     p2p = 2 * layout.vpp * (e * h / u * param_bytes(cfg) / pp_bw + pp_lat) if layout.pp > 1 else 0.0
     ep_one = ep_exchange_time(cfg, job, layout)
-    cp_one = cp_exchange_time(cfg, job, layout, rate)
+    # the FLOP/s (Megatron's count of the core) the attention runs at: the ring hides behind it
+    attention_rate = attention.core / core_seconds(job, whole, "none")
+    cp_one = cp_exchange_time(cfg, job, layout, attention_rate)
     # an MTP depth's layer communicates as a layer does, without recompute
     mtp_ep = ep_exchange_time(cfg, job, whole) if last_kind == "moe" else 0.0
-    mtp_cp = cp_exchange_time(cfg, job, whole, rate)
+    mtp_cp = cp_exchange_time(cfg, job, whole, attention_rate)
     # the batch from host memory: tokens, labels, loss mask and positions (8 + 8 + 4 + 8 bytes)
     data = layout.micro_batch * local_tokens(cfg, layout) * 28 / hw.host_bandwidth
 

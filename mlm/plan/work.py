@@ -30,14 +30,18 @@ version), per token of the rank's tensor (widths over tp where the tensor is spl
                             k·h, plus the router's softmax and top-k over E (2 + 2); 8 + 8 kernels
     GEMMs                   1 + 2 kernels each (q, k, v in one, out, the MLP's two or three)
 
-Forward passes repeat under recompute: full re-runs each layer's forward, selective the attention
-core's (`Software.selective` "elementwise" and "op": every elementwise op's instead).
+Forward passes repeat under recompute: full re-runs each layer's forward; selective by
+`Software.selective`: "core" the attention core's, "elementwise" the norms' and activations'
+(Megatron's --recompute-modules layernorm, moe_act), "op" every elementwise op's (fp8's casts
+among them) and every other GEMM's.
 Under train.fp8 each GEMM's input is cast forward and its output gradient backward: 2.5 passes
-(read for the amax, read and write one byte), and each weight 6 B per micro-batch. Per local parameter and micro-batch: `weight_casts` 6 B forward (read fp32, write the
-compute dtype) and 6 B backward; without `grad_accumulation_fusion` 10 B (read the gradient and
-the fp32 accumulator, write it). The loss: about 48 bytes per logit as the vocab-parallel
-cross-entropy's torch ops move them (fp32 copies, max, exp, sum, the softmax gradient and its
-cast), 12 fused; 20 kernels or 4.
+(read for the amax, read and write one byte) over the rows the GEMM computes (an MoE layer's
+routed experts, where `Software.fp8_experts`: e/u · k rows at the expert width), and each weight
+6 B per micro-batch. Per local parameter and micro-batch: `weight_casts` 6 B forward (read fp32,
+write the compute dtype) and 6 B backward, under autocast of fp32 parameters; without
+`grad_accumulation_fusion` 10 B (read the gradient and the fp32 accumulator, write it). The
+loss: about 48 bytes per logit as the vocab-parallel cross-entropy's torch ops move them (fp32
+copies, max, exp, sum, the softmax gradient and its cast), 12 fused; 20 kernels or 4.
 """
 
 from __future__ import annotations
@@ -95,8 +99,12 @@ def layer_work(cfg: Config, layout: Layout, sw: Software, kind: str, recompute: 
     e = layout.micro_batch * local_tokens(cfg, layout)
     A = act_bytes(cfg)
     selective = sw.selective if recompute == "selective" else None
-    full = 2 if recompute == "full" or selective in ("op", "elementwise") else 1  # the forward's ops again
+    # the forward again: every op under full recompute and torchtitan's per-op policy, the norms and
+    # activations under Megatron's elementwise modules, the attention core under "core"
+    full = 2 if recompute == "full" or selective == "op" else 1
+    norm_act = 2 if full == 2 or selective == "elementwise" else 1
     core = 2 if recompute == "full" or selective == "core" else 1
+    gemm_again = 1.0 if recompute == "full" else 0.5 if selective == "op" else 0.0  # every other matmul
     h, H, G = m.hidden_size, m.num_attention_heads, m.query_groups
     if m.attention_kind == "mla":
         qk, v = m.mla.qk_head_dim, m.mla.v_head_dim
@@ -105,13 +113,13 @@ def layer_work(cfg: Config, layout: Layout, sw: Software, kind: str, recompute: 
         K = m.head_dim
         q_width, kv_width, out_width = H * K / t, 2 * G * K / t, H * K / t
     w = Work()
-    w.add(NORM[sw.fused_norm], h, e / u, A, full)
-    w.add(NORM[sw.fused_norm], h, e / u, A, full)
+    w.add(NORM[sw.fused_norm], h, e / u, A, norm_act)
+    w.add(NORM[sw.fused_norm], h, e / u, A, norm_act)
     if m.attention_kind == "mla":  # the latents' norms, on the rank's own tokens
         latent = m.mla.kv_lora_rank + (m.mla.q_lora_rank or 0)
-        w.add(NORM[sw.fused_norm], latent, e / u, A, full)
+        w.add(NORM[sw.fused_norm], latent, e / u, A, norm_act)
     if m.qk_norm:
-        w.add(NORM[sw.fused_norm], q_width + kv_width / 2, e, A, full)
+        w.add(NORM[sw.fused_norm], q_width + kv_width / 2, e, A, norm_act)
     residual = (3, 3, 1, 1)
     if m.add_bias or m.hidden_dropout > 0:
         residual = (3.5, 3.5, 1, 1) if sw.fused_residual else (7, 6, 3, 2)
@@ -141,19 +149,25 @@ def layer_work(cfg: Config, layout: Layout, sw: Software, kind: str, recompute: 
         k = moe.router_topk
         w.add((2, 2, 4, 4), moe.num_experts, e / u, A, full)  # router softmax, top-k, aux
         w.add((4, 4, 4, 4), k * h, e / u, A, full)  # permute and unpermute the copies
-        w.add(act, m.expert_ffn_size, e / u * k, A, full)
+        w.add(act, m.expert_ffn_size, e / u * k, A, norm_act)
         shared = moe.shared_expert_ffn_hidden_size or 0
+        # (hidden width, rows) of its fp8 GEMMs: the routed copies' where the software runs them in fp8
+        mlps = [(m.expert_ffn_size, e / u * k)] if sw.fp8_experts else []
         if shared:
-            w.add(act, shared / t, e, A, full)
+            w.add(act, shared / t, e, A, norm_act)
+            mlps.append((shared / t, e))
         gemms = 2 + 1 + (3 if shared else 0) + (3 if gated else 2)  # grouped experts: one GEMM per matrix
     else:
-        w.add(act, m.ffn_size / t, e, A, full)
-    w.kernels += gemms * (full + 2)
+        w.add(act, m.ffn_size / t, e, A, norm_act)
+        mlps = [(m.ffn_size / t, e)]
+    w.kernels += gemms * (1 + gemm_again + 2)
     if cfg.train.fp8:  # each GEMM's input cast forward (amax, scale) and its output gradient backward
-        inputs = 2 * h + out_width + m.ffn_size / t
-        grads = q_width + kv_width + 2 * h + m.ffn_size / t * (2 if gated else 1)
-        w.add((FP8_PASSES, 0, gemms, 0), inputs, e, A, full)
-        w.add((0, FP8_PASSES, 0, gemms), grads, e, A)
+        # the casts are elementwise ops: again where every elementwise op is (full, op)
+        w.add((FP8_PASSES, 0, gemms, 0), h + out_width, e, A, full)  # qkv's and out's inputs
+        w.add((0, FP8_PASSES, 0, gemms), q_width + kv_width + h, e, A)
+        for width, rows in mlps:  # each MLP's up (and gate) and down, on the rows it computes
+            w.add((FP8_PASSES, 0, 0, 0), h + width, rows, A, full)
+            w.add((0, FP8_PASSES, 0, 0), width * (2 if gated else 1) + h, rows, A)
     if t > 1:
         w.kernels += 4 + (2 if recompute == "full" else 0)  # the tp collectives
     return w
@@ -177,8 +191,10 @@ def embedding_work(cfg: Config, layout: Layout) -> Work:
 
 
 def parameter_work(cfg: Config, sw: Software, params: float, recompute: str) -> float:
-    """Bytes per micro-batch over a rank's `params` local parameters: autocast's weight casts, fp8's
-    weight casts, and a gradient accumulation outside the GEMM."""
-    casts = CAST_BYTES * (3 if recompute == "full" else 2) if sw.weight_casts else 0
+    """Bytes per micro-batch over a rank's `params` local parameters: autocast's weight casts (of
+    fp32 parameters under bf16/fp16 autocast), fp8's weight casts, and a gradient accumulation
+    outside the GEMM."""
+    autocast = cfg.train.precision in ("bf16", "fp16") and cfg.train.param_dtype == "fp32"
+    casts = CAST_BYTES * (3 if recompute == "full" else 2) if sw.weight_casts and autocast else 0
     casts += FP8_WEIGHT_BYTES if cfg.train.fp8 else 0
     return params * (casts + (0 if sw.grad_accumulation_fusion else ACCUMULATE_BYTES))
