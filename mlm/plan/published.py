@@ -153,7 +153,7 @@ def job_and_layout(run: dict) -> tuple[Job, Layout]:
         )
         job = Job(cfg, run["gpus"], run["gpus_per_node"], hw, sw)
         check_layout(job, layout)
-    except (KeyError, MlmError) as e:
+    except (KeyError, TypeError, MlmError) as e:  # a missing key, an unknown override
         raise MlmError(f"published run {rid!r}: {e}") from None
     return job, layout
 
