@@ -117,6 +117,19 @@ from mlm.parallel.schedules import peak_in_flight, stage_layer_counts
 from mlm.plan.layout import Layout
 
 _AUTOCAST = ("bf16", "fp16")
+
+
+def act_bytes(cfg: Config) -> int:
+    """Bytes of an activation element: the autocast dtype's (2 under bf16/fp16), else fp32's 4."""
+    return 2 if cfg.train.precision in _AUTOCAST else 4
+
+
+def casts_weights(cfg: Config) -> bool:
+    """Whether autocast casts the weights in each forward: fp32 parameters under bf16/fp16 (not in
+    fp32, nor with train.param_dtype in the compute dtype)."""
+    return cfg.train.precision in _AUTOCAST and cfg.train.param_dtype == "fp32"
+
+
 _in_flight = functools.lru_cache(maxsize=4096)(peak_in_flight)
 
 
@@ -438,7 +451,7 @@ def cp_attention_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
     if layout.cp == 1 or layout.recompute != "none":
         return {}
     m = cfg.model
-    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    A = act_bytes(cfg)
     S, s = cfg.data.seq_length, local_tokens(cfg, layout)
     if layout.cp_comm_type == "all_gather":
         return {
@@ -460,7 +473,7 @@ def cp_workspace_bytes(cfg: Config, layout: Layout) -> float:
     if layout.cp_comm_type == "all_gather":
         if layout.recompute == "none":
             return 0.0
-        A = 2 if cfg.train.precision in _AUTOCAST else 4
+        A = act_bytes(cfg)
         S = cfg.data.seq_length
         return (s * S + kv_elems(cfg, layout, S - s)) * A
     heads = m.num_attention_heads / layout.tp
@@ -474,7 +487,7 @@ def cp_buffer_bytes(cfg: Config, layout: Layout) -> float:
     and values' gradients (autocast dtype) before the reduce-scatter."""
     if layout.cp == 1:
         return 0.0
-    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    A = act_bytes(cfg)
     if layout.cp_comm_type == "all_gather":
         return kv_elems(cfg, layout, cfg.data.seq_length) * A
     return 2 * kv_elems(cfg, layout, local_tokens(cfg, layout)) * (A + 4)
@@ -488,7 +501,7 @@ def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> 
     s = local_tokens(cfg, layout)
     e = layout.micro_batch * s
     h, f, H, G = m.hidden_size, m.ffn_size, m.num_attention_heads, m.query_groups
-    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    A = act_bytes(cfg)
     if layout.recompute == "full":
         return {"layer input (full recompute)": e * h / u * residual_bytes(cfg)}
     norm = _norm_bytes(cfg, e / u)
@@ -626,7 +639,7 @@ def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
     t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
     s, b = local_tokens(cfg, layout), layout.micro_batch
     e, h = b * s, m.hidden_size
-    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    A = act_bytes(cfg)
     out: dict[str, float] = {}
     rope = 2 * s * m.rope_dim * 4  # cos and sin
     if m.position_embedding == "rope" and layout.recompute != "full":
@@ -670,7 +683,7 @@ def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
 def weight_cast_bytes(cfg: Config, stage: Stage, layout: Layout) -> tuple[float, float]:
     """(bytes of the layers' bf16/fp16 weight copies per micro-batch, the output layer's), 0 in fp32
     and with bf16/fp16 parameters (train.param_dtype: autocast has nothing to cast)."""
-    if cfg.train.precision not in _AUTOCAST or cfg.train.param_dtype != "fp32":
+    if not casts_weights(cfg):
         return 0.0, 0.0
     return (0.0 if layout.recompute == "full" else 2.0 * stage.layer_linear), 2.0 * stage.output_linear
 
@@ -746,7 +759,7 @@ def rank_memory(
     e, h, t = layout.micro_batch * local_tokens(cfg, layout), cfg.model.hidden_size, layout.tp
     u = t if layout.sequence_parallel else 1
     if stage.last:
-        A = 2 if cfg.train.precision in _AUTOCAST else 4
+        A = act_bytes(cfg)
         v = cfg.model.padded_vocab_size(t) // t
         if cfg.model.fused_cross_entropy:  # a chunk's logits, fp32 softmax and gradient
             comps["logits (transient)"] = min(e, chunk_tokens(v)) * v * (A + 4 + A)
@@ -761,7 +774,7 @@ def rank_memory(
     if layout.ep > 1 and "moe" in per_kind:  # one MoE layer's exchange buffers (the norm's
         m = cfg.model  # output: tokens in the compute dtype)
         n = e / u
-        A = 2 if cfg.train.precision in _AUTOCAST else 4
+        A = act_bytes(cfg)
         if m.moe.token_dispatcher == "alltoall":  # the copies sent and received
             comm += 2 * n * m.moe.router_topk * h * A
         else:  # the gathered tokens and the outputs to reduce-scatter

@@ -18,6 +18,7 @@ from mlm.console import LOG_WIDTH, human
 from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
 from mlm.plan.layout import Job, Layout
 from mlm.plan.memory import (
+    act_bytes,
     cp_buffer_bytes,
     korthikanti_layer_bytes,
     kv_elems,
@@ -256,7 +257,7 @@ def context_parallel_line(job: Job, lo: Layout) -> str:
     """How a cp layout splits each sequence and what its attention moves per layer."""
     cfg = job.cfg
     S, s, cp = cfg.data.seq_length, local_tokens(cfg, lo), lo.cp
-    A = 2 if cfg.train.precision in ("bf16", "fp16") else 4
+    A = act_bytes(cfg)
     kv = kv_elems(cfg, lo, s) * A
     link = "NVLink" if lo.tp * cp <= job.gpus_per_node else "the network"
     split = (

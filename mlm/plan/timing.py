@@ -93,10 +93,9 @@ from mlm.config import Config
 from mlm.flops import attention_flops, eh_proj_flops, logits_flops, mlp_flops
 from mlm.parallel.schedules import bubble_fraction
 from mlm.plan.layout import Job, Layout
-from mlm.plan.memory import Stage, buffer_bytes, kv_elems, local_tokens, param_bytes
+from mlm.plan.memory import Stage, act_bytes, buffer_bytes, kv_elems, local_tokens, param_bytes
 from mlm.plan.work import Work, embedding_work, layer_work, loss_work, parameter_work
 
-_AUTOCAST = ("bf16", "fp16")
 OPTIMIZER_BYTES = 36
 """Bytes per local element of the optimizer step: fused AdamW reads the fp32 parameter, gradient
 and two moments and writes three (28), the gradient norm reads the gradient (4), and zeroing the
@@ -167,7 +166,7 @@ def ep_exchange_time(cfg: Config, job: Job, layout: Layout) -> float:
     u = layout.tp if layout.sequence_parallel else 1
     N = layout.micro_batch * local_tokens(cfg, layout) / u
     h, k, E = m.hidden_size, m.moe.router_topk, m.moe.num_experts
-    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    A = act_bytes(cfg)
     passes = 2 if layout.recompute == "full" else 1  # forward exchanges (recompute repeats them)
     if m.moe.token_dispatcher == "alltoall":
         away = N * k * h * (ep - 1) / ep
@@ -195,7 +194,7 @@ def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float) -> floa
     if cp <= 1:
         return 0.0
     m = cfg.model
-    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    A = act_bytes(cfg)
     S, s, b = cfg.data.seq_length, local_tokens(cfg, layout), layout.micro_batch
     kv = kv_elems(cfg, layout, s)  # one message: this rank's K and V
     bw, lat = cp_link(job, layout)
@@ -242,7 +241,7 @@ def tp_layer_time(cfg: Config, job: Job, layout: Layout) -> float:
     m = cfg.model
     h = m.hidden_size
     e = layout.micro_batch * local_tokens(cfg, layout)
-    A = 2 if cfg.train.precision in _AUTOCAST else 4
+    A = act_bytes(cfg)
     bw, lat = _link(job.hardware, t <= job.gpus_per_node)
     full = layout.recompute == "full"
     if m.attention_kind != "mla":  # GQA: 4 all-reduces of [b, s, h], 6 with full recompute
@@ -350,10 +349,8 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         c = e * sum((gemm[k] + core) * n for k, n in stage.kind_counts)
         c += e * ((logits_per_token / logits_rate if stage.last else 0.0) + stage.mtp * mtp_gemm)
         w = Work()
-        for k, n in stage.kind_counts:
-            w.bytes += n * work[k].bytes
-            w.kernels += n * work[k].kernels
-        for part, times in ((loss, stage.last), (embed, stage.first), (mtp_work, stage.mtp)):
+        parts = [(work[k], n) for k, n in stage.kind_counts]
+        for part, times in parts + [(loss, stage.last), (embed, stage.first), (mtp_work, stage.mtp)]:
             w.bytes += times * part.bytes
             w.kernels += times * part.kernels
         params = sum(stage.numels) + sum(stage.expert_numels)

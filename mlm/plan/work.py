@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from mlm.config import Config
 from mlm.plan.layout import Layout
-from mlm.plan.memory import local_tokens
+from mlm.plan.memory import act_bytes, casts_weights, local_tokens
 from mlm.plan.software import Software
 
 NORM = {True: (2, 3, 1, 2), False: (12, 24, 6, 10)}
@@ -86,10 +86,6 @@ class Work:
         self.bytes += other.bytes
         self.kernels += other.kernels
         return self
-
-
-def act_bytes(cfg: Config) -> int:
-    return 2 if cfg.train.precision in ("bf16", "fp16") else 4
 
 
 def layer_work(cfg: Config, layout: Layout, sw: Software, kind: str, recompute: str) -> Work:
@@ -194,7 +190,6 @@ def parameter_work(cfg: Config, sw: Software, params: float, recompute: str) -> 
     """Bytes per micro-batch over a rank's `params` local parameters: autocast's weight casts (of
     fp32 parameters under bf16/fp16 autocast), fp8's weight casts, and a gradient accumulation
     outside the GEMM."""
-    autocast = cfg.train.precision in ("bf16", "fp16") and cfg.train.param_dtype == "fp32"
-    casts = CAST_BYTES * (3 if recompute == "full" else 2) if sw.weight_casts and autocast else 0
+    casts = CAST_BYTES * (3 if recompute == "full" else 2) if sw.weight_casts and casts_weights(cfg) else 0
     casts += FP8_WEIGHT_BYTES if cfg.train.fp8 else 0
     return params * (casts + (0 if sw.grad_accumulation_fusion else ACCUMULATE_BYTES))
