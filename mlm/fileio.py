@@ -18,6 +18,28 @@ from pathlib import Path
 from mlm.errors import MlmError
 
 
+def fsync_dir(d: str | os.PathLike) -> None:
+    """Flush a directory's entries to disk (the names of the files created in it)."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dirs(paths, top: str | os.PathLike) -> None:
+    """fsync the parent directories of `paths`, each up to and including `top` (once each)."""
+    top, done = Path(top), set()
+    for p in paths:
+        d = Path(p).parent
+        while d not in done:
+            fsync_dir(d)
+            done.add(d)
+            if d == top or d == d.parent:
+                break
+            d = d.parent
+
+
 def check_writable(paths: Sequence[Path], overwrite: bool) -> None:
     """Refuse to replace existing outputs unless `overwrite`; make sure the folder exists."""
     if not overwrite:

@@ -186,8 +186,9 @@ def test_damaged_chunks_are_caught(tmp_path):
     chunk.write_bytes(bytes(data))
     with pytest.raises(
         MlmError, match=r"tensor model/w: chunk c/0/0 fails its checksum \(CRC-32C [0-9a-f]{8}, "
-    ):
+    ) as err:
         load(tmp_path, {"w": x})
+    assert f"the file {chunk} is damaged" in str(err.value)  # the path, to restore or inspect
     assert not torch.equal(load(tmp_path, {"w": x}, verify=False)["w"], x)  # the bit, unchecked
     chunk.write_bytes(bytes(data[:-4]))
     with pytest.raises(MlmError, match="has the wrong size .* the checkpoint is damaged"):
@@ -229,6 +230,46 @@ def test_incomplete_checkpoints(tmp_path):
         resolve_checkpoint(tmp_path)
     save(tmp_path, 2, {"w": torch.full((3,), 2.0)})
     assert load(tmp_path, {"w": torch.zeros(3)})["w"].tolist() == [2.0] * 3
+
+
+def test_every_file_and_directory_is_fsynced_before_the_manifest(tmp_path, monkeypatch):
+    """A power loss after `latest` must not find chunks that never reached the disk: each chunk
+    file, each zarr.json and every directory of the checkpoint is fsynced before the manifest is
+    written (os.fsync calls recorded by the path of their descriptor)."""
+    import os
+
+    synced, real = [], os.fsync
+
+    def record(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    it_dir = save(tmp_path, 1, {"w": torch.randn(8, 6), "b": torch.randn(5)})
+    manifest_at = next(i for i, p in enumerate(synced) if p.name.startswith("manifest.json"))
+    before = set(synced[:manifest_at])
+    files = {p for p in it_dir.rglob("*") if p.is_file() and p.name != "manifest.json"}
+    dirs = {p for p in it_dir.rglob("*") if p.is_dir()} | {it_dir}
+    assert files and files <= before, sorted(map(str, files - before))
+    assert dirs <= before, sorted(map(str, dirs - before))
+    assert tmp_path in synced[manifest_at:]  # `latest`'s directory entry too
+
+
+def test_leftovers_of_interrupted_saves_and_pruning_are_removed_at_the_next_save(tmp_path):
+    save(tmp_path, 1, {"w": torch.ones(3)})
+    died = tmp_path / "iter_0000002" / "model" / "w"  # a save killed before its manifest
+    died.mkdir(parents=True)
+    (died / "zarr.json").write_text("{}")
+    pruned = tmp_path / "iter_0000000"  # pruning killed after the manifest's removal
+    (pruned / "model").mkdir(parents=True)
+    (tmp_path / "iter_notes").mkdir()  # not a checkpoint's name: left alone
+    save(tmp_path, 3, {"w": torch.full((3,), 3.0)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000001",
+        "iter_0000003",
+        "iter_notes",
+        "latest",
+    ]
 
 
 KILLED_SAVE = """

@@ -27,7 +27,7 @@ import zarr
 from mlm import __version__
 from mlm.checkpoint import store
 from mlm.errors import MlmError, check_version
-from mlm.fileio import atomic_outputs, read_json
+from mlm.fileio import atomic_outputs, fsync_dir, fsync_dirs, read_json
 
 FORMAT = "mlm-checkpoint"
 FORMAT_VERSIONS = [1]
@@ -88,14 +88,6 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return sorted(dirs, key=lambda d: int(d.name[5:]))
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_durable(path: Path, text: str) -> None:
     """Replace `path` atomically with `text`, fsynced, so a crash leaves the old or the new file."""
     with atomic_outputs([path]) as (tmp,):
@@ -103,7 +95,7 @@ def _write_durable(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _remove(d: Path) -> None:
@@ -161,6 +153,11 @@ def _finish(
             info[CHECKSUMS] = dict(sorted(info[CHECKSUMS].items()))
     for f in files:
         f.unlink()
+    # every rank fsynced its chunks and arrays (`store`); the groups' metadata and names here
+    metas = [it_dir / g / "zarr.json" for g in group_names]
+    for meta in metas:
+        store.fsync_file(meta)
+    fsync_dirs(metas, it_dir)
     head = {"format": FORMAT, "format_version": 1, "mlm_version": __version__, "iteration": iteration}
     manifest = {**head, "tensors": tensors, **json.loads(extra_json)}
     _write_durable(it_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
@@ -212,8 +209,17 @@ def save_checkpoint(
             others = [d for d in list_checkpoints(root) if d != it_dir]
             for d in others[: max(0, len(others) - (keep_last - 1))]:
                 _remove(d)
+        _remove_leftovers(root, it_dir)
     barrier()
     return it_dir
+
+
+def _remove_leftovers(root: Path, keep: Path) -> None:
+    """Delete the iteration dirs without a manifest that an interrupted save or pruning left (a
+    save writes its manifest last, `_remove` deletes it first), now that `keep` is complete."""
+    for d in root.glob("iter_*"):
+        if d != keep and _ITER_RE.fullmatch(d.name) and d.is_dir() and not _is_complete(d):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def save_streaming(

@@ -32,7 +32,7 @@ import torch
 import zarr
 
 from mlm.errors import MlmError
-from mlm.fileio import read_json
+from mlm.fileio import fsync_dirs, read_json
 
 # Logical dtypes zarr cannot hold, and the same-width integer dtype whose bits they are stored as.
 BIT_PATTERN = {
@@ -86,7 +86,8 @@ class Array:
 
 
 def create_array(path: Path, shape: tuple[int, ...], chunk: tuple[int, ...], dtype: torch.dtype) -> Array:
-    """Create the array's metadata only (zarr.json; no chunk is written); its chunk shape is `chunk`."""
+    """Create the array's metadata only (zarr.json, fsynced with the directories naming it; no chunk
+    is written); its chunk shape is `chunk`."""
     chunk = tuple(max(1, c) for c in chunk)
     zarr.create_array(
         store=str(path),
@@ -97,7 +98,15 @@ def create_array(path: Path, shape: tuple[int, ...], chunk: tuple[int, ...], dty
         fill_value=0,
         attributes={"dtype": dtype_name(dtype)},
     )
+    meta = Path(path) / "zarr.json"
+    fsync_file(meta)
+    fsync_dirs([meta], Path(path).parent)
     return Array(Path(path), tuple(shape), chunk, dtype)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def open_array(path: Path, where: str) -> Array:
@@ -183,10 +192,13 @@ def check_aligned(arr: Array, offset: tuple[int, ...], shape: tuple[int, ...], w
 
 
 def write_chunk(path: Path, buf: np.ndarray) -> None:
-    """Write one chunk file (C order) from a contiguous array."""
+    """Write one chunk file (C order) from a contiguous array, fsynced (its directory entry is
+    `write_slice`'s): a checkpoint's manifest is written only after every chunk is on disk."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         f.write(memoryview(buf.reshape(-1)).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_slice(arr: Array, local: torch.Tensor, offset: tuple[int, ...]) -> Checksums:
@@ -208,6 +220,7 @@ def write_slice(arr: Array, local: torch.Tensor, offset: tuple[int, ...]) -> Che
         key = arr.chunk_key(index)
         write_chunk(arr.path / key, block)
         sums[key] = _crc(block)
+    fsync_dirs([arr.path / key for key in sums], arr.path)
     return sums
 
 
@@ -258,7 +271,7 @@ def read_slice(
             buf = scratch
         _read_into(arr.path / key, buf, where)
         if checksums is not None:
-            _check(where, key, _crc(buf), checksums.get(key))
+            _check(where, key, arr.path / key, _crc(buf), checksums.get(key))
         if buf is scratch:
             dest[...] = scratch[(*(slice(a - s, b - s) for a, b, s in zip(lo, hi, start, strict=True)), ...)]
     t = torch.from_numpy(out)
@@ -334,7 +347,7 @@ def plan_rechunk(
         for (_, n, _), c in zip(ranges[1:], crcs[1:], strict=True):
             crc = crc32c_combine(crc, c, n * size)
         if checksums is not None:
-            _check(where, key, f"{crc:08x}", checksums.get(key))
+            _check(where, key, chunk_path, f"{crc:08x}", checksums.get(key))
     nd = len(src.shape)
     return {
         src.chunk_key((j, k, *(0,) * (nd - 2)) if nd > 1 else (j,)): pieces
@@ -365,7 +378,9 @@ def write_pieces(
                         if n == 0:
                             raise MlmError(f"{src}: ends before byte {offset + left}; the file is truncated")
                         offset, left = offset + n, left - n
+                os.fsync(out.fileno())
             sums[key] = f"{crc:08x}"
+    fsync_dirs([path / key for key in sums], path)
     return sums
 
 
@@ -376,11 +391,11 @@ def file_piece(src: Path, offset: int, nbytes: int) -> Piece:
         return (src, offset, nbytes, _crc_of(f, [(offset, nbytes)])[0])
 
 
-def _check(where: str, key: str, got: str, want: str | None) -> None:
+def _check(where: str, key: str, path: Path, got: str, want: str | None) -> None:
     if got != want:
         raise MlmError(
             f"{where}: chunk {key} fails its checksum (CRC-32C {got}, the manifest records "
-            f"{want}); the file is damaged: restore the checkpoint from a copy, or load an "
+            f"{want}): the file {path} is damaged; restore the checkpoint from a copy, or load an "
             "earlier one (mlm convert --no-verify skips the check)"
         )
 
