@@ -40,6 +40,19 @@ def fsync_dirs(paths, top: str | os.PathLike) -> None:
             d = d.parent
 
 
+WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+"""Errors that mean an output cannot be written where it was asked for (`write_error`)."""
+
+
+def write_error(e: OSError, folder: Path) -> MlmError:
+    """One line for an output folder that cannot be written: permissions, a read-only file
+    system, a full disk."""
+    return MlmError(
+        f"cannot write in {folder}: {e.strerror}; choose a writable output folder "
+        "(or fix its permissions, or free space) and run again"
+    )
+
+
 def check_writable(paths: Sequence[Path], overwrite: bool) -> None:
     """Refuse to replace existing outputs unless `overwrite`; make sure the folder exists."""
     if not overwrite:
@@ -47,19 +60,31 @@ def check_writable(paths: Sequence[Path], overwrite: bool) -> None:
         if existing:
             raise MlmError(f"output already exists: {', '.join(existing)}. Pass --overwrite to replace it.")
     for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            if e.errno in WRITE_ERRNOS:
+                raise write_error(e, p.parent) from None
+            raise
 
 
 @contextlib.contextmanager
 def atomic_outputs(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
-    """Yield temporary paths for `paths`; rename them into place (in order) on success."""
+    """Yield temporary paths for `paths`; rename them into place (in order) on success. An error
+    writing a temporary (permissions, read-only, disk full) becomes one MlmError naming its folder;
+    a temporary that cannot be removed (a read-only file system) does not hide the first error."""
     finals = [Path(p) for p in paths]
     temps = [p.with_name(f"{p.name}.tmp-{os.getpid()}") for p in finals]
     try:
         yield temps
-    except BaseException:
+    except BaseException as e:
         for t in temps:
-            t.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                t.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS and e.filename is not None:
+            folder = Path(e.filename).parent
+            if folder in {t.parent for t in temps}:
+                raise write_error(e, folder) from None
         raise
     for t, f in zip(temps, finals, strict=True):
         os.replace(t, f)

@@ -137,3 +137,60 @@ def test_truncated_compressed_input(tmp_path, sp_model):
     (tmp_path / "in.jsonl.gz").write_bytes(data[: len(data) // 2])
     assert_error(build(tmp_path, sp_model, name="in.jsonl.gz"), "in.jsonl.gz: cannot read")
     assert_no_output(tmp_path)
+
+
+@pytest.mark.parametrize("code", ["EROFS", "EACCES"])
+def test_output_folder_that_cannot_be_written(tmp_path, sp_model, corpus_jsonl, monkeypatch, code):
+    """`mlm data build` into a read-only or unwritable folder (simulated: every write and every
+    removal under it fails, as on a read-only mount; root ignores mode 555): one MlmError line naming
+    the folder, not open()'s traceback and then the cleanup's."""
+    import builtins
+    import errno
+    import os
+
+    from mlm.data.build import BuildOptions, build_dataset
+    from mlm.errors import MlmError
+
+    out = tmp_path / "ro"
+    out.mkdir()
+    err = getattr(errno, code)
+    real_open, real_unlink = builtins.open, Path.unlink
+
+    def denied(path):
+        return OSError(err, os.strerror(err), str(path))
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if str(file).startswith(str(out)) and any(m in mode for m in "wax+"):
+            raise denied(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def guarded_unlink(self, missing_ok=False):
+        if str(self).startswith(str(out)):
+            raise denied(self)
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(Path, "unlink", guarded_unlink)
+    opts = BuildOptions([str(corpus_jsonl)], str(out / "data"), str(sp_model), progress=False)
+    with pytest.raises(MlmError) as e:
+        build_dataset(opts)
+    msg = str(e.value)
+    assert msg.startswith(f"cannot write in {out}: {os.strerror(err)}") and "\n" not in msg, msg
+    assert e.value.__cause__ is None and e.value.__context__ is not None  # raised from the write error
+    monkeypatch.undo()
+    assert list(out.iterdir()) == []
+
+
+def test_output_folder_without_permission_by_the_cli(tmp_path, sp_model):
+    """The same through the CLI with a real mode-555 folder: exit 2, one line, nothing written
+    (skipped as root, whom mode bits do not stop)."""
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes through mode 555")
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    r = mlm("data", "build", "-i", tmp_path / "in.jsonl", "-o", ro / "out", "-t", sp_model, "--no-progress")
+    assert_error(r, f"cannot write in {ro}")
+    assert list(ro.iterdir()) == []
