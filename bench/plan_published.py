@@ -38,7 +38,7 @@ def table(runs: list[dict]) -> str:
         mesh += (f" cp{lo.cp}" if lo.cp > 1 else "") + (f" ep{lo.ep}" if lo.ep > 1 else "")
         mesh += f" mb{lo.micro_batch} {lo.recompute}"
         lines.append(
-            f"| {run['id']} | {family(run)} | {run['gpus']} | {mesh} | {p.candidate_software} | {p.measured:,.0f} | "
+            f"| {run['id']} | {family(run)} | {run['gpus']} | {mesh} | {p.job.software.name} | {p.measured:,.0f} | "
             f"{p.predicted:,.0f} | {p.ratio:.3f} |"
         )
     if skipped:

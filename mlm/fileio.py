@@ -27,6 +27,12 @@ def fsync_dir(d: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file's data to disk."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def fsync_dirs(paths, top: str | os.PathLike) -> None:
     """fsync the parent directories of `paths`, each up to and including `top` (once each)."""
     top, done = Path(top), set()
@@ -103,10 +109,10 @@ def staged_dir(out: str | os.PathLike) -> Iterator[Path]:
     out = Path(out)
     check_new_dir(out)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         yield tmp
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -116,6 +122,8 @@ def staged_dir(out: str | os.PathLike) -> Iterator[Path]:
                 f"no space left on the device while writing {out} ({e.strerror}); the partial output "
                 f"was removed ({free / 1e9:.3g} GB free now): free space or choose another OUT, then run again"
             ) from e
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            raise write_error(e, out.parent) from None
         raise
     check_new_dir(out)
     os.rename(tmp, out)

@@ -43,38 +43,22 @@ def test_prediction_within_tolerance_of_the_published_throughput(run):
     )
 
 
-def _measures(run: dict, job) -> dict[str, float]:
-    """Every measure a run publishes, as tokens/s per GPU."""
-    from mlm.plan.published import source_flops_per_token
-
-    r = {**run, **run.get("assumed", {})}
-    per_token = source_flops_per_token(job, r.get("flops_count", "megatron"))
-    out = {}
-    if "step_s" in r:
-        out["step_s"] = r["global_batch"] * r["seq_length"] / r["step_s"] / r["gpus"]
-    if "tflops_per_gpu" in r:
-        out["tflops_per_gpu"] = r["tflops_per_gpu"] * 1e12 / per_token
-    if "mfu" in r:
-        out["mfu"] = r["mfu"] * job.hardware.peak("bf16") / per_token
-    return out
-
-
 def test_published_measures_agree_under_the_sources_flop_count():
     """Where a Megatron source publishes two measures (step time and TFLOP/s or MFU), they give
     the same throughput under the FLOP count the row names (`flops_count`) within 2 %: the rows'
     configurations and counts are the sources' own (Megatron-LM since 2025 halves causal
     attention; Narayanan et al. and the 2021 GPT-3 example count the recomputed forward)."""
-    from mlm.plan.published import job_and_layout
+    from mlm.plan.published import job_and_layout, measures
 
     checked = 0
     for run in DATA["run"]:
         if not run.get("profile", "").startswith("megatron") or not evaluable(run):
             continue
         job, _ = job_and_layout(run)
-        measures = _measures(run, job)
-        if len(measures) >= 2:
-            values = list(measures.values())
-            assert max(values) / min(values) < 1.02, (run["id"], measures)
+        published = measures(run, job)
+        if len(published) >= 2:
+            values = list(published.values())
+            assert max(values) / min(values) < 1.02, (run["id"], published)
             checked += 1
     assert checked >= 15
 

@@ -27,7 +27,7 @@ import zarr
 from mlm import __version__
 from mlm.checkpoint import store
 from mlm.errors import MlmError, check_version
-from mlm.fileio import atomic_outputs, fsync_dir, fsync_dirs, read_json
+from mlm.fileio import atomic_outputs, fsync_dir, fsync_dirs, fsync_file, read_json
 
 FORMAT = "mlm-checkpoint"
 FORMAT_VERSIONS = [1]
@@ -156,7 +156,7 @@ def _finish(
     # every rank fsynced its chunks and arrays (`store`); the groups' metadata and names here
     metas = [it_dir / g / "zarr.json" for g in group_names]
     for meta in metas:
-        store.fsync_file(meta)
+        fsync_file(meta)
     fsync_dirs(metas, it_dir)
     head = {"format": FORMAT, "format_version": 1, "mlm_version": __version__, "iteration": iteration}
     manifest = {**head, "tensors": tensors, **json.loads(extra_json)}

@@ -32,7 +32,7 @@ import torch
 import zarr
 
 from mlm.errors import MlmError
-from mlm.fileio import fsync_dirs, read_json
+from mlm.fileio import fsync_dirs, fsync_file, read_json
 
 # Logical dtypes zarr cannot hold, and the same-width integer dtype whose bits they are stored as.
 BIT_PATTERN = {
@@ -102,11 +102,6 @@ def create_array(path: Path, shape: tuple[int, ...], chunk: tuple[int, ...], dty
     fsync_file(meta)
     fsync_dirs([meta], Path(path).parent)
     return Array(Path(path), tuple(shape), chunk, dtype)
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def open_array(path: Path, where: str) -> Array:

@@ -48,15 +48,11 @@ class Prediction:
     measured: float
     """Tokens/s per GPU as published (converted from the published measure)."""
     candidate: Candidate
-    candidate_job: Job
+    job: Job
 
     @property
     def predicted(self) -> float:
         return self.candidate.timing.tokens_per_s_per_gpu
-
-    @property
-    def candidate_software(self) -> str:
-        return self.candidate_job.software.name
 
     @property
     def ratio(self) -> float:
@@ -158,21 +154,26 @@ def job_and_layout(run: dict) -> tuple[Job, Layout]:
     return job, layout
 
 
-def measured_tokens_per_s(run: dict, job: Job) -> float:
-    """The run's published measure as tokens/s per GPU (TFLOP/s and MFU over the source's FLOPs
-    per token, `source_flops_per_token`)."""
+def measures(run: dict, job: Job) -> dict[str, float]:
+    """Every measure the run publishes, as tokens/s per GPU, in `MEASURES` order (TFLOP/s and MFU
+    over the source's FLOPs per token, `source_flops_per_token`)."""
     run = {**run, **run.get("assumed", {})}
-    tokens = run["global_batch"] * run["seq_length"]
-    if "tokens_per_s_per_gpu" in run:
-        return run["tokens_per_s_per_gpu"]
-    if "step_s" in run:
-        return tokens / run["step_s"] / run["gpus"]
     per_token = source_flops_per_token(job, run.get("flops_count", "megatron"))
-    if "tflops_per_gpu" in run:
-        return run["tflops_per_gpu"] * 1e12 / per_token
-    if "mfu" in run:
-        return run["mfu"] * job.hardware.peak(job.cfg.train.precision) / per_token
-    raise MlmError(f"published run {run.get('id', '?')!r}: no measure; give one of {', '.join(MEASURES)}")
+    rates = {
+        "tokens_per_s_per_gpu": lambda v: v,
+        "step_s": lambda v: run["global_batch"] * run["seq_length"] / v / run["gpus"],
+        "tflops_per_gpu": lambda v: v * 1e12 / per_token,
+        "mfu": lambda v: v * job.hardware.peak(job.cfg.train.precision) / per_token,
+    }
+    return {k: rates[k](run[k]) for k in MEASURES if k in run}
+
+
+def measured_tokens_per_s(run: dict, job: Job) -> float:
+    """The run's published measure as tokens/s per GPU: the first of `MEASURES` it gives."""
+    published = measures(run, job)
+    if not published:
+        raise MlmError(f"published run {run.get('id', '?')!r}: no measure; give one of {', '.join(MEASURES)}")
+    return next(iter(published.values()))
 
 
 def family(run: dict) -> str:
