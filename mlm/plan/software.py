@@ -186,5 +186,5 @@ def software_from_dict(data: dict, where: str, name: str | None = None) -> Softw
     start = PROFILES[base] if base is not None else Software(name)
     try:
         return dataclasses.replace(start, name=name, **data)
-    except TypeError as e:
+    except (TypeError, MlmError) as e:  # a value the profile refuses: name the file it came from
         raise MlmError(f"{where}: {e}") from None
