@@ -30,6 +30,24 @@ def train(
     ),
 ) -> None:
     """Train a model on datasets from `mlm data build`; checkpoints, metrics.jsonl, TensorBoard."""
+    from mlm.train.watchdog import Watchdog
+
+    # first: in a job of several processes an error anywhere (the config included) is then
+    # printed once, by rank 0, and stops every rank (mlm/train/watchdog.py)
+    watchdog = Watchdog.for_job()
+    try:
+        _train(watchdog, config, overrides, load, auto_resume, dry_run, world_size, png, plan)
+    except typer.Exit:  # preempted (the trainer has said so on rank 0)
+        watchdog.finish()
+        raise
+    except BaseException as e:
+        if watchdog.store is None:  # one process: cli.main prints it
+            raise
+        watchdog.fail(e)
+    watchdog.finish()
+
+
+def _train(watchdog, config, overrides, load, auto_resume, dry_run, world_size, png, plan) -> None:
     import os
 
     from mlm.config import load_config
@@ -41,7 +59,7 @@ def train(
         spec = read_plan(plan)
         planned = train_overrides(spec)
         note = world_size_note(spec, int(os.environ.get("WORLD_SIZE", world_size or 1)))
-        if note and os.environ.get("RANK", "0") == "0":
+        if note and watchdog.rank == 0:
             from mlm.console import console
 
             console.print(f"[bold yellow]warning:[/] {plan}: {note}", highlight=False)
@@ -57,7 +75,7 @@ def train(
     from mlm.train.trainer import PREEMPTED_EXIT_CODE, Preempted, Trainer, resume_path
 
     try:
-        Trainer(cfg, load=resume_path(cfg, load, auto_resume)).train()
+        Trainer(cfg, load=resume_path(cfg, load, auto_resume), watchdog=watchdog).train()
     except Preempted:  # the trainer has said so on rank 0
         raise typer.Exit(PREEMPTED_EXIT_CODE) from None
 
@@ -71,8 +89,11 @@ def slurm(
     job_name: str = typer.Option("mlm", help="SLURM job name."),
     partition: str | None = typer.Option(None, help="SLURM partition."),
     account: str | None = typer.Option(None, help="SLURM account."),
+    max_requeues: int = typer.Option(
+        3, help="Requeue after a hang or a crash while the job has been requeued fewer times than this."
+    ),
 ) -> None:
-    """Print an sbatch script that runs `mlm train` under srun, requeued on preemption."""
+    """Print an sbatch script that runs `mlm train` under srun, requeued on preemption, hangs and crashes."""
     from mlm.config import load_config
     from mlm.parallel import Mesh
     from mlm.train.slurm import sbatch_script
@@ -89,6 +110,7 @@ def slurm(
             job_name,
             partition,
             account,
+            max_requeues=max_requeues,
         ),
         end="",
     )

@@ -552,6 +552,8 @@ class TrainConfig:
     """Global batches per evaluation (each split over the dp ranks as in training)."""
     seed: int = 1234
     """Seed of initialisation, dropout and data order."""
+    hang_timeout: float = 900.0
+    """Seconds without progress on a rank before the job is declared hung: stacks to RUN_DIR/hang/, exit 4; 0 disables."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     compile: bool = False
@@ -589,6 +591,10 @@ class TrainConfig:
             "set train.compile=false (or train.fp8='')",
         )
         _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+        _check(
+            self.hang_timeout >= 0,
+            f"train.hang_timeout={self.hang_timeout}: must be 0 (off) or a number of seconds",
+        )
         _check(
             self.param_dtype in ("fp32", self.precision),
             f"train.param_dtype={self.param_dtype}: must be fp32 or the compute dtype "

@@ -1,6 +1,11 @@
-"""Launch detection: torchrun's variables, SLURM's, and SLURM's compressed node lists."""
+"""Launch detection: torchrun's variables, SLURM's, and SLURM's compressed node lists; the sbatch
+script `mlm slurm` writes, run with fake srun and scontrol."""
 
 from __future__ import annotations
+
+import os
+
+import pytest
 
 from mlm.parallel.launch import detect, expand_nodelist
 
@@ -42,12 +47,46 @@ def test_sbatch_script_is_valid_bash_with_requeue(tmp_path):
         "#SBATCH --signal=USR1@",
         "#SBATCH --partition=gpu",
         "mlm train --config run.toml --set train.train_iters=10 --auto-resume",
-        "if [ $rc -eq 3 ]; then",
         'scontrol requeue "$SLURM_JOB_ID"',
     ):
         assert line in script, line
     (tmp_path / "job.sh").write_text(script)
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")]).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("rc", "restarts", "requeued"),
+    [
+        (0, 0, False),  # done
+        (3, 0, True),  # preempted, checkpoint saved
+        (3, 5, True),  # preemption requeues however often it came
+        (2, 0, False),  # bad input: the same input fails again
+        (4, 0, True),  # a hang
+        (1, 2, True),  # a crash, below the limit
+        (137, 0, True),  # a rank killed (srun: 128 + SIGKILL)
+        (4, 3, False),  # at the limit
+    ],
+)
+def test_sbatch_script_requeues_by_exit_code(tmp_path, rc, restarts, requeued):
+    """The script itself, run with a fake `srun` (exits with `rc`) and `scontrol` (records its
+    arguments) first on PATH."""
+    import subprocess
+
+    from mlm.train.slurm import sbatch_script
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/bash\nexit {rc}\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.log\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "job.sh").write_text(sbatch_script("run.toml", [], 1, 8, "01:00:00", max_requeues=3))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+    env["SLURM_RESTART_COUNT"] = str(restarts)
+    run = subprocess.run(["bash", str(tmp_path / "job.sh")], env=env, capture_output=True, text=True)
+    assert run.returncode == rc, run.stderr
+    log = tmp_path / "scontrol.log"
+    assert (log.read_text() if log.exists() else "") == ("requeue 77\n" if requeued else ""), run.stdout
 
 
 def test_slurm_command_checks_the_mesh():

@@ -10,6 +10,7 @@ NCCL on CUDA, gloo on CPU. Rendezvous is torch.distributed's own (env://).
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 from dataclasses import dataclass
@@ -66,14 +67,21 @@ def detect(env: dict | None = None) -> Launch:
     return Launch(0, 1, 0, "single")
 
 
-def init_distributed(device: torch.device) -> Launch:
-    """Initialise the default process group when there is more than one process."""
+def init_distributed(device: torch.device, store=None, timeout: datetime.timedelta | None = None) -> Launch:
+    """Initialise the default process group when there is more than one process: on `store`
+    (the job's rendezvous store, `dist.rendezvous("env://")`) when given, else through env://;
+    `timeout` for its collectives (None: torch's default)."""
     launch = detect()
     if launch.world_size == 1 or dist.is_initialized():
         return launch
     if device.type == "cuda":
         torch.cuda.set_device(launch.local_rank)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"timeout": timeout} if timeout is not None else {}
+    if store is None:
+        dist.init_process_group(backend, init_method="env://", **kw)
+    else:
+        dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size, **kw)
     return launch
 
 

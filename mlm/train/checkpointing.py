@@ -24,7 +24,7 @@ from mlm.errors import MlmError
 
 class TrainerCheckpoints:
     """Mixed into `Trainer` (which provides cfg, mesh, model, optimizer, scaler, fp8, iteration,
-    consumed_samples, total_iters, `_print` and `_barrier`)."""
+    consumed_samples, total_iters, watchdog, `_print` and `_barrier`)."""
 
     def _groups(self, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
         """Every parameter and its Adam moments as this rank's slices of the global tensors, each
@@ -40,6 +40,7 @@ class TrainerCheckpoints:
         """Save this step's state (every rank its slices). With `checkpoint.async_save` the
         tensors are copied to CPU here and written by a background thread; `latest` moves when
         that is done, and the next save (or the end of training) waits for it."""
+        self.watchdog.beat("checkpoint save")
         self.wait_for_save()
         extra = {
             "config": self.cfg.to_dict(),

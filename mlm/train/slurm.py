@@ -1,8 +1,12 @@
-"""A ready sbatch script for `mlm train`: one task per GPU under srun, requeued on preemption.
+"""A ready sbatch script for `mlm train`: one task per GPU under srun, requeued on preemption
+and on failures that a restart can mend.
 
 SLURM sends SIGUSR1 to the tasks `signal_s` seconds before the time limit; `mlm train` finishes
-its step, saves, and exits with code 3, on which the script requeues the job; the requeued job
-continues through `--auto-resume`.
+its step, saves, and exits with code 3, on which the script requeues the job. A hang (exit 4),
+a crash or a lost node (any other non-zero code) requeues it while SLURM_RESTART_COUNT (every
+requeue of the job so far) is below `max_requeues`; bad input (exit 2) never does, since the
+same input fails again. The requeued job continues from the latest checkpoint through
+`--auto-resume`.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import shlex
 
 from mlm.train.trainer import PREEMPTED_EXIT_CODE
+from mlm.train.watchdog import BAD_INPUT_EXIT_CODE, HANG_EXIT_CODE
 
 
 def sbatch_script(
@@ -23,6 +28,7 @@ def sbatch_script(
     account: str | None = None,
     cpus_per_task: int = 8,
     signal_s: int = 180,
+    max_requeues: int = 3,
 ) -> str:
     args = ["mlm", "train"]
     if config:
@@ -55,10 +61,23 @@ def sbatch_script(
         "",
         "srun --kill-on-bad-exit=1 " + shlex.join(args),
         "rc=$?",
-        f"if [ $rc -eq {PREEMPTED_EXIT_CODE} ]; then",
-        '    echo "preempted: checkpoint saved, requeueing $SLURM_JOB_ID"',
-        '    scontrol requeue "$SLURM_JOB_ID"',
-        "fi",
+        "requeues=${SLURM_RESTART_COUNT:-0}",
+        "case $rc in",
+        "    0) ;;",
+        f"    {PREEMPTED_EXIT_CODE})",
+        '        echo "preempted: checkpoint saved, requeueing $SLURM_JOB_ID"',
+        '        scontrol requeue "$SLURM_JOB_ID" ;;',
+        f"    {BAD_INPUT_EXIT_CODE})",
+        '        echo "mlm train refused its configuration or input (exit 2): not requeued" ;;',
+        "    *)",
+        f"        if [ $requeues -lt {max_requeues} ]; then",
+        f"            echo \"mlm train failed with exit code $rc ({HANG_EXIT_CODE}: a hang, stacks in the run dir's hang/):"
+        f' requeue $((requeues + 1)) of {max_requeues}, resuming from the latest checkpoint"',
+        '            scontrol requeue "$SLURM_JOB_ID"',
+        "        else",
+        '            echo "mlm train failed with exit code $rc after $requeues requeues: not requeued again"',
+        "        fi ;;",
+        "esac",
         "exit $rc",
     ]
     return "\n".join(lines) + "\n"

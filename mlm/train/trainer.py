@@ -39,7 +39,7 @@ from mlm.parallel import Mesh
 from mlm.parallel.context import check_context_parallel
 from mlm.parallel.expert import expert_load_step
 from mlm.parallel.fp8 import apply_fp8
-from mlm.parallel.launch import init_distributed, pick_device
+from mlm.parallel.launch import detect, init_distributed, pick_device
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads
 from mlm.parallel.pipeline import Pipeline
 from mlm.parallel.schedules import micro_batches_per_step
@@ -48,6 +48,7 @@ from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optimizer import TrainOptimizer
 from mlm.train.scaler import LossScaler
 from mlm.train.schedule import lr_at
+from mlm.train.watchdog import Watchdog, pg_timeout
 from mlm.units import DTYPES
 
 PREEMPTED_EXIT_CODE = 3  # SIGTERM/SIGUSR1: the step finished, a checkpoint was saved, exit to be requeued
@@ -91,15 +92,20 @@ class Trainer(TrainerCheckpoints):
     """`mlm train` on this rank: builds the mesh, this rank's model and optimizer, the data and the
     pipeline executor, then runs steps, evaluations, samples and checkpoints (see `train`)."""
 
-    def __init__(self, cfg: Config, load: str | None = None):
+    def __init__(self, cfg: Config, load: str | None = None, watchdog: Watchdog | None = None):
+        """`watchdog`: the job's (`Watchdog.for_job`, as `mlm train` passes it); else one of this
+        process alone (hang detection, stop signals)."""
         self.cfg = cfg
         t = cfg.train
+        if watchdog is None:
+            watchdog = Watchdog(None, rank=detect().rank)
+            watchdog.start()
+        self.watchdog = watchdog
         self.device = pick_device(t.device)
-        self.launch = init_distributed(self.device)
+        self.launch = init_distributed(self.device, watchdog.store, pg_timeout(t.hang_timeout))
         self.mesh = Mesh.build(cfg.parallel, self.device.type, gloo_group=cfg.checkpoint.async_save)
         check_supported(self.mesh, cfg)
         self.rank0 = self.mesh.rank == 0
-        self._stop_signal: int | None = None
         self._pending_save: threading.Thread | None = None
         self._save_errors: list[BaseException] = []
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
@@ -217,6 +223,7 @@ class Trainer(TrainerCheckpoints):
     def train_step(self, batches) -> dict:
         """One optimizer step over `num_micro` micro batches through the pipeline schedule; the
         gradients are reduced over dp during each model chunk's last backward."""
+        self._beat("forward-backward")
         self.model.train()
         opt = self.optimizer
         scale = self.scaler.scale if self.scaler else 1.0
@@ -224,12 +231,14 @@ class Trainer(TrainerCheckpoints):
         total = self.pipeline.train_step(micro, scale / self.num_micro, opt.all_grads, self._autocast)
         if self.fp8:  # delayed scaling: this step's amaxes into the histories, the next scales
             self.fp8.finish_step()
+        self._beat("gradient reduction")
         self.pipeline.sync_tied_embedding(opt.all_grads.grad_of)
         opt.all_grads.finish()
         allreduce_sequence_parallel_grads(self.model, self.mesh, opt.placements, opt.all_grads.grad_of)
         load = expert_load_step(self.model, self.mesh)  # and the aux-loss-free bias update
         # the logged values first: their collectives would queue behind the distributed
         # optimizer's parameter all-gathers, which step() leaves in flight for the next forward
+        self._beat("loss and metrics")
         loss = self._dp_mean(self.pipeline.sum_over_stages(total) / self.num_micro)
         extra = self._step_metrics(load)
         mtp = self.pipeline.mtp_total
@@ -239,6 +248,7 @@ class Trainer(TrainerCheckpoints):
         overflow = bool(self.scaler) and opt.found_inf()
         if self.scaler and not overflow:
             opt.unscale(1.0 / scale)
+        self._beat("optimizer step")
         lr = lr_at(self.iteration, self.cfg.optimizer, self.total_iters)
         grad_norm = float("nan")
         if not overflow:
@@ -342,11 +352,11 @@ class Trainer(TrainerCheckpoints):
             + (f" + MTP {counts.mtp / 1e6:.2f}M" if counts.mtp else ""),
             highlight=False,
         )
-        self._install_signal_handlers()
         losses: list[float] = []
         window: list[dict] = []
         t_start = t_log = time.perf_counter()
         saved_at = -1
+        self.watchdog.watch_hangs(cfg.run_dir, cfg.train.hang_timeout)
         try:
             while self.iteration < self.total_iters:
                 r = self.train_step([next(micro_batches) for _ in range(self.num_micro)])
@@ -375,6 +385,7 @@ class Trainer(TrainerCheckpoints):
             self._final_save(saved_at)
             self.optimizer.wait_for_params()  # the model holds the final weights on return
         finally:
+            self.watchdog.unwatch_hangs()
             log.close()
         return losses
 
@@ -412,21 +423,18 @@ class Trainer(TrainerCheckpoints):
         log.log(self.iteration, rec)
 
     def _agreed_stop(self) -> int | None:
-        """The stop signal if any rank got one (ranks may receive it a step apart: all stop together)."""
-        return int(self._max_over_ranks(self._stop_signal or 0)) or None
+        """The stop signal if any rank got one (ranks may receive it a step apart: all stop
+        together). SIGTERM and SIGUSR1 (SLURM's warning before the time limit), caught by the
+        watchdog, stop after the current step."""
+        self._beat("stop check")
+        return int(self._max_over_ranks(self.watchdog.stop_signal or 0)) or None
 
-    def _install_signal_handlers(self) -> None:
-        """SIGTERM and SIGUSR1 (SLURM's warning before the time limit) stop after the current step."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def request_stop(signum, frame):
-            self._stop_signal = signum
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, request_stop)
+    def _beat(self, phase: str) -> None:
+        """Progress for the hang detector: this rank enters `phase` of the coming step."""
+        self.watchdog.beat(phase, self.iteration + 1)
 
     def _evaluate_and_sample(self, log: MetricsLogger) -> None:
+        self.watchdog.beat("evaluation")
         loss = self.evaluate()
         self._print(
             f"[bold]eval[/] step {self.iteration}: loss {loss:.4f}, ppl {math.exp(min(loss, 50)):.2f}"

@@ -1,0 +1,35 @@
+"""`python tests/fault_worker.py ARGS...` runs `mlm train ARGS` with a fault injected on one
+rank, for tests/test_resilience.py: MLM_TEST_FAULT="sleep,R,S" makes rank R sleep (10 minutes)
+inside step S's forward-backward, "raise,R,S" makes it raise a RuntimeError there; unset, no
+fault. The rank is the launcher's (RANK, or SLURM_PROCID under srun)."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cli.main import main  # noqa: E402
+from mlm.parallel.pipeline import Pipeline  # noqa: E402
+
+if os.environ.get("MLM_TEST_FAULT"):
+    kind, rank, step = os.environ["MLM_TEST_FAULT"].split(",")
+    me = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    original = Pipeline.train_step
+    calls = 0
+
+    def train_step(self, *args, **kwargs):
+        global calls
+        calls += 1
+        if me == int(rank) and calls == int(step):
+            if kind == "sleep":
+                time.sleep(600)
+            raise RuntimeError(f"injected fault on rank {rank} in step {step}")
+        return original(self, *args, **kwargs)
+
+    Pipeline.train_step = train_step
+
+if __name__ == "__main__":
+    sys.argv = ["mlm", "train", *sys.argv[1:]]
+    main()
