@@ -1,9 +1,12 @@
 """`python tests/fault_worker.py ARGS...` runs `mlm train ARGS` with a fault injected on one
-rank, for tests/test_resilience.py: MLM_TEST_FAULT="sleep,R,S" makes rank R sleep (10 minutes)
-inside step S's forward-backward, "raise,R,S" makes it raise a RuntimeError there; unset, no
-fault. The rank is the launcher's (RANK, or SLURM_PROCID under srun)."""
+rank, for tests/test_resilience.py and tests/test_torchrun.py: MLM_TEST_FAULT="sleep,R,S" makes
+rank R sleep (10 minutes) inside step S's forward-backward, "raise,R,S" makes it raise a
+RuntimeError there, "kill,R,S" SIGKILLs it there in torchrun's first attempt only; unset, no
+fault. The rank is the launcher's (RANK, or SLURM_PROCID under srun); S counts the steps this
+process runs."""
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,9 +26,12 @@ if os.environ.get("MLM_TEST_FAULT"):
         global calls
         calls += 1
         if me == int(rank) and calls == int(step):
+            if kind == "kill" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                os.kill(os.getpid(), signal.SIGKILL)
             if kind == "sleep":
                 time.sleep(600)
-            raise RuntimeError(f"injected fault on rank {rank} in step {step}")
+            if kind in ("sleep", "raise"):
+                raise RuntimeError(f"injected fault on rank {rank} in step {step}")
         return original(self, *args, **kwargs)
 
     Pipeline.train_step = train_step

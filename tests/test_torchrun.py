@@ -48,13 +48,17 @@ ENV = {
 }
 
 
-def _torchrun(log: Path, launch: list[str], sets: list[str], *extra: str) -> subprocess.Popen:
-    args = [TORCHRUN, *launch, "-m", "cli.main", "train", *[a for s in sets for a in ("--set", s)], *extra]
+def _torchrun(
+    log: Path, launch: list[str], sets: list[str], *extra: str, fault: str = ""
+) -> subprocess.Popen:
+    """torchrun running `mlm train` (through tests/fault_worker.py when a `fault` is injected)."""
+    program = ["-m", "cli.main", "train"] if not fault else [str(ROOT / "tests" / "fault_worker.py")]
+    args = [TORCHRUN, *launch, *program, *[a for s in sets for a in ("--set", s)], *extra]
     with open(log, "w") as out:
         return subprocess.Popen(
             args,
             cwd=ROOT,
-            env=ENV,
+            env={**ENV, "MLM_TEST_FAULT": fault},
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -191,3 +195,30 @@ def test_sigterm_to_torchrun_saves_and_auto_resume_finishes_the_same_run(tmp_pat
     _assert_close(
         [r["loss"] for r in records], _one_process(tmp_path / "one", tiny_data, **{"train.train_iters": 40})
     )
+
+
+def test_a_worker_killed_under_max_restarts_is_restarted_and_the_run_ends_the_same(tmp_path, tiny_data):
+    """Rank 1 dies of SIGKILL in step 12 of torchrun's first attempt; torchrun (--max-restarts 1)
+    restarts both workers, which resume from iter_0000010 (--auto-resume) and finish. Every step
+    logged twice (before the kill and after the restart) has the same loss bit for bit, and the
+    run's losses are those of one process (RTOL)."""
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    extra = {"train.train_iters": 20, "checkpoint.save": f"'{ckpt}'", "checkpoint.save_interval": 5}
+    sets = tiny_sets(run_dir, tiny_data, **{**BASE, **extra})
+    launch = ["--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    log = tmp_path / "job.log"
+    with _reaped() as procs:
+        procs.append(_torchrun(log, launch, sets, "--auto-resume", fault="kill,1,12"))
+        code = _finish(procs[0], log)
+    output = log.read_text()
+    assert code == 0, output
+    assert "failed (exitcode: -9) local_rank: 1" in output, output  # torchrun saw the SIGKILL
+    assert f"resumed {ckpt / 'iter_0000010'} at step 10" in output, output  # and restarted
+    by_step: dict[int, list[float]] = {}
+    for r in _train_records(run_dir):
+        by_step.setdefault(r["step"], []).append(r["loss"])
+    assert sorted(by_step) == list(range(1, 21))
+    assert any(len(v) == 2 for v in by_step.values()), by_step  # steps 11 (and 12) ran twice
+    assert all(len(set(v)) == 1 for v in by_step.values()), by_step
+    want = _one_process(tmp_path / "one", tiny_data, **{"train.train_iters": 20})
+    _assert_close([by_step[s][-1] for s in range(1, 21)], want)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch.distributed as dist
+from rich.markup import escape
 
 from mlm.console import console
 from mlm.errors import MlmError
@@ -52,7 +53,7 @@ BAD_INPUT_EXIT_CODE = 2  # an MlmError: the configuration or an input is wrong; 
 HANG_EXIT_CODE = 4  # no progress for train.hang_timeout: stacks in RUN_DIR/hang/; a requeue may help
 INTERRUPTED_EXIT_CODE = 130  # Ctrl-C
 
-EVENT, ACK, LEFT, FINISHED = "mlm/stop", "mlm/stop/ack", "mlm/stop/left", "mlm/finished"
+EVENT, ACK, LEFT, FINISHED, HANG = "mlm/stop", "mlm/stop/ack", "mlm/stop/left", "mlm/finished", "mlm/hang/"
 
 
 def exit_code(exc: BaseException) -> int:
@@ -148,6 +149,9 @@ class Watchdog:
         store = None
         if launch.world_size > 1:
             store, _, _ = next(dist.rendezvous("env://"))
+            # torchrun's agent keeps its store across restarts: a restarted attempt must not read
+            # the keys of the last one (gloo would dial the dead ranks' addresses)
+            store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         watchdog = cls(store, launch.rank, launch.world_size)
         watchdog.start()
         return watchdog
@@ -207,16 +211,19 @@ class Watchdog:
         if not self._claim():  # the watching thread is already ending this process
             threading.Event().wait()
         code = exit_code(exc)
-        message = str(exc) if isinstance(exc, MlmError) else f"{type(exc).__name__}: {exc}"
-        mine = {"what": "error", "rank": self.rank, "code": code, "message": message}
-        event = self._record(mine)
-        if not isinstance(exc, MlmError) and event["rank"] == self.rank:  # the first failure, not an echo
-            traceback.print_exception(exc)
-        if self.rank == 0 and isinstance(exc, MlmError):
-            self._say(f"[bold red]error:[/] {exc}")
-        elif self.rank == 0:
-            self._say(self._error_line(event))
-        self._exit(self._leave(event))
+        try:
+            message = str(exc) if isinstance(exc, MlmError) else f"{type(exc).__name__}: {exc}"
+            event = self._record({"what": "error", "rank": self.rank, "code": code, "message": message})
+            code = event["code"]
+            if not isinstance(exc, MlmError) and event["rank"] == self.rank:  # the first failure, not an echo
+                traceback.print_exception(exc)
+            if self.rank == 0 and isinstance(exc, MlmError):
+                self._say(f"[bold red]error:[/] {escape(str(exc))}")
+            elif self.rank == 0:
+                self._say(self._error_line(event))
+            self._leave(event)
+        finally:  # whatever went wrong while telling the others, this rank ends
+            self._exit(code)
 
     def finish(self) -> None:
         """The job ends normally on this rank: stop watching; rank 0 then waits (a minute at
@@ -240,10 +247,15 @@ class Watchdog:
             except Exception as e:  # the store is gone: rank 0 or the launcher died
                 if closed.is_set() or not self._claim():
                     return
-                self._say(f"[bold red]rank {self.rank}:[/] lost the job's rendezvous store ({e}); stopping")
+                self._say(
+                    f"[bold red]rank {self.rank}:[/] lost the job's rendezvous store ({escape(str(e))}); stopping"
+                )
                 self._exit(FAILED_EXIT_CODE)
             if event is not None and not closed.is_set() and self._claim():
-                self._exit(self._handle(event))
+                try:
+                    self._handle(event)
+                finally:  # whatever went wrong while reporting, this rank ends
+                    self._exit(event["code"])
 
     def _poll(self) -> dict | None:
         if self.store is not None and self.store.check([EVENT]):
@@ -253,18 +265,18 @@ class Watchdog:
             return self._record({"what": "hang", "rank": self.rank, "code": HANG_EXIT_CODE, "seconds": stale})
         return None
 
-    def _handle(self, event: dict) -> int:
+    def _handle(self, event: dict) -> None:
         if event["what"] == "hang":
             self._report_hang(event)
         elif self.rank == 0:
             self._say(self._error_line(event))
-        return self._leave(event)
+        self._leave(event)
 
     def _error_line(self, event: dict) -> str:
         if event["code"] == BAD_INPUT_EXIT_CODE:
-            return f"[bold red]error:[/] rank {event['rank']}: {event['message']}"
+            return f"[bold red]error:[/] rank {event['rank']}: {escape(event['message'])}"
         return (
-            f"[bold red]error:[/] rank {event['rank']} failed ({event['message']}); every rank stops, "
+            f"[bold red]error:[/] rank {event['rank']} failed ({escape(event['message'])}); every rank stops, "
             f"exit code {event['code']}"
         )
 
@@ -276,11 +288,11 @@ class Watchdog:
             return event
         return json.loads(self.store.compare_set(EVENT, "", json.dumps(event)))
 
-    def _leave(self, event: dict) -> int:
+    def _leave(self, event: dict) -> None:
         """Rank 0 acknowledges (it has printed) and waits for the others to report leaving; the
         others wait for the acknowledgement and report. Bounded waits: a dead peer never answers."""
         if self.store is None:
-            return event["code"]
+            return
         patience = 5 * self.poll_s + 5.0
         with contextlib.suppress(Exception):
             if self.rank == 0:
@@ -291,7 +303,6 @@ class Watchdog:
             else:
                 self.store.wait([ACK], datetime.timedelta(seconds=patience))
                 self.store.add(LEFT, 1)
-        return event["code"]
 
     def _exit(self, code: int) -> None:
         sys.stdout.flush()
@@ -317,7 +328,7 @@ class Watchdog:
         }
         dump = self._dump(status)
         if self.store is not None:
-            self.store.set(f"mlm/hang/{self.rank}", json.dumps(status))
+            self.store.set(f"{HANG}{self.rank}", json.dumps(status))
         if self.rank == 0:
             self._say(
                 hang_summary(event, self._statuses(status), dump.parent if dump else None, self.world_size)
@@ -344,7 +355,7 @@ class Watchdog:
         """Every rank's status that arrives within the grace period (rank 0)."""
         if self.store is None:
             return [mine]
-        keys = [f"mlm/hang/{r}" for r in range(self.world_size)]
+        keys = [f"{HANG}{r}" for r in range(self.world_size)]
         deadline = time.monotonic() + 5 * self.poll_s + 10.0
         while not self.store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -362,13 +373,13 @@ def hang_summary(
         groups.setdefault((s["waiting"], s["phase"], s["where"]), []).append(s["rank"])
     ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
     lines = [
-        f"[bold red]hang:[/] rank {event['rank']} made no progress for {event['seconds']:.0f} s "
-        f"(train.hang_timeout) at step {max((s['step'] for s in statuses), default=0)}"
-        + (f"; every rank's stacks in {dump_dir}/rank<N>.txt" if dump_dir else "")
+        f"[bold red]hang:[/] no progress for {event['seconds']:.0f} s (train.hang_timeout) at step "
+        f"{max((s['step'] for s in statuses), default=0)}, first seen on rank {event['rank']}"
+        + (f"; every rank's stacks in {escape(str(dump_dir))}/rank<N>.txt" if dump_dir else "")
     ]
     for (waiting, phase, where), ranks in ordered[:10]:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
-        lines.append(f"  {who}: {phase}, {'waiting in' if waiting else 'running'} {where}")
+        lines.append(f"  {who}: {escape(phase)}, {'waiting in' if waiting else 'running'} {escape(where)}")
     if len(ordered) > 10:
         lines.append(f"  … and {len(ordered) - 10} more places")
     heard = {s["rank"] for s in statuses}
