@@ -251,6 +251,10 @@ class Watchdog:
                     f"[bold red]rank {self.rank}:[/] lost the job's rendezvous store ({escape(str(e))}); stopping"
                 )
                 self._exit(FAILED_EXIT_CODE)
+            if event is not None and self.rank == 0 and event["code"] == BAD_INPUT_EXIT_CODE:
+                # the same bad input usually fails every rank: a moment for rank 0's own error,
+                # which fail() then prints as it is, without naming another rank
+                closed.wait(2.0)
             if event is not None and not closed.is_set() and self._claim():
                 try:
                     self._handle(event)
