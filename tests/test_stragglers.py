@@ -100,6 +100,24 @@ def test_window_zero_does_nothing(tmp_path, tiny_data, monkeypatch):
     assert records and all(r["split"] != "straggler" for r in records)
 
 
+def test_one_process_reports_each_window(tmp_path, tiny_data):
+    """World 1: a row and a record per window, the columns adding up, compute a share of the step."""
+    Trainer(load_config(None, tiny_sets(tmp_path, tiny_data, **{"train.straggler_window": 2}))).train()
+    rows = _rows(tmp_path / "stragglers.tsv")
+    assert [(r["step"], r["rank"], r["stage"], r["ratio"]) for r in rows] == [
+        (s, 0, 0, 1.0) for s in (2, 4, 6)
+    ]
+    for r in rows:
+        assert 0 < r["compute_s"] < r["step_s"] and r["compute_s"] + r["wait_s"] == pytest.approx(
+            r["step_s"], abs=2e-6
+        )
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    windows = [r for r in records if r["split"] == "straggler"]
+    assert [(w["step"], w["count"], w["slowest_rank"], w["max_ratio"]) for w in windows] == [
+        (s, 0, 0, 1.0) for s in (2, 4, 6)
+    ]
+
+
 def test_config_refuses_bad_values(tmp_path, tiny_data):
     from mlm.errors import MlmError
 
