@@ -134,8 +134,10 @@ class WindowReport:
         slow = [r for r in self.ranks if r.ratio >= self.threshold]
         return sorted(slow, key=lambda r: (-r.ratio, r.rank))
 
-    def peer_median(self, r: RankTimes) -> float:
-        return r.compute / r.ratio if r.ratio else 0.0
+    @staticmethod
+    def peer_median(r: RankTimes) -> float:
+        """The median compute per step of `r`'s peers."""
+        return r.compute / r.ratio
 
     def console_line(self, most: int = NAMED_ON_CONSOLE) -> str | None:
         """One line naming up to `most` stragglers ("and N more" for the rest); None when none."""
@@ -212,7 +214,7 @@ class StragglerDetector:
         if self.window and self.world > 1:
             self.hosts = [""] * self.world
             dist.all_gather_object(self.hosts, socket.gethostname())
-        clock.take()  # work timed before the first step (none in training) is not this window's
+        clock.take()  # spans timed before train() (a train_step called directly) are in no window
 
     def step(self, iteration: int, seconds: float, log=None) -> WindowReport | None:
         """Count one training step of `seconds` (its whole wall time) ending at `iteration`; at
@@ -232,11 +234,10 @@ class StragglerDetector:
             dtype=torch.float64,
             device=self.device,
         )
-        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        parts = [mine]
         if self.world > 1:
+            parts = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(parts, mine)
-        else:
-            parts = [mine]
         first, steps = self._first, self._steps
         self._first, self._steps, self._step_seconds = None, 0, 0.0
         if not self.report:
