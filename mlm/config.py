@@ -568,6 +568,10 @@ class TrainConfig:
     """fp8 delayed scaling: amax values (optimizer steps) kept per tensor."""
     fp8_amax_compute_algo: str = "max"
     """fp8 delayed scaling: the amax a scale comes from: max (of the history) or most_recent."""
+    straggler_window: int = 20
+    """Compare the ranks' compute time every this many steps (one small all-gather); 0 disables."""
+    straggler_threshold: float = 1.2
+    """Name a rank whose compute per step is at least this multiple of its peers' median (> 1)."""
 
     def __post_init__(self):
         _choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
@@ -600,6 +604,15 @@ class TrainConfig:
             f"train.param_dtype={self.param_dtype}: must be fp32 or the compute dtype "
             f"train.precision={self.precision}; set --set train.param_dtype=fp32 or "
             f"--set train.precision={self.param_dtype}",
+        )
+        _check(
+            self.straggler_window >= 0,
+            f"train.straggler_window={self.straggler_window}: must be 0 (off) or a number of steps",
+        )
+        _check(
+            self.straggler_threshold > 1,
+            f"train.straggler_threshold={self.straggler_threshold}: must be above 1 (a multiple of the "
+            "median compute time per step, e.g. 1.2)",
         )
         _check(self.micro_batch_size > 0, f"train.micro_batch_size={self.micro_batch_size}: must be positive")
         _check(

@@ -95,6 +95,9 @@ class Pipeline:
         """The last step's actions with their start and end (perf_counter seconds)."""
         self.peak_in_flight = 0
         """The most micro-batches whose activations this rank held at once during the last step."""
+        self.work_clock = None
+        """Optional timer of this rank's own work (`start()` / `stop()` around each training
+        action, after its inputs arrived): `mlm.train.stragglers.WorkClock`."""
         self._positions: tuple[int, torch.Tensor] | None = None
         self.mtp_total: torch.Tensor | None = None
         """The last step's MTP losses per depth, summed over micro-batches (last stage; training)."""
@@ -183,6 +186,7 @@ class Pipeline:
         stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         sends: list = []
         self.trace, self.peak_in_flight = [], 0
+        clock = self.work_clock if training else None
         aux = getattr(self.model, "aux_losses", None)
         if aux is not None:
             aux.scale = loss_scale
@@ -203,6 +207,8 @@ class Pipeline:
             for w in waits:  # this action's input
                 w.wait()
             start = time.perf_counter()
+            if clock is not None:
+                clock.start()
             s = self._stage(a.chunk)
             first, last = s == 0, s == self.stages - 1
             tokens = micro_batches[a.micro]
@@ -249,6 +255,8 @@ class Pipeline:
                 torch.autograd.backward(out, None if last else buf)
                 if not first:
                     ops.append(dist.P2POp(dist.isend, x.grad, self.prev, self.grad_group))
+            if clock is not None:
+                clock.stop()
             self.trace.append((a, start, time.perf_counter()))
             buf, waits = post(ops, actions[i + 1] if i + 1 < len(actions) else None)
         for w in sends + waits:

@@ -48,6 +48,7 @@ from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optimizer import TrainOptimizer
 from mlm.train.scaler import LossScaler
 from mlm.train.schedule import lr_at
+from mlm.train.stragglers import StragglerDetector, WorkClock
 from mlm.train.watchdog import Watchdog, pg_timeout
 from mlm.units import DTYPES
 
@@ -123,6 +124,8 @@ class Trainer(TrainerCheckpoints):
             compile_layers(self.model)
         self.optimizer = TrainOptimizer(self.model, cfg, self.mesh, self.device)
         self.pipeline = Pipeline(self.model, self.mesh, cfg.parallel.vpp)
+        self.work_clock = WorkClock(self.device, enabled=t.straggler_window > 0)  # own work: stragglers.py
+        self.pipeline.work_clock = self.work_clock
         # whether any stage has modules with auxiliary losses (then every step gathers them)
         has_aux = any(hasattr(m, "aux_losses") for m in self.model.modules() if m is not self.model)
         self.has_aux = bool(self._max_over_ranks(has_aux))
@@ -253,7 +256,8 @@ class Trainer(TrainerCheckpoints):
         grad_norm = float("nan")
         if not overflow:
             grad_norm = opt.clip(self.cfg.optimizer.clip_grad)
-            opt.step(lr)
+            with self.work_clock.span(on=not opt.dists):  # AdamW's arithmetic (the distributed one waits too)
+                opt.step(lr)
         if self.scaler:
             self.scaler.update(overflow)
         opt.zero_grad()
@@ -352,6 +356,9 @@ class Trainer(TrainerCheckpoints):
             + (f" + MTP {counts.mtp / 1e6:.2f}M" if counts.mtp else ""),
             highlight=False,
         )
+        stragglers = StragglerDetector(
+            cfg, self.work_clock, self.mesh.pp_rank, self.device, report=self.rank0
+        )
         losses: list[float] = []
         window: list[dict] = []
         t_start = t_log = time.perf_counter()
@@ -359,8 +366,11 @@ class Trainer(TrainerCheckpoints):
         self.watchdog.watch_hangs(cfg.run_dir, cfg.train.hang_timeout)
         try:
             while self.iteration < self.total_iters:
+                t_step = time.perf_counter()
                 r = self.train_step([next(micro_batches) for _ in range(self.num_micro)])
                 self.iteration += 1
+                self.watchdog.beat("straggler window")
+                stragglers.step(self.iteration, time.perf_counter() - t_step, log)
                 self.consumed_samples = sampler.consumed_samples
                 losses.append(r["loss"])
                 window.append(r)
