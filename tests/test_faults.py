@@ -96,8 +96,11 @@ def _runs(rank, world, tmp, data, parallel, names):
             "consumed": trainer.consumed_samples,
             "counts": dict(trainer.faults.counts),
             "optimizer_step": trainer.optimizer_step,
-            "weights": {k: v.detach().numpy().copy() for k, v in trainer.model.state_dict().items()},
+            "weights": {k: v.detach().float().numpy().copy() for k, v in trainer.model.state_dict().items()},
         }
+        if trainer.fp8 is not None:  # delayed scaling's state
+            out[name]["weights"]["fp8.amax_history"] = trainer.fp8.amax_history.numpy().copy()
+            out[name]["weights"]["fp8.scale"] = trainer.fp8.scale.numpy().copy()
     return out
 
 
@@ -156,6 +159,29 @@ def test_faults_on_two_ranks(tmp_path, tiny_data, parallel, names):
         steps = [r["step"] for r in records if r["split"] == "train"]
         assert steps == [1, 2, 3, 3, 4, 5, 6, 7]  # step 3 ran twice; step 4 logged as skipped
         assert records[-1]["faults.rollbacks"] == 1 and records[-1]["faults.nonfinite"] == 1
+
+
+MOE_BIAS = {
+    "model.mlp_kind": "moe",
+    "model.moe.num_experts": 4,
+    "model.moe.ffn_hidden_size": 48,
+    "model.moe.router_topk": 2,
+    "model.moe.router_score_function": "sigmoid",
+    "model.moe.router_enable_expert_bias": "true",
+    "model.moe.router_bias_update_rate": 0.01,
+}
+FP8 = {"train.precision": "bf16", "train.fp8": "hybrid", "train.fp8_amax_history_len": 4}
+
+
+@pytest.mark.parametrize("model", [MOE_BIAS, FP8], ids=["moe-expert-bias", "fp8-delayed"])
+def test_a_skipped_step_leaves_no_trace_of_expert_biases_or_fp8_amaxes(tmp_path, tiny_data, model):
+    """The state updated before the fault test: MoE routers' expert biases (in the weights) and
+    fp8 delayed scaling's amax histories and scales; one process."""
+    out = _runs(0, 1, str(tmp_path), tiny_data, model, ["listed", "nan-loss"])
+    _same_as_listed(out["nan-loss"], out["listed"])
+    state = out["listed"]["weights"]
+    moved = [k for k in state if k.endswith("expert_bias") or k == "fp8.amax_history"]
+    assert moved and all(state[k].any() for k in moved)  # the state exists and has moved
 
 
 def test_resume_keeps_skipping_and_adam_step(tmp_path, tiny_data):
