@@ -53,7 +53,6 @@ class Fault:
 
     step: int
     what: str
-    spike: bool
 
 
 class FaultMonitor:
@@ -104,8 +103,8 @@ class FaultMonitor:
             )
         else:
             return None
-        self.counts["spikes" if spike and not (bad_loss or bad_norm) else "nonfinite"] += 1
-        return Fault(step, what, spike=not (bad_loss or bad_norm))
+        self.counts["nonfinite" if bad_loss or bad_norm else "spikes"] += 1
+        return Fault(step, what)
 
     def applied(self, loss: float) -> None:
         """A step's update was applied: its loss joins the spike test's window."""
