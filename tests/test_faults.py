@@ -1,5 +1,5 @@
 """Faults in the numbers (`mlm.train.faults`): a NaN loss or gradient, or a loss spike, injected at
-step K on real gloo ranks (dp 2, tp 2, pp 2), is skipped, rolled back or stops the run as
+step K on real gloo ranks (dp 2, with and without the distributed optimizer, tp 2, pp 2), is skipped, rolled back or stops the run as
 train.fault_action says; a skipped or rolled-back run then equals a run with
 train.skip_iterations=[K], which never trains on step K's data.
 
@@ -122,8 +122,9 @@ def _same_as_listed(run: dict, listed: dict) -> None:
         ({}, ["listed", "nan-loss", "nan-grad", "stop"]),
         ({"parallel.tp": 2}, ["listed", "nan-loss", "rollback"]),
         ({"parallel.pp": 2}, ["listed", "nan-grad", "spike"]),
+        ({"parallel.distributed_optimizer": "true", "parallel.bucket_size_mb": 0.05}, ["listed", "nan-grad"]),
     ],
-    ids=["dp2", "tp2", "pp2"],
+    ids=["dp2", "tp2", "pp2", "dp2-distopt"],
 )
 def test_faults_on_two_ranks(tmp_path, tiny_data, parallel, names):
     per_rank = run_ranks(2, _runs, str(tmp_path), tiny_data, parallel, names)

@@ -60,7 +60,6 @@ class FaultMonitor:
     counts; its `state_dict` goes into checkpoints."""
 
     def __init__(self, t: TrainConfig):
-        self.action = t.fault_action
         self.zscore = t.loss_spike_zscore
         self.skip: set[int] = set(t.skip_iterations)
         """Steps whose data is consumed without forward, backward or update."""
