@@ -572,6 +572,14 @@ class TrainConfig:
     """Compare the ranks' compute time every this many steps (one small all-gather); 0 disables."""
     straggler_threshold: float = 1.2
     """Name a rank whose compute per step is at least this multiple of its peers' median (> 1)."""
+    fault_action: str = "skip"
+    """On a NaN/Inf loss or gradient norm, or a loss spike: skip the update, rollback to the last checkpoint, or stop."""
+    loss_spike_zscore: float = 0.0
+    """A loss this many standard deviations above the last loss_spike_window applied steps' mean is a fault; 0: off."""
+    loss_spike_window: int = 50
+    """Applied steps the loss spike test compares with (it starts once this many have run)."""
+    skip_iterations: list[int] = field(default_factory=list)
+    """Steps (1-based, as logged) whose data is consumed without forward, backward or update (Megatron's --iterations-to-skip)."""
 
     def __post_init__(self):
         _choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
@@ -595,6 +603,20 @@ class TrainConfig:
             "set train.compile=false (or train.fp8='')",
         )
         _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
+        _choice("train", "fault_action", self.fault_action, ("skip", "rollback", "stop"))
+        _check(
+            0 <= self.loss_spike_zscore < math.inf,
+            f"train.loss_spike_zscore={self.loss_spike_zscore}: must be 0 (off) or a positive number, e.g. 6",
+        )
+        _check(
+            self.loss_spike_window >= 2,
+            f"train.loss_spike_window={self.loss_spike_window}: must be at least 2 (a standard deviation needs two losses)",
+        )
+        bad = [s for s in self.skip_iterations if s < 1]
+        _check(
+            not bad,
+            f"train.skip_iterations={self.skip_iterations}: steps count from 1 (as logged); remove {bad}",
+        )
         _check(
             self.hang_timeout >= 0,
             f"train.hang_timeout={self.hang_timeout}: must be 0 (off) or a number of seconds",
@@ -694,6 +716,11 @@ class Config:
             f"model.fp32_residual_connection=true with train.param_dtype={self.train.param_dtype!r}: the "
             "residual stream follows bf16/fp16 parameters (the embedding's output is in their dtype); "
             "set train.param_dtype=fp32 to keep an fp32 residual stream, or model.fp32_residual_connection=false",
+        )
+        _check(
+            self.train.fault_action != "rollback" or bool(self.checkpoint.save),
+            "train.fault_action=rollback with checkpoint.save empty: a rollback reloads checkpoint.save's latest "
+            "checkpoint; set --set checkpoint.save=DIR (and checkpoint.save_interval), or train.fault_action=skip",
         )
 
     def to_dict(self) -> dict:

@@ -143,6 +143,12 @@ class Fp8State:
         for s, fmt in enumerate(fmts):
             self.scale[:, s] = scale_from_amax(reference[:, s], fmt, self.recipe.margin)
 
+    def discard_step(self) -> None:
+        """A step that is not applied (a fault, `mlm.train.faults`): the amaxes it recorded are
+        dropped, the histories and scales stay as before it."""
+        if self.amax is not None:
+            self.amax.zero_()
+
     def shards(self) -> list[ShardedTensor]:
         """The checkpoint group "fp8": per linear its scales (and histories), written by replica 0."""
         if self.amax_history is None:

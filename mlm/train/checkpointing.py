@@ -1,6 +1,7 @@
-"""The trainer's checkpoints: what a step's state is (weights, optimizer moments, data position,
-scheduler, loss scaler, RNG per pipeline stage), saving it (in the step, or from a background
-thread after a copy to CPU) and resuming from it on any mesh.
+"""The trainer's checkpoints: what a step's state is (weights, optimizer moments and Adam's step
+count, data position, scheduler, loss scaler, RNG per pipeline stage, the fault monitor's skip list,
+spike window and counts), saving it (in the step, or from a background thread after a copy to CPU)
+and resuming from it on any mesh.
 
 Each rank writes the slices it holds that are its to write (replica 0 of each slice: see
 `mlm.parallel.placement`); `DIR/latest` moves only after every rank has finished. The weights
@@ -24,14 +25,14 @@ from mlm.errors import MlmError
 
 class TrainerCheckpoints:
     """Mixed into `Trainer` (which provides cfg, mesh, model, optimizer, scaler, fp8, iteration,
-    consumed_samples, total_iters, watchdog, `_print` and `_barrier`)."""
+    optimizer_step, consumed_samples, faults, total_iters, watchdog, `_print` and `_barrier`)."""
 
     def _groups(self, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
         """Every parameter and its Adam moments as this rank's slices of the global tensors, each
         written by its replica 0; with bf16/fp16 parameters the model group holds the fp32 main
         weights (`TrainOptimizer.checkpoint_groups`); under fp8 delayed scaling, the amax histories
         and scales ("fp8")."""
-        groups = self.optimizer.checkpoint_groups(self.iteration, for_load)
+        groups = self.optimizer.checkpoint_groups(self.optimizer_step, for_load)
         if self.fp8 and self.fp8.recipe.recipe == "delayed":
             groups["fp8"] = self.fp8.shards()
         return groups
@@ -46,11 +47,12 @@ class TrainerCheckpoints:
             "config": self.cfg.to_dict(),
             "mesh": self.mesh.describe(),
             "consumed_samples": self.consumed_samples,
-            "optimizer_step": self.iteration,
+            "optimizer_step": self.optimizer_step,  # Adam's: below the iteration after skipped steps
             "scheduler": {"total_iters": self.total_iters, "decay_style": self.cfg.optimizer.decay_style},
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
             "rng": rng_state_to_json(),
             "rng_per_stage": self._stage_rng_states(),
+            "faults": self.faults.state_dict(),
         }
         groups = self._groups()
         iteration = self.iteration
@@ -139,7 +141,9 @@ class TrainerCheckpoints:
         if "fp8" in groups:
             self.fp8.started = True
         self.iteration = int(manifest["iteration"])
-        self.optimizer.finish_load(manifest["optimizer_step"])
+        self.optimizer_step = int(manifest["optimizer_step"])
+        self.optimizer.finish_load(self.optimizer_step)
+        self.faults.load_state_dict(manifest.get("faults"))
         self.consumed_samples = int(manifest["consumed_samples"])
         if self.scaler and manifest.get("loss_scaler"):
             self.scaler.load_state_dict(manifest["loss_scaler"])

@@ -7,7 +7,8 @@ resumable sampler; the pipeline schedule (1F1B, interleaved, or plain accumulati
 runs them; gradients are reduced in buckets during each chunk's last backward of a step
 (optionally into the distributed optimizer's shards). Checkpoints hold every tensor once in its global shape, each rank
 writing its slice. Same seed and config give the same loss sequence, bit for bit, on CPU; a
-resumed run continues it exactly.
+resumed run continues it exactly. A NaN/Inf loss or gradient norm, or a loss spike, is a fault that
+skips the step, rolls back to the last checkpoint or stops (`mlm.train.faults`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mlm.build import build_sharded, cast_trainable, compile_layers
-from mlm.checkpoint import resolve_checkpoint
+from mlm.checkpoint import read_manifest, resolve_checkpoint
 from mlm.config import Config, to_toml
 from mlm.console import console
 from mlm.datasets.builder import build_split_datasets, check_same_tokenizer, parse_blend
@@ -44,6 +45,7 @@ from mlm.parallel.parallelize import allreduce_sequence_parallel_grads
 from mlm.parallel.pipeline import Pipeline
 from mlm.parallel.schedules import micro_batches_per_step
 from mlm.train.checkpointing import TrainerCheckpoints
+from mlm.train.faults import Fault, FaultMonitor, StepStart, expert_biases
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optimizer import TrainOptimizer
 from mlm.train.scaler import LossScaler
@@ -132,6 +134,10 @@ class Trainer(TrainerCheckpoints):
         self.scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
         self.iteration = 0
         self.consumed_samples = 0
+        self.optimizer_step = 0
+        """Adam's step count: the updates applied (a skipped step or an fp16 overflow applies none)."""
+        self.faults = FaultMonitor(t)
+        self._expert_biases = expert_biases(self.model)
         self.tokenizer_meta = self._open_data()
         self.pipeline.documents = self._document_layout()
         if load:
@@ -225,15 +231,15 @@ class Trainer(TrainerCheckpoints):
 
     def train_step(self, batches) -> dict:
         """One optimizer step over `num_micro` micro batches through the pipeline schedule; the
-        gradients are reduced over dp during each model chunk's last backward."""
+        gradients are reduced over dp during each model chunk's last backward. A faulty step
+        (`mlm.train.faults`) applies nothing: the returned "fault" says what was wrong."""
         self._beat("forward-backward")
         self.model.train()
         opt = self.optimizer
+        start = StepStart(self._expert_biases, self.device)
         scale = self.scaler.scale if self.scaler else 1.0
         micro = [self._batch(self.train_data, indices) for indices in batches]
         total = self.pipeline.train_step(micro, scale / self.num_micro, opt.all_grads, self._autocast)
-        if self.fp8:  # delayed scaling: this step's amaxes into the histories, the next scales
-            self.fp8.finish_step()
         self._beat("gradient reduction")
         self.pipeline.sync_tied_embedding(opt.all_grads.grad_of)
         opt.all_grads.finish()
@@ -254,14 +260,55 @@ class Trainer(TrainerCheckpoints):
         self._beat("optimizer step")
         lr = lr_at(self.iteration, self.cfg.optimizer, self.total_iters)
         grad_norm = float("nan")
-        if not overflow:
+        fault = None
+        if not overflow:  # the norm is computed (and tested) whether or not it clips
             grad_norm = opt.clip(self.cfg.optimizer.clip_grad)
-            with self.work_clock.span(on=not opt.dists):  # AdamW's arithmetic (the distributed one waits too)
-                opt.step(lr)
-        if self.scaler:
-            self.scaler.update(overflow)
+            fault = self.faults.test(self.iteration + 1, loss, grad_norm, self.device)
+        if fault is not None:
+            if self.fp8:
+                self.fp8.discard_step()
+            start.restore()
+        else:
+            if self.fp8:  # delayed scaling: this step's amaxes into the histories, the next scales
+                self.fp8.finish_step()
+            if not overflow:
+                with self.work_clock.span(
+                    on=not opt.dists
+                ):  # AdamW's arithmetic (the distributed one waits too)
+                    opt.step(lr)
+                self.optimizer_step += 1
+                self.faults.applied(loss)
+            if self.scaler:
+                self.scaler.update(overflow)
         opt.zero_grad()
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": overflow, "extra": extra}
+        return {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "skipped": overflow,
+            "extra": extra,
+            "fault": fault,
+        }
+
+    def listed_step(self) -> dict:
+        """A step of the skip list (`train.skip_iterations`, and steps rolled back over): its data
+        was drawn by the caller; nothing runs and nothing changes but the iteration."""
+        self._print(
+            f"[dim]step {self.iteration + 1}: skipped (train.skip_iterations): its data is consumed, not trained on[/]",
+            highlight=False,
+        )
+        self.faults.counts["skipped"] += 1
+        lr = lr_at(self.iteration, self.cfg.optimizer, self.total_iters)
+        nan = float("nan")
+        return {
+            "loss": nan,
+            "lr": lr,
+            "grad_norm": nan,
+            "skipped": False,
+            "extra": {},
+            "fault": None,
+            "listed": True,
+        }
 
     def _step_metrics(self, load: dict[str, float]) -> dict[str, float]:
         """This step's auxiliary losses (`model.aux_losses`: e.g. MoE balancing) as `aux.NAME`, each
@@ -328,20 +375,17 @@ class Trainer(TrainerCheckpoints):
     # ------------------------------------------------------------------ loop
 
     def train(self) -> list[float]:
-        """Train to `total_iters`; return the loss of every step run. Raises `Preempted` when a
-        SIGTERM/SIGUSR1 arrived (after finishing the step and saving a checkpoint)."""
+        """Train to `total_iters`; return the loss of every step from the start (a faulty step's
+        value where a fault skipped it, NaN for a step of the skip list; after a rollback the steps
+        run again replace the ones rolled back). Raises
+        `Preempted` when a SIGTERM/SIGUSR1 arrived (after finishing the step and saving a
+        checkpoint), and `MlmError` on a fault under train.fault_action=stop."""
         cfg = self.cfg
         log = MetricsLogger(cfg.run_dir, cfg.logging.tensorboard, enabled=self.rank0)
         if self.rank0:
             (Path(cfg.run_dir) / "config.toml").write_text(to_toml(cfg))
         self._peak = peak_flops(cfg.logging.hardware) * self.mesh.world_size  # MFU is per GPU
-        sampler = PretrainingSampler(
-            self.total_iters * cfg.train.global_batch_size,
-            self.consumed_samples,
-            cfg.train.micro_batch_size,
-            self.dp_rank,
-            self.dp_size,
-        )
+        sampler = self._sampler()
         micro_batches = iter(sampler)
         counts = parameter_counts(cfg.model)
         self._print(
@@ -363,11 +407,21 @@ class Trainer(TrainerCheckpoints):
         window: list[dict] = []
         t_start = t_log = time.perf_counter()
         saved_at = -1
+        first = self.iteration
         self.watchdog.watch_hangs(cfg.run_dir, cfg.train.hang_timeout)
         try:
             while self.iteration < self.total_iters:
                 t_step = time.perf_counter()
-                r = self.train_step([next(micro_batches) for _ in range(self.num_micro)])
+                batches = [next(micro_batches) for _ in range(self.num_micro)]
+                listed = self.iteration + 1 in self.faults.skip
+                r = self.listed_step() if listed else self.train_step(batches)
+                if r["fault"] is not None and self._on_fault(r["fault"]):  # rolled back
+                    sampler = self._sampler()
+                    micro_batches = iter(sampler)
+                    first = min(first, self.iteration)
+                    del losses[self.iteration - first :]
+                    window, saved_at = [], self.iteration
+                    continue
                 self.iteration += 1
                 self.watchdog.beat("straggler window")
                 stragglers.step(self.iteration, time.perf_counter() - t_step, log)
@@ -399,6 +453,65 @@ class Trainer(TrainerCheckpoints):
             log.close()
         return losses
 
+    def _sampler(self) -> PretrainingSampler:
+        """This dp rank's micro batches from the data position `consumed_samples` on."""
+        t = self.cfg.train
+        return PretrainingSampler(
+            self.total_iters * t.global_batch_size,
+            self.consumed_samples,
+            t.micro_batch_size,
+            self.dp_rank,
+            self.dp_size,
+        )
+
+    def _on_fault(self, fault: Fault) -> bool:
+        """Act on a faulty step (nothing of it was applied) as train.fault_action says: go on
+        (skip: False), roll back to checkpoint.save's latest checkpoint (True), or raise (stop)."""
+        action = self.cfg.train.fault_action
+        self._print(
+            f"[yellow]step {fault.step}: {fault.what}; train.fault_action={action}[/]", highlight=False
+        )
+        if action == "skip":
+            self.faults.counts["skipped"] += 1
+            return False
+        if action == "rollback":
+            self._roll_back(fault)
+            return True
+        raise MlmError(
+            f"step {fault.step}: {fault.what} (train.fault_action=stop: nothing of the step was applied); "
+            f"go on past faults with --set train.fault_action=skip, or resume from the last checkpoint with "
+            f"--set 'train.skip_iterations=[{fault.step}]' to skip this step's data"
+        )
+
+    def _roll_back(self, fault: Fault) -> None:
+        """Load checkpoint.save's latest checkpoint (weights, optimizer, data position, RNG) and add
+        the faulty step to the skip list; a stop if there is none before the step."""
+        root = self.cfg.checkpoint.save
+        self.wait_for_save()
+        self._barrier()  # rank 0 has moved `latest` (an async save's last act)
+        at = (
+            int(read_manifest(resolve_checkpoint(root))["iteration"])
+            if (Path(root) / "latest").is_file()
+            else None
+        )
+        if at is None or at >= fault.step:
+            where = (
+                f"its latest checkpoint is step {at}'s" if at is not None else "it holds no checkpoint yet"
+            )
+            raise MlmError(
+                f"step {fault.step}: {fault.what}; train.fault_action=rollback, but checkpoint.save={root}: "
+                f"{where}, none before the fault to roll back to (nothing of the step was applied); save "
+                "earlier (checkpoint.save_interval), or set train.fault_action=skip"
+            )
+        counts, skip = dict(self.faults.counts), set(self.faults.skip)
+        self.load(root)
+        self.faults.skip |= skip | {fault.step}
+        self.faults.counts.update(counts, rollbacks=counts["rollbacks"] + 1)
+        self._print(
+            f"[yellow]rolled back to step {at}: the steps after it run again, step {fault.step}'s data is skipped[/]",
+            highlight=False,
+        )
+
     def _final_save(self, saved_at: int) -> Path | None:
         root = self.cfg.checkpoint.save
         if not root:
@@ -411,8 +524,10 @@ class Trainer(TrainerCheckpoints):
     def _log_train(self, log: MetricsLogger, window: list[dict], seconds: float, s_per_step: float) -> None:
         cfg = self.cfg
         dt = seconds / len(window)
+        # the loss of the steps that ran and were not faults (NaN if none did)
+        ran = [r for r in window if r["fault"] is None and not r.get("listed")]
         rec = {
-            "loss": sum(r["loss"] for r in window) / len(window),
+            "loss": sum(r["loss"] for r in ran) / len(ran) if ran else float("nan"),
             "lr": window[-1]["lr"],
             "grad_norm": window[-1]["grad_norm"],
             "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_length / dt,
@@ -422,13 +537,14 @@ class Trainer(TrainerCheckpoints):
             "skipped": self.scaler.skipped if self.scaler else 0,
             "consumed_samples": self.consumed_samples,
             "eta_s": (self.total_iters - self.iteration) * s_per_step,
+            **{f"faults.{k}": v for k, v in self.faults.counts.items()},
         }
         if self.scaler:
             rec["loss_scale"] = self.scaler.scale
         # auxiliary losses (aux.NAME), MTP losses (mtp_loss.K) and expert load (moe.*): JSONL and
         # TensorBoard (train/NAME)
-        for name in window[-1]["extra"]:
-            rec[name] = sum(r["extra"].get(name, 0.0) for r in window) / len(window)
+        for name in dict.fromkeys(k for r in ran for k in r["extra"]):
+            rec[name] = sum(r["extra"].get(name, 0.0) for r in ran) / len(ran)
         log.train_line(self.iteration, self.total_iters, rec)
         log.log(self.iteration, rec)
 
