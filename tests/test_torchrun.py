@@ -222,3 +222,29 @@ def test_a_worker_killed_under_max_restarts_is_restarted_and_the_run_ends_the_sa
     assert all(len(set(v)) == 1 for v in by_step.values()), by_step
     want = _one_process(tmp_path / "one", tiny_data, **{"train.train_iters": 20})
     _assert_close([by_step[s][-1] for s in range(1, 21)], want)
+
+
+def test_the_issues_config_error_under_torchrun_is_printed_once_and_every_worker_exits_2(tmp_path):
+    """`torchrun --nproc-per-node 3 -m cli.main train --config pipelines/tiny/train.toml --set
+    parallel.tp=3`: mlm's line once (rank 0's), every worker's exit code 2 in torchrun's own report,
+    which follows it; torchrun itself exits 1 whatever its workers returned (ChildFailedError)."""
+    log = tmp_path / "job.log"
+    with _reaped() as procs:
+        procs.append(
+            _torchrun(
+                log,
+                ["--standalone", "--nproc-per-node=3"],
+                [],
+                "--config",
+                "pipelines/tiny/train.toml",
+                "--set",
+                "parallel.tp=3",
+            )
+        )
+        code = _finish(procs[0], log)
+    output = log.read_text()
+    assert code == 1, output
+    assert output.count("is not divisible by parallel.tp=3") == 1, output
+    assert "error: model.num_attention_heads=4 is not divisible by parallel.tp=3" in output, output
+    assert output.count("exitcode  : 2") + output.count("(exitcode: 2)") >= 3, output
+    assert "exitcode  : 1" not in output and "exitcode  : -" not in output, output
