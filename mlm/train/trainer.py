@@ -272,9 +272,8 @@ class Trainer(TrainerCheckpoints):
             if self.fp8:  # delayed scaling: this step's amaxes into the histories, the next scales
                 self.fp8.finish_step()
             if not overflow:
-                with self.work_clock.span(
-                    on=not opt.dists
-                ):  # AdamW's arithmetic (the distributed one waits too)
+                # AdamW's arithmetic is own work (the distributed one also waits for its all-gathers)
+                with self.work_clock.span(on=not opt.dists):
                     opt.step(lr)
                 self.optimizer_step += 1
                 self.faults.applied(loss)
@@ -487,6 +486,7 @@ class Trainer(TrainerCheckpoints):
         """Load checkpoint.save's latest checkpoint (weights, optimizer, data position, RNG) and add
         the faulty step to the skip list; a stop if there is none before the step."""
         root = self.cfg.checkpoint.save
+        self.watchdog.beat("rollback")
         self.wait_for_save()
         self._barrier()  # rank 0 has moved `latest` (an async save's last act)
         at = (
