@@ -240,3 +240,32 @@ def test_rollback_without_an_earlier_checkpoint_stops(tmp_path, tiny_data):
 def test_config_is_checked(tmp_path, sets, message):
     with pytest.raises(MlmError, match=message):
         load_config(None, tiny_sets(tmp_path, "data", **sets))
+
+
+def test_a_rollback_starts_a_new_straggler_window(tmp_path, tiny_data, monkeypatch):
+    """The steps rolled back over leave the straggler window under way: each window reported
+    counts the steps it names once, and its compute (the faulty step's included before) stays
+    within its wall time."""
+    from mlm.train import stragglers
+
+    seen = []
+    summarize = stragglers.summarize
+
+    def spy(first, last, sums, hosts, steps, threshold):
+        seen.append((first, last, steps, sums[0][1]))
+        return summarize(first, last, sums, hosts, steps, threshold)
+
+    monkeypatch.setattr(stragglers, "summarize", spy)
+    sets = {
+        **BASE,
+        **RUNS["rollback"],
+        "train.straggler_window": 5,
+        "checkpoint.save": f"'{tmp_path / 'c'}'",
+    }
+    trainer = Trainer(load_config(None, tiny_sets(tmp_path / "run", tiny_data, **sets)))
+    _scale_loss(trainer, float("nan"), {0})
+    trainer.train()
+    assert trainer.faults.counts["rollbacks"] == 1
+    # steps 1-3, the fault at 4, back to 2: the window restarts at 3 and ends at 5
+    assert [(first, last, steps) for first, last, steps, _ in seen] == [(3, 5, 3)]
+    assert all(wait >= 0 for *_, wait in seen)
