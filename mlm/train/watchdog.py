@@ -215,6 +215,9 @@ class Watchdog:
             message = str(exc) if isinstance(exc, MlmError) else f"{type(exc).__name__}: {exc}"
             event = self._record({"what": "error", "rank": self.rank, "code": code, "message": message})
             code = event["code"]
+            if event["what"] == "hang":  # declared first: this error is likely its echo (a peer gone)
+                self._handle(event)
+                return
             if not isinstance(exc, MlmError) and event["rank"] == self.rank:  # the first failure, not an echo
                 traceback.print_exception(exc)
             if self.rank == 0 and isinstance(exc, MlmError):
@@ -247,10 +250,12 @@ class Watchdog:
             except Exception as e:  # the store is gone: rank 0 or the launcher died
                 if closed.is_set() or not self._claim():
                     return
-                self._say(
-                    f"[bold red]rank {self.rank}:[/] lost the job's rendezvous store ({escape(str(e))}); stopping"
-                )
-                self._exit(FAILED_EXIT_CODE)
+                try:
+                    self._say(
+                        f"[bold red]rank {self.rank}:[/] lost the job's rendezvous store ({escape(str(e))}); stopping"
+                    )
+                finally:  # a report that fails still ends the rank (fail() now waits for this thread)
+                    self._exit(FAILED_EXIT_CODE)
             if event is not None and self.rank == 0 and event["code"] == BAD_INPUT_EXIT_CODE:
                 # the same bad input usually fails every rank: a moment for rank 0's own error,
                 # which fail() then prints as it is, without naming another rank
