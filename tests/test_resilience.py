@@ -239,3 +239,14 @@ def test_a_lost_store_ends_the_rank_even_if_its_report_fails(monkeypatch):
     thread = watchdog._thread
     thread.join(5)
     assert not thread.is_alive() and codes == [FAILED_EXIT_CODE]
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "1e12"])
+def test_hang_timeout_is_checked(value):
+    """Negative, infinite (an OverflowError when the trainer built the process group's timeout,
+    hang_timeout + 300 s, before the check) or beyond 1e9 s (a timedelta holds 8.6e13 s) is
+    refused by the config."""
+    from mlm.config import load_config
+
+    with pytest.raises(MlmError, match=rf"train.hang_timeout={float(value)}: must be 0 \(off\) or"):
+        load_config(None, [f"train.hang_timeout={value}"])
