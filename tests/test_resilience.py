@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from mlm.errors import MlmError
@@ -211,12 +212,20 @@ def test_an_error_after_a_hang_was_declared_reports_the_hang(tmp_path, monkeypat
     said: list[str] = []
     monkeypatch.setattr(watchdog, "_say", said.append)
     codes = _no_exit(watchdog, monkeypatch)
+    try:  # an error raised inside a collective (here: no process group)
+        dist.all_reduce(torch.zeros(1))
+    except ValueError as e:
+        error = e
     with pytest.raises(_Exited):
-        watchdog.fail(RuntimeError("Connection closed by peer"))
+        watchdog.fail(error)
     assert codes == [HANG_EXIT_CODE]
     assert (tmp_path / "hang" / "rank0.txt").is_file()
     assert len(said) == 1 and said[0].startswith("[bold red]hang:[/] no progress for 9 s"), said
     assert "  rank 1: forward-backward, running x" in said[0]
+    # where rank 0 raised (in the collective), not where fail() reads its own stack
+    assert "  rank 0: setup, waiting in torch.distributed " in said[0], said[0]
+    assert "ValueError: Default process group has not been initialized" in said[0]
+    assert "not waiting with the others: rank(s) 1\n" in said[0]
 
 
 def test_a_lost_store_ends_the_rank_even_if_its_report_fails(monkeypatch):
