@@ -90,7 +90,9 @@ def slurm(
     partition: str | None = typer.Option(None, help="SLURM partition."),
     account: str | None = typer.Option(None, help="SLURM account."),
     max_requeues: int = typer.Option(
-        3, help="Requeue after a hang or a crash while the job has been requeued fewer times than this."
+        3,
+        help="Requeue after a hang or a crash while fewer than this many requeues followed a failure "
+        "(time-limit requeues do not count).",
     ),
 ) -> None:
     """Print an sbatch script that runs `mlm train` under srun, requeued on preemption, hangs and crashes."""

@@ -618,8 +618,9 @@ class TrainConfig:
             f"train.skip_iterations={self.skip_iterations}: steps count from 1 (as logged); remove {bad}",
         )
         _check(
-            self.hang_timeout >= 0,
-            f"train.hang_timeout={self.hang_timeout}: must be 0 (off) or a number of seconds",
+            0 <= self.hang_timeout <= 1e9,  # + 300 s, the process group's timeout: a timedelta
+            f"train.hang_timeout={self.hang_timeout}: must be 0 (off) or a number of seconds up to 1e9, "
+            "e.g. 900",
         )
         _check(
             self.param_dtype in ("fp32", self.precision),

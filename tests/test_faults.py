@@ -240,3 +240,69 @@ def test_rollback_without_an_earlier_checkpoint_stops(tmp_path, tiny_data):
 def test_config_is_checked(tmp_path, sets, message):
     with pytest.raises(MlmError, match=message):
         load_config(None, tiny_sets(tmp_path, "data", **sets))
+
+
+def test_a_rollback_starts_a_new_straggler_window(tmp_path, tiny_data, monkeypatch):
+    """The steps rolled back over leave the straggler window under way: each window reported
+    counts the steps it names once, and its compute (the faulty step's included before) stays
+    within its wall time. The reload is progress for the hang detector."""
+    from mlm.train import stragglers
+
+    seen = []
+    summarize = stragglers.summarize
+
+    def spy(first, last, sums, hosts, steps, threshold):
+        seen.append((first, last, steps, sums[0][1]))
+        return summarize(first, last, sums, hosts, steps, threshold)
+
+    monkeypatch.setattr(stragglers, "summarize", spy)
+    sets = {
+        **BASE,
+        **RUNS["rollback"],
+        "train.straggler_window": 5,
+        "checkpoint.save": f"'{tmp_path / 'c'}'",
+    }
+    trainer = Trainer(load_config(None, tiny_sets(tmp_path / "run", tiny_data, **sets)))
+    _scale_loss(trainer, float("nan"), {0})
+    phases = []
+    beat = trainer.watchdog.beat
+    trainer.watchdog.beat = lambda phase, step=None: (phases.append(phase), beat(phase, step))
+    trainer.train()
+    assert trainer.faults.counts["rollbacks"] == 1
+    # the hang detector sees the reload as progress (a large checkpoint loads as slowly as it saves)
+    assert phases.count("checkpoint load") == 1
+    # steps 1-3, the fault at 4, back to 2: the window restarts at 3 and ends at 5
+    assert [(first, last, steps) for first, last, steps, _ in seen] == [(3, 5, 3)]
+    assert all(wait >= 0 for *_, wait in seen)
+
+
+def test_a_spike_seen_on_another_rank_only_is_named_as_such(monkeypatch):
+    """The decision is the MAX over ranks: a rank whose own test found no spike (its window's
+    losses all equal: no z) still names the fault, instead of failing to format its z."""
+    import torch.distributed as dist
+
+    from mlm.train import faults
+
+    class OtherRankSpikes:
+        ReduceOp = dist.ReduceOp
+
+        @staticmethod
+        def is_initialized():
+            return True
+
+        @staticmethod
+        def get_world_size():
+            return 2
+
+        @staticmethod
+        def all_reduce(flags, op):
+            flags[2] = 1.0  # the other rank's spike flag
+
+    monkeypatch.setattr(faults, "dist", OtherRankSpikes)
+    t = load_config(None, ["train.loss_spike_zscore=6", "train.loss_spike_window=2"]).train
+    monitor = faults.FaultMonitor(t)
+    monitor.applied(5.0)
+    monitor.applied(5.0)
+    fault = monitor.test(3, 5.0, 1.0, torch.device("cpu"))
+    assert fault == faults.Fault(3, "loss spike on another rank (train.loss_spike_zscore=6)")
+    assert monitor.counts["spikes"] == 1

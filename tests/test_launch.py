@@ -55,21 +55,23 @@ def test_sbatch_script_is_valid_bash_with_requeue(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("rc", "restarts", "requeued"),
+    ("rc", "restarts", "failures", "requeued"),
     [
-        (0, 0, False),  # done
-        (3, 0, True),  # preempted, checkpoint saved
-        (3, 5, True),  # preemption requeues however often it came
-        (2, 0, False),  # bad input: the same input fails again
-        (4, 0, True),  # a hang
-        (1, 2, True),  # a crash, below the limit
-        (137, 0, True),  # a rank killed (srun: 128 + SIGKILL)
-        (4, 3, False),  # at the limit
+        (0, 0, 0, False),  # done
+        (3, 0, 0, True),  # preempted, checkpoint saved
+        (3, 5, 0, True),  # preemption requeues however often it came
+        (2, 0, 0, False),  # bad input: the same input fails again
+        (4, 0, 0, True),  # a hang
+        (1, 2, 2, True),  # a crash, below the limit
+        (137, 0, 0, True),  # a rank killed (srun: 128 + SIGKILL)
+        (4, 3, 3, False),  # at the limit
+        (4, 5, 0, True),  # five requeues at the time limit before: they do not count
     ],
 )
-def test_sbatch_script_requeues_by_exit_code(tmp_path, rc, restarts, requeued):
+def test_sbatch_script_requeues_by_exit_code(tmp_path, rc, restarts, failures, requeued):
     """The script itself, run with a fake `srun` (exits with `rc`) and `scontrol` (records its
-    arguments) first on PATH."""
+    arguments) first on PATH, after `restarts` requeues of which `failures` followed a failure
+    (the count the script keeps beside its output, JOB_NAME-JOB_ID.requeues)."""
     import subprocess
 
     from mlm.train.slurm import sbatch_script
@@ -81,12 +83,18 @@ def test_sbatch_script_requeues_by_exit_code(tmp_path, rc, restarts, requeued):
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     (tmp_path / "job.sh").write_text(sbatch_script("run.toml", [], 1, 8, "01:00:00", max_requeues=3))
+    count = tmp_path / "mlm-77.requeues"
+    if failures:
+        count.write_text(f"{failures}\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
-    env["SLURM_RESTART_COUNT"] = str(restarts)
-    run = subprocess.run(["bash", str(tmp_path / "job.sh")], env=env, capture_output=True, text=True)
+    env.update(SLURM_JOB_NAME="mlm", SLURM_RESTART_COUNT=str(restarts))
+    run = subprocess.run(["bash", "job.sh"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == rc, run.stderr
     log = tmp_path / "scontrol.log"
     assert (log.read_text() if log.exists() else "") == ("requeue 77\n" if requeued else ""), run.stdout
+    after_failure = rc not in (0, 2, 3)
+    want = failures + (after_failure and requeued)
+    assert (int(count.read_text()) if count.exists() else 0) == want, run.stdout
 
 
 def test_slurm_command_checks_the_mesh():

@@ -16,18 +16,26 @@ The fault is injected by tests/fault_worker.py.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from mlm.errors import MlmError
 from mlm.train.watchdog import (
     BAD_INPUT_EXIT_CODE,
+    EVENT,
     FAILED_EXIT_CODE,
+    HANG,
     HANG_EXIT_CODE,
+    LEFT,
+    Watchdog,
     exit_code,
     hang_summary,
     rank_ranges,
@@ -173,3 +181,81 @@ def test_exit_codes():
     assert exit_code(KeyboardInterrupt()) == 130
     assert exit_code(RuntimeError("x")) == FAILED_EXIT_CODE == 1
     assert HANG_EXIT_CODE == 4
+
+
+class _Exited(SystemExit):
+    """`Watchdog._exit` in a test: ends the thread that calls it (a watching thread quietly)."""
+
+
+def _no_exit(watchdog, monkeypatch) -> list[int]:
+    """`watchdog._exit` records the code and ends the calling thread instead of the process."""
+    codes: list[int] = []
+
+    def record(code):
+        codes.append(code)
+        raise _Exited(code)
+
+    monkeypatch.setattr(watchdog, "_exit", record)
+    return codes
+
+
+def test_an_error_after_a_hang_was_declared_reports_the_hang(tmp_path, monkeypatch):
+    """Rank 0's main thread raises (e.g. a peer's connection closed) after rank 1 declared a hang,
+    before rank 0's watching thread saw it: rank 0 still dumps, prints the summary, exits 4."""
+    store = dist.HashStore()
+    store.set(EVENT, json.dumps({"what": "hang", "rank": 1, "code": HANG_EXIT_CODE, "seconds": 9.0}))
+    status = {"rank": 1, "step": 3, "phase": "forward-backward", "waiting": False, "where": "x"}
+    store.set(f"{HANG}1", json.dumps(status))
+    store.add(LEFT, 1)  # rank 1 has left
+    watchdog = Watchdog(store, rank=0, world_size=2, poll_s=0.01)
+    watchdog.run_dir, watchdog.hang_timeout = tmp_path, 5.0  # as watch_hangs, without the thread
+    said: list[str] = []
+    monkeypatch.setattr(watchdog, "_say", said.append)
+    codes = _no_exit(watchdog, monkeypatch)
+    try:  # an error raised inside a collective (here: no process group)
+        dist.all_reduce(torch.zeros(1))
+    except ValueError as e:
+        error = e
+    with pytest.raises(_Exited):
+        watchdog.fail(error)
+    assert codes == [HANG_EXIT_CODE]
+    assert (tmp_path / "hang" / "rank0.txt").is_file()
+    assert len(said) == 1 and said[0].startswith("[bold red]hang:[/] no progress for 9 s"), said
+    assert "  rank 1: forward-backward, running x" in said[0]
+    # where rank 0 raised (in the collective), not where fail() reads its own stack
+    assert "  rank 0: setup, waiting in torch.distributed " in said[0], said[0]
+    assert "ValueError: Default process group has not been initialized" in said[0]
+    assert "not waiting with the others: rank(s) 1\n" in said[0]
+
+
+def test_a_lost_store_ends_the_rank_even_if_its_report_fails(monkeypatch):
+    """The watching thread loses the store (rank 0 died) and cannot even print: the rank still
+    ends (else its main thread, failing later, would wait for the thread forever)."""
+
+    class Gone:
+        def check(self, keys):
+            raise RuntimeError("Connection reset by peer")
+
+    watchdog = Watchdog(Gone(), rank=1, world_size=2, poll_s=0.01)
+
+    def broken(text):
+        raise OSError("stdout closed")
+
+    monkeypatch.setattr(watchdog, "_say", broken)
+    codes = _no_exit(watchdog, monkeypatch)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread ends by _Exited
+    watchdog._start_thread()
+    thread = watchdog._thread
+    thread.join(5)
+    assert not thread.is_alive() and codes == [FAILED_EXIT_CODE]
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "1e12"])
+def test_hang_timeout_is_checked(value):
+    """Negative, infinite (an OverflowError when the trainer built the process group's timeout,
+    hang_timeout + 300 s, before the check) or beyond 1e9 s (a timedelta holds 8.6e13 s) is
+    refused by the config."""
+    from mlm.config import load_config
+
+    with pytest.raises(MlmError, match=rf"train.hang_timeout={float(value)}: must be 0 \(off\) or"):
+        load_config(None, [f"train.hang_timeout={value}"])

@@ -118,6 +118,7 @@ class TrainerCheckpoints:
         return {name: {k for stage in stages for k in stage[name]} for name in groups}
 
     def load(self, path: str) -> None:
+        self.watchdog.beat("checkpoint load")  # a rollback's: as long as a save
         iter_dir = resolve_checkpoint(path)
         saved = config_from_dict(read_manifest(iter_dir)["config"]).model
         diffs = [

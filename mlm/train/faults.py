@@ -94,6 +94,8 @@ class FaultMonitor:
                 if not math.isfinite(grad_norm)
                 else "non-finite gradient norm on another rank"
             )
+        elif spike and (z is None or z <= self.zscore):  # another rank's test (its own losses)
+            what = f"loss spike on another rank (train.loss_spike_zscore={self.zscore:g})"
         elif spike:
             mean = sum(self.losses) / len(self.losses)
             what = (

@@ -2,10 +2,11 @@
 and on failures that a restart can mend.
 
 SLURM sends SIGUSR1 to the tasks `signal_s` seconds before the time limit; `mlm train` finishes
-its step, saves, and exits with code 3, on which the script requeues the job. A hang (exit 4),
-a crash or a lost node (any other non-zero code) requeues it while SLURM_RESTART_COUNT (every
-requeue of the job so far) is below `max_requeues`; bad input (exit 2) never does, since the
-same input fails again. The requeued job continues from the latest checkpoint through
+its step, saves, and exits with code 3, on which the script requeues the job (always: a long
+run goes on from one time limit to the next). A hang (exit 4), a crash or a lost node (any other
+non-zero code) requeues it while the requeues after a failure, counted in
+JOB_NAME-JOB_ID.requeues beside the job's output, are below `max_requeues`; bad input (exit 2)
+never does, since the same input fails again. The requeued job continues from the latest checkpoint through
 `--auto-resume`.
 """
 
@@ -61,7 +62,9 @@ def sbatch_script(
         "",
         "srun --kill-on-bad-exit=1 " + shlex.join(args),
         "rc=$?",
-        "requeues=${SLURM_RESTART_COUNT:-0}",
+        "# requeues after a failure, counted beside the output (time-limit requeues do not count)",
+        'count="${SLURM_JOB_NAME}-${SLURM_JOB_ID}.requeues"',
+        'requeues=$(cat "$count" 2>/dev/null || echo 0)',
         "case $rc in",
         "    0) ;;",
         f"    {PREEMPTED_EXIT_CODE})",
@@ -71,11 +74,12 @@ def sbatch_script(
         '        echo "mlm train refused its configuration or input (exit 2): not requeued" ;;',
         "    *)",
         f"        if [ $requeues -lt {max_requeues} ]; then",
+        '            echo $((requeues + 1)) > "$count"',
         f"            echo \"mlm train failed with exit code $rc ({HANG_EXIT_CODE}: a hang, stacks in the run dir's hang/):"
         f' requeue $((requeues + 1)) of {max_requeues}, resuming from the latest checkpoint"',
         '            scontrol requeue "$SLURM_JOB_ID"',
         "        else",
-        '            echo "mlm train failed with exit code $rc after $requeues requeues: not requeued again"',
+        '            echo "mlm train failed with exit code $rc after $requeues requeues for failures: not requeued again"',
         "        fi ;;",
         "esac",
         "exit $rc",

@@ -247,6 +247,13 @@ class StragglerDetector:
         self._write(out, log)
         return out
 
+    def restart(self) -> None:
+        """Drop the window under way, its own work included (a rollback: the steps after the
+        checkpoint run again and would count twice). Every rank rolls back at the same step, so
+        the windows stay aligned."""
+        self.clock.take()
+        self._first, self._steps, self._step_seconds = None, 0, 0.0
+
     def _write(self, out: WindowReport, log) -> None:
         line = out.console_line()
         if line:

@@ -419,7 +419,8 @@ class Trainer(TrainerCheckpoints):
                     micro_batches = iter(sampler)
                     first = min(first, self.iteration)
                     del losses[self.iteration - first :]
-                    window, saved_at = [], self.iteration
+                    window, saved_at, t_log = [], self.iteration, time.perf_counter()
+                    stragglers.restart()
                     continue
                 self.iteration += 1
                 self.watchdog.beat("straggler window")

@@ -95,13 +95,19 @@ _WAIT_LINE = re.compile(r"\.wait\(|\bbarrier\(|\.synchronize\(")
 
 
 def main_thread_position() -> tuple[bool, str]:
-    """Whether the main thread waits in a distributed call, and where: the innermost
-    torch.distributed function and the line that called it, or a line that waits on a request
-    (`work.wait()`, a barrier); otherwise the line it is running."""
+    """Whether the main thread waits in a distributed call, and where (`stack_position`)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return False, "the main thread has ended"
-    stack = traceback.extract_stack(frame)
+    return stack_position(traceback.extract_stack(frame))
+
+
+def stack_position(stack: traceback.StackSummary) -> tuple[bool, str]:
+    """Whether `stack` (outermost call first) waits in a distributed call, and where: the
+    innermost torch.distributed function and the line that called it, or a line that waits on a
+    request (`work.wait()`, a barrier); otherwise its innermost line."""
+    if not stack:
+        return False, "no Python frame"
     in_dist = [i for i, f in enumerate(stack) if "/torch/distributed/" in f.filename.replace(os.sep, "/")]
     if in_dist:
         caller = stack[max(in_dist[0] - 1, 0)]
@@ -215,6 +221,10 @@ class Watchdog:
             message = str(exc) if isinstance(exc, MlmError) else f"{type(exc).__name__}: {exc}"
             event = self._record({"what": "error", "rank": self.rank, "code": code, "message": message})
             code = event["code"]
+            if event["what"] == "hang":  # declared first: this error is likely its echo (a peer gone)
+                self._report_hang(event, exc)
+                self._leave(event)
+                return
             if not isinstance(exc, MlmError) and event["rank"] == self.rank:  # the first failure, not an echo
                 traceback.print_exception(exc)
             if self.rank == 0 and isinstance(exc, MlmError):
@@ -247,10 +257,12 @@ class Watchdog:
             except Exception as e:  # the store is gone: rank 0 or the launcher died
                 if closed.is_set() or not self._claim():
                     return
-                self._say(
-                    f"[bold red]rank {self.rank}:[/] lost the job's rendezvous store ({escape(str(e))}); stopping"
-                )
-                self._exit(FAILED_EXIT_CODE)
+                try:
+                    self._say(
+                        f"[bold red]rank {self.rank}:[/] lost the job's rendezvous store ({escape(str(e))}); stopping"
+                    )
+                finally:  # a report that fails still ends the rank (fail() now waits for this thread)
+                    self._exit(FAILED_EXIT_CODE)
             if event is not None and self.rank == 0 and event["code"] == BAD_INPUT_EXIT_CODE:
                 # the same bad input usually fails every rank: a moment for rank 0's own error,
                 # which fail() then prints as it is, without naming another rank
@@ -318,8 +330,14 @@ class Watchdog:
 
     # ------------------------------------------------------------------ hangs
 
-    def _report_hang(self, event: dict) -> None:
-        waiting, where = main_thread_position()
+    def _report_hang(self, event: dict, exc: BaseException | None = None) -> None:
+        """This rank's dump and status; `exc`: the main thread's error (in `fail`), reported where
+        it was raised (the main thread's own stack is then that of `fail`)."""
+        if exc is None:
+            waiting, where = main_thread_position()
+        else:
+            waiting, where = stack_position(traceback.extract_tb(exc.__traceback__))
+            where += f", raised {type(exc).__name__}: {exc}"
         status = {
             "rank": self.rank,
             "host": socket.gethostname(),
