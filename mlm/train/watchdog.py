@@ -3,7 +3,8 @@ fails, hung ranks found, dumped and stopped, and SIGTERM/SIGUSR1 turned into a r
 
 In a job of several processes each rank runs a daemon thread that polls one key of the job's
 rendezvous store (the TCPStore of torch.distributed's env:// rendezvous, which the process group
-is then built on; under torchrun, the agent's store, fresh for each restart). The thread never
+is then built on; under torchrun, the agent's, which outlives restarts: each attempt uses keys
+under its own prefix, `attempt_N`). The thread never
 touches the process group, so a rank blocked in a collective still answers. The first event
 written to the key wins, and every rank then ends the same way:
 
