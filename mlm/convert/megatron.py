@@ -1,0 +1,347 @@
+"""`mlm convert --from-megatron DIR OUT`: a Megatron-core `torch_dist` checkpoint → mlm checkpoint.
+
+    import_megatron("megatron/save", "ckpt/from-megatron", ["model.num_attention_heads=32", ...])
+
+Reads the weights of a Megatron-core `GPTModel` (local or Transformer Engine spec, dense or MoE,
+saved at any tp / pp / ep: torch_dist stores global tensors) with `mlm.convert.megatron_dcp`, maps
+Megatron's sharded keys to mlm's names (the table `_LAYER` below), splits the fused tensors, and writes
+iteration 0 of an mlm checkpoint with `save_streaming` (chunk checksums, the config in the manifest).
+
+Layouts: all layers of a homogeneous stack share one key `decoder.layers.<sub>` with the layer on a
+leading axis (heterogeneous stacks save `decoder.layers.<n>.<sub>`; both are read); experts add a
+global-expert axis (`decoder.layers.mlp.experts.experts.linear_fc1.weight` is [L, E, 2F, H]);
+`linear_qkv` holds, for each query group, that group's query heads, then its key head, then its
+value head; `linear_fc1` of a gated MLP is [gate; up]. Norms appear under the names torch_dist gives
+both specs (`self_attention.linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_weight`) or
+as `input_layernorm` / `pre_mlp_layernorm` (Transformer Engine MoE layers). RoPE is rotate-half on
+both sides (Megatron's default `rotary_interleaved=False`), so q and k are not permuted.
+
+The model config: structural fields read off the tensor shapes (layers, width, MLP and expert
+widths, experts, biases, tied output, LayerNorm vs RMSNorm, qk norms), then the `args` that
+Megatron-LM saves in `common.pt` where it can be read safely (`_ARGS`: heads, query groups, head dim,
+positions, norm epsilon, RoPE base, position embedding type, swiglu, top-k, vocab size), then the
+user's `--set model.*` (or `preset=`), each over the one before. Every tensor's shape is checked
+against `GPT(config)` before anything is written. Not read: optimizer state, the data position,
+RNG states, Transformer Engine `_extra_state`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from mlm.checkpoint import read_group
+from mlm.checkpoint.manager import save_streaming
+from mlm.checkpoint.store import dtype_name
+from mlm.config import Config, DataConfig, ModelConfig, load_config, to_toml, toml_value
+from mlm.convert.common import Progress, noop
+from mlm.convert.hf import Report
+from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir
+from mlm.errors import MlmError
+from mlm.fileio import check_new_dir, staged_dir
+from mlm.model.gpt import GPT
+from mlm.verify import prompt_logits
+
+_TOP = {
+    "embedding.word_embeddings.weight": "embed.weight",
+    "embedding.position_embeddings.weight": "pos_embed.weight",
+    "decoder.final_layernorm.weight": "final_norm.weight",
+    "decoder.final_layernorm.bias": "final_norm.bias",
+    "output_layer.weight": "output.weight",
+}
+"""Megatron keys outside the layers → mlm keys."""
+
+_LAYER = {
+    "self_attention.linear_qkv.layer_norm_weight": "attn_norm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "attn_norm.bias",
+    "input_layernorm.weight": "attn_norm.weight",
+    "input_layernorm.bias": "attn_norm.bias",
+    "self_attention.linear_qkv.weight": "qkv",
+    "self_attention.linear_qkv.bias": "qkv",
+    "self_attention.linear_proj.weight": "attn.out.weight",
+    "self_attention.linear_proj.bias": "attn.out.bias",
+    "self_attention.q_layernorm.weight": "attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "attn.k_norm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "mlp_norm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "mlp_norm.bias",
+    "pre_mlp_layernorm.weight": "mlp_norm.weight",
+    "pre_mlp_layernorm.bias": "mlp_norm.bias",
+    "mlp.linear_fc1.weight": "fc1:mlp",
+    "mlp.linear_fc1.bias": "fc1:mlp",
+    "mlp.linear_fc2.weight": "mlp.down.weight",
+    "mlp.linear_fc2.bias": "mlp.down.bias",
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.expert_bias": "mlp.router.expert_bias",
+    "mlp.experts.experts.linear_fc1.weight": "fc1:mlp.experts",
+    "mlp.experts.experts.linear_fc2.weight": "mlp.experts.down.weight",
+    "mlp.shared_experts.linear_fc1.weight": "fc1:mlp.shared",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared.down.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_gate.weight",
+}
+"""Megatron sub-keys of a layer (after `decoder.layers.`) → the mlm key under `layers.N.`; `qkv`:
+split into attn.{q,k,v}; `fc1:P`: [gate; up] into P.gate and P.up (P.up alone when not gated)."""
+
+_ARGS = {
+    "num_attention_heads": "num_attention_heads",
+    "kv_channels": "kv_channels",
+    "max_position_embeddings": "max_position_embeddings",
+    "norm_epsilon": "norm_eps",
+    "rotary_base": "rope_base",
+    "moe_router_topk": "moe.router_topk",
+}
+"""Megatron-LM `args` fields read from common.pt → mlm `model.` fields (plus num_query_groups when
+group_query_attention, position_embedding_type, swiglu and vocab_size, read in `_args_overrides`)."""
+
+
+def _split_key(key: str) -> tuple[int | None, str]:
+    """`decoder.layers.<n>.<sub>` → (n, sub); `decoder.layers.<sub>` (stacked) → (None, sub)."""
+    rest = key.removeprefix("decoder.layers.")
+    head, _, tail = rest.partition(".")
+    return (int(head), tail) if head.isdigit() else (None, rest)
+
+
+def _known(ckpt: MegatronCheckpoint) -> None:
+    """MlmError naming the first Megatron key mlm has no mapping for."""
+    for key in ckpt.tensors:
+        if key in _TOP:
+            continue
+        if key.startswith("decoder.layers.") and _split_key(key)[1] in _LAYER:
+            continue
+        raise MlmError(
+            f"{ckpt.path}: Megatron module {key!r} is not supported by mlm convert --from-megatron (it reads "
+            "GPTModel's embedding, self_attention (linear_qkv, linear_proj, q/k_layernorm), dense mlp, MoE "
+            "router / experts / shared_experts, norms and output_layer; not MLA, MTP or other specs)"
+        )
+
+
+def _layers(ckpt: MegatronCheckpoint) -> tuple[int, dict[int, set[str]]]:
+    """(number of layers, {layer: its sub-keys})."""
+    subs: dict[int, set[str]] = {}
+    for key in ckpt.tensors:
+        if not key.startswith("decoder.layers."):
+            continue
+        n, sub = _split_key(key)
+        for i in [n] if n is not None else range(ckpt.shape(key)[0]):
+            subs.setdefault(i, set()).add(sub)
+    return len(subs), subs
+
+
+def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
+    """model.* fields that the tensor shapes determine, as --set strings."""
+
+    def shape(sub: str) -> tuple[int, ...] | None:
+        for key in (f"decoder.layers.{sub}", f"decoder.layers.0.{sub}"):
+            if key in ckpt.tensors:
+                return ckpt.shape(key)[1:] if key == f"decoder.layers.{sub}" else ckpt.shape(key)
+        return None
+
+    num_layers, subs = _layers(ckpt)
+    moe = [int("mlp.router.weight" in subs[i]) for i in range(num_layers)]
+    hidden = ckpt.shape("embedding.word_embeddings.weight")[1]
+    out = {
+        "num_layers": num_layers,
+        "hidden_size": hidden,
+        "tie_embeddings": "output_layer.weight" not in ckpt.tensors,
+        "position_embedding": "learned" if "embedding.position_embeddings.weight" in ckpt.tensors else "rope",
+        "normalization": "layernorm" if "decoder.final_layernorm.bias" in ckpt.tensors else "rmsnorm",
+        "add_bias": shape("self_attention.linear_proj.bias") is not None,
+        "qkv_bias": shape("self_attention.linear_qkv.bias") is not None,
+        "qk_norm": shape("self_attention.q_layernorm.weight") is not None,
+    }
+    if out["normalization"] == "layernorm":
+        out["activation"] = "gelu"  # a GPT-2-like model; swiglu from args or --set otherwise
+    fc2 = shape("mlp.linear_fc2.weight")
+    if fc2 is not None:
+        out["ffn_hidden_size"] = fc2[1]
+    if any(moe):
+        out["mlp_kind"] = "moe"
+        out["mlp_kind_freq"] = 1 if all(moe) else moe
+        experts = shape("mlp.experts.experts.linear_fc2.weight")
+        out["moe.num_experts"], out["moe.ffn_hidden_size"] = experts[0], experts[2]
+        shared = shape("mlp.shared_experts.linear_fc2.weight")
+        if shared is not None:
+            out["moe.shared_expert_ffn_hidden_size"] = shared[1]
+            out["moe.shared_expert_gate"] = shape("mlp.shared_experts.gate_weight") is not None
+        if shape("mlp.router.expert_bias") is not None:
+            out["moe.router_enable_expert_bias"] = True
+            out["moe.router_score_function"] = "sigmoid"
+    return [f"model.{k}={toml_value(v)}" for k, v in out.items()]
+
+
+def _args_overrides(common: dict) -> list[str]:
+    """model.* fields from Megatron-LM's saved `args` (a Namespace in common.pt), as --set strings."""
+    args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
+    out = {ours: args[theirs] for theirs, ours in _ARGS.items() if args.get(theirs) is not None}
+    if args.get("group_query_attention") and args.get("num_query_groups"):
+        out["num_query_groups"] = args["num_query_groups"]
+    if args.get("position_embedding_type") in ("rope", "learned_absolute"):
+        out["position_embedding"] = "rope" if args["position_embedding_type"] == "rope" else "learned"
+    if "swiglu" in args:
+        out["activation"] = "swiglu" if args["swiglu"] else "gelu"
+    if args.get("vocab_size"):
+        out["vocab_size"] = args["vocab_size"]
+    return [f"model.{k}={toml_value(v)}" for k, v in out.items()]
+
+
+def _split_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """Megatron's [G·(H/G + 2)·K, …] (per group: its queries, key, value) → q [H·K, …], k, v [G·K, …]."""
+    groups, per, k = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups, cfg.head_dim
+    w = w.reshape(groups, (per + 2) * k, *w.shape[1:])
+    q, kk, v = w.split([per * k, k, k], dim=1)
+    return tuple(t.reshape(-1, *w.shape[2:]).contiguous() for t in (q, kk, v))
+
+
+def _mlm_tensors(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(mlm key, tensor) for every tensor of the checkpoint, one Megatron key read at a time."""
+    gated = cfg.activation == "swiglu"
+    for key in ckpt.tensors:
+        tensor = ckpt.read(key)
+        if key in _TOP:
+            yield _TOP[key], tensor
+            continue
+        n, sub = _split_key(key)
+        per_layer = [(n, tensor)] if n is not None else list(enumerate(tensor))
+        suffix = sub.rsplit(".", 1)[1]
+        for i, t in per_layer:
+            name = _LAYER[sub]
+            if name == "qkv":
+                for proj, part in zip("qkv", _split_qkv(t, cfg), strict=True):
+                    yield f"layers.{i}.attn.{proj}.{suffix}", part
+            elif name.startswith("fc1:"):
+                prefix, axis = name[4:], 1 if name == "fc1:mlp.experts" else 0
+                if gated:
+                    gate, up = t.chunk(2, dim=axis)
+                    yield f"layers.{i}.{prefix}.gate.{suffix}", gate.contiguous()
+                    yield f"layers.{i}.{prefix}.up.{suffix}", up.contiguous()
+                else:
+                    yield f"layers.{i}.{prefix}.up.{suffix}", t.contiguous()
+            else:
+                yield f"layers.{i}.{name}", t.contiguous()
+
+
+def _expected_shapes(cfg: ModelConfig, padded_vocab: int) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in GPT(cfg, padded_vocab).state_dict().items()}
+
+
+def _check_shapes(ckpt: MegatronCheckpoint, cfg: ModelConfig, padded_vocab: int) -> None:
+    """MlmError naming the first tensor whose shape (after the splits) differs from GPT(cfg)'s."""
+    expected = _expected_shapes(cfg, padded_vocab)
+    seen = set()
+    for key, shape in _mlm_shapes(ckpt, cfg):
+        seen.add(key)
+        if expected.get(key) != shape:
+            raise MlmError(
+                f"{ckpt.path}: tensor {key} has shape {list(shape)} but the model config gives "
+                f"{list(expected[key]) if key in expected else 'no such tensor'}; set the model with "
+                "--set model.* (e.g. model.num_attention_heads, model.num_query_groups, model.kv_channels, "
+                "model.activation) to match the Megatron run"
+            )
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise MlmError(
+            f"{ckpt.path}: the model config needs {', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}, "
+            "which the Megatron checkpoint lacks; set the model with --set model.* to match the Megatron run"
+        )
+
+
+def _mlm_shapes(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The (mlm key, shape) pairs `_mlm_tensors` will yield, from the metadata alone."""
+    for key in ckpt.tensors:
+        meta = torch.empty(ckpt.shape(key), device="meta")
+        fake = _FakeCheckpoint(ckpt, key, meta)
+        for name, t in _mlm_tensors(fake, cfg):
+            yield name, tuple(t.shape)
+
+
+class _FakeCheckpoint:
+    """One key of a checkpoint, with a meta tensor for its data (to compute the split shapes)."""
+
+    def __init__(self, ckpt: MegatronCheckpoint, key: str, meta: torch.Tensor):
+        self.path, self.tensors, self._meta = ckpt.path, {key: ckpt.tensors[key]}, meta
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._meta
+
+
+def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config, list[str]]:
+    """(the run config: shapes, then common.pt's args, then `overrides`; notes for the report)."""
+    common, note = ckpt.common()
+    sets = _shape_overrides(ckpt) + _args_overrides(common) + list(overrides)
+    bad = [s for s in overrides if not (s.startswith("model.") or s.startswith("preset="))]
+    if bad:
+        raise MlmError(f"--set {bad[0]}: --from-megatron takes model.* fields (or preset=NAME) only")
+    max_pos = load_config(None, [*sets, "data.seq_length=1"]).model.max_position_embeddings
+    seq = min(DataConfig().seq_length, max_pos)  # as import_hf: the default, within the model's positions
+    return load_config(None, [*sets, f"data.seq_length={seq}"]), [note] if note else []
+
+
+def import_megatron(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    verify: bool = True,
+    progress: Progress = noop,
+) -> Report:
+    """Megatron-core torch_dist checkpoint (`iter_NNNNNNN/` or the save root) → mlm checkpoint
+    folder `out` (iteration 0, group "model"). `verify`: read back what was written (checksums)
+    and check mlm's logits on it are finite."""
+    src, out = Path(src), Path(out)
+    check_new_dir(out)
+    start = time.perf_counter()
+    ckpt = MegatronCheckpoint(checkpoint_dir(src))
+    _known(ckpt)
+    config, notes = model_config(ckpt, list(overrides))
+    cfg = config.model
+    padded = ckpt.shape("embedding.word_embeddings.weight")[0]
+    if cfg.vocab_size > padded:
+        raise MlmError(
+            f"model.vocab_size={cfg.vocab_size} is above the checkpoint's {padded} embedding rows; "
+            "set --set model.vocab_size to the tokenizer's vocabulary size"
+        )
+    _check_shapes(ckpt, cfg, padded)
+    total = sum(math.prod(ckpt.shape(k)) * ckpt.tensors[k].properties.dtype.itemsize for k in ckpt.tensors)
+    with staged_dir(out) as tmp:
+        extra = {"config": config.to_dict(), "source": {"megatron_dir": str(ckpt.path.resolve())}}
+        written = {"tensors": 0, "bytes": 0, "dtypes": set()}
+
+        def tensors() -> Iterator[tuple]:
+            with warnings.catch_warnings():  # DCP: "torch.distributed is disabled … single process"
+                warnings.simplefilter("ignore", UserWarning)
+                for key, t in _mlm_tensors(ckpt, cfg):
+                    yield "model", key, t, tuple(t.shape)
+                    written["tensors"] += 1
+                    written["bytes"] += t.numel() * t.element_size()
+                    written["dtypes"].add(dtype_name(t.dtype))
+                    progress(f"model/{key}", written["bytes"], total)
+
+        save_streaming(tmp, 0, tensors(), extra, ["model"])
+        (tmp / "config.toml").write_text(to_toml(config))
+        report = Report(
+            "import",
+            src,
+            out,
+            "Megatron-core GPTModel",
+            tensors=written["tensors"],
+            bytes=written["bytes"],
+            seconds=0.0,
+            dtype=",".join(sorted(written["dtypes"])),
+            tokenizer_files=[],
+            notes=notes,
+        )
+        if verify:
+            progress("verifying", 0, 0)
+            stored = read_group(tmp)[0]
+            logits = prompt_logits(stored, cfg, padded)
+            if not torch.isfinite(logits).all():
+                raise MlmError(f"verification failed: mlm's logits on {src}'s weights are not finite")
+            report.max_abs_logit = logits.abs().max().item()
+    report.seconds = time.perf_counter() - start
+    return report
