@@ -2,6 +2,7 @@
 
     mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--ep 4] [--dtype bf16] [--consolidate]   # another mesh
     mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
+    mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...]   # Megatron torch_dist → mlm
     mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
 
 See docs/convert.md.
@@ -16,11 +17,23 @@ import typer
 
 def convert(
     src: Path = typer.Argument(
-        ..., help="mlm checkpoint (DIR or DIR/iter_N), or a Hugging Face model folder with --from-hf."
+        ...,
+        help="mlm checkpoint (DIR or DIR/iter_N), a Hugging Face model folder with --from-hf, or a "
+        "Megatron torch_dist checkpoint with --from-megatron.",
     ),
     out: Path = typer.Argument(..., help="New output folder; must not exist."),
     from_hf: bool = typer.Option(
         False, "--from-hf", help="SRC is a Hugging Face folder; OUT an mlm checkpoint."
+    ),
+    from_megatron: bool = typer.Option(
+        False,
+        "--from-megatron",
+        help="SRC is a Megatron-core torch_dist checkpoint (its save dir or iter_NNNNNNN/); OUT an mlm checkpoint.",
+    ),
+    overrides: list[str] = typer.Option(
+        [],
+        "--set",
+        help="--from-megatron: model.key=value (or preset=NAME) for what the checkpoint does not say.",
     ),
     to_hf: bool = typer.Option(
         False, "--to-hf", help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Hugging Face folder."
@@ -71,6 +84,20 @@ def convert(
     checkpoint to one (--to-hf); the logits of both sides are compared before OUT appears."""
     from mlm.errors import MlmError
 
+    if from_megatron:
+        if (
+            from_hf
+            or to_hf
+            or any(v is not None for v in (tp, pp, vpp, dp, ep, dtype, tokenizer))
+            or consolidate
+        ):
+            raise MlmError(
+                "--from-megatron imports a Megatron checkpoint as it is: leave out --from-hf/--to-hf and the "
+                "reshard options (reshard the imported checkpoint afterwards with mlm convert OUT OUT2 --tp ...)"
+            )
+        return _from_megatron(src, out, overrides, verify, progress)
+    if overrides:
+        raise MlmError("--set applies to --from-megatron only")
     if from_hf and to_hf:
         raise MlmError("mlm convert: pass at most one of --from-hf (HF → mlm) or --to-hf (mlm → HF)")
     mesh_options = any(v is not None for v in (tp, pp, vpp, dp, ep)) or consolidate
@@ -135,6 +162,34 @@ def convert(
             f"; logits verified: max |diff| {report.max_abs_diff:.3g} ≤ {report.tolerance:.3g} "
             f"(max |logit| {report.max_abs_logit:.3g})"
         )
+    console.print(line, highlight=False, soft_wrap=True)
+    for note in report.notes:
+        console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+
+
+def _from_megatron(src, out, overrides, verify, progress) -> None:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    from mlm.console import console, human
+    from mlm.convert.megatron import import_megatron
+
+    columns = (TextColumn("[bold]{task.description:<28}"), BarColumn(), DownloadColumn())
+    with Progress(*columns, console=console, disable=not progress or not console.is_terminal) as bar:
+        task = bar.add_task("importing", total=None)
+
+        def show(desc: str, done: int, total: int) -> None:
+            bar.update(task, description=desc[:28], completed=done, total=total or None)
+
+        report = import_megatron(src, out, overrides, verify=verify, progress=show)
+    line = (
+        f"[bold green]imported[/] {report.architecture} {report.src} → {report.out}: {report.tensors} tensors, "
+        f"{human(report.bytes, 'B')} {report.dtype}, {report.seconds:.1f} s"
+    )
+    line += (
+        "; not verified (--no-verify)"
+        if report.max_abs_logit is None
+        else "; checksums verified, shapes match the config, mlm logits finite (not compared with Megatron's)"
+    )
     console.print(line, highlight=False, soft_wrap=True)
     for note in report.notes:
         console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)

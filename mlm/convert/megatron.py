@@ -17,7 +17,8 @@ as `input_layernorm` / `pre_mlp_layernorm` (Transformer Engine MoE layers). RoPE
 both sides (Megatron's default `rotary_interleaved=False`), so q and k are not permuted.
 
 The model config: structural fields read off the tensor shapes (layers, width, MLP and expert
-widths, experts, biases, tied output, LayerNorm vs RMSNorm, qk norms), then the `args` that
+widths, experts, biases, tied output, LayerNorm vs RMSNorm, qk norms; query groups and head dim
+once the heads are known), then the `args` that
 Megatron-LM saves in `common.pt` where it can be read safely (`_ARGS`: heads, query groups, head dim,
 positions, norm epsilon, RoPE base, position embedding type, swiglu, top-k, vocab size), then the
 user's `--set model.*` (or `preset=`), each over the one before. Every tensor's shape is checked
@@ -270,13 +271,44 @@ class _FakeCheckpoint:
         return self._meta
 
 
+def _attention_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
+    """model.kv_channels and model.num_query_groups from the qkv and proj shapes, given the heads."""
+    key = next(k for k in ckpt.tensors if _split_key(k)[1] == "self_attention.linear_proj.weight")
+    qkv = next(k for k in ckpt.tensors if _split_key(k)[1] == "self_attention.linear_qkv.weight")
+    width, rows = (
+        ckpt.shape(key)[-1],
+        ckpt.shape(qkv)[-2],
+    )  # heads · head dim; (heads + 2 · groups) · head dim
+    head_dim = width // heads
+    groups = (rows - width) // (2 * head_dim) if head_dim else 0
+    if head_dim * heads != width or (heads + 2 * groups) * head_dim != rows or groups < 1:
+        raise MlmError(
+            f"{ckpt.path}: model.num_attention_heads={heads} does not fit linear_proj's {width} inputs and "
+            f"linear_qkv's {rows} rows; set the Megatron run's --num-attention-heads with "
+            "--set model.num_attention_heads=N"
+        )
+    return [f"model.kv_channels={head_dim}", f"model.num_query_groups={groups}"]
+
+
 def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config, list[str]]:
-    """(the run config: shapes, then common.pt's args, then `overrides`; notes for the report)."""
-    common, note = ckpt.common()
-    sets = _shape_overrides(ckpt) + _args_overrides(common) + list(overrides)
+    """(the run config: shapes, then common.pt's args, then `overrides`; notes for the report).
+    The heads must come from the args, `model.num_attention_heads` or a preset (no shape shows
+    them); the query groups and head dim then follow from the qkv and proj shapes; the vocabulary
+    size is the embedding's rows unless the args or `model.vocab_size` say it."""
     bad = [s for s in overrides if not (s.startswith("model.") or s.startswith("preset="))]
     if bad:
         raise MlmError(f"--set {bad[0]}: --from-megatron takes model.* fields (or preset=NAME) only")
+    common, note = ckpt.common()
+    rows = ckpt.shape("embedding.word_embeddings.weight")[0]
+    given = _args_overrides(common) + list(overrides)
+    sets = [*_shape_overrides(ckpt), f"model.vocab_size={rows}", *given]
+    if not any(s.startswith(("model.num_attention_heads=", "preset=")) for s in given):
+        raise MlmError(
+            f"{ckpt.path}: the checkpoint does not say its attention heads (no readable args in common.pt): "
+            "pass the Megatron run's --num-attention-heads as --set model.num_attention_heads=N"
+        )
+    heads = load_config(None, [*sets, "data.seq_length=1"]).model.num_attention_heads
+    sets = [*sets[: -len(given)], *_attention_overrides(ckpt, heads), *given]
     max_pos = load_config(None, [*sets, "data.seq_length=1"]).model.max_position_embeddings
     seq = min(DataConfig().seq_length, max_pos)  # as import_hf: the default, within the model's positions
     return load_config(None, [*sets, f"data.seq_length={seq}"]), [note] if note else []
