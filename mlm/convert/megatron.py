@@ -304,7 +304,7 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
     sets = [*_shape_overrides(ckpt), f"model.vocab_size={rows}", *given]
     if not any(s.startswith(("model.num_attention_heads=", "preset=")) for s in given):
         raise MlmError(
-            f"{ckpt.path}: the checkpoint does not say its attention heads (no readable args in common.pt): "
+            f"{ckpt.path}: the checkpoint does not say its attention heads ({note or 'no args in common.pt'}): "
             "pass the Megatron run's --num-attention-heads as --set model.num_attention_heads=N"
         )
     heads = load_config(None, [*sets, "data.seq_length=1"]).model.num_attention_heads

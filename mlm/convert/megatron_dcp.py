@@ -38,6 +38,12 @@ _DCP_MODULES = (
     "torch.distributed.checkpoint.planner",
 )
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+_OTHERS = {
+    ("collections", "OrderedDict"),
+    ("torch.serialization", "_get_layout"),  # a name → torch.layout lookup
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id as torch's own dcp.save writes it
+    ("pathlib", "PurePosixPath"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -50,11 +56,11 @@ class _MetadataUnpickler(pickle.Unpickler):
             value = getattr(torch, name, None)
             if value is torch.Size or isinstance(value, _TORCH_CONSTANTS):
                 return value
-        if (module, name) in (("collections", "OrderedDict"), ("torch.serialization", "_get_layout")):
+        if (module, name) in _OTHERS:
             return super().find_class(module, name)
         raise MlmError(
             f".metadata of the checkpoint names {module}.{name}, which a torch DCP metadata file does not "
-            "hold; it is not read (only DCP's metadata classes and torch dtypes are unpickled)"
+            "hold; it is not read (only DCP's metadata classes, torch dtypes and paths are unpickled)"
         )
 
 

@@ -1,0 +1,147 @@
+"""`mlm convert --from-megatron` against Megatron-core itself.
+
+A tiny Llama-like `GPTModel` (GQA, SwiGLU, RoPE; dense, and MoE with 4 experts, top-2, the
+all-gather dispatcher) is built by megatron-core 0.16.1 on CPU (tests/megatron_ref.py, in gloo rank
+processes) at tp 1, tp 2, and tp 1 · ep 2, and saved with Megatron's own `dist_checkpointing.save`
+(torch_dist); mlm imports the directory and its `GPT` must give GPTModel's logits to 1e-5 (fp32,
+absolute; measured 1.6e-7 dense, 1.2e-7 MoE). Those tests skip where megatron-core is not
+installed (it is pinned for Python 3.11). Bad input (not a checkpoint, an unknown module, a
+.metadata pickle naming a foreign class) is checked without megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mlm.checkpoint import read_group
+from mlm.config import config_from_dict
+from mlm.convert.megatron import import_megatron
+from mlm.errors import MlmError
+from mlm.model.gpt import GPT
+
+from distributed import run_ranks  # noqa: E402
+from megatron_ref import HEADS, SEQ, VOCAB, inputs, save_reference  # noqa: E402
+from test_bad_input import assert_error, mlm  # noqa: E402
+
+TOL = 1e-5  # fp32 logits, absolute (max |logit| ≈ 0.6); measured 1.6e-7 (dense), 1.2e-7 (MoE)
+SETS = [f"model.num_attention_heads={HEADS}", f"model.max_position_embeddings={SEQ}"]
+
+
+@pytest.fixture
+def megatron():
+    return pytest.importorskip("megatron.core")
+
+
+def mlm_logits(ckpt) -> torch.Tensor:
+    state, manifest, _ = read_group(ckpt)
+    cfg = config_from_dict(manifest["config"]).model
+    with torch.device("meta"):
+        model = GPT(cfg, state["embed.weight"].shape[0])
+    model.load_state_dict(state, strict=True, assign=True)
+    with torch.no_grad():
+        return model.eval()(inputs())
+
+
+@pytest.mark.parametrize(
+    "moe, world, ep",
+    [(False, 1, 1), (False, 2, 1), (True, 1, 1), (True, 2, 2)],
+    ids=["dense-tp1", "dense-tp2", "moe-tp1", "moe-ep2"],
+)
+def test_import_matches_gptmodel(megatron, tmp_path, moe, world, ep):
+    src = tmp_path / "megatron" / "iter_0000010"
+    ref = run_ranks(world, save_reference, str(src), moe, ep)[0]
+    (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("10")
+    sets = SETS + (["model.moe.token_dispatcher=allgather"] if moe else [])
+    if world == 1 and not moe:  # the model config from Megatron-LM's saved args instead of --set
+        args = argparse.Namespace(
+            num_attention_heads=HEADS, group_query_attention=True, num_query_groups=2, kv_channels=16,
+            max_position_embeddings=SEQ, norm_epsilon=1e-5, rotary_base=10000, swiglu=True,
+            position_embedding_type="rope", params_dtype=torch.float32,
+        )  # fmt: skip
+        torch.save({"args": args, "iteration": 10, "checkpoint_version": 3.0}, src / "common.pt")
+        sets = []
+    report = import_megatron(tmp_path / "megatron", tmp_path / "out", sets)
+    assert report.notes == []
+    assert report.tensors == (23 if moe else 21)
+    cfg = config_from_dict(read_group(tmp_path / "out")[1]["config"]).model
+    assert (cfg.num_query_groups, cfg.kv_channels, cfg.vocab_size) == (2, 16, VOCAB)  # from the shapes
+    assert cfg.mlp_kind == ("moe" if moe else "dense")
+    diff = (mlm_logits(tmp_path / "out") - ref).abs().max().item()
+    assert diff <= TOL, diff
+
+
+def _write_dcp(path, tensors: dict) -> None:
+    with warnings.catch_warnings():  # "torch.distributed is disabled … save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(tensors, checkpoint_id=str(path), no_dist=True)
+
+
+def test_unknown_module_is_named(tmp_path):
+    _write_dcp(
+        tmp_path / "ckpt",
+        {
+            "embedding.word_embeddings.weight": torch.zeros(8, 4),
+            "decoder.layers.self_attention.linear_q_down_proj.weight": torch.zeros(2, 4, 4),
+        },
+    )
+    with pytest.raises(
+        MlmError, match=r"Megatron module 'decoder\.layers\.self_attention\.linear_q_down_proj"
+    ):
+        import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)
+    assert not (tmp_path / "out").exists()
+
+
+def test_metadata_pickle_is_restricted(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(MlmError, match=r"names io\.open, which a torch DCP metadata file does not hold"):
+        import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)
+    assert not marker.exists()
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(MlmError, match="not a directory"):
+        import_megatron(tmp_path / "missing", tmp_path / "out", SETS)
+    (tmp_path / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    with pytest.raises(MlmError, match="mp_rank_00: the legacy per-rank format"):
+        import_megatron(tmp_path, tmp_path / "out", SETS)
+
+
+def test_args_outside_the_allow_list(tmp_path):
+    """A common.pt holding a class not allowed is not unpickled: the heads must then come from --set."""
+    _write_dcp(tmp_path / "ckpt", {"embedding.word_embeddings.weight": torch.zeros(8, 4)})
+    torch.save({"args": argparse.Namespace(kind=Marker())}, tmp_path / "ckpt" / "common.pt")
+    with pytest.raises(
+        MlmError, match=r"does not say its attention heads \(common.pt not read: it holds a class"
+    ):
+        import_megatron(tmp_path / "ckpt", tmp_path / "out")
+
+
+class Marker:
+    """A class outside common.pt's allow-list."""
+
+
+def test_cli_bad_input(tmp_path):
+    assert_error(
+        mlm("convert", "--from-megatron", tmp_path, tmp_path / "out"),
+        "not a Megatron torch_dist checkpoint",
+        "no torch_dist .metadata file",
+    )
+    assert_error(
+        mlm("convert", "--from-megatron", tmp_path, tmp_path / "out", "--tp", "2"),
+        "--from-megatron imports a Megatron checkpoint as it is",
+    )
+    assert not (tmp_path / "out").exists()
