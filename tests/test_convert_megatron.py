@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from mlm.checkpoint import read_group
 from mlm.config import config_from_dict
 from mlm.convert.megatron import import_megatron
+from mlm.convert.reshard import reshard
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
 
@@ -74,6 +75,8 @@ def test_import_matches_gptmodel(megatron, tmp_path, moe, world, ep):
     assert cfg.mlp_kind == ("moe" if moe else "dense")
     diff = (mlm_logits(tmp_path / "out") - ref).abs().max().item()
     assert diff <= TOL, diff
+    if world == 2 and not moe:  # the import is an ordinary mlm checkpoint: it reshards, logits kept
+        assert reshard(tmp_path / "out", tmp_path / "tp2", 2, 1) <= TOL
 
 
 def _write_dcp(path, tensors: dict) -> None:

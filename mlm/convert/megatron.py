@@ -137,9 +137,11 @@ def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
     """model.* fields that the tensor shapes determine, as --set strings."""
 
     def shape(sub: str) -> tuple[int, ...] | None:
-        for key in (f"decoder.layers.{sub}", f"decoder.layers.0.{sub}"):
-            if key in ckpt.tensors:
-                return ckpt.shape(key)[1:] if key == f"decoder.layers.{sub}" else ckpt.shape(key)
+        """One layer's shape of `sub`, from the stacked key or the first per-layer key holding it."""
+        for key in ckpt.tensors:
+            n, s = _split_key(key) if key.startswith("decoder.layers.") else (None, None)
+            if s == sub:
+                return ckpt.shape(key) if n is not None else ckpt.shape(key)[1:]
         return None
 
     num_layers, subs = _layers(ckpt)
