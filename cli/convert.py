@@ -111,7 +111,7 @@ def convert(
         if not mesh_options and dtype is None:
             raise MlmError(
                 "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--dp/--ep/--consolidate/--dtype (reshard), "
-                "--from-hf or --to-hf"
+                "--from-hf or --to-hf (Hugging Face), or --from-megatron"
             )
         return _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress)
 

@@ -148,3 +148,4 @@ def test_cli_bad_input(tmp_path):
         "--from-megatron imports a Megatron checkpoint as it is",
     )
     assert not (tmp_path / "out").exists()
+    assert "--from-megatron" in mlm("convert", "--help").stdout
