@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from mlm.checkpoint import read_group
 from mlm.config import config_from_dict
 from mlm.convert.megatron import import_megatron
+from mlm.convert.megatron_dcp import MegatronCheckpoint
 from mlm.convert.reshard import reshard
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
@@ -77,6 +78,21 @@ def test_import_matches_gptmodel(megatron, tmp_path, moe, world, ep):
     assert diff <= TOL, diff
     if world == 2 and not moe:  # the import is an ordinary mlm checkpoint: it reshards, logits kept
         assert reshard(tmp_path / "out", tmp_path / "tp2", 2, 1) <= TOL
+    if world == 1 and moe:
+        # the same tensors under the Transformer Engine spec's MoE norm name (pre_mlp_layernorm) and
+        # with per-layer keys (decoder.layers.N.*, as a heterogeneous stack saves them)
+        ckpt = MegatronCheckpoint(src)
+        te = {}
+        for key in ckpt.tensors:
+            tensor = ckpt.read(key)
+            sub = key.removeprefix("decoder.layers.")
+            sub = sub.replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+            layers = {f"decoder.layers.{i}.{sub}": t for i, t in enumerate(tensor)}
+            te.update(layers if key.startswith("decoder.layers.") else {key: tensor})
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" in te
+        _write_dcp(tmp_path / "te", te)
+        import_megatron(tmp_path / "te", tmp_path / "out-te", sets)
+        assert (mlm_logits(tmp_path / "out-te") - ref).abs().max().item() <= TOL
 
 
 def _write_dcp(path, tensors: dict) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -347,14 +346,12 @@ def import_megatron(
         written = {"tensors": 0, "bytes": 0, "dtypes": set()}
 
         def tensors() -> Iterator[tuple]:
-            with warnings.catch_warnings():  # DCP: "torch.distributed is disabled … single process"
-                warnings.simplefilter("ignore", UserWarning)
-                for key, t in _mlm_tensors(ckpt, cfg):
-                    yield "model", key, t, tuple(t.shape)
-                    written["tensors"] += 1
-                    written["bytes"] += t.numel() * t.element_size()
-                    written["dtypes"].add(dtype_name(t.dtype))
-                    progress(f"model/{key}", written["bytes"], total)
+            for key, t in _mlm_tensors(ckpt, cfg):
+                yield "model", key, t, tuple(t.shape)
+                written["tensors"] += 1
+                written["bytes"] += t.numel() * t.element_size()
+                written["dtypes"].add(dtype_name(t.dtype))
+                progress(f"model/{key}", written["bytes"], total)
 
         save_streaming(tmp, 0, tensors(), extra, ["model"])
         (tmp / "config.toml").write_text(to_toml(config))

@@ -22,6 +22,7 @@ import argparse
 import json
 import pickle
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -126,7 +127,9 @@ class MegatronCheckpoint:
         """The global tensor `key`, whole (every chunk of every source rank)."""
         meta = self.tensors[key]
         out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
-        dcp.load(out, storage_reader=_Reader(self.path), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled … load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(out, storage_reader=_Reader(self.path), no_dist=True)
         return out[key]
 
     def common(self) -> tuple[dict, str | None]:
