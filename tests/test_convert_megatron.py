@@ -149,6 +149,14 @@ def test_args_outside_the_allow_list(tmp_path):
         import_megatron(tmp_path / "ckpt", tmp_path / "out")
 
 
+def test_args_mlm_cannot_follow(tmp_path):
+    _write_dcp(tmp_path / "ckpt", {"embedding.word_embeddings.weight": torch.zeros(8, 4)})
+    args = argparse.Namespace(num_attention_heads=4, rotary_interleaved=True)
+    torch.save({"args": args}, tmp_path / "ckpt" / "common.pt")
+    with pytest.raises(MlmError, match=r"rotary_interleaved=True: interleaved RoPE \(mlm rotates halves\)"):
+        import_megatron(tmp_path / "ckpt", tmp_path / "out")
+
+
 class Marker:
     """A class outside common.pt's allow-list."""
 

@@ -96,7 +96,8 @@ _ARGS = {
     "moe_router_topk": "moe.router_topk",
 }
 """Megatron-LM `args` fields read from common.pt → mlm `model.` fields (plus num_query_groups when
-group_query_attention, position_embedding_type, swiglu and vocab_size, read in `_args_overrides`)."""
+group_query_attention, position_embedding_type, swiglu and vocab_size, read in `_args_overrides`,
+which refuses rotary_interleaved, apply_layernorm_1p, multi_latent_attention and rotary_percent < 1)."""
 
 
 def _split_key(key: str) -> tuple[int | None, str]:
@@ -179,6 +180,20 @@ def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
 def _args_overrides(common: dict) -> list[str]:
     """model.* fields from Megatron-LM's saved `args` (a Namespace in common.pt), as --set strings."""
     args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
+    unsupported = {
+        "rotary_interleaved": "interleaved RoPE (mlm rotates halves)",
+        "apply_layernorm_1p": "zero-centered norm weights (1 + weight)",
+        "multi_latent_attention": "multi-latent attention",
+    }
+    for name, what in unsupported.items():
+        if args.get(name):
+            raise MlmError(
+                f"Megatron args {name}=True: {what} is not imported by mlm convert --from-megatron"
+            )
+    if args.get("rotary_percent", 1.0) != 1.0:
+        raise MlmError(
+            f"Megatron args rotary_percent={args['rotary_percent']}: mlm rotates the whole head (1.0) only"
+        )
     out = {ours: args[theirs] for theirs, ours in _ARGS.items() if args.get(theirs) is not None}
     if args.get("group_query_attention") and args.get("num_query_groups"):
         out["num_query_groups"] = args["num_query_groups"]
