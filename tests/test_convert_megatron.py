@@ -139,9 +139,22 @@ def test_not_a_checkpoint(tmp_path):
         import_megatron(tmp_path, tmp_path / "out", SETS)
 
 
+TINY = {  # the least a GPTModel checkpoint holds: embedding, one layer's qkv (4 heads of 1) and proj
+    "embedding.word_embeddings.weight": torch.zeros(8, 4),
+    "decoder.layers.self_attention.linear_qkv.weight": torch.zeros(1, 12, 4),
+    "decoder.layers.self_attention.linear_proj.weight": torch.zeros(1, 4, 4),
+}
+
+
+def test_not_a_gptmodel(tmp_path):
+    _write_dcp(tmp_path / "ckpt", {"embedding.word_embeddings.weight": torch.zeros(8, 4)})
+    with pytest.raises(MlmError, match=r"not a Megatron GPTModel checkpoint: no self_attention\.linear_qkv"):
+        import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)
+
+
 def test_args_outside_the_allow_list(tmp_path):
     """A common.pt holding a class not allowed is not unpickled: the heads must then come from --set."""
-    _write_dcp(tmp_path / "ckpt", {"embedding.word_embeddings.weight": torch.zeros(8, 4)})
+    _write_dcp(tmp_path / "ckpt", TINY)
     torch.save({"args": argparse.Namespace(kind=Marker())}, tmp_path / "ckpt" / "common.pt")
     with pytest.raises(
         MlmError, match=r"does not say its attention heads \(common.pt not read: it holds a class"
@@ -150,7 +163,7 @@ def test_args_outside_the_allow_list(tmp_path):
 
 
 def test_args_mlm_cannot_follow(tmp_path):
-    _write_dcp(tmp_path / "ckpt", {"embedding.word_embeddings.weight": torch.zeros(8, 4)})
+    _write_dcp(tmp_path / "ckpt", TINY)
     args = argparse.Namespace(num_attention_heads=4, rotary_interleaved=True)
     torch.save({"args": args}, tmp_path / "ckpt" / "common.pt")
     with pytest.raises(MlmError, match=r"rotary_interleaved=True: interleaved RoPE \(mlm rotates halves\)"):

@@ -108,7 +108,7 @@ def _split_key(key: str) -> tuple[int | None, str]:
 
 
 def _known(ckpt: MegatronCheckpoint) -> None:
-    """MlmError naming the first Megatron key mlm has no mapping for."""
+    """MlmError naming the first Megatron key mlm has no mapping for, or the GPTModel parts it lacks."""
     for key in ckpt.tensors:
         if key in _TOP:
             continue
@@ -118,6 +118,18 @@ def _known(ckpt: MegatronCheckpoint) -> None:
             f"{ckpt.path}: Megatron module {key!r} is not supported by mlm convert --from-megatron (it reads "
             "GPTModel's embedding, self_attention (linear_qkv, linear_proj, q/k_layernorm), dense mlp, MoE "
             "router / experts / shared_experts, norms and output_layer; not MLA, MTP or other specs)"
+        )
+    needed = (
+        "embedding.word_embeddings.weight",
+        "self_attention.linear_qkv.weight",
+        "self_attention.linear_proj.weight",
+    )
+    subs = {_split_key(k)[1] for k in ckpt.tensors if k.startswith("decoder.layers.")}
+    lacking = [n for n in needed if n not in ckpt.tensors and n not in subs]
+    if lacking:
+        raise MlmError(
+            f"{ckpt.path}: not a Megatron GPTModel checkpoint: no {', '.join(lacking)} (it holds "
+            f"{', '.join(list(ckpt.tensors)[:4]) or 'no tensors'}{' …' if len(ckpt.tensors) > 4 else ''})"
         )
 
 
@@ -289,12 +301,10 @@ class _FakeCheckpoint:
 
 def _attention_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
     """model.kv_channels and model.num_query_groups from the qkv and proj shapes, given the heads."""
-    key = next(k for k in ckpt.tensors if _split_key(k)[1] == "self_attention.linear_proj.weight")
+    proj = next(k for k in ckpt.tensors if _split_key(k)[1] == "self_attention.linear_proj.weight")
     qkv = next(k for k in ckpt.tensors if _split_key(k)[1] == "self_attention.linear_qkv.weight")
-    width, rows = (
-        ckpt.shape(key)[-1],
-        ckpt.shape(qkv)[-2],
-    )  # heads · head dim; (heads + 2 · groups) · head dim
+    width = ckpt.shape(proj)[-1]  # heads · head dim
+    rows = ckpt.shape(qkv)[-2]  # (heads + 2 · groups) · head dim
     head_dim = width // heads
     groups = (rows - width) // (2 * head_dim) if head_dim else 0
     if head_dim * heads != width or (heads + 2 * groups) * head_dim != rows or groups < 1:
@@ -317,14 +327,15 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
     common, note = ckpt.common()
     rows = ckpt.shape("embedding.word_embeddings.weight")[0]
     given = _args_overrides(common) + list(overrides)
-    sets = [*_shape_overrides(ckpt), f"model.vocab_size={rows}", *given]
+    shapes = [*_shape_overrides(ckpt), f"model.vocab_size={rows}"]
+    sets = [*shapes, *given]
     if not any(s.startswith(("model.num_attention_heads=", "preset=")) for s in given):
         raise MlmError(
             f"{ckpt.path}: the checkpoint does not say its attention heads ({note or 'no args in common.pt'}): "
             "pass the Megatron run's --num-attention-heads as --set model.num_attention_heads=N"
         )
     heads = load_config(None, [*sets, "data.seq_length=1"]).model.num_attention_heads
-    sets = [*sets[: -len(given)], *_attention_overrides(ckpt, heads), *given]
+    sets = [*shapes, *_attention_overrides(ckpt, heads), *given]
     max_pos = load_config(None, [*sets, "data.seq_length=1"]).model.max_position_embeddings
     seq = min(DataConfig().seq_length, max_pos)  # as import_hf: the default, within the model's positions
     return load_config(None, [*sets, f"data.seq_length={seq}"]), [note] if note else []
