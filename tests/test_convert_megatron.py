@@ -64,7 +64,7 @@ def test_import_matches_gptmodel(megatron, tmp_path, moe, world, ep):
         args = argparse.Namespace(
             num_attention_heads=HEADS, group_query_attention=True, num_query_groups=2, kv_channels=16,
             max_position_embeddings=SEQ, norm_epsilon=1e-5, rotary_base=10000, swiglu=True,
-            position_embedding_type="rope", params_dtype=torch.float32,
+            position_embedding_type="rope", params_dtype=torch.float32, consumed_train_samples=320,
         )  # fmt: skip
         torch.save({"args": args, "iteration": 10, "checkpoint_version": 3.0}, src / "common.pt")
         sets = []
@@ -82,7 +82,10 @@ def test_import_matches_gptmodel(megatron, tmp_path, moe, world, ep):
         report = import_megatron(tmp_path / "megatron", tmp_path / "out", sets)
         assert report.notes == []
         assert report.tensors == (23 if moe else 21)
-    cfg = config_from_dict(read_group(tmp_path / "out")[1]["config"]).model
+    manifest = read_group(tmp_path / "out")[1]
+    cfg = config_from_dict(manifest["config"]).model
+    if not sets:  # the args' run: its position is recorded
+        assert manifest["source"]["iteration"] == 10 and manifest["source"]["consumed_train_samples"] == 320
     assert (cfg.num_query_groups, cfg.kv_channels, cfg.vocab_size) == (2, 16, VOCAB)  # from the shapes
     assert cfg.mlp_kind == ("moe" if moe else "dense")
     diff = (mlm_logits(tmp_path / "out") - ref).abs().max().item()

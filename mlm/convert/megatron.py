@@ -22,8 +22,9 @@ once the heads are known), then the `args` that
 Megatron-LM saves in `common.pt` where it can be read safely (`_ARGS`: heads, query groups, head dim,
 positions, norm epsilon, RoPE base, position embedding type, swiglu, top-k, vocab size), then the
 user's `--set model.*` (or `preset=`), each over the one before. Every tensor's shape is checked
-against `GPT(config)` before anything is written. Not read: optimizer state, the data position,
-RNG states, Transformer Engine `_extra_state`.
+against `GPT(config)` before anything is written. Megatron-LM's `iteration` and
+`consumed_train_samples` are recorded in the manifest's `source`; `mlm train --load` starts a new
+run from the weights. Not read: optimizer state, RNG states, Transformer Engine `_extra_state`.
 """
 
 from __future__ import annotations
@@ -218,6 +219,17 @@ def _args_overrides(common: dict) -> list[str]:
     return [f"model.{k}={toml_value(v)}" for k, v in out.items()]
 
 
+def _training_position(common: dict) -> dict:
+    """Megatron-LM's `iteration` and `args.consumed_train_samples` where common.pt has them, for the
+    manifest's `source` (a record: mlm train starts a new run from imported weights)."""
+    args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
+    found = {
+        "iteration": common.get("iteration"),
+        "consumed_train_samples": args.get("consumed_train_samples"),
+    }
+    return {k: int(v) for k, v in found.items() if isinstance(v, int)}
+
+
 def _split_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
     """Megatron's [G·(H/G + 2)·K, …] (per group: its queries, key, value) → q [H·K, …], k, v [G·K, …]."""
     groups, per, k = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups, cfg.head_dim
@@ -358,6 +370,7 @@ def import_megatron(
     ckpt = MegatronCheckpoint(checkpoint_dir(src))
     _known(ckpt)
     config, notes = model_config(ckpt, list(overrides))
+    position = _training_position(ckpt.common()[0])
     cfg = config.model
     padded = ckpt.shape("embedding.word_embeddings.weight")[0]
     if cfg.vocab_size > padded:
@@ -368,7 +381,7 @@ def import_megatron(
     _check_shapes(ckpt, cfg, padded)
     total = sum(math.prod(ckpt.shape(k)) * ckpt.tensors[k].properties.dtype.itemsize for k in ckpt.tensors)
     with staged_dir(out) as tmp:
-        extra = {"config": config.to_dict(), "source": {"megatron_dir": str(ckpt.path.resolve())}}
+        extra = {"config": config.to_dict(), "source": {"megatron_dir": str(ckpt.path.resolve()), **position}}
         written = {"tensors": 0, "bytes": 0, "dtypes": set()}
 
         def tensors() -> Iterator[tuple]:
