@@ -12,6 +12,7 @@ installed (it is pinned for Python 3.11). Bad input (not a checkpoint, an unknow
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import warnings
 
@@ -22,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from mlm.checkpoint import read_group
 from mlm.config import config_from_dict
 from mlm.convert.megatron import import_megatron
-from mlm.convert.megatron_dcp import MegatronCheckpoint
+from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir
 from mlm.convert.reshard import reshard
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
@@ -142,6 +143,38 @@ def test_metadata_pickle_is_restricted(tmp_path):
     with pytest.raises(MlmError, match=r"names io\.open, which a torch DCP metadata file does not hold"):
         import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)
     assert not marker.exists()
+
+
+def test_metadata_dotted_names_are_refused(tmp_path):
+    """Protocol 4 resolves a dotted name attribute by attribute: `os.system` through a DCP module that
+    imports os must not be found."""
+    (tmp_path / "ckpt").mkdir()
+    payload = (
+        b"\x80\x04"  # PROTO 4
+        + b"\x8c\x27torch.distributed.checkpoint.filesystem"  # SHORT_BINUNICODE, 39 bytes
+        + b"\x8c\x09os.getcwd"  # SHORT_BINUNICODE, 9 bytes
+        + b"\x93"  # STACK_GLOBAL
+        + b")R."  # EMPTY_TUPLE, REDUCE, STOP: call it
+    )
+    assert len("torch.distributed.checkpoint.filesystem") == 0x27 and len("os.getcwd") == 9
+    assert pickle.loads(payload) == os.getcwd()  # what an unrestricted unpickler does
+    (tmp_path / "ckpt" / ".metadata").write_bytes(payload)
+    with pytest.raises(MlmError, match=r"names torch\.distributed\.checkpoint\.filesystem\.os\.getcwd"):
+        import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)
+
+
+def test_optimizer_state_is_left_out_with_a_note(tmp_path):
+    """Megatron-LM saves the optimizer by default: its keys are not modules to refuse."""
+    _write_dcp(
+        tmp_path / "ckpt",
+        {
+            "embedding.word_embeddings.weight": torch.zeros(8, 4),
+            "optimizer.state.exp_avg.embedding.word_embeddings.weight": torch.zeros(8, 4),
+        },
+    )
+    ckpt = MegatronCheckpoint(checkpoint_dir(tmp_path / "ckpt"))
+    assert list(ckpt.tensors) == ["embedding.word_embeddings.weight"]
+    assert ckpt.optimizer_keys == ["optimizer.state.exp_avg.embedding.word_embeddings.weight"]
 
 
 def test_not_a_checkpoint(tmp_path):

@@ -370,6 +370,11 @@ def import_megatron(
     ckpt = MegatronCheckpoint(checkpoint_dir(src))
     _known(ckpt)
     config, notes = model_config(ckpt, list(overrides))
+    if ckpt.optimizer_keys:
+        notes.append(
+            f"the optimizer state ({len(ckpt.optimizer_keys)} tensors, e.g. {ckpt.optimizer_keys[0]}) is not "
+            "imported: the mlm checkpoint holds the weights, and mlm train starts a new run from them"
+        )
     position = _training_position(ckpt.common()[0])
     cfg = config.model
     padded = ckpt.shape("embedding.word_embeddings.weight")[0]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
-import re
 import warnings
 from pathlib import Path
 
@@ -32,12 +31,30 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from mlm.errors import MlmError
 
-_ITER_RE = re.compile(r"iter_\d{7}|release")
-_DCP_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-)
+_DCP_CLASSES = {  # the classes a DCP .metadata pickle names, by module (no other name of these modules)
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix", "SerializationFormat"},
+    # Megatron's save keeps its global SavePlan in the metadata too
+    "torch.distributed.checkpoint.planner": {
+        "WriteItemType",
+        "LoadItemType",
+        "WriteItem",
+        "ReadItem",
+        "TensorWriteData",
+        "BytesIOWriteData",
+        "SavePlan",
+        "LoadPlan",
+    },
+}
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 _OTHERS = {
     ("collections", "OrderedDict"),
@@ -51,8 +68,12 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's `.metadata` and nothing else: its dataclasses, torch.Size, torch dtypes."""
 
     def find_class(self, module: str, name: str):
-        if module in _DCP_MODULES:
-            return super().find_class(module, name)
+        # exact names only: pickle resolves a dotted name attribute by attribute, and these modules
+        # import `os` ("os.system" would be found through them)
+        if name in _DCP_CLASSES.get(module, ()):
+            cls = super().find_class(module, name)
+            if isinstance(cls, type) and cls.__module__ == module:
+                return cls
         if module == "torch":
             value = getattr(torch, name, None)
             if value is torch.Size or isinstance(value, _TORCH_CONSTANTS):
@@ -116,8 +137,12 @@ class MegatronCheckpoint:
     def __init__(self, path: Path):
         self.path = path
         md = _Reader(path).read_metadata()
+        tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        # the optimizer's state (Megatron-LM saves it by default: optimizer.distributed.* or
+        # optimizer.state.*) is not read yet
+        self.optimizer_keys = sorted(k for k in tensors if k.startswith("optimizer."))
         self.tensors: dict[str, TensorStorageMetadata] = {
-            k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+            k: v for k, v in tensors.items() if not k.startswith("optimizer.")
         }
 
     def shape(self, key: str) -> tuple[int, ...]:
