@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import os
 import pickle
+import re
 import warnings
 
 import pytest
@@ -22,8 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mlm.checkpoint import read_group
-from mlm.config import config_from_dict
-from mlm.convert.megatron import import_megatron
+from mlm.config import config_from_dict, load_config
+from mlm.convert.megatron import _args_overrides, import_megatron
 from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir
 from mlm.convert.reshard import reshard
 from mlm.errors import MlmError
@@ -86,7 +87,14 @@ def test_import_matches_gptmodel(megatron, tmp_path, moe, world, ep):
         assert "imported Megatron-core GPTModel" in r.stderr and "21 tensors" in r.stderr, r.stderr
     else:
         report = import_megatron(tmp_path / "megatron", tmp_path / "out", sets)
-        assert report.notes == []
+        if sets:  # no args: the fields taken from mlm's defaults are named
+            (note,) = report.notes
+            assert note.startswith("no Megatron-LM args in common.pt: rope_base=10000.0, norm_eps=1e-05"), (
+                note
+            )
+            assert ("moe.router_score_function" in note) == moe, note
+        else:
+            assert report.notes == []
         assert report.tensors == (23 if moe else 21)
     manifest = read_group(tmp_path / "out")[1]
     cfg = config_from_dict(manifest["config"]).model
@@ -238,3 +246,46 @@ def test_cli_bad_input(tmp_path):
     )
     assert not (tmp_path / "out").exists()
     assert "--from-megatron" in mlm("convert", "--help").stdout
+
+
+def test_args_that_change_the_model_are_followed():
+    """Megatron-LM args that change the logits map to the mlm fields of the same meaning."""
+    args = argparse.Namespace(
+        num_attention_heads=8, group_query_attention=False, num_query_groups=1, swiglu=False, openai_gelu=True,
+        normalization="LayerNorm", use_rope_scaling=True, rope_scaling_factor=32.0, hidden_dropout=0.1,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+        moe_router_num_groups=4, moe_router_group_topk=2, moe_router_pre_softmax=False,
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, moe_z_loss_coeff=None,
+    )  # fmt: skip
+    sets = set(_args_overrides({"args": args}))
+    expected = {
+        "model.num_attention_heads=8", "model.activation=\"gelu_tanh\"", "model.normalization=\"layernorm\"",
+        "model.rope_scaling_factor=32.0", "model.rope_scaling_type=\"llama3\"", "model.hidden_dropout=0.1",
+        "model.moe.router_score_function=\"sigmoid\"", "model.moe.router_enable_expert_bias=true",
+        "model.moe.router_topk_scaling_factor=2.5", "model.moe.router_num_groups=4", "model.moe.router_group_topk=2",
+        "model.moe.router_pre_softmax=false", "model.moe.seq_aux_loss_coeff=0.0001",
+    }  # fmt: skip
+    assert expected <= sets, expected - sets
+    assert not any(
+        s.startswith(("model.num_query_groups", "model.moe.z_loss", "model.moe.aux_loss")) for s in sets
+    )
+    load_config(
+        None, [*sets, 'model.mlp_kind="moe"', "model.moe.num_experts=8", "data.seq_length=8"]
+    )  # valid
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("squared_relu", True, "squared_relu=True: the squared-ReLU MLP"),
+        ("mtp_num_layers", 1, "mtp_num_layers=1: multi-token prediction modules"),
+        (
+            "position_embedding_type",
+            "yarn",
+            "position_embedding_type='yarn': mlm imports 'rope' and 'learned_absolute'",
+        ),
+    ],
+)
+def test_args_refused(field, value, message):
+    with pytest.raises(MlmError, match=re.escape(message)):
+        _args_overrides({"args": argparse.Namespace(**{field: value})})

@@ -94,11 +94,37 @@ _ARGS = {
     "max_position_embeddings": "max_position_embeddings",
     "norm_epsilon": "norm_eps",
     "rotary_base": "rope_base",
+    "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
+    "hidden_dropout": "hidden_dropout",
+    "attention_dropout": "attention_dropout",
+    "init_method_std": "init_std",
     "moe_router_topk": "moe.router_topk",
+    "moe_router_score_function": "moe.router_score_function",
+    "moe_router_pre_softmax": "moe.router_pre_softmax",
+    "moe_router_num_groups": "moe.router_num_groups",
+    "moe_router_group_topk": "moe.router_group_topk",
+    "moe_router_topk_scaling_factor": "moe.router_topk_scaling_factor",
+    "moe_router_enable_expert_bias": "moe.router_enable_expert_bias",
+    "moe_router_bias_update_rate": "moe.router_bias_update_rate",
+    "moe_z_loss_coeff": "moe.z_loss_coeff",
+    "moe_expert_capacity_factor": "moe.capacity_factor",
+    "moe_pad_expert_input_to_capacity": "moe.pad_to_capacity",
+    "moe_token_drop_policy": "moe.token_drop_policy",
 }
-"""Megatron-LM `args` fields read from common.pt → mlm `model.` fields (plus num_query_groups when
-group_query_attention, position_embedding_type, swiglu and vocab_size, read in `_args_overrides`,
-which refuses rotary_interleaved, apply_layernorm_1p, multi_latent_attention and rotary_percent < 1)."""
+"""Megatron-LM `args` fields read from common.pt → mlm `model.` fields, same meaning and unit (plus,
+in `_args_overrides`: num_query_groups when group_query_attention, position_embedding_type,
+normalization, swiglu / openai_gelu, use_rope_scaling with rope_scaling_factor, the aux-loss
+coefficient by moe_router_load_balancing_type, and vocab_size; and the args it refuses)."""
+
+_REFUSED_ARGS = {
+    "rotary_interleaved": "interleaved RoPE (mlm rotates halves)",
+    "apply_layernorm_1p": "zero-centered norm weights (1 + weight)",
+    "multi_latent_attention": "multi-latent attention",
+    "squared_relu": "the squared-ReLU MLP",
+    "apply_residual_connection_post_layernorm": "residuals taken after the norm",
+    "mtp_num_layers": "multi-token prediction modules",
+}
+"""Megatron-LM args (when set) whose model mlm's importer does not reproduce, with what they mean."""
 
 
 def _split_key(key: str) -> tuple[int | None, str]:
@@ -193,27 +219,38 @@ def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
 def _args_overrides(common: dict) -> list[str]:
     """model.* fields from Megatron-LM's saved `args` (a Namespace in common.pt), as --set strings."""
     args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
-    unsupported = {
-        "rotary_interleaved": "interleaved RoPE (mlm rotates halves)",
-        "apply_layernorm_1p": "zero-centered norm weights (1 + weight)",
-        "multi_latent_attention": "multi-latent attention",
-    }
-    for name, what in unsupported.items():
+    for name, what in _REFUSED_ARGS.items():
         if args.get(name):
             raise MlmError(
-                f"Megatron args {name}=True: {what} is not imported by mlm convert --from-megatron"
+                f"Megatron args {name}={args[name]!r}: {what} is not imported by mlm convert --from-megatron"
             )
     if args.get("rotary_percent", 1.0) != 1.0:
         raise MlmError(
             f"Megatron args rotary_percent={args['rotary_percent']}: mlm rotates the whole head (1.0) only"
         )
+    kind = args.get("position_embedding_type")
+    if kind not in (None, "rope", "learned_absolute"):
+        raise MlmError(
+            f"Megatron args position_embedding_type={kind!r}: mlm imports 'rope' and 'learned_absolute' only"
+        )
     out = {ours: args[theirs] for theirs, ours in _ARGS.items() if args.get(theirs) is not None}
     if args.get("group_query_attention") and args.get("num_query_groups"):
         out["num_query_groups"] = args["num_query_groups"]
-    if args.get("position_embedding_type") in ("rope", "learned_absolute"):
-        out["position_embedding"] = "rope" if args["position_embedding_type"] == "rope" else "learned"
+    if kind is not None:
+        out["position_embedding"] = "rope" if kind == "rope" else "learned"
+    if args.get("normalization") in ("RMSNorm", "LayerNorm"):
+        out["normalization"] = args["normalization"].lower()
     if "swiglu" in args:
-        out["activation"] = "swiglu" if args["swiglu"] else "gelu"
+        out["activation"] = "swiglu" if args["swiglu"] else "gelu_tanh" if args.get("openai_gelu") else "gelu"
+    if args.get("use_rope_scaling"):  # Llama 3.1's scaling; Megatron fixes the other three constants
+        out |= {"rope_scaling_factor": args.get("rope_scaling_factor", 8.0), "rope_scaling_type": "llama3"}
+        out |= {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0}
+        out["rope_original_max_position_embeddings"] = 8192
+    balance = args.get("moe_router_load_balancing_type")
+    if args.get("moe_aux_loss_coeff") and balance in ("aux_loss", "seq_aux_loss"):
+        out["moe.aux_loss_coeff" if balance == "aux_loss" else "moe.seq_aux_loss_coeff"] = args[
+            "moe_aux_loss_coeff"
+        ]
     if args.get("vocab_size"):
         out["vocab_size"] = args["vocab_size"]
     return [f"model.{k}={toml_value(v)}" for k, v in out.items()]
@@ -350,7 +387,29 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
     sets = [*shapes, *_attention_overrides(ckpt, heads), *given]
     max_pos = load_config(None, [*sets, "data.seq_length=1"]).model.max_position_embeddings
     seq = min(DataConfig().seq_length, max_pos)  # as import_hf: the default, within the model's positions
-    return load_config(None, [*sets, f"data.seq_length={seq}"]), [note] if note else []
+    config = load_config(None, [*sets, f"data.seq_length={seq}"])
+    notes = [note] if note else []
+    if not hasattr(common.get("args"), "__dict__"):
+        notes.append(_defaults_note(config.model, given))
+    return config, notes
+
+
+def _defaults_note(cfg: ModelConfig, given: list[str]) -> str:
+    """What the logits depend on that neither the shapes nor --set gave (no args in common.pt)."""
+    fields = ["rope_base", "norm_eps", "activation", "max_position_embeddings"]
+    if cfg.mlp_kind == "moe":
+        fields += ["moe.router_topk", "moe.router_score_function", "moe.router_pre_softmax"]
+    taken = [f for f in fields if not any(s.startswith(f"model.{f}=") for s in given)]
+    values = ", ".join(f"{f}={toml_value(_field(cfg, f))}" for f in taken)
+    return (
+        f"no Megatron-LM args in common.pt: {values} are mlm's defaults (or read off the shapes), not "
+        "the run's; pass --set model.FIELD=VALUE where the Megatron run differed"
+    )
+
+
+def _field(cfg: ModelConfig, dotted: str):
+    section, _, name = dotted.rpartition(".")
+    return getattr(cfg.moe if section else cfg, name)
 
 
 def import_megatron(
