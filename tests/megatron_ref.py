@@ -75,7 +75,7 @@ def apply_cpu_patches() -> None:
         fsa._process_memory = lambda: 0
 
 
-def _config(moe: bool, ep: int):
+def _config(moe: bool, ep: int, gpt2: bool = False):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -102,6 +102,10 @@ def _config(moe: bool, ep: int):
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
     )
+    if gpt2:  # LayerNorm, GeLU (erf), biases
+        kw.update(
+            normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True
+        )
     if moe:
         kw.update(
             num_moe_experts=NUM_EXPERTS,
@@ -121,9 +125,12 @@ def inputs() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1234))
 
 
-def save_reference(rank: int, world: int, out: str, moe: bool, ep: int = 1) -> torch.Tensor:
+def save_reference(
+    rank: int, world: int, out: str, moe: bool, ep: int = 1, gpt2: bool = False
+) -> torch.Tensor:
     """Build GPTModel (seed 0) at tp = world / ep, save it with dist_checkpointing.save (torch_dist)
-    into `out`, return its logits on `inputs()` (gathered over tp), [2, SEQ, VOCAB]."""
+    into `out`, return its logits on `inputs()` (gathered over tp), [2, SEQ, VOCAB]. `gpt2`: a
+    GPT-2-like model instead (LayerNorm, GeLU, biases, learned positions, tied output)."""
     apply_cpu_patches()
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -136,18 +143,26 @@ def save_reference(rank: int, world: int, out: str, moe: bool, ep: int = 1) -> t
     model_parallel_cuda_manual_seed(42)
     torch.manual_seed(0)
     spec = get_gpt_layer_local_spec(
-        num_experts=NUM_EXPERTS if moe else None, moe_grouped_gemm=False, normalization="RMSNorm"
+        num_experts=NUM_EXPERTS if moe else None,
+        moe_grouped_gemm=False,
+        normalization="LayerNorm" if gpt2 else "RMSNorm",
     )
     model = GPTModel(
-        config=_config(moe, ep),
+        config=_config(moe, ep, gpt2),
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         parallel_output=False,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
+        share_embeddings_and_output_weights=gpt2,
+        position_embedding_type="learned_absolute" if gpt2 else "rope",
         rotary_base=10000,
     ).eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0: move every tensor so a swap would show
+        for i, (_, param) in enumerate(sorted(model.named_parameters())):
+            noise = torch.randn(
+                param.shape, generator=torch.Generator().manual_seed(i)
+            )  # same on every tp rank
+            param.add_(0.05 * noise)
     ids = inputs()
     pos = torch.arange(SEQ).expand(2, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None].expand(2, 1, SEQ, SEQ)

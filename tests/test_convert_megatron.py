@@ -123,6 +123,21 @@ def test_import_matches_gptmodel(megatron, tmp_path, moe, world, ep):
         assert (mlm_logits(tmp_path / "out-te") - ref).abs().max().item() <= TOL
 
 
+def test_import_gpt2_like(megatron, tmp_path):
+    """LayerNorm with biases, GeLU, biases in every linear layer, learned positions, tied output,
+    and a vocabulary below the embedding rows (Megatron pads it): GPTModel's logits on the real ones."""
+    ref = run_ranks(1, save_reference, str(tmp_path / "megatron"), False, 1, True)[0]
+    vocab = VOCAB - 28
+    report = import_megatron(tmp_path / "megatron", tmp_path / "out", [*SETS, f"model.vocab_size={vocab}"])
+    cfg = config_from_dict(read_group(tmp_path / "out")[1]["config"]).model
+    assert (cfg.normalization, cfg.activation, cfg.position_embedding) == ("layernorm", "gelu", "learned")
+    assert cfg.add_bias and cfg.tie_embeddings and cfg.vocab_size == vocab
+    assert read_group(tmp_path / "out")[0]["embed.weight"].shape[0] == VOCAB  # the padded rows kept
+    assert report.tensors == 36  # 4 + 2 layers · (norms, q, k, v, out, up, down: weights and biases)
+    diff = (mlm_logits(tmp_path / "out")[..., :vocab] - ref[..., :vocab]).abs().max().item()
+    assert diff <= TOL, diff
+
+
 def _write_dcp(path, tensors: dict) -> None:
     with warnings.catch_warnings():  # "torch.distributed is disabled … save in a single process"
         warnings.simplefilter("ignore", UserWarning)
