@@ -87,9 +87,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _Reader(FileSystemReader):
-    """A FileSystemReader whose metadata comes from the restricted unpickler."""
+    """A FileSystemReader whose metadata comes from the restricted unpickler (or is given, read once)."""
+
+    def __init__(self, path: Path, metadata: Metadata | None = None):
+        super().__init__(path)
+        self._metadata = metadata
 
     def read_metadata(self) -> Metadata:
+        if self._metadata is not None:
+            return self._metadata
         path = Path(self.path) / ".metadata"
         with open(path, "rb") as f:
             md = _MetadataUnpickler(f).load()
@@ -136,7 +142,7 @@ class MegatronCheckpoint:
 
     def __init__(self, path: Path):
         self.path = path
-        md = _Reader(path).read_metadata()
+        self._metadata = md = _Reader(path).read_metadata()
         tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         # the optimizer's state (Megatron-LM saves it by default: optimizer.distributed.* or
         # optimizer.state.*) is not read yet
@@ -154,7 +160,7 @@ class MegatronCheckpoint:
         out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
         with warnings.catch_warnings():  # "torch.distributed is disabled … load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, storage_reader=_Reader(self.path), no_dist=True)
+            dcp.load(out, storage_reader=_Reader(self.path, self._metadata), no_dist=True)
         return out[key]
 
     def common(self) -> tuple[dict, str | None]:
