@@ -99,9 +99,9 @@ def convert(
             or consolidate
         ):
             raise MlmError(
-                f"{'--from-dcp' if from_dcp else '--from-megatron'} imports a checkpoint as it is: leave out the "
-                "other --from/--to options and the reshard options (reshard the imported checkpoint afterwards "
-                "with mlm convert OUT OUT2 --tp ...)"
+                f"{'--from-dcp imports a torchtitan' if from_dcp else '--from-megatron imports a Megatron'} "
+                "checkpoint as it is: leave out --from-hf/--to-hf (and one of --from-megatron/--from-dcp) and the "
+                "reshard options (reshard the imported checkpoint afterwards with mlm convert OUT OUT2 --tp ...)"
             )
         return _from_megatron(src, out, overrides, verify, progress, torchtitan=from_dcp)
     if overrides:
@@ -119,7 +119,7 @@ def convert(
         if not mesh_options and dtype is None:
             raise MlmError(
                 "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--dp/--ep/--consolidate/--dtype (reshard), "
-                "--from-hf or --to-hf (Hugging Face), or --from-megatron"
+                "--from-hf or --to-hf (Hugging Face), --from-megatron or --from-dcp"
             )
         return _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress)
 

@@ -34,6 +34,7 @@ from test_bad_input import assert_error  # noqa: E402
 from test_hf_numerics import LLAMA3_ROPE, SEQ, llama  # noqa: E402
 
 TOL = 1e-5  # fp32 logits, absolute (max |logit| ≈ 3.5)
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
 HEADS, KV_HEADS = 4, 2  # llama()'s
 SETS = [
     f"model.num_attention_heads={HEADS}",

@@ -319,6 +319,11 @@ def _position(ckpt: MegatronCheckpoint, optim: dict, config: Config) -> tuple[di
             f"consumed_samples 0: ntokens_seen {tokens} (rank 0's tokens) × {dp or 'unknown'} data-parallel "
             f"ranks is not a whole number of data.seq_length={seq} sequences; mlm's data starts at its beginning"
         )
+    notes.insert(
+        0,
+        f"training state imported: iteration {iteration}, Adam step {adam_step}, {consumed} samples consumed; "
+        "mlm train --load OUT resumes there",
+    )
     position = {
         "consumed_samples": consumed,
         "optimizer_step": adam_step,
