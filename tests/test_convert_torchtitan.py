@@ -102,7 +102,7 @@ def save_titan(path, model, *, spelling=0, moments=None, step=7, ntokens=None, e
         }
         states["lr_scheduler"] = {"lr_scheduler_0": {"last_epoch": step}}
         states["train_state"] = {"step": step, "ntokens_seen": ntokens}
-        states["dataloader"] = {"dp_rank_0": b"torchtitan's dataloader state"}
+        states["dataloader"] = {"dp_rank_0": b"torchtitan's dataloader state", "world_size": 1}
     states.update(extra or {})
     dcp.save(states, checkpoint_id=path, no_dist=True)
 

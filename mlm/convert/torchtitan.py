@@ -6,8 +6,8 @@ torchtitan saves each checkpoint as a torch DCP directory `checkpoint/step-N/` (
 `__R_T.distcp`; global tensors, so the source's parallelism does not matter). Its top level holds
 the model's parameters under their own names, `optimizer.state.<param>.{step,exp_avg,exp_avg_sq}`
 (`get_optimizer_state_dict(flatten_optimizer_state_dict=True)`), `optimizer.param_groups.*`,
-`lr_scheduler.*`, `train_state.{step,ntokens_seen}` and `dataloader.dp_rank_<r>` (one per
-data-parallel rank); a model-only save (`last_save_model_only`) holds the parameters alone. They
+`lr_scheduler.*`, `train_state.{step,ntokens_seen}` and `dataloader.{world_size,dp_rank_<r>}` (the
+data-parallel size, each dp rank's state); a model-only save (`last_save_model_only`) holds the parameters alone. They
 are read with `mlm.convert.megatron_dcp`'s restricted reader (bytes entries as plain values only).
 
 Names (`_TOP`, `_LAYER`): torchtitan v0.2.2's Llama 3 (`attention.{wq,wk,wv,wo}`, `output`) and
@@ -146,9 +146,9 @@ def _weights(ckpt: MegatronCheckpoint) -> dict[str, str]:
             f"{ckpt.path}: not a torchtitan Llama checkpoint: no tok_embeddings.weight or "
             f"layers.0.attention.wq.weight (it holds {', '.join(list(ckpt.stored)[:4]) or 'no tensors'})"
         )
-    doubled = [n for n in names if list(out.values()).count(n) > 1]
-    if doubled:
-        both = [k for k, n in out.items() if n == doubled[0]]
+    if len(names) < len(out):  # one parameter under both spellings
+        name = next(n for n in names if list(out.values()).count(n) > 1)
+        both = [k for k, n in out.items() if n == name]
         raise MlmError(f"{ckpt.path}: {' and '.join(both)} are the same parameter under both spellings")
     return out
 
@@ -288,7 +288,12 @@ def _position(ckpt: MegatronCheckpoint, optim: dict, config: Config) -> tuple[di
     consumed samples where the optimizer state is imported; torchtitan's own counters as read."""
     wanted = [
         k
-        for k in ("train_state.step", "train_state.ntokens_seen", "lr_scheduler.lr_scheduler_0.last_epoch")
+        for k in (
+            "train_state.step",
+            "train_state.ntokens_seen",
+            "lr_scheduler.lr_scheduler_0.last_epoch",
+            "dataloader.world_size",
+        )
         if k in ckpt.bytes_keys
     ]
     values = ckpt.values(wanted)
@@ -308,17 +313,25 @@ def _position(ckpt: MegatronCheckpoint, optim: dict, config: Config) -> tuple[di
     source["optimizer.state.*.step"] = adam_step
     iteration = int(values.get("train_state.step", adam_step))
     seq = config.data.seq_length
-    dp = len([k for k in ckpt.bytes_keys if re.fullmatch(r"dataloader\.dp_rank_\d+", k)])
+    dp = values.get("dataloader.world_size") or len(
+        [k for k in ckpt.bytes_keys if re.fullmatch(r"dataloader\.dp_rank_\d+", k)]
+    )
     tokens = values.get("train_state.ntokens_seen")
     notes = [f"the RNG state is a fresh run's with train.seed={config.train.seed} (torchtitan saves none)"]
-    if isinstance(tokens, int) and dp and (dp * tokens) % seq == 0:
-        consumed = dp * tokens // seq
-    else:
-        consumed = 0
-        notes.append(
-            f"consumed_samples 0: ntokens_seen {tokens} (rank 0's tokens) × {dp or 'unknown'} data-parallel "
-            f"ranks is not a whole number of data.seq_length={seq} sequences; mlm's data starts at its beginning"
+    if not isinstance(tokens, int):
+        why = "no train_state.ntokens_seen"
+    elif not dp:
+        why = "no dataloader.world_size: the data-parallel size that ntokens_seen (rank 0's) is multiplied by"
+    elif (dp * tokens) % seq:
+        why = (
+            f"ntokens_seen {tokens} × {dp} data-parallel ranks is not a whole number of data.seq_length={seq} "
+            "sequences (--set data.seq_length=<torchtitan's training.seq_len>)"
         )
+    else:
+        why = ""
+    consumed = 0 if why else dp * tokens // seq
+    if why:
+        notes.append(f"consumed_samples 0 ({why}): mlm's data starts at its beginning")
     notes.insert(
         0,
         f"training state imported: iteration {iteration}, Adam step {adam_step}, {consumed} samples consumed; "
