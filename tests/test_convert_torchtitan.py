@@ -186,8 +186,10 @@ def test_optimizer_state_lands_and_training_resumes(tmp_path, tiny_data):
     trainer = Trainer(load_config(tmp_path / "ckpt" / "config.toml", sets), load=str(tmp_path / "ckpt"))
     assert (trainer.iteration, trainer.optimizer_step, trainer.consumed_samples) == (7, 7, 28)
     loaded = {t.key: t.local for t in trainer.optimizer.checkpoint_groups(7)["optim"]}
-    q = "exp_avg.layers.0.attn.q.weight"
-    assert torch.equal(loaded[q], moments["model.layers.0.self_attn.q_proj.weight"][0])
+    for k, (m, v) in moments.items():  # in the trainer's AdamW (the embedding's rows padded to 512 already)
+        assert torch.equal(loaded[f"exp_avg.{names[k]}"], m) and torch.equal(
+            loaded[f"exp_avg_sq.{names[k]}"], v
+        )
     losses = trainer.train()
     assert len(losses) == 1 and 0 < losses[0] < 10
     assert (trainer.iteration, trainer.optimizer_step, trainer.consumed_samples) == (8, 8, 32)
@@ -217,10 +219,33 @@ def test_cli_and_bad_input(tmp_path, monkeypatch, capsys):
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
 
 
-def test_other_optimizer_state_is_refused(tmp_path):
+def test_refused_and_bf16_sources(tmp_path):
     model = llama(tie=False)
     moments = {k: (torch.zeros(p.shape), torch.zeros(p.shape)) for k, p in model.named_parameters()}
     extra = {"optimizer.state.norm.weight.max_exp_avg_sq": torch.zeros(64)}  # AMSGrad's
-    save_titan(tmp_path / "step-1", model, moments=moments, step=1, ntokens=64, extra=extra)
+    save_titan(tmp_path / "amsgrad", model, moments=moments, step=1, ntokens=64, extra=extra)
     with pytest.raises(MlmError, match="optimizer state 'optimizer.state.norm.weight.max_exp_avg_sq'"):
-        import_torchtitan(tmp_path / "step-1", tmp_path / "ckpt", SETS)
+        import_torchtitan(tmp_path / "amsgrad", tmp_path / "ckpt", SETS)
+    # the same parameter under both spellings
+    save_titan(
+        tmp_path / "both", model, extra={"layers.1.attention.qkv_linear.wv.weight": torch.zeros(32, 64)}
+    )
+    with pytest.raises(
+        MlmError, match="layers.1.attention.wv.weight and layers.1.attention.qkv_linear.wv.weight"
+    ):
+        import_torchtitan(tmp_path / "both", tmp_path / "ckpt", SETS)
+    # a bytes entry holding a class: not unpickled
+    import argparse
+
+    extra = {"train_state": {"step": argparse.Namespace(step=1), "ntokens_seen": 64}}
+    save_titan(tmp_path / "pickled", model, moments=moments, step=1, ntokens=64, extra=extra)
+    with pytest.raises(MlmError, match="not read: a class outside plain values .*argparse.Namespace"):
+        import_torchtitan(tmp_path / "pickled", tmp_path / "ckpt", SETS)
+    assert not (tmp_path / "ckpt").exists()
+    # a model-only save in bf16 (torchtitan's export_dtype): imported as stored
+    save_titan(tmp_path / "bf16", model.to(torch.bfloat16))
+    report = import_torchtitan(tmp_path / "bf16", tmp_path / "ckpt", SETS)
+    state = read_group(tmp_path / "ckpt")[0]
+    assert report.dtype == "bfloat16" and torch.equal(
+        state["layers.0.attn.v.weight"], model.state_dict()["model.layers.0.self_attn.v_proj.weight"]
+    )
