@@ -170,8 +170,8 @@ def _optimizer(ckpt: MegatronCheckpoint, weights: dict[str, str]) -> dict[str, d
     lacking = [p for p in weights if set(found.get(p, {})) != {"step", *MOMENTS}]
     if found and lacking:
         raise MlmError(
-            f"{ckpt.path}: the optimizer state lacks step, exp_avg or exp_avg_sq of {lacking[0]}; "
-            "import the weights alone from a model-only save"
+            f"{ckpt.path}: the optimizer state lacks step, exp_avg or exp_avg_sq of {lacking[0]} (a frozen "
+            "parameter?); mlm's AdamW steps every parameter, so it cannot resume from this state"
         )
     return found
 
