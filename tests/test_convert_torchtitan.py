@@ -9,7 +9,10 @@ Hugging Face `LlamaForCausalLM` (GQA, Llama-3.1 RoPE scaling), taken into torcht
 way torchtitan's own HF adapter does (`_reverse_permute` of q_proj / k_proj: rotate-half rows →
 adjacent pairs), so the reference is transformers' forward: mlm's logits on the import must equal
 transformers' to 1e-5 (fp32, absolute). Adam's moments are made in HF's layout and reverse-permuted
-the same way: the imported ones must come back bitwise.
+the same way: the imported ones must come back bitwise, in the checkpoint and in the AdamW of a
+`Trainer` that resumes from it at torchtitan's step and trains one more. Bad input: a directory
+that is not DCP, heads not given, a parameter of another model, AMSGrad's state, one parameter
+under both spellings, a bytes entry holding a class.
 """
 
 from __future__ import annotations
