@@ -3,6 +3,7 @@
     mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--ep 4] [--dtype bf16] [--consolidate]   # another mesh
     mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
     mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...]   # Megatron torch_dist → mlm
+    mlm convert --from-dcp DIR OUT --set model.num_attention_heads=32 --set model.rope_base=500000   # torchtitan → mlm
     mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
 
 See docs/convert.md.
@@ -19,7 +20,7 @@ def convert(
     src: Path = typer.Argument(
         ...,
         help="mlm checkpoint (DIR or DIR/iter_N), a Hugging Face model folder with --from-hf, or a "
-        "Megatron torch_dist checkpoint with --from-megatron.",
+        "Megatron torch_dist checkpoint with --from-megatron, a torchtitan checkpoint with --from-dcp.",
     ),
     out: Path = typer.Argument(..., help="New output folder; must not exist."),
     from_hf: bool = typer.Option(
@@ -30,10 +31,15 @@ def convert(
         "--from-megatron",
         help="SRC is a Megatron-core torch_dist checkpoint (its save dir or iter_NNNNNNN/); OUT an mlm checkpoint.",
     ),
+    from_dcp: bool = typer.Option(
+        False,
+        "--from-dcp",
+        help="SRC is a torchtitan checkpoint (its checkpoint folder or step-N/, torch DCP); OUT an mlm checkpoint.",
+    ),
     overrides: list[str] = typer.Option(
         [],
         "--set",
-        help="--from-megatron: model.key=value (or preset=NAME) for what the checkpoint does not say.",
+        help="--from-megatron, --from-dcp: model.key=value (or preset=NAME) for what the checkpoint does not say.",
     ),
     to_hf: bool = typer.Option(
         False, "--to-hf", help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Hugging Face folder."
@@ -84,20 +90,22 @@ def convert(
     checkpoint to one (--to-hf); the logits of both sides are compared before OUT appears."""
     from mlm.errors import MlmError
 
-    if from_megatron:
+    if from_megatron or from_dcp:
         if (
             from_hf
             or to_hf
+            or (from_megatron and from_dcp)
             or any(v is not None for v in (tp, pp, vpp, dp, ep, dtype, tokenizer))
             or consolidate
         ):
             raise MlmError(
-                "--from-megatron imports a Megatron checkpoint as it is: leave out --from-hf/--to-hf and the "
+                f"{'--from-dcp imports a torchtitan' if from_dcp else '--from-megatron imports a Megatron'} "
+                "checkpoint as it is: leave out --from-hf/--to-hf (and one of --from-megatron/--from-dcp) and the "
                 "reshard options (reshard the imported checkpoint afterwards with mlm convert OUT OUT2 --tp ...)"
             )
-        return _from_megatron(src, out, overrides, verify, progress)
+        return _from_megatron(src, out, overrides, verify, progress, torchtitan=from_dcp)
     if overrides:
-        raise MlmError("--set applies to --from-megatron only")
+        raise MlmError("--set applies to --from-megatron and --from-dcp only")
     if from_hf and to_hf:
         raise MlmError("mlm convert: pass at most one of --from-hf (HF → mlm) or --to-hf (mlm → HF)")
     mesh_options = any(v is not None for v in (tp, pp, vpp, dp, ep)) or consolidate
@@ -111,7 +119,7 @@ def convert(
         if not mesh_options and dtype is None:
             raise MlmError(
                 "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--dp/--ep/--consolidate/--dtype (reshard), "
-                "--from-hf or --to-hf (Hugging Face), or --from-megatron"
+                "--from-hf or --to-hf (Hugging Face), --from-megatron or --from-dcp"
             )
         return _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress)
 
@@ -167,11 +175,12 @@ def convert(
         console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 
 
-def _from_megatron(src, out, overrides, verify, progress) -> None:
+def _from_megatron(src, out, overrides, verify, progress, torchtitan=False) -> None:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
     from mlm.console import console, human
     from mlm.convert.megatron import import_megatron
+    from mlm.convert.torchtitan import import_torchtitan
 
     columns = (TextColumn("[bold]{task.description:<28}"), BarColumn(), DownloadColumn())
     with Progress(*columns, console=console, disable=not progress or not console.is_terminal) as bar:
@@ -180,7 +189,8 @@ def _from_megatron(src, out, overrides, verify, progress) -> None:
         def show(desc: str, done: int, total: int) -> None:
             bar.update(task, description=desc[:28], completed=done, total=total or None)
 
-        report = import_megatron(src, out, overrides, verify=verify, progress=show)
+        importer = import_torchtitan if torchtitan else import_megatron
+        report = importer(src, out, overrides, verify=verify, progress=show)
     line = (
         f"[bold green]imported[/] {report.architecture} {report.src} → {report.out}: {report.tensors} tensors, "
         f"{human(report.bytes, 'B')} {report.dtype}, {report.seconds:.1f} s"
@@ -188,7 +198,8 @@ def _from_megatron(src, out, overrides, verify, progress) -> None:
     line += (
         "; not verified (--no-verify)"
         if report.max_abs_logit is None
-        else "; checksums verified, shapes match the config, mlm logits finite (not compared with Megatron's)"
+        else "; checksums verified, shapes match the config, mlm logits finite (not compared with "
+        f"{'torchtitan' if torchtitan else 'Megatron'}'s)"
     )
     console.print(line, highlight=False, soft_wrap=True)
     for note in report.notes:

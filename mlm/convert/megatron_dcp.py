@@ -11,8 +11,8 @@ matter to the reader.
 Unpickling: torch's own `FileSystemReader.read_metadata` runs a plain `pickle.load` on `.metadata`
 and its default planner `torch.load(weights_only=False)`s every bytes entry. Here `.metadata` goes
 through `_MetadataUnpickler`, which allows only DCP's metadata, storage and plan classes, `torch.Size` and torch's
-dtype / layout / memory-format constants; only tensor entries are ever requested (bytes entries,
-e.g. `_extra_state` or RNG states, are not read); `common.pt` is read with `torch.load(weights_only=True)`
+dtype / layout / memory-format constants; bytes entries (e.g. `_extra_state`, RNG states) are read only
+when asked for by name (`values`), each with `torch.load(weights_only=True)`; `common.pt` is read with `torch.load(weights_only=True)`
 allowing `argparse.Namespace` as the only extra class.
 """
 
@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from mlm.errors import MlmError
 
@@ -137,13 +138,31 @@ def checkpoint_dir(src: str | Path) -> Path:
     return src
 
 
+class _BytesPlanner(DefaultLoadPlanner):
+    """Loads bytes entries with `torch.load(weights_only=True)` (torch's planner unpickles them
+    with weights_only=False) into `values`."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False)
+        self.values: dict = {}
+
+    def load_bytes(self, read_item, value) -> None:
+        self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
 class MegatronCheckpoint:
-    """A torch_dist directory: its tensors' global shapes, and each tensor read whole on request."""
+    """A torch_dist directory (or any torch DCP directory, e.g. torchtitan's `step-N/`): its
+    tensors' global shapes, each tensor read whole on request, bytes entries of plain values."""
 
     def __init__(self, path: Path):
         self.path = path
         self._metadata = md = _Reader(path).read_metadata()
         tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        self.stored = tensors
+        """Every tensor entry, the optimizer's included."""
+        self.bytes_keys = sorted(
+            k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)
+        )
         # the optimizer's state (Megatron-LM saves it by default: optimizer.distributed.* or
         # optimizer.state.*) is not read yet
         self.optimizer_keys = sorted(k for k in tensors if k.startswith("optimizer."))
@@ -152,16 +171,42 @@ class MegatronCheckpoint:
         }
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.tensors[key].size)
+        return tuple(self.stored[key].size)
 
     def read(self, key: str) -> torch.Tensor:
         """The global tensor `key`, whole (every chunk of every source rank)."""
-        meta = self.tensors[key]
-        out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+        return self.read_all([key])[key]
+
+    def read_all(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The global tensors `keys` (any of `stored`), whole, in one pass over the files."""
+        out = {
+            k: torch.empty(tuple(self.stored[k].size), dtype=self.stored[k].properties.dtype) for k in keys
+        }
         with warnings.catch_warnings():  # "torch.distributed is disabled … load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(out, storage_reader=_Reader(self.path, self._metadata), no_dist=True)
-        return out[key]
+        return out
+
+    def values(self, keys: list[str]) -> dict:
+        """The bytes entries `keys` (of `bytes_keys`), each read with `torch.load(weights_only=True)`:
+        plain values (ints, floats, strings, containers of them, tensors); another class is refused."""
+        planner = _BytesPlanner()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            try:
+                dcp.load(
+                    dict.fromkeys(keys), storage_reader=_Reader(self.path, self._metadata), planner=planner, no_dist=True
+                )
+            except CheckpointException as e:  # wraps torch.load's UnpicklingError
+                why = (
+                    str(e).split("Unsupported global: ")[-1].split(" was not")[0]
+                    if "Unsupported global" in str(e)
+                    else ""
+                )
+                raise MlmError(
+                    f"{self.path}: {', '.join(keys)} not read: a class outside plain values ({why or 'see torch.load'})"
+                ) from None
+        return planner.values
 
     def common(self) -> tuple[dict, str | None]:
         """(`common.pt`, {} where absent or unreadable; None, or why it was not read). Read with
