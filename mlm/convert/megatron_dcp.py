@@ -195,7 +195,10 @@ class MegatronCheckpoint:
             warnings.simplefilter("ignore", UserWarning)
             try:
                 dcp.load(
-                    dict.fromkeys(keys), storage_reader=_Reader(self.path, self._metadata), planner=planner, no_dist=True
+                    dict.fromkeys(keys),
+                    storage_reader=_Reader(self.path, self._metadata),
+                    planner=planner,
+                    no_dist=True,
                 )
             except CheckpointException as e:  # wraps torch.load's UnpicklingError
                 why = (
