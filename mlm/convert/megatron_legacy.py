@@ -109,7 +109,13 @@ class LegacyCheckpoint:
     def __init__(self, path: Path):
         self.path = path
         dirs = sorted(p.name for p in path.glob("mp_rank_*") if p.is_dir())
-        first = self._load(dirs[0])
+        held = [d for d in dirs if (path / d / FILE).is_file()]
+        if not held:
+            raise MlmError(
+                f"{path}: holds {', '.join(dirs)} but no {FILE} in them; copy the whole iteration folder "
+                "as Megatron-LM wrote it"
+            )
+        first = self._load(held[0])
         args = vars(first["args"]) if hasattr(first.get("args"), "__dict__") else {}
         tp, pp, ep = (args.get(f"{n}_model_parallel_size") or 1 for n in ("tensor", "pipeline", "expert"))
         names = {
@@ -129,7 +135,7 @@ class LegacyCheckpoint:
                 + ". Copy the whole iteration folder as Megatron-LM wrote it"
             )  # fmt: skip
         self._args, self._tp, self._first = args, tp, first
-        self._files = {rank: first if name == dirs[0] else self._load(name) for rank, name in names.items()}
+        self._files = {rank: first if name == held[0] else self._load(name) for rank, name in names.items()}
         self._names = names
         self._index(args, tp, pp, ep)
         self.optimizer_keys = [
