@@ -52,7 +52,17 @@ from mlm.errors import MlmError
 
 FILE = "model_optim_rng.pt"
 _ROWS, _HALVES, _COLS, _WHOLE = "rows", "halves", "cols", "whole"
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(.+)|(linear_fc[12]\.(?:weight|bias))(\d+))$")
+
+
+def _expert(key: str) -> tuple[int, str] | None:
+    """(local expert, its sub-key such as `linear_fc1.weight`) for an expert's tensor, else None:
+    `mlp.experts.local_experts.<j>.<sub>` (SequentialMLP) or `mlp.experts.<sub><j>` (grouped GEMM)."""
+    m = _EXPERT.search(key)
+    if m is None:
+        return None
+    return (int(m.group(1)), m.group(2)) if m.group(1) else (int(m.group(4)), m.group(3))
 
 
 def is_legacy(path: Path) -> bool:
@@ -124,31 +134,27 @@ class LegacyCheckpoint:
             for p in range(pp)
             for e in range(ep)
         }
-        missing = [n for n in names.values() if not (path / n / FILE).is_file()]
-        if missing or set(dirs) - set(names.values()):
+        missing = [f"{n}/{FILE} missing" for n in names.values() if not (path / n / FILE).is_file()]
+        extra = sorted(set(dirs) - set(names.values()))
+        if missing or extra:
+            found = "; ".join([*missing, *([f"it also holds {', '.join(extra)}"] if extra else [])])
             raise MlmError(
                 f"{path}: the Megatron args say tp {tp} · pp {pp} · ep {ep}, so it should hold "
-                f"{', '.join(names.values())}; "
-                + (f"{', '.join(f'{n}/{FILE}' for n in missing)} missing" if missing else "")
-                + (f"{'; ' if missing else ''}it also holds {', '.join(sorted(set(dirs) - set(names.values())))}"
-                   if set(dirs) - set(names.values()) else "")
-                + ". Copy the whole iteration folder as Megatron-LM wrote it"
-            )  # fmt: skip
-        self._args, self._tp, self._first = args, tp, first
+                f"{', '.join(names.values())}; {found}. Copy the whole iteration folder as Megatron-LM wrote it"
+            )
+        self._first, self._names = first, names
         self._files = {rank: first if name == held[0] else self._load(name) for rank, name in names.items()}
-        self._names = names
         self._index(args, tp, pp, ep)
-        self.optimizer_keys = [
-            path
-            for rank, name in names.items()
-            for path in [
-                *_tensor_paths(self._files[rank].get("optimizer"), f"{name}/{FILE}:optimizer"),
-                *(
-                    _tensor_paths(load_megatron_pickle(self.path / name / "distrib_optim.pt", mmap=True), f"{name}/distrib_optim.pt:")
-                    if (self.path / name / "distrib_optim.pt").exists() else ()
-                ),
-            ]
-        ]  # fmt: skip
+        self.optimizer_keys = [key for name in names.values() for key in self._optimizer_keys(name)]
+
+    def _optimizer_keys(self, name: str) -> list[str]:
+        """The optimizer tensors of rank folder `name`, in `model_optim_rng.pt` and `distrib_optim.pt`."""
+        rank = next(r for r, n in self._names.items() if n == name)
+        keys = list(_tensor_paths(self._files[rank].get("optimizer"), f"{name}/{FILE}:optimizer"))
+        distrib = self.path / name / "distrib_optim.pt"
+        if distrib.exists():
+            keys += _tensor_paths(load_megatron_pickle(distrib, mmap=True), f"{name}/{distrib.name}:")
+        return keys
 
     def _load(self, name: str) -> dict:
         state = load_megatron_pickle(self.path / name / FILE, mmap=True)
@@ -167,24 +173,27 @@ class LegacyCheckpoint:
             return [state["model"]]
         return [state[f"model{v}"] for v in range(sum(bool(re.fullmatch(r"model\d+", k)) for k in state))]
 
-    def _index(self, args: dict, tp: int, pp: int, ep: int) -> None:
-        """Global key → the shards that make it: self._parts[key][expert or None] = [(rank, chunk, local key)]
-        by tp rank; self._rules[key]: how they join; self.tensors[key]: its dtype and global shape."""
-        chunks = len(self._chunks(self._files[0, 0, 0]))
-        counts = {}  # (vp chunk, pp stage) → its number of layers
-        for p in range(pp):
-            for v, sd in enumerate(self._chunks(self._files[0, p, 0])):
-                numbers = [int(m.group(1)) for k in sd if (m := re.match(r"decoder\.layers\.(\d+)\.", k))]
-                counts[v, p] = max(numbers, default=-1) + 1
+    def _offsets(self, args: dict, pp: int) -> dict[tuple[int, int], int]:
+        """(virtual chunk, stage) → the global number of its first layer: the layers of every chunk
+        before it in pipeline order (chunk 0 of stages 0 … pp-1, then chunk 1, …)."""
+        order = [(v, p) for v in range(len(self._chunks(self._files[0, 0, 0]))) for p in range(pp)]
         offsets, total = {}, 0
-        for v in range(chunks):
-            for p in range(pp):
-                offsets[v, p], total = total, total + counts[v, p]
+        for v, p in order:
+            numbers = [
+                int(m.group(1)) for k in self._chunks(self._files[0, p, 0])[v] if (m := _LAYER.match(k))
+            ]
+            offsets[v, p], total = total, total + max(numbers, default=-1) + 1
         if args.get("num_layers") not in (None, total):
             raise MlmError(
                 f"{self.path}: the pipeline chunks hold {total} layers but the Megatron args say "
                 f"num_layers={args['num_layers']}; the checkpoint is incomplete"
             )
+        return offsets
+
+    def _index(self, args: dict, tp: int, pp: int, ep: int) -> None:
+        """self._parts[key][expert or None]: the (rank, chunk, local key) of each tp rank's shard of a
+        global key; self._rules[key]: how they join; self.tensors[key]: its dtype and global shape."""
+        offsets = self._offsets(args, pp)
         gated = args.get("swiglu")
         if gated is None and tp > 1:
             raise MlmError(
@@ -198,32 +207,28 @@ class LegacyCheckpoint:
         dtypes: dict[str, torch.dtype] = {}
         for (t, p, e), state in self._files.items():
             for v, sd in enumerate(self._chunks(state)):
-                local_experts = {int(m.group(1) or m.group(4)) for k in sd if (m := _EXPERT.search(k))}
+                per_rank = len({_expert(k)[0] for k in sd if _expert(k)})
                 for local, value in sd.items():
                     if "._extra_state" in local or (tied and local == "output_layer.weight"):
                         continue
                     if not isinstance(value, torch.Tensor):
-                        raise MlmError(
-                            f"{self.path / self._names[t, p, e] / FILE}: {local} is a {type(value).__name__}, not a tensor"
-                        )
-                    key, expert = local, None
-                    if (m := re.match(r"decoder\.layers\.(\d+)\.(.+)$", local)) is not None:
+                        where = self.path / self._names[t, p, e] / FILE
+                        raise MlmError(f"{where}: {local} is a {type(value).__name__}, not a tensor")
+                    key, sub, expert = local, local, None
+                    if (m := _LAYER.match(local)) is not None:
                         layer, sub = offsets[v, p] + int(m.group(1)), m.group(2)
                         key = f"decoder.layers.{layer}.{sub}"
-                        if (x := _EXPERT.search(sub)) is not None:
-                            j, rest = (
-                                (int(x.group(1)), x.group(2)) if x.group(1) else (int(x.group(4)), x.group(3))
-                            )
-                            expert = e * len(local_experts) + j
-                            key = f"decoder.layers.{layer}.mlp.experts.experts.{rest}"
+                        if (x := _expert(sub)) is not None:
                             if tp > 1 and etp not in (None, tp):
                                 raise MlmError(
-                                    f"{self.path}: expert_tensor_parallel_size={etp} differs from the tp size {tp}; "
-                                    "mlm reads legacy MoE checkpoints whose experts are split like the other layers"
+                                    f"{self.path}: expert_tensor_parallel_size={etp} differs from the tp size "
+                                    f"{tp}; mlm reads legacy checkpoints whose experts are split like the other layers"
                                 )
+                            expert, sub = e * per_rank + x[0], x[1]
+                            key = f"decoder.layers.{layer}.mlp.experts.experts.{sub}"
                     if expert is None and e > 0:
                         continue  # the same on every ep rank
-                    self._rules[key] = _tp_rule(key if expert is None else rest, bool(gated))
+                    self._rules[key] = _tp_rule(sub, bool(gated))
                     self._parts.setdefault(key, {}).setdefault(expert, [None] * tp)[t] = ((t, p, e), v, local)
                     shapes.setdefault(key, {}).setdefault(expert, [None] * tp)[t] = tuple(value.shape)
                     dtypes[key] = value.dtype
