@@ -34,6 +34,7 @@ import pickle
 import re
 import signal
 import types
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -44,21 +45,23 @@ from mlm.errors import MlmError
 
 _MEGATRON = (
     "megatron.core.enums.ModelType",
+    "megatron.core.transformer.enums.ModelType",
     "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.CudaGraphScope",
-    "megatron.core.optimizer.OptimizerConfig",
     "megatron.core.optimizer.optimizer_config.OptimizerConfig",
     "megatron.core.rerun_state_machine.RerunDiagnostic",
     "megatron.core.rerun_state_machine.RerunMode",
     "megatron.core.rerun_state_machine.RerunState",
 )
 """Megatron's classes in its own torch.load allow-list (megatron/core/safe_globals.py), by the
-names a pickle carries (OptimizerConfig under its package and its defining module)."""
+names a pickle carries: the defining module (ModelType is defined in two)."""
 
 
 class _MegatronValue:
     """A Megatron enum member or config object as read without megatron: `args` holds the
     arguments it was built with (an enum's value), its pickled state lands in `__dict__`."""
+
+    args: tuple = ()  # a config object is built without __init__ (its state comes after)
 
     def __init__(self, *args: Any):
         self.args = args
@@ -101,10 +104,15 @@ _ALLOWED = [
 
 def load_megatron_pickle(path: Path, *, mmap: bool = False) -> Any:
     """torch.load of a Megatron-LM file under the allow-list above, on the CPU. `mmap`: tensors are
-    views of the memory-mapped file (read from disk when used), for the large per-rank files."""
+    views of the memory-mapped file (read from disk when used), for the large per-rank files; a
+    file in torch's pre-1.6 format is read whole."""
+    mmap = mmap and zipfile.is_zipfile(path)  # torch.save's format before torch 1.6 maps nothing
     try:
         with torch.serialization.safe_globals(_ALLOWED):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except (RuntimeError, EOFError) as e:  # torch's zip reader on a truncated or foreign file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MlmError(f"{path}: not a readable torch.save file ({first}); copy it again") from None
     except pickle.UnpicklingError as e:
         text = str(e)
         named = re.search(r"GLOBAL (\S+)", text) or re.search(r"unrecognized function (.+)", text)
