@@ -2,7 +2,7 @@
 
     mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--ep 4] [--dtype bf16] [--consolidate]   # another mesh
     mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
-    mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...]   # Megatron torch_dist → mlm
+    mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...]   # Megatron torch_dist / legacy → mlm
     mlm convert --from-dcp DIR OUT --set model.num_attention_heads=32 --set model.rope_base=500000   # torchtitan → mlm
     mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
 
@@ -29,7 +29,8 @@ def convert(
     from_megatron: bool = typer.Option(
         False,
         "--from-megatron",
-        help="SRC is a Megatron-core torch_dist checkpoint (its save dir or iter_NNNNNNN/); OUT an mlm checkpoint.",
+        help="SRC is a Megatron-core torch_dist or legacy (mp_rank_*) checkpoint (its save dir or "
+        "iter_NNNNNNN/); OUT an mlm checkpoint.",
     ),
     from_dcp: bool = typer.Option(
         False,

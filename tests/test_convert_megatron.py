@@ -210,7 +210,7 @@ def test_not_a_checkpoint(tmp_path):
         import_megatron(tmp_path / "missing", tmp_path / "out", SETS)
     (tmp_path / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
-    with pytest.raises(MlmError, match="mp_rank_00: the legacy per-rank format"):
+    with pytest.raises(MlmError, match=r"holds mp_rank_00 but no model_optim_rng\.pt in them"):
         import_megatron(tmp_path, tmp_path / "out", SETS)
 
 
@@ -228,11 +228,11 @@ def test_not_a_gptmodel(tmp_path):
 
 
 def test_args_outside_the_allow_list(tmp_path):
-    """A common.pt holding a class not allowed is not unpickled: the heads must then come from --set."""
+    """A common.pt holding a class not allowed is not unpickled: refused, naming the class."""
     _write_dcp(tmp_path / "ckpt", TINY)
     torch.save({"args": argparse.Namespace(kind=Marker())}, tmp_path / "ckpt" / "common.pt")
     with pytest.raises(
-        MlmError, match=r"does not say its attention heads \(common.pt not read: it holds a class"
+        MlmError, match=r"common\.pt: names test_convert_megatron\.Marker, which is outside the classes"
     ):
         import_megatron(tmp_path / "ckpt", tmp_path / "out")
 
@@ -252,7 +252,7 @@ class Marker:
 def test_cli_bad_input(tmp_path):
     assert_error(
         mlm("convert", "--from-megatron", tmp_path, tmp_path / "out"),
-        "not a Megatron torch_dist checkpoint",
+        "not a Megatron checkpoint",
         "no torch_dist .metadata file",
     )
     assert_error(

@@ -1,4 +1,5 @@
-"""`mlm convert --from-megatron DIR OUT`: a Megatron-core `torch_dist` checkpoint → mlm checkpoint.
+"""`mlm convert --from-megatron DIR OUT`: a Megatron-core `torch_dist` checkpoint (or Megatron-LM's
+legacy per-rank layout, `--ckpt-format torch`: `mlm.convert.megatron_legacy`) → mlm checkpoint.
 
     import_megatron("megatron/save", "ckpt/from-megatron", ["model.num_attention_heads=32", ...])
 
@@ -19,7 +20,8 @@ both sides (Megatron's default `rotary_interleaved=False`), so q and k are not p
 The model config: structural fields read off the tensor shapes (layers, width, MLP and expert
 widths, experts, biases, tied output, LayerNorm vs RMSNorm, qk norms; query groups and head dim
 once the heads are known), then the `args` that
-Megatron-LM saves in `common.pt` where it can be read safely (`_ARGS`: heads, query groups, head dim,
+Megatron-LM saves in `common.pt` (in each rank file of the legacy layout), read with the allow-list of
+`mlm.convert.megatron_pickle` (`_ARGS`: heads, query groups, head dim,
 positions, norm epsilon, RoPE base, position embedding type, swiglu, top-k, vocab size), then the
 user's `--set model.*` (or `preset=`), each over the one before. Every tensor's shape is checked
 against `GPT(config)` before anything is written. Megatron-LM's `iteration` and
@@ -43,7 +45,8 @@ from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, DataConfig, ModelConfig, load_config, to_toml, toml_value
 from mlm.convert.common import Progress, noop
 from mlm.convert.hf import Report
-from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir
+from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir, iteration_dir
+from mlm.convert.megatron_legacy import LegacyCheckpoint, is_legacy
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
 from mlm.model.gpt import GPT
@@ -420,13 +423,14 @@ def import_megatron(
     verify: bool = True,
     progress: Progress = noop,
 ) -> Report:
-    """Megatron-core torch_dist checkpoint (`iter_NNNNNNN/` or the save root) → mlm checkpoint
+    """Megatron-core torch_dist or legacy checkpoint (`iter_NNNNNNN/` or the save root) → mlm checkpoint
     folder `out` (iteration 0, group "model"). `verify`: read back what was written (checksums)
     and check mlm's logits on it are finite."""
     src, out = Path(src), Path(out)
     check_new_dir(out)
     start = time.perf_counter()
-    ckpt = MegatronCheckpoint(checkpoint_dir(src))
+    folder = iteration_dir(src)
+    ckpt = LegacyCheckpoint(folder) if is_legacy(folder) else MegatronCheckpoint(checkpoint_dir(folder))
     _known(ckpt)
     config, notes = model_config(ckpt, list(overrides))
     if ckpt.optimizer_keys:

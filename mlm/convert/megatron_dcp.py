@@ -12,13 +12,12 @@ Unpickling: torch's own `FileSystemReader.read_metadata` runs a plain `pickle.lo
 and its default planner `torch.load(weights_only=False)`s every bytes entry. Here `.metadata` goes
 through `_MetadataUnpickler`, which allows only DCP's metadata, storage and plan classes, `torch.Size` and torch's
 dtype / layout / memory-format constants; bytes entries (e.g. `_extra_state`, RNG states) are read only
-when asked for by name (`values`), each with `torch.load(weights_only=True)`; `common.pt` is read with `torch.load(weights_only=True)`
-allowing `argparse.Namespace` as the only extra class.
+when asked for by name (`values`), each with `torch.load(weights_only=True)`; `common.pt` is read with
+`torch.load(weights_only=True)` and the allow-list of `mlm.convert.megatron_pickle` (Megatron's args hold its enums).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import pickle
 import warnings
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from mlm.convert.megatron_pickle import load_megatron_pickle
 from mlm.errors import MlmError
 
 _DCP_CLASSES = {  # the classes a DCP .metadata pickle names, by module (no other name of these modules)
@@ -106,29 +106,33 @@ class _Reader(FileSystemReader):
         return md
 
 
-def checkpoint_dir(src: str | Path) -> Path:
-    """The torch_dist directory `src` names: itself (`iter_NNNNNNN/` or any dir with `.metadata`) or,
-    for a Megatron-LM save root, the iteration `latest_checkpointed_iteration.txt` names."""
+def iteration_dir(src: str | Path) -> Path:
+    """The checkpoint folder `src` names: itself, or for a Megatron-LM save root (a
+    `latest_checkpointed_iteration.txt` and no checkpoint of its own) the `iter_NNNNNNN/` or
+    `release/` the tracker names."""
     src = Path(src)
     if not src.is_dir():
         raise MlmError(f"--from-megatron {src}: not a directory; pass a Megatron checkpoint directory")
     tracker = src / "latest_checkpointed_iteration.txt"
-    if not (src / ".metadata").exists() and tracker.exists():
+    own = (src / ".metadata").exists() or any(src.glob("mp_rank_*"))
+    if not own and tracker.exists():
         text = tracker.read_text().strip()
         name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
         if name is None:
             raise MlmError(f"{tracker}: holds {text!r}, expected an iteration number or 'release'")
         src = src / name
+    return src
+
+
+def checkpoint_dir(src: str | Path) -> Path:
+    """The torch_dist directory `src` names: itself (`iter_NNNNNNN/` or any dir with `.metadata`) or,
+    for a Megatron-LM save root, the iteration `latest_checkpointed_iteration.txt` names."""
+    src = iteration_dir(src)
     if not (src / ".metadata").exists():
-        legacy = sorted(p.name for p in src.glob("mp_rank_*"))
-        what = (
-            f"it holds {', '.join(legacy)}: the legacy per-rank format (--ckpt-format torch), not read yet"
-            if legacy
-            else "no torch_dist .metadata file (nor latest_checkpointed_iteration.txt) in it"
-        )
         raise MlmError(
-            f"--from-megatron {src}: not a Megatron torch_dist checkpoint: {what}. Pass the save directory "
-            "or one iter_NNNNNNN/ written with --ckpt-format torch_dist"
+            f"--from-megatron {src}: not a Megatron checkpoint: no torch_dist .metadata file, no legacy "
+            "mp_rank_* folders (nor latest_checkpointed_iteration.txt) in it. Pass the save directory "
+            "or one iter_NNNNNNN/ written with --ckpt-format torch_dist or torch"
         )
     meta_json = src / "metadata.json"
     if meta_json.exists():
@@ -212,15 +216,10 @@ class MegatronCheckpoint:
         return planner.values
 
     def common(self) -> tuple[dict, str | None]:
-        """(`common.pt`, {} where absent or unreadable; None, or why it was not read). Read with
-        `argparse.Namespace` the only class allowed besides tensors and builtins: a common.pt holding
-        another (e.g. one of Megatron's enums in `args`) is not read."""
+        """(`common.pt`, read with `mlm.convert.megatron_pickle`'s allow-list, or {} where absent;
+        None: the place of a note, which this reader never has). MlmError naming the class where
+        common.pt holds one outside the allow-list."""
         path = self.path / "common.pt"
         if not path.exists():
             return {}, None
-        try:
-            with torch.serialization.safe_globals([argparse.Namespace]):
-                return torch.load(path, map_location="cpu", weights_only=True), None
-        except pickle.UnpicklingError as e:
-            why = str(e).split("Unsupported global: ")[-1].splitlines()[0]
-            return {}, f"{path.name} not read: it holds a class outside the allow-list ({why})"
+        return load_megatron_pickle(path), None
