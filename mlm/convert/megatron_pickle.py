@@ -15,11 +15,8 @@ Megatron's qualified names (`_MegatronValue`: it keeps the arguments it was buil
 pickled state), so megatron need not be installed and is never imported. Anything else is
 refused with an MlmError naming the class and the file; nothing outside the list is called.
 
-What mlm reads from these files: `args` fields through `mlm.convert.megatron._args_overrides`
-(num_attention_heads, group_query_attention, num_query_groups, kv_channels,
-max_position_embeddings, norm_epsilon, rotary_base, rotary_percent, rotary_interleaved,
-apply_layernorm_1p, multi_latent_attention, position_embedding_type, swiglu, moe_router_topk,
-vocab_size), `args.consumed_train_samples` and `iteration` (recorded in the manifest), and in the
+What mlm reads from these files: the `args` fields of `mlm.convert.megatron._ARGS` and those
+`_args_overrides` reads or refuses (docs/convert.md lists them all), `args.consumed_train_samples` and `iteration` (recorded in the manifest), and in the
 legacy layout the parallel sizes, `num_layers`, `num_experts`, `expert_tensor_parallel_size` and
 `untie_embeddings_and_output_weights` (`mlm.convert.megatron_legacy`) and the `model` /
 `model0`, `model1`, … state dicts. The stand-ins' values are never read.
