@@ -4,6 +4,7 @@
     mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
     mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...]   # Megatron torch_dist → mlm
     mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
+    mlm convert CKPT --to-megatron OUT                     # mlm checkpoint → Megatron torch_dist (weights)
 
 See docs/convert.md.
 """
@@ -37,6 +38,12 @@ def convert(
     ),
     to_hf: bool = typer.Option(
         False, "--to-hf", help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Hugging Face folder."
+    ),
+    to_megatron: bool = typer.Option(
+        False,
+        "--to-megatron",
+        help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Megatron-LM torch_dist save directory "
+        "(weights only).",
     ),
     tp: int | None = typer.Option(
         None, "--tp", help="Reshard: target tensor-parallel size (default: the source's)."
@@ -88,6 +95,7 @@ def convert(
         if (
             from_hf
             or to_hf
+            or to_megatron
             or any(v is not None for v in (tp, pp, vpp, dp, ep, dtype, tokenizer))
             or consolidate
         ):
@@ -96,6 +104,19 @@ def convert(
                 "reshard options (reshard the imported checkpoint afterwards with mlm convert OUT OUT2 --tp ...)"
             )
         return _from_megatron(src, out, overrides, verify, progress)
+    if to_megatron:
+        if (
+            from_hf
+            or to_hf
+            or overrides
+            or any(v is not None for v in (tp, pp, vpp, dp, ep, dtype, tokenizer))
+            or consolidate
+        ):
+            raise MlmError(
+                "--to-megatron exports the checkpoint's weights as they are: leave out --from-hf/--to-hf, --set "
+                "and the reshard options (Megatron reshards a torch_dist checkpoint when it loads it)"
+            )
+        return _to_megatron(src, out, verify, progress)
     if overrides:
         raise MlmError("--set applies to --from-megatron only")
     if from_hf and to_hf:
@@ -111,7 +132,7 @@ def convert(
         if not mesh_options and dtype is None:
             raise MlmError(
                 "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--dp/--ep/--consolidate/--dtype (reshard), "
-                "--from-hf or --to-hf (Hugging Face), or --from-megatron"
+                "--from-hf or --to-hf (Hugging Face), or --from-megatron / --to-megatron"
             )
         return _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress)
 
@@ -189,6 +210,34 @@ def _from_megatron(src, out, overrides, verify, progress) -> None:
         "; not verified (--no-verify)"
         if report.max_abs_logit is None
         else "; checksums verified, shapes match the config, mlm logits finite (not compared with Megatron's)"
+    )
+    console.print(line, highlight=False, soft_wrap=True)
+    for note in report.notes:
+        console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+
+
+def _to_megatron(src, out, verify, progress) -> None:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    from mlm.console import console, human
+    from mlm.convert.megatron_export import export_megatron
+
+    columns = (TextColumn("[bold]{task.description:<28}"), BarColumn(), DownloadColumn())
+    with Progress(*columns, console=console, disable=not progress or not console.is_terminal) as bar:
+        task = bar.add_task("exporting", total=None)
+
+        def show(desc: str, done: int, total: int) -> None:
+            bar.update(task, description=desc[:28], completed=done, total=total or None)
+
+        report = export_megatron(src, out, verify=verify, progress=show)
+    line = (
+        f"[bold green]exported[/] {report.src} → {report.out} ({report.architecture}, torch_dist): "
+        f"{report.tensors} tensors, {human(report.bytes, 'B')} {report.dtype}, {report.seconds:.1f} s"
+    )
+    line += (
+        "; not verified (--no-verify)"
+        if report.max_abs_diff is None
+        else "; read back with mlm's Megatron reader: every tensor bitwise equal"
     )
     console.print(line, highlight=False, soft_wrap=True)
     for note in report.notes:

@@ -3,6 +3,7 @@
 logits, and its weights saved with Megatron's own `dist_checkpointing.save` (torch_dist).
 
     logits = run_ranks(2, save_reference, out_dir, moe, ep)[0]   # tp = world / ep
+    logits, common = run_ranks(2, load_reference, ckpt_dir, moe)[0]   # the same model, loaded from ckpt_dir
 
 megatron-core runs on CPU given the patches of `apply_cpu_patches` (each says why); they change
 process-wide state (e.g. torch.cuda.current_device), so they run only in the rank processes of
@@ -121,13 +122,10 @@ def inputs() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1234))
 
 
-def save_reference(rank: int, world: int, out: str, moe: bool, ep: int = 1) -> torch.Tensor:
-    """Build GPTModel (seed 0) at tp = world / ep, save it with dist_checkpointing.save (torch_dist)
-    into `out`, return its logits on `inputs()` (gathered over tp), [2, SEQ, VOCAB]."""
+def _model(world: int, moe: bool, ep: int):
+    """GPTModel (seed 0) at tp = world / ep, in eval mode (model parallel state initialised)."""
     apply_cpu_patches()
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -138,7 +136,7 @@ def save_reference(rank: int, world: int, out: str, moe: bool, ep: int = 1) -> t
     spec = get_gpt_layer_local_spec(
         num_experts=NUM_EXPERTS if moe else None, moe_grouped_gemm=False, normalization="RMSNorm"
     )
-    model = GPTModel(
+    return GPTModel(
         config=_config(moe, ep),
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
@@ -148,13 +146,46 @@ def save_reference(rank: int, world: int, out: str, moe: bool, ep: int = 1) -> t
         position_embedding_type="rope",
         rotary_base=10000,
     ).eval()
-    ids = inputs()
+
+
+def _logits(model) -> torch.Tensor:
+    """The model's logits on `inputs()` (gathered over tp), [2, SEQ, VOCAB]."""
     pos = torch.arange(SEQ).expand(2, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None].expand(2, 1, SEQ, SEQ)
     with torch.no_grad():
-        logits = model(ids, pos, mask)  # causal mask: True = masked
+        return model(inputs(), pos, mask)  # causal mask: True = masked
+
+
+def save_reference(rank: int, world: int, out: str, moe: bool, ep: int = 1) -> torch.Tensor:
+    """Build GPTModel (seed 0) at tp = world / ep, save it with dist_checkpointing.save (torch_dist)
+    into `out`, return its logits on `inputs()` (gathered over tp), [2, SEQ, VOCAB]."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    model = _model(world, moe, ep)
+    logits = _logits(model)
     os.makedirs(out, exist_ok=True)
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
     dist_checkpointing.save(model.sharded_state_dict(), out, sharded_strategy=strategy)
     ps.destroy_model_parallel()
     return logits
+
+
+def load_reference(rank: int, world: int, src: str, moe: bool, ep: int = 1) -> tuple[torch.Tensor, dict]:
+    """Build the same GPTModel at tp = world / ep, load the torch_dist directory `src` into it with
+    dist_checkpointing.load (every key of its sharded state dict, strictly); return its logits on
+    `inputs()`, [2, SEQ, VOCAB], and the entries of `src`'s common.pt (which the load merges in)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    model = _model(world, moe, ep)
+    torch.manual_seed(1)  # the loaded weights, not the seed-0 init, must give the logits
+    for p in model.parameters():
+        p.data.normal_()
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), src)
+    common = {k: loaded.pop(k) for k in set(loaded) - set(model.state_dict())}
+    model.load_state_dict(loaded, strict=True)
+    logits = _logits(model)
+    ps.destroy_model_parallel()
+    return logits, common
