@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 VOCAB, SEQ, HIDDEN, HEADS, GROUPS, FFN, LAYERS = 128, 16, 64, 4, 2, 96, 2
-NUM_EXPERTS, TOPK, MOE_FFN = 4, 2, 48
+NUM_EXPERTS, TOPK, MOE_FFN, SHARED_FFN = 4, 2, 48, 32
 
 
 def apply_cpu_patches() -> None:
@@ -122,22 +122,29 @@ def inputs() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1234))
 
 
-def _model(world: int, moe: bool, ep: int):
-    """GPTModel (seed 0) at tp = world / ep, in eval mode (model parallel state initialised)."""
+def _model(world: int, moe: bool, ep: int, mixed: bool = False):
+    """GPTModel (seed 0) at tp = world / ep, in eval mode (model parallel state initialised).
+    `mixed`: MoE in layer 1 only (moe_layer_freq [0, 1], a heterogeneous stack) with a gated shared
+    expert of width SHARED_FFN."""
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.initialize_model_parallel(tensor_model_parallel_size=world // ep, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(42)
     torch.manual_seed(0)
+    config = _config(moe, ep)
     spec = get_gpt_layer_local_spec(
         num_experts=NUM_EXPERTS if moe else None, moe_grouped_gemm=False, normalization="RMSNorm"
     )
+    if mixed:
+        config.moe_layer_freq, config.moe_shared_expert_gate = [0, 1], True
+        config.moe_shared_expert_intermediate_size = SHARED_FFN
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     return GPTModel(
-        config=_config(moe, ep),
+        config=config,
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
@@ -172,14 +179,16 @@ def save_reference(rank: int, world: int, out: str, moe: bool, ep: int = 1) -> t
     return logits
 
 
-def load_reference(rank: int, world: int, src: str, moe: bool, ep: int = 1) -> tuple[torch.Tensor, dict]:
-    """Build the same GPTModel at tp = world / ep, load the torch_dist directory `src` into it with
+def load_reference(
+    rank: int, world: int, src: str, moe: bool, ep: int = 1, mixed: bool = False
+) -> tuple[torch.Tensor, dict]:
+    """Build the same GPTModel (`mixed`: see `_model`) at tp = world / ep, load the torch_dist directory `src` into it with
     dist_checkpointing.load (every key of its sharded state dict, strictly); return its logits on
     `inputs()`, [2, SEQ, VOCAB], and the entries of `src`'s common.pt (which the load merges in)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    model = _model(world, moe, ep)
+    model = _model(world, moe, ep, mixed)
     torch.manual_seed(1)  # the loaded weights, not the seed-0 init, must give the logits
     for p in model.parameters():
         p.data.normal_()

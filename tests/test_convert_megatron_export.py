@@ -3,7 +3,8 @@
 With megatron-core (the `megatron` fixture; GPTModel runs in gloo rank processes,
 tests/megatron_ref.py): an mlm checkpoint of the reference's tiny Llama-like model (random init,
 dense and MoE with the all-gather dispatcher) is exported, `dist_checkpointing.load`ed into
-GPTModel at tp 1 (and tp 2, dense), and GPTModel's logits must equal mlm's to 1e-5 (fp32,
+GPTModel at tp 1 (and tp 2, dense; and a heterogeneous stack, dense then MoE with a gated shared
+expert, whose keys are per layer), and GPTModel's logits must equal mlm's to 1e-5 (fp32,
 absolute, max |logit| ≈ 3; measured 1.1e-6 to 1.5e-6); a GPTModel save imported and exported again must equal that save bitwise, tensor by
 tensor, with the same `_extra_state` objects; and Megatron → mlm → HF → mlm must give the first
 import's tensors bitwise. Without megatron: the export reads back with mlm's own reader
@@ -40,6 +41,7 @@ from megatron_ref import (  # noqa: E402
     MOE_FFN,
     NUM_EXPERTS,
     SEQ,
+    SHARED_FFN,
     TOPK,
     VOCAB,
     load_reference,
@@ -55,6 +57,11 @@ REFERENCE = [  # megatron_ref's GPTModel as an mlm config; init_std 0.1: logits 
 MOE = [
     "model.mlp_kind=moe", f"model.moe.num_experts={NUM_EXPERTS}", f"model.moe.router_topk={TOPK}",
     f"model.moe.ffn_hidden_size={MOE_FFN}", "model.moe.token_dispatcher=allgather",
+]  # fmt: skip
+
+
+MIXED = [  # megatron_ref's `mixed` stack: dense layer 0, MoE layer 1 with a gated shared expert
+    "model.first_k_dense=1", f"model.moe.shared_expert_ffn_hidden_size={SHARED_FFN}", "model.moe.shared_expert_gate=true",
 ]  # fmt: skip
 
 
@@ -80,22 +87,26 @@ def dcp_entries(path) -> dict:
 
 
 @pytest.mark.parametrize(
-    "moe, world", [(False, 1), (False, 2), (True, 1)], ids=["dense-tp1", "dense-tp2", "moe-tp1"]
+    "moe, world, mixed",
+    [(False, 1, False), (False, 2, False), (True, 1, False), (True, 1, True)],
+    ids=["dense-tp1", "dense-tp2", "moe-tp1", "mixed-tp1"],
 )
 @pytest.mark.usefixtures("megatron")
-def test_export_loads_into_gptmodel(tmp_path, moe, world):
-    mlm_checkpoint(tmp_path / "mlm", REFERENCE + (MOE if moe else []))
+def test_export_loads_into_gptmodel(tmp_path, moe, world, mixed):
+    mlm_checkpoint(tmp_path / "mlm", REFERENCE + (MOE if moe else []) + (MIXED if mixed else []))
     report = export_megatron(tmp_path / "mlm", tmp_path / "megatron")
-    assert report.max_abs_diff == 0.0 and report.tensors == (10 if moe else 9)
+    assert report.max_abs_diff == 0.0 and report.tensors == (19 if mixed else 10 if moe else 9)
     assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").read_text() == "5\n"
     it_dir = tmp_path / "megatron" / "iter_0000005"
     assert {p.name for p in it_dir.iterdir()} == {".metadata", "__0_0.distcp", "common.pt", "metadata.json"}
-    theirs, common = run_ranks(world, load_reference, str(it_dir), moe)[0]
+    theirs, common = run_ranks(world, load_reference, str(it_dir), moe, 1, mixed)[0]
     assert (common["iteration"], common["checkpoint_version"], common["args"].num_layers) == (5, 3.0, LAYERS)
     ours = mlm_logits(tmp_path / "mlm")
     assert ours.abs().max() > 1.0  # logits a misplaced tensor would move by O(1)
     diff = (theirs - ours).abs().max().item()
-    assert diff <= TOL, diff  # measured 1.3e-6 (tp1), 1.5e-6 (tp2), 1.1e-6 (MoE) at max |logit| 2.8, 3.1
+    assert diff <= TOL, (
+        diff
+    )  # measured 1.3e-6 (tp1), 1.5e-6 (tp2), 1.1e-6 (MoE), 1.2e-6 (mixed); max |logit| ≈ 3
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -131,12 +142,7 @@ def test_gptmodel_save_round_trips(tmp_path, moe):
         [],
         MOE,
         # a heterogeneous stack (dense layer 0, MoE layer 1: per-layer keys) with a gated shared expert
-        MOE
-        + [
-            "model.first_k_dense=1",
-            "model.moe.shared_expert_ffn_hidden_size=32",
-            "model.moe.shared_expert_gate=true",
-        ],
+        MOE + MIXED,
         # GPT-2-like: LayerNorm, learned positions, biases, tied output, tanh GELU, MHA
         [
             "model.normalization=layernorm",
