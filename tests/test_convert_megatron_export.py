@@ -173,6 +173,11 @@ def test_export_reads_back_with_mlm(tmp_path, sets):
     args = vars(common["args"])
     assert (common["iteration"], common["checkpoint_version"]) == (7, 3.0)
     assert (args["iteration"], args["consumed_train_samples"], args["padded_vocab_size"]) == (7, 40, VOCAB)
+    assert (args["seq_length"], args["kv_channels"], args["num_attention_heads"]) == (
+        SEQ,
+        HIDDEN // HEADS,
+        HEADS,
+    )
     assert args["num_experts"] == (NUM_EXPERTS if sets and sets[0] == MOE[0] else None)
     keys = set(MegatronCheckpoint(it_dir).tensors)
     if "model.first_k_dense=1" in sets:  # Megatron's layout for a heterogeneous stack

@@ -21,8 +21,9 @@ argument names (the model, `padded_vocab_size`, `iteration`, `consumed_train_sam
 state, scheduler or RNG states. What GPTModel's layers (or this name table) cannot hold — MLA, MTP,
 YaRN, RMS q/k norms in a LayerNorm model, a tensor with no Megatron name — is refused, naming it.
 
-The whole model is in memory (read with `read_group`, checksums checked). Verification reads OUT
-back with mlm's own Megatron reader and requires every tensor to equal the source bitwise.
+Memory: the whole model twice (read with `read_group`, checksums checked; then fused and stacked
+under Megatron's keys). Verification reads OUT back with mlm's own Megatron reader and requires
+every tensor to equal the source bitwise.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from mlm.checkpoint import read_group
 from mlm.checkpoint.manager import iter_dir_name
 from mlm.checkpoint.store import dtype_name
-from mlm.config import ModelConfig, config_from_dict
+from mlm.config import Config, ModelConfig, config_from_dict
 from mlm.convert.common import Progress, noop
 from mlm.convert.hf import Report
 from mlm.convert.megatron import _LAYER, _TOP, _fc1_axis, _fuse_qkv, _mlm_tensors
@@ -125,9 +126,11 @@ def _heterogeneous(cfg: ModelConfig) -> bool:
     return isinstance(freq, list) or freq > 1
 
 
-def megatron_args(cfg: ModelConfig, padded_vocab: int, iteration: int, consumed: int) -> argparse.Namespace:
-    """Megatron-LM's `args` for `cfg` (builtins only: mlm's reader and `torch.load(weights_only=True)`
-    read it), as `--use-checkpoint-args` and mlm's `--from-megatron` read them."""
+def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: int) -> argparse.Namespace:
+    """Megatron-LM's `args` for the run `config` (builtins only: mlm's reader and
+    `torch.load(weights_only=True)` read it), as `--use-checkpoint-args` and mlm's `--from-megatron`
+    read them."""
+    cfg = config.model
     rope = cfg.position_embedding == "rope"
     args = dict(
         num_layers=cfg.num_layers,
@@ -138,6 +141,7 @@ def megatron_args(cfg: ModelConfig, padded_vocab: int, iteration: int, consumed:
         num_query_groups=cfg.query_groups,
         kv_channels=cfg.head_dim,
         max_position_embeddings=cfg.max_position_embeddings,
+        seq_length=config.data.seq_length,
         position_embedding_type="rope" if rope else "learned_absolute",
         add_position_embedding=not rope,
         use_rotary_position_embeddings=rope,
@@ -324,14 +328,15 @@ def export_megatron(
         raise MlmError(
             f"{it_dir}/manifest.json has no 'config'; it was not written by mlm train or mlm convert"
         )
-    cfg = config_from_dict(manifest["config"]).model
+    config = config_from_dict(manifest["config"])
+    cfg = config.model
     refused = _unsupported(cfg)
     if refused:
         raise MlmError(f"{it_dir}: cannot export to a Megatron GPTModel: {'; '.join(refused)}")
     tensors = megatron_tensors(state, cfg)
     iteration = int(manifest["iteration"])
     padded = state["embed.weight"].shape[0]
-    args = megatron_args(cfg, padded, iteration, int(manifest.get("consumed_samples", 0)))
+    args = megatron_args(config, padded, iteration, int(manifest.get("consumed_samples", 0)))
     common = {"args": args, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     notes = [
