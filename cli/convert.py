@@ -235,9 +235,9 @@ def _to_megatron(src, out, verify, progress) -> None:
         f"{report.tensors} tensors, {human(report.bytes, 'B')} {report.dtype}, {report.seconds:.1f} s"
     )
     line += (
-        "; not verified (--no-verify)"
-        if report.max_abs_diff is None
-        else "; read back with mlm's Megatron reader: every tensor bitwise equal"
+        "; read back with mlm's Megatron reader: every tensor bitwise equal"
+        if verify
+        else "; not verified (--no-verify)"
     )
     console.print(line, highlight=False, soft_wrap=True)
     for note in report.notes:

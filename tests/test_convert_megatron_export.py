@@ -95,7 +95,9 @@ def dcp_entries(path) -> dict:
 def test_export_loads_into_gptmodel(tmp_path, moe, world, mixed):
     mlm_checkpoint(tmp_path / "mlm", REFERENCE + (MOE if moe else []) + (MIXED if mixed else []))
     report = export_megatron(tmp_path / "mlm", tmp_path / "megatron")
-    assert report.max_abs_diff == 0.0 and report.tensors == (19 if mixed else 10 if moe else 9)
+    assert report.tensors == (19 if mixed else 10 if moe else 9) and report.notes[0].startswith(
+        "weights only"
+    )
     assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").read_text() == "5\n"
     it_dir = tmp_path / "megatron" / "iter_0000005"
     assert {p.name for p in it_dir.iterdir()} == {".metadata", "__0_0.distcp", "common.pt", "metadata.json"}
@@ -152,8 +154,12 @@ def test_gptmodel_save_round_trips(tmp_path, moe):
             "model.num_query_groups=4",
             "model.activation=gelu_tanh",
         ],  # fmt: skip
+        # Qwen3-MoE-like attention (q/k norms, q/k/v biases) with DeepSeek-style sigmoid routing and expert bias
+        MOE
+        + ["model.qk_norm=true", "model.qkv_bias=true", "model.moe.router_score_function=sigmoid"]
+        + ["model.moe.router_enable_expert_bias=true"],
     ],
-    ids=["dense", "moe", "heterogeneous", "gpt2"],
+    ids=["dense", "moe", "heterogeneous", "gpt2", "qwen-like"],
 )
 def test_export_reads_back_with_mlm(tmp_path, sets):
     """mlm → Megatron (the CLI) → mlm (`--from-megatron`, config from the exported args) is bitwise."""
