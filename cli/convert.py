@@ -5,6 +5,7 @@
     mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...]   # Megatron torch_dist / legacy → mlm
     mlm convert --from-dcp DIR OUT --set model.num_attention_heads=32 --set model.rope_base=500000   # torchtitan → mlm
     mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
+    mlm convert CKPT --to-megatron OUT                     # mlm checkpoint → Megatron torch_dist (weights)
 
 See docs/convert.md.
 """
@@ -44,6 +45,12 @@ def convert(
     ),
     to_hf: bool = typer.Option(
         False, "--to-hf", help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Hugging Face folder."
+    ),
+    to_megatron: bool = typer.Option(
+        False,
+        "--to-megatron",
+        help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Megatron-LM torch_dist save directory "
+        "(weights only).",
     ),
     tp: int | None = typer.Option(
         None, "--tp", help="Reshard: target tensor-parallel size (default: the source's)."
@@ -96,6 +103,7 @@ def convert(
             from_hf
             or to_hf
             or (from_megatron and from_dcp)
+            or to_megatron
             or any(v is not None for v in (tp, pp, vpp, dp, ep, dtype, tokenizer))
             or consolidate
         ):
@@ -105,6 +113,19 @@ def convert(
                 "reshard options (reshard the imported checkpoint afterwards with mlm convert OUT OUT2 --tp ...)"
             )
         return _from_megatron(src, out, overrides, verify, progress, torchtitan=from_dcp)
+    if to_megatron:
+        if (
+            from_hf
+            or to_hf
+            or overrides
+            or any(v is not None for v in (tp, pp, vpp, dp, ep, dtype, tokenizer))
+            or consolidate
+        ):
+            raise MlmError(
+                "--to-megatron exports the checkpoint's weights as they are: leave out --from-hf/--to-hf, --set "
+                "and the reshard options (Megatron reshards a torch_dist checkpoint when it loads it)"
+            )
+        return _to_megatron(src, out, verify, progress)
     if overrides:
         raise MlmError("--set applies to --from-megatron and --from-dcp only")
     if from_hf and to_hf:
@@ -120,7 +141,7 @@ def convert(
         if not mesh_options and dtype is None:
             raise MlmError(
                 "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--dp/--ep/--consolidate/--dtype (reshard), "
-                "--from-hf or --to-hf (Hugging Face), --from-megatron or --from-dcp"
+                "--from-hf or --to-hf (Hugging Face), --from-megatron / --to-megatron or --from-dcp"
             )
         return _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress)
 
@@ -201,6 +222,34 @@ def _from_megatron(src, out, overrides, verify, progress, torchtitan=False) -> N
         if report.max_abs_logit is None
         else "; checksums verified, shapes match the config, mlm logits finite (not compared with "
         f"{'torchtitan' if torchtitan else 'Megatron'}'s)"
+    )
+    console.print(line, highlight=False, soft_wrap=True)
+    for note in report.notes:
+        console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+
+
+def _to_megatron(src, out, verify, progress) -> None:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    from mlm.console import console, human
+    from mlm.convert.megatron_export import export_megatron
+
+    columns = (TextColumn("[bold]{task.description:<28}"), BarColumn(), DownloadColumn())
+    with Progress(*columns, console=console, disable=not progress or not console.is_terminal) as bar:
+        task = bar.add_task("exporting", total=None)
+
+        def show(desc: str, done: int, total: int) -> None:
+            bar.update(task, description=desc[:28], completed=done, total=total or None)
+
+        report = export_megatron(src, out, verify=verify, progress=show)
+    line = (
+        f"[bold green]exported[/] {report.src} → {report.out} ({report.architecture}, torch_dist): "
+        f"{report.tensors} tensors, {human(report.bytes, 'B')} {report.dtype}, {report.seconds:.1f} s"
+    )
+    line += (
+        "; read back with mlm's Megatron reader: every tensor bitwise equal"
+        if verify
+        else "; not verified (--no-verify)"
     )
     console.print(line, highlight=False, soft_wrap=True)
     for note in report.notes:

@@ -40,6 +40,7 @@ from megatron_ref import (
     _config,
     apply_cpu_patches,
     inputs,
+    perturb,
     save_reference,
 )
 
@@ -101,6 +102,7 @@ def save_legacy(rank: int, world: int, save: str, moe: bool, tp: int, pp: int, e
         post_process=last, parallel_output=False, share_embeddings_and_output_weights=False,
         position_embedding_type="rope", rotary_base=10000,
     ).eval()  # fmt: skip
+    perturb(model)
     ids = inputs()
     pos = torch.arange(SEQ).expand(2, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None].expand(2, 1, SEQ, SEQ)

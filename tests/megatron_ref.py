@@ -3,6 +3,7 @@
 logits, and its weights saved with Megatron's own `dist_checkpointing.save` (torch_dist).
 
     logits = run_ranks(2, save_reference, out_dir, moe, ep)[0]   # tp = world / ep
+    logits, common = run_ranks(2, load_reference, ckpt_dir, moe)[0]   # the same model, loaded from ckpt_dir
 
 megatron-core runs on CPU given the patches of `apply_cpu_patches` (each says why); they change
 process-wide state (e.g. torch.cuda.current_device), so they run only in the rank processes of
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 VOCAB, SEQ, HIDDEN, HEADS, GROUPS, FFN, LAYERS = 128, 16, 64, 4, 2, 96, 2
-NUM_EXPERTS, TOPK, MOE_FFN = 4, 2, 48
+NUM_EXPERTS, TOPK, MOE_FFN, SHARED_FFN = 4, 2, 48, 32
 
 
 def apply_cpu_patches() -> None:
@@ -125,30 +126,32 @@ def inputs() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1234))
 
 
-def save_reference(
-    rank: int, world: int, out: str, moe: bool, ep: int = 1, gpt2: bool = False
-) -> torch.Tensor:
-    """Build GPTModel (seed 0) at tp = world / ep, save it with dist_checkpointing.save (torch_dist)
-    into `out`, return its logits on `inputs()` (gathered over tp), [2, SEQ, VOCAB]. `gpt2`: a
-    GPT-2-like model instead (LayerNorm, GeLU, biases, learned positions, tied output)."""
+def _model(world: int, moe: bool, ep: int, mixed: bool = False, gpt2: bool = False):
+    """GPTModel (seed 0) at tp = world / ep, in eval mode (model parallel state initialised).
+    `mixed`: MoE in layer 1 only (moe_layer_freq [0, 1], a heterogeneous stack) with a gated shared
+    expert of width SHARED_FFN. `gpt2`: a GPT-2-like model instead (LayerNorm, GeLU, biases,
+    learned positions, tied output)."""
     apply_cpu_patches()
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     ps.initialize_model_parallel(tensor_model_parallel_size=world // ep, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(42)
     torch.manual_seed(0)
+    config = _config(moe, ep, gpt2)
     spec = get_gpt_layer_local_spec(
         num_experts=NUM_EXPERTS if moe else None,
         moe_grouped_gemm=False,
         normalization="LayerNorm" if gpt2 else "RMSNorm",
     )
-    model = GPTModel(
-        config=_config(moe, ep, gpt2),
+    if mixed:
+        config.moe_layer_freq, config.moe_shared_expert_gate = [0, 1], True
+        config.moe_shared_expert_intermediate_size = SHARED_FFN
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
@@ -157,19 +160,60 @@ def save_reference(
         position_embedding_type="learned_absolute" if gpt2 else "rope",
         rotary_base=10000,
     ).eval()
-    with torch.no_grad():  # norms start at 1 and biases at 0: move every tensor so a swap would show
+
+
+def perturb(model) -> None:
+    """Move every parameter off its initial value (norms start at 1 and biases at 0, so a swapped
+    norm or bias would not show); the same noise on every tp rank for a replicated tensor."""
+    with torch.no_grad():
         for i, (_, param) in enumerate(sorted(model.named_parameters())):
-            noise = torch.randn(
-                param.shape, generator=torch.Generator().manual_seed(i)
-            )  # same on every tp rank
-            param.add_(0.05 * noise)
-    ids = inputs()
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(i)))
+
+
+def _logits(model) -> torch.Tensor:
+    """The model's logits on `inputs()` (gathered over tp), [2, SEQ, VOCAB]."""
     pos = torch.arange(SEQ).expand(2, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None].expand(2, 1, SEQ, SEQ)
     with torch.no_grad():
-        logits = model(ids, pos, mask)  # causal mask: True = masked
+        return model(inputs(), pos, mask)  # causal mask: True = masked
+
+
+def save_reference(
+    rank: int, world: int, out: str, moe: bool, ep: int = 1, gpt2: bool = False
+) -> torch.Tensor:
+    """Build GPTModel (seed 0, then `perturb`ed) at tp = world / ep (`gpt2`: see `_model`), save it
+    with dist_checkpointing.save (torch_dist) into `out`, return its logits on `inputs()` (gathered
+    over tp), [2, SEQ, VOCAB]."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    model = _model(world, moe, ep, gpt2=gpt2)
+    perturb(model)
+    logits = _logits(model)
     os.makedirs(out, exist_ok=True)
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
     dist_checkpointing.save(model.sharded_state_dict(), out, sharded_strategy=strategy)
     ps.destroy_model_parallel()
     return logits
+
+
+def load_reference(
+    rank: int, world: int, src: str, moe: bool, ep: int = 1, mixed: bool = False
+) -> tuple[torch.Tensor, dict]:
+    """Build the same GPTModel (`mixed`: see `_model`) at tp = world / ep, load the torch_dist directory `src` into it with
+    dist_checkpointing.load (every key of its sharded state dict, strictly); return its logits on
+    `inputs()`, [2, SEQ, VOCAB], and the entries of `src`'s common.pt (which the load merges in)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    model = _model(world, moe, ep, mixed)
+    torch.manual_seed(1)  # the loaded weights, not the seed-0 init, must give the logits
+    for p in model.parameters():
+        p.data.normal_()
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), src)
+    common = {k: loaded.pop(k) for k in set(loaded) - set(model.state_dict())}
+    model.load_state_dict(loaded, strict=True)
+    logits = _logits(model)
+    ps.destroy_model_parallel()
+    return logits, common

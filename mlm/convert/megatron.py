@@ -278,6 +278,18 @@ def _split_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
     return tuple(t.reshape(-1, *w.shape[2:]).contiguous() for t in (q, kk, v))
 
 
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The inverse of `_split_qkv`: q [H·K, …], k, v [G·K, …] → Megatron's [G·(H/G + 2)·K, …]."""
+    rest = q.shape[1:]
+    parts = [t.reshape(cfg.query_groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _fc1_axis(name: str) -> int:
+    """The axis of [gate; up] in a `fc1:P` tensor of one layer: 1 under the expert axis, else 0."""
+    return 1 if name == "fc1:mlp.experts" else 0
+
+
 def _mlm_tensors(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(mlm key, tensor) for every tensor of the checkpoint, one Megatron key read at a time."""
     gated = cfg.activation == "swiglu"
@@ -295,7 +307,7 @@ def _mlm_tensors(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> Iterator[tuple[s
                 for proj, part in zip("qkv", _split_qkv(t, cfg), strict=True):
                     yield f"layers.{i}.attn.{proj}.{suffix}", part
             elif name.startswith("fc1:"):
-                prefix, axis = name[4:], 1 if name == "fc1:mlp.experts" else 0
+                prefix, axis = name[4:], _fc1_axis(name)
                 if gated:
                     gate, up = t.chunk(2, dim=axis)
                     yield f"layers.{i}.{prefix}.gate.{suffix}", gate.contiguous()
