@@ -139,8 +139,9 @@ class MegatronCheckpoint:
         md = _Reader(path).read_metadata()
         tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         # the optimizer's state (Megatron-LM saves it by default: optimizer.distributed.* or
-        # optimizer.state.*) is not read yet
+        # optimizer.state.*) is read by mlm.convert.megatron_optim
         self.optimizer_keys = sorted(k for k in tensors if k.startswith("optimizer."))
+        self.optimizer_meta = {k: tensors[k] for k in self.optimizer_keys}
         self.tensors: dict[str, TensorStorageMetadata] = {
             k: v for k, v in tensors.items() if not k.startswith("optimizer.")
         }
