@@ -2,7 +2,7 @@
 
     mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--ep 4] [--dtype bf16] [--consolidate]   # another mesh
     mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
-    mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...]   # Megatron torch_dist → mlm
+    mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...] [--weights-only]   # Megatron → mlm
     mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
 
 See docs/convert.md.
@@ -34,6 +34,11 @@ def convert(
         [],
         "--set",
         help="--from-megatron: model.key=value (or preset=NAME) for what the checkpoint does not say.",
+    ),
+    weights_only: bool = typer.Option(
+        False,
+        "--weights-only",
+        help="--from-megatron: leave out the optimizer state (mlm train then starts a new run from the weights).",
     ),
     to_hf: bool = typer.Option(
         False, "--to-hf", help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Hugging Face folder."
@@ -95,9 +100,9 @@ def convert(
                 "--from-megatron imports a Megatron checkpoint as it is: leave out --from-hf/--to-hf and the "
                 "reshard options (reshard the imported checkpoint afterwards with mlm convert OUT OUT2 --tp ...)"
             )
-        return _from_megatron(src, out, overrides, verify, progress)
-    if overrides:
-        raise MlmError("--set applies to --from-megatron only")
+        return _from_megatron(src, out, overrides, verify, progress, weights_only)
+    if overrides or weights_only:
+        raise MlmError("--set and --weights-only apply to --from-megatron only")
     if from_hf and to_hf:
         raise MlmError("mlm convert: pass at most one of --from-hf (HF → mlm) or --to-hf (mlm → HF)")
     mesh_options = any(v is not None for v in (tp, pp, vpp, dp, ep)) or consolidate
@@ -167,7 +172,7 @@ def convert(
         console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 
 
-def _from_megatron(src, out, overrides, verify, progress) -> None:
+def _from_megatron(src, out, overrides, verify, progress, weights_only) -> None:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
     from mlm.console import console, human
@@ -180,7 +185,7 @@ def _from_megatron(src, out, overrides, verify, progress) -> None:
         def show(desc: str, done: int, total: int) -> None:
             bar.update(task, description=desc[:28], completed=done, total=total or None)
 
-        report = import_megatron(src, out, overrides, verify=verify, progress=show)
+        report = import_megatron(src, out, overrides, verify=verify, weights_only=weights_only, progress=show)
     line = (
         f"[bold green]imported[/] {report.architecture} {report.src} → {report.out}: {report.tensors} tensors, "
         f"{human(report.bytes, 'B')} {report.dtype}, {report.seconds:.1f} s"

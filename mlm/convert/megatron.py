@@ -23,8 +23,11 @@ Megatron-LM saves in `common.pt` where it can be read safely (`_ARGS`: heads, qu
 positions, norm epsilon, RoPE base, position embedding type, swiglu, top-k, vocab size), then the
 user's `--set model.*` (or `preset=`), each over the one before. Every tensor's shape is checked
 against `GPT(config)` before anything is written. Megatron-LM's `iteration` and
-`consumed_train_samples` are recorded in the manifest's `source`; `mlm train --load` starts a new
-run from the weights. Not read: optimizer state, RNG states, Transformer Engine `_extra_state`.
+`consumed_train_samples` are recorded in the manifest's `source`. Where the checkpoint holds
+the distributed optimizer's state (Megatron-LM's default), its Adam moments go through the same
+table and splits into the "optim" group and the mlm checkpoint continues the run
+(`mlm.convert.megatron_optim`); with `weights_only` (or without optimizer state) `mlm train --load`
+starts a new run from the weights. Not read: RNG states, Transformer Engine `_extra_state`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from mlm.config import Config, DataConfig, ModelConfig, load_config, to_toml, to
 from mlm.convert.common import Progress, noop
 from mlm.convert.hf import Report
 from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir
+from mlm.convert.megatron_optim import MOMENTS, MegatronOptimizer, resumed_run
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
 from mlm.model.gpt import GPT
@@ -359,10 +363,13 @@ def import_megatron(
     overrides: list[str] | tuple[str, ...] = (),
     *,
     verify: bool = True,
+    weights_only: bool = False,
     progress: Progress = noop,
 ) -> Report:
     """Megatron-core torch_dist checkpoint (`iter_NNNNNNN/` or the save root) → mlm checkpoint
-    folder `out` (iteration 0, group "model"). `verify`: read back what was written (checksums)
+    folder `out`: with the optimizer state the checkpoint holds (unless `weights_only`), a run
+    `mlm train --load` resumes (Megatron's iteration, the "optim" group; `megatron_optim.resumed_run`),
+    else iteration 0 with the "model" group. `verify`: read back what was written (checksums)
     and check mlm's logits on it are finite."""
     src, out = Path(src), Path(out)
     check_new_dir(out)
@@ -370,12 +377,18 @@ def import_megatron(
     ckpt = MegatronCheckpoint(checkpoint_dir(src))
     _known(ckpt)
     config, notes = model_config(ckpt, list(overrides))
-    if ckpt.optimizer_keys:
+    if ckpt.optimizer_keys and weights_only:
         notes.append(
             f"the optimizer state ({len(ckpt.optimizer_keys)} tensors, e.g. {ckpt.optimizer_keys[0]}) is not "
-            "imported: the mlm checkpoint holds the weights, and mlm train starts a new run from them"
+            "imported (--weights-only): mlm train starts a new run from the weights"
         )
-    position = _training_position(ckpt.common()[0])
+    common = ckpt.common()[0]
+    position = _training_position(common)
+    opt, iteration, resume = None, 0, {}
+    if ckpt.optimizer_keys and not weights_only:
+        opt = MegatronOptimizer(ckpt)
+        config, iteration, resume, more = resumed_run(opt, config, common)
+        notes += more
     cfg = config.model
     padded = ckpt.shape("embedding.word_embeddings.weight")[0]
     if cfg.vocab_size > padded:
@@ -385,19 +398,26 @@ def import_megatron(
         )
     _check_shapes(ckpt, cfg, padded)
     total = sum(math.prod(ckpt.shape(k)) * ckpt.tensors[k].properties.dtype.itemsize for k in ckpt.tensors)
+    total *= 1 if opt is None else 3  # the weights (or fp32 main params, about as large) and two moments
     with staged_dir(out) as tmp:
-        extra = {"config": config.to_dict(), "source": {"megatron_dir": str(ckpt.path.resolve()), **position}}
+        source = {"megatron_dir": str(ckpt.path.resolve()), **position, **resume.pop("source", {})}
+        extra = {"config": config.to_dict(), "source": source, **resume}
         written = {"tensors": 0, "bytes": 0, "dtypes": set()}
+        # mlm's model group holds the fp32 main weights: Megatron's main params where the weights are not fp32
+        low = opt is not None and any(m.properties.dtype != torch.float32 for m in ckpt.tensors.values())
+        states = [("model", "", opt.view("main") if low else ckpt)]
+        states += [("optim", f"{m}.", opt.view(m)) for m in MOMENTS] if opt is not None else []
 
         def tensors() -> Iterator[tuple]:
-            for key, t in _mlm_tensors(ckpt, cfg):
-                yield "model", key, t, tuple(t.shape)
-                written["tensors"] += 1
-                written["bytes"] += t.numel() * t.element_size()
-                written["dtypes"].add(dtype_name(t.dtype))
-                progress(f"model/{key}", written["bytes"], total)
+            for group, prefix, state in states:
+                for key, t in _mlm_tensors(state, cfg):
+                    yield group, prefix + key, t, tuple(t.shape)
+                    written["tensors"] += 1
+                    written["bytes"] += t.numel() * t.element_size()
+                    written["dtypes"].add(dtype_name(t.dtype))
+                    progress(f"{group}/{prefix}{key}", written["bytes"], total)
 
-        save_streaming(tmp, 0, tensors(), extra, ["model"])
+        save_streaming(tmp, iteration, tensors(), extra, [g for g, _, _ in states[:2]])
         (tmp / "config.toml").write_text(to_toml(config))
         report = Report(
             "import",

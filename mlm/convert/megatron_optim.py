@@ -27,6 +27,7 @@ Bytes entries are read with `torch.load(weights_only=True)` (builtins and torch 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 import warnings
@@ -36,6 +37,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from mlm.config import Config
 from mlm.convert.megatron_dcp import MegatronCheckpoint, _Reader
 from mlm.errors import MlmError
 
@@ -51,7 +53,12 @@ _EMBEDDING = ("embedding.word_embeddings.weight", "embedding.position_embeddings
 _FINAL = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 _LINEARS = {  # a linear's parameters, in registration order (weight, then bias)
     name: (f"{name}.weight", f"{name}.bias")
-    for name in ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+    for name in (
+        "self_attention.linear_proj",
+        "self_attention.linear_qkv",
+        "mlp.linear_fc1",
+        "mlp.linear_fc2",
+    )
 }
 _QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
 _ATTN_NORM = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
@@ -153,7 +160,9 @@ def decode_buckets(
         if offset == bucket_numels[bucket]:
             bucket, offset = bucket + 1, 0
     if bucket != len(bucket_numels):
-        raise MlmError(f"the parameters fill {bucket} of the {len(bucket_numels)} saved buckets {bucket_numels}")
+        raise MlmError(
+            f"the parameters fill {bucket} of the {len(bucket_numels)} saved buckets {bucket_numels}"
+        )
     return layout
 
 
@@ -164,7 +173,9 @@ class MegatronOptimizer:
         self.ckpt = ckpt
         keys = set(ckpt.optimizer_keys)
         if not keys:
-            raise MlmError(f"{ckpt.path}: the checkpoint holds no optimizer state (saved with --no-save-optim?)")
+            raise MlmError(
+                f"{ckpt.path}: the checkpoint holds no optimizer state (saved with --no-save-optim?)"
+            )
         common = ckpt.common()[0]
         if any(k.startswith("optimizer.state.") for k in keys):
             self.sharding = "per_parameter"
@@ -176,12 +187,14 @@ class MegatronOptimizer:
                 if f"optimizer.state.{m}.{k}" not in keys
             ]  # fmt: skip
             if lacking:
-                raise MlmError(f"{ckpt.path}: the optimizer state lacks {lacking[0]} (Adam's state per parameter)")
+                raise MlmError(
+                    f"{ckpt.path}: the optimizer state lacks {lacking[0]} (Adam's state per parameter)"
+                )
         elif any(k.startswith("optimizer.distributed.") for k in keys):
             self.sharding = "dp_reshardable"
-            groups = (read_object(ckpt, "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1") or {}).get(
-                "param_groups"
-            )
+            groups = (
+                read_object(ckpt, "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1") or {}
+            ).get("param_groups")
             self._init_buckets(keys)
         else:
             raise MlmError(f"{ckpt.path}: optimizer state {sorted(keys)[0]} is in a layout mlm does not read")
@@ -208,11 +221,15 @@ class MegatronOptimizer:
                 "--dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
             )
         self._bucket_key = {int(m.group(4)): k.rsplit(".", 1)[0] for m, k in found}
-        numels = read_object(self.ckpt, "optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1")
+        numels = read_object(
+            self.ckpt, "optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"
+        )
         per_dtype = numels[0] if isinstance(numels, list) and len(numels) == 1 else {}
         self.bucket_numels = next(iter(per_dtype.values())) if len(per_dtype) == 1 else None
         if self.bucket_numels is None or len(self.bucket_numels) != len(self._bucket_key):
-            raise MlmError(f"{self.ckpt.path}: per_bucket_numel_unpadded {numels} does not describe one buffer's buckets")
+            raise MlmError(
+                f"{self.ckpt.path}: per_bucket_numel_unpadded {numels} does not describe one buffer's buckets"
+            )
         for b, n in enumerate(self.bucket_numels):
             for what in ("param", *MOMENTS):
                 key = f"{self._bucket_key.get(b)}.{what}"
@@ -285,7 +302,9 @@ class _StateView:
     def read(self, key: str) -> torch.Tensor:
         opt = self._opt
         if opt.sharding == "per_parameter":
-            return opt._read_flat(f"optimizer.state.{opt._main if self._what == 'main' else self._what}.{key}")
+            return opt._read_flat(
+                f"optimizer.state.{opt._main if self._what == 'main' else self._what}.{key}"
+            )
         if self._flat is None:
             self._flat = opt._buckets("param" if self._what == "main" else self._what)
         shape = opt.ckpt.shape(key)
@@ -294,3 +313,130 @@ class _StateView:
             return opt._slice(self._flat, parts[0][1], parts[0][2], shape).clone()
         layers = sorted(parts, key=lambda t: t[0][1])
         return torch.stack([opt._slice(self._flat, b, o, shape[1:]) for _, b, o in layers])
+
+
+_SAME = {  # Megatron-LM args → mlm fields of the same meaning
+    "lr": "optimizer.lr",
+    "min_lr": "optimizer.min_lr",
+    "adam_beta1": "optimizer.adam_beta1",
+    "adam_beta2": "optimizer.adam_beta2",
+    "adam_eps": "optimizer.adam_eps",
+    "clip_grad": "optimizer.clip_grad",
+    "global_batch_size": "train.global_batch_size",
+    "micro_batch_size": "train.micro_batch_size",
+    "seq_length": "data.seq_length",
+}
+_IN_SAMPLES = {  # Megatron-LM args counted in samples → mlm fields counted in iterations
+    "lr_warmup_samples": "optimizer.warmup_iters",
+    "lr_decay_samples": "optimizer.decay_iters",
+    "train_samples": "train.train_iters",
+}
+
+
+def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
+    """({"optimizer.lr": …, "train.train_iters": …}: the mlm settings that mean what Megatron-LM's
+    `args` mean; notes naming what is not carried). Iteration counts come from `*_iters`, or from
+    `*_samples` divided by global_batch_size where it divides."""
+    out = {ours: args[theirs] for theirs, ours in _SAME.items() if args.get(theirs) is not None}
+    notes = []
+    for name, ours in (("lr_warmup_iters", "optimizer.warmup_iters"), ("lr_decay_iters", "optimizer.decay_iters"),
+                       ("train_iters", "train.train_iters")):  # fmt: skip
+        if args.get(name):
+            out[ours] = int(args[name])
+    gbs = args.get("global_batch_size")
+    for name, ours in _IN_SAMPLES.items():
+        if args.get(name):
+            if gbs and args[name] % gbs == 0:
+                out[ours] = args[name] // gbs
+            else:
+                notes.append(
+                    f"args.{name}={args[name]} is not a whole number of global batches ({gbs}): not carried"
+                )
+    if args.get("lr_warmup_fraction") is not None:
+        decay = out.get("optimizer.decay_iters") or out.get("train.train_iters")
+        if decay:
+            out["optimizer.warmup_iters"] = round(args["lr_warmup_fraction"] * decay)
+    style = args.get("lr_decay_style")
+    if style in ("cosine", "linear", "constant"):
+        out["optimizer.decay_style"] = style
+    elif style == "WSD" and args.get("lr_wsd_decay_style") == "linear" and args.get("lr_wsd_decay_iters"):
+        out["optimizer.decay_style"], out["optimizer.wsd_decay_iters"] = (
+            "wsd",
+            int(args["lr_wsd_decay_iters"]),
+        )
+    elif style is not None:
+        notes.append(f"args.lr_decay_style={style} has no mlm equal: optimizer.decay_style is mlm's (set it)")
+    start, end = args.get("start_weight_decay"), args.get("end_weight_decay")
+    if args.get("weight_decay") is not None and (start is None or start == end):
+        out["optimizer.weight_decay"] = args["weight_decay"]
+    elif args.get("weight_decay") is not None:
+        notes.append(f"args weight decay {start} → {end} (incremented) has no mlm equal: not carried")
+    if out.get("optimizer.warmup_iters"):
+        notes.append(
+            "warm-up: Megatron's step k (from 0) uses lr·k/warmup (lr_warmup_init 0), mlm's lr·(k+1)/warmup; "
+            "equal after the warm-up"
+        )
+    notes.append(
+        "weight decay groups: Megatron exempts biases and 1-d parameters, mlm also the embeddings "
+        "(optimizer.no_decay_norms_biases_embeddings)"
+    )
+    return out, notes
+
+
+def _json_safe(value):
+    """`value` with what JSON cannot hold (e.g. torch dtypes) as its repr."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value if value is None or isinstance(value, bool | int | float | str) else repr(value)
+
+
+def resumed_run(opt: MegatronOptimizer, config: Config, common: dict) -> tuple[Config, int, dict, list[str]]:
+    """(the run config with the settings `run_settings` carries, the iteration, the manifest fields a
+    resumable mlm checkpoint holds — consumed_samples, optimizer_step, scheduler, source additions —,
+    notes) for continuing the Megatron-LM run whose optimizer `opt` is."""
+    args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
+    iteration, consumed = common.get("iteration"), args.get("consumed_train_samples")
+    if not isinstance(iteration, int) or not isinstance(consumed, int):
+        raise MlmError(
+            f"{opt.ckpt.path}: common.pt lacks Megatron-LM's iteration or args.consumed_train_samples "
+            f"(iteration={iteration!r}, consumed_train_samples={consumed!r}), which a resumed run needs; "
+            "import the weights only (--weights-only)"
+        )
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    betas = group.get("betas") or (None, None)
+    from_group = {  # Adam's own settings, where the args (e.g. a trimmed Namespace) lack them
+        "lr": group.get("max_lr"), "min_lr": group.get("min_lr"), "adam_beta1": betas[0],
+        "adam_beta2": betas[1], "adam_eps": group.get("eps"), "weight_decay": group.get("weight_decay"),
+    }  # fmt: skip
+    settings, notes = run_settings({**{k: v for k, v in from_group.items() if v is not None}, **args})
+    sections = {}
+    for dotted, value in settings.items():
+        section, field = dotted.split(".")
+        sections.setdefault(section, {})[field] = value
+    config = dataclasses.replace(
+        config, **{s: dataclasses.replace(getattr(config, s), **f) for s, f in sections.items()}
+    )
+    extra = {
+        "consumed_samples": consumed,
+        "optimizer_step": opt.step,
+        "scheduler": {
+            "total_iters": config.train.train_iters,
+            "decay_style": config.optimizer.decay_style,
+        },
+        "loss_scaler": None,
+        "rng": None,
+        "rng_per_stage": None,
+        "faults": None,
+        "source": {
+            "megatron_optimizer": {"sharding": opt.sharding, "param_group": _json_safe(group)},
+            "opt_param_scheduler": _json_safe(common.get("opt_param_scheduler")),
+            "run_settings": settings,
+        },
+    }
+    notes.append(
+        f"optimizer state carried ({opt.sharding}): Adam step {opt.step}, iteration {iteration}, "
+        f"{consumed} samples consumed; not carried: RNG states (train.seed's), the fp16 loss scale"
+    )
+    return config, iteration, extra, notes
