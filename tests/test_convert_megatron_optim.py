@@ -1,0 +1,153 @@
+"""`mlm convert --from-megatron` carrying a Megatron-LM run's optimizer state and data position.
+
+megatron-core 0.16.1 (tests/megatron_ref.py's `train_and_save`, in gloo rank processes) trains a
+tiny GPTModel one step under DDP + DistributedOptimizer (Adam) and saves it as Megatron-LM does,
+with the optimizer as `fully_reshardable` (world 1) and as `dp_reshardable` (world 2, dp 2,
+Megatron-LM's default), then takes a second step. mlm imports the save: its Adam moments must equal
+Megatron's own (each dp rank's shard placed by the optimizer's range maps) bitwise after the
+qkv / fc1 splits; the iteration, consumed samples and Adam's step must be carried; `mlm train`
+resumes from it; and one AdamW step in mlm from the imported state must give Megatron's weights
+after its second step (same gradient: the loss mean(logits²) of the same tokens, same lr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import types
+
+import pytest
+import torch
+
+from mlm.checkpoint import read_group
+from mlm.config import config_from_dict, load_config
+from mlm.convert.megatron import _mlm_tensors, import_megatron
+from mlm.convert.megatron_optim import decode_buckets
+from mlm.errors import MlmError
+from mlm.model.gpt import GPT
+from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step
+
+from distributed import run_ranks  # noqa: E402
+from megatron_ref import GROUPS, HEADS, SEQ, inputs, train_and_save  # noqa: E402
+
+VOCAB = 512  # the tiny dataset's SentencePiece vocabulary, so that mlm train can resume on it
+STEP_TOL = 1e-6  # fp32 weights after one more Adam step (lr 1e-3), absolute
+
+
+def megatron_args() -> argparse.Namespace:
+    """The args Megatron-LM saves (the fields the import reads), for a run at iteration 1."""
+    return argparse.Namespace(
+        num_layers=2, num_attention_heads=HEADS, group_query_attention=True, num_query_groups=GROUPS,
+        kv_channels=16, max_position_embeddings=SEQ, seq_length=SEQ, norm_epsilon=1e-5, rotary_base=10000,
+        swiglu=True, position_embedding_type="rope", padded_vocab_size=VOCAB, params_dtype=torch.float32,
+        lr=1e-3, min_lr=1e-4, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=None,
+        train_iters=8, global_batch_size=2, micro_batch_size=1, weight_decay=0.0, start_weight_decay=0.0,
+        end_weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
+        consumed_train_samples=2,
+    )  # fmt: skip
+
+
+@pytest.fixture(
+    scope="module", params=[("fully_reshardable", 1), ("dp_reshardable", 2)], ids=["fully-w1", "dp-w2"]
+)
+def imported(request, tmp_path_factory):
+    """(Megatron's save dir, its moments by parameter name, its scheduler state, the import)."""
+    if importlib.util.find_spec("megatron") is None:  # found, not imported (see test_convert_megatron)
+        pytest.skip("megatron-core is not installed (pinned for Python 3.11: pip install -e '.[dev]')")
+    sharding, world = request.param
+    tmp = tmp_path_factory.mktemp(sharding)
+    run_ranks(world, train_and_save, str(tmp / "megatron"), sharding, megatron_args())
+    ref = torch.load(tmp / "megatron" / "reference.pt", weights_only=True)
+    moments, scheduler = ref["moments"], ref["scheduler"]
+    report = import_megatron(tmp / "megatron", tmp / "mlm")
+    return tmp, moments, scheduler, report, sharding
+
+
+def test_moments_step_and_position_carried(imported):
+    tmp, moments, scheduler, report, sharding = imported
+    optim, manifest, it_dir = read_group(tmp / "mlm", "optim")
+    assert it_dir.name == "iter_0000001" and manifest["iteration"] == 1
+    assert manifest["consumed_samples"] == 2 and manifest["optimizer_step"] == 1
+    assert manifest["source"]["opt_param_scheduler"] == scheduler
+    assert manifest["source"]["megatron_optimizer"]["sharding"] == (
+        "dp_reshardable" if sharding == "dp_reshardable" else "per_parameter"
+    )
+    cfg = config_from_dict(manifest["config"])
+    assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.decay_style) == (1e-3, 1e-4, "constant")
+    assert (cfg.optimizer.adam_beta2, cfg.optimizer.clip_grad, cfg.optimizer.weight_decay) == (0.95, 0.0, 0.0)
+    assert (cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.micro_batch_size) == (8, 2, 1)
+    # Megatron's parameter names are keys `_mlm_tensors` reads (decoder.layers.<n>.<sub>)
+    for moment in ("exp_avg", "exp_avg_sq"):
+        theirs = {name: m[moment] for name, m in moments.items()}
+        fake = types.SimpleNamespace(tensors=theirs, read=theirs.__getitem__)
+        expected = dict(_mlm_tensors(fake, cfg.model))
+        assert len(expected) == 21
+        for key, t in expected.items():
+            assert torch.equal(optim[f"{moment}.{key}"], t), f"{moment}.{key}"
+        assert all(t.abs().max() > 0 for t in expected.values())
+
+
+def test_one_more_step_matches_megatron(imported):
+    """mlm's AdamW from the imported moments and step, on the gradient of Megatron's second step,
+    gives Megatron's weights after that step (to STEP_TOL; weight decay 0 and no clipping on both
+    sides, as the imported config says)."""
+    tmp, _, _, _, _ = imported
+    weights, manifest, _ = read_group(tmp / "mlm")
+    optim = read_group(tmp / "mlm", "optim")[0]
+    cfg = config_from_dict(manifest["config"])
+    model = GPT(cfg.model, VOCAB)
+    model.load_state_dict(weights, strict=True)
+    model.eval()  # no dropout: the same function as Megatron's
+    adamw = make_optimizer(model, cfg.optimizer, torch.device("cpu"))
+    for key, t in adam_state_tensors(model, adamw, manifest["optimizer_step"]).items():
+        t.copy_(optim[key])
+    set_adam_step(adamw, manifest["optimizer_step"])
+    model(inputs().flip(1)).float().pow(2).mean().backward()
+    adamw.step()
+    sets = [f"model.num_attention_heads={HEADS}", f"model.max_position_embeddings={SEQ}"]  # a model-only save
+    after = import_megatron(tmp / "megatron" / "after_step_2", tmp / "after", sets)
+    assert after.tensors == 21
+    theirs = read_group(tmp / "after")[0]
+    worst = max((p.detach() - theirs[n]).abs().max().item() for n, p in model.named_parameters())
+    moved = max((p.detach() - weights[n]).abs().max().item() for n, p in model.named_parameters())
+    assert worst < STEP_TOL < moved, (worst, moved)
+
+
+def test_mlm_train_resumes(imported, tiny_data):
+    from mlm.train.trainer import Trainer
+
+    tmp, _, _, _, _ = imported
+    sets = [
+        f"run_dir='{tmp / 'run'}'",
+        f"data.data_path=['{tiny_data}']",
+        "train.train_iters=3",
+        "logging.tensorboard=false",
+    ]
+    trainer = Trainer(load_config(tmp / "mlm" / "config.toml", sets), load=str(tmp / "mlm"))
+    assert (trainer.iteration, trainer.optimizer_step, trainer.consumed_samples) == (1, 1, 2)
+    losses = trainer.train()
+    assert trainer.iteration == 3 and trainer.consumed_samples == 6
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+
+
+def test_weights_only_leaves_the_optimizer_out(imported):
+    tmp, _, _, _, _ = imported
+    report = import_megatron(tmp / "megatron", tmp / "weights", weights_only=True)
+    _, manifest, it_dir = read_group(tmp / "weights")
+    assert it_dir.name == "iter_0000000" and not any(k.startswith("optim/") for k in manifest["tensors"])
+    assert any("--weights-only" in n for n in report.notes)
+
+
+def test_bucket_decoding_rules():
+    """Reverse order, 64-element starts, bucket ends from the saved lengths; a misfit is refused."""
+    order = [("a", None), ("b", None), ("c", None)]
+    shapes = {"a": (40,), "b": (3, 10), "c": (100,)}
+    layout = decode_buckets(order, lambda k, i: shapes[k], [100 + 28 + 30 + 34 + 40])
+    assert layout == {("c", None): (0, 0), ("b", None): (0, 128), ("a", None): (0, 192)}
+    assert decode_buckets(order, lambda k, i: shapes[k], [158, 40]) == {
+        ("c", None): (0, 0), ("b", None): (0, 128), ("a", None): (1, 0)
+    }  # fmt: skip
+    with pytest.raises(MlmError, match="does not fit the saved bucket lengths"):
+        decode_buckets(order, lambda k, i: shapes[k], [150, 48])
+    with pytest.raises(MlmError, match="fill 1 of the 2"):
+        decode_buckets(order, lambda k, i: shapes[k], [232, 64])
