@@ -15,14 +15,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import types
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from mlm.checkpoint import read_group
 from mlm.config import config_from_dict, load_config
 from mlm.convert.megatron import _mlm_tensors, import_megatron
-from mlm.convert.megatron_optim import decode_buckets
+from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir
+from mlm.convert.megatron_optim import decode_buckets, read_object, read_tensor
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
 from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step
@@ -151,3 +155,65 @@ def test_bucket_decoding_rules():
         decode_buckets(order, lambda k, i: shapes[k], [150, 48])
     with pytest.raises(MlmError, match="fill 1 of the 2"):
         decode_buckets(order, lambda k, i: shapes[k], [232, 64])
+
+
+def _rewrite(src, out, change) -> None:
+    """A copy of the torch_dist save `src` (its tensors and the optimizer's bytes entries) into
+    `out`, `change(state, common)` applied first."""
+    ckpt = MegatronCheckpoint(checkpoint_dir(src))
+    state = {k: ckpt.read(k) for k in ckpt.tensors}
+    state.update({k: read_tensor(ckpt, k) for k in ckpt.optimizer_keys})
+    for name in ("optimizer", "per_bucket_numel_unpadded"):
+        key = f"optimizer.distributed.dp_group_idx_0.{name}/shard_0_1"
+        state[key] = [read_object(ckpt, key)]
+    common = ckpt.common()[0]
+    change(state, common)
+    with warnings.catch_warnings():  # "torch.distributed is disabled … save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(
+            state, checkpoint_id=str(out), no_dist=True, planner=DefaultSavePlanner(flatten_state_dict=False)
+        )
+    torch.save(common, out / "common.pt")
+
+
+def _dp(imported):
+    tmp, _, _, _, sharding = imported
+    if sharding != "dp_reshardable":
+        pytest.skip("a dp_reshardable save is rewritten")
+    return tmp
+
+
+def test_refused_dp_reshardable_layouts(imported):
+    """What the bucket decoder cannot reconstruct is refused, naming why and the way out."""
+    tmp = _dp(imported)
+    bucket = next(
+        k for k in MegatronCheckpoint(checkpoint_dir(tmp / "megatron")).optimizer_keys if k.endswith(".param")
+    )
+
+    def shuffled(state, common):  # main params that are not the weights in any parameter order
+        state[bucket] = state[bucket].flip(0)
+
+    def two_domains(state, common):  # as a tp 2 save writes: one dp group per tp rank
+        for k in [k for k in state if k.startswith("optimizer.distributed.dp_group_idx_0.gbuf")]:
+            state[k.replace("dp_group_idx_0", "dp_group_idx_1")] = state[k]
+
+    cases = [
+        (
+            shuffled,
+            r"bucket layout was not reconstructed \(local order: the decoded main param of .* differs",
+        ),
+        (two_domains, r"with several dp groups \(tensor or pipeline parallel > 1"),
+    ]
+    for i, (change, message) in enumerate(cases):
+        _rewrite(tmp / "megatron", tmp / f"bad{i}", change)
+        with pytest.raises(MlmError, match=message) as e:
+            import_megatron(tmp / f"bad{i}", tmp / f"bad{i}-mlm")
+        assert "--weights-only" in str(e.value) and not (tmp / f"bad{i}-mlm").exists()
+        import_megatron(tmp / f"bad{i}", tmp / f"bad{i}-weights", weights_only=True)
+
+
+def test_refused_without_the_run_position(imported):
+    tmp = _dp(imported)
+    _rewrite(tmp / "megatron", tmp / "noiter", lambda state, common: common.pop("iteration"))
+    with pytest.raises(MlmError, match=r"lacks Megatron-LM's iteration .* \(--weights-only\)"):
+        import_megatron(tmp / "noiter", tmp / "noiter-mlm")

@@ -47,7 +47,6 @@ from mlm.config import Config, DataConfig, ModelConfig, load_config, to_toml, to
 from mlm.convert.common import Progress, noop
 from mlm.convert.hf import Report
 from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir
-from mlm.convert.megatron_optim import MOMENTS, MegatronOptimizer, resumed_run
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
 from mlm.model.gpt import GPT
@@ -371,6 +370,8 @@ def import_megatron(
     `mlm train --load` resumes (Megatron's iteration, the "optim" group; `megatron_optim.resumed_run`),
     else iteration 0 with the "model" group. `verify`: read back what was written (checksums)
     and check mlm's logits on it are finite."""
+    from mlm.convert.megatron_optim import MOMENTS, MegatronOptimizer, resumed_run  # it reuses this module
+
     src, out = Path(src), Path(out)
     check_new_dir(out)
     start = time.perf_counter()

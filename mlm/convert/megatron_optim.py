@@ -37,11 +37,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from mlm.checkpoint.keys import MOMENTS
 from mlm.config import Config
+from mlm.convert.megatron import _split_key
 from mlm.convert.megatron_dcp import MegatronCheckpoint, _Reader
 from mlm.errors import MlmError
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 _ALIGN = 64
 """Megatron DDP starts every parameter of a distributed-optimizer buffer at a multiple of 64 elements."""
 
@@ -98,14 +99,18 @@ def read_object(ckpt: MegatronCheckpoint, key: str):
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
+def read_tensor(ckpt: MegatronCheckpoint, key: str) -> torch.Tensor:
+    """The optimizer's tensor `key`, whole."""
+    meta = ckpt.optimizer_meta[key]
+    out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(out, storage_reader=_Reader(ckpt.path), no_dist=True)
+    return out[key]
+
+
 def _pad(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def _split_stacked(key: str) -> tuple[int | None, str]:
-    rest = key.removeprefix("decoder.layers.")
-    head, _, tail = rest.partition(".")
-    return (int(head), tail) if head.isdigit() else (None, rest)
 
 
 def parameter_order(ckpt: MegatronCheckpoint, spec: str) -> list[tuple[str, int | None]]:
@@ -114,7 +119,7 @@ def parameter_order(ckpt: MegatronCheckpoint, spec: str) -> list[tuple[str, int 
     per_layer: dict[int, dict[str, tuple[str, int | None]]] = {}
     for key in ckpt.tensors:
         if key.startswith("decoder.layers."):
-            n, sub = _split_stacked(key)
+            n, sub = _split_key(key)
             for i in [n] if n is not None else range(ckpt.shape(key)[0]):
                 per_layer.setdefault(i, {})[sub] = (key, None if n is not None else i)
     order = [(k, None) for k in _EMBEDDING if k in ckpt.tensors]
@@ -176,7 +181,12 @@ class MegatronOptimizer:
             raise MlmError(
                 f"{ckpt.path}: the checkpoint holds no optimizer state (saved with --no-save-optim?)"
             )
-        common = ckpt.common()[0]
+        common, note = ckpt.common()
+        if note:
+            raise MlmError(
+                f"{ckpt.path}: {note}, and carrying the optimizer state needs it (Adam's step, the iteration, "
+                "the consumed samples); import the weights only (--weights-only)"
+            )
         if any(k.startswith("optimizer.state.") for k in keys):
             self.sharding = "per_parameter"
             groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
@@ -241,45 +251,42 @@ class MegatronOptimizer:
                     )
         self.layout, self.spec = self._match_layout()
 
-    def _match_layout(self):
-        """The (layout, spec) whose decoded main params equal the weights: MlmError if none does."""
-        ckpt, reasons = self.ckpt, []
-        weights = {k: ckpt.read(k) for k in ckpt.tensors}
-        mains = self._buckets("param")
+    def _match_layout(self) -> tuple[dict, str]:
+        """(layout, spec) of the parameter order whose decoded main params equal the weights (cast
+        to the weights' dtype), reading one weight at a time: MlmError if no order does."""
+        ckpt, reasons, layouts = self.ckpt, [], {}
         for spec in _LAYER_ORDERS:
             try:
-                layout = decode_buckets(
-                    parameter_order(ckpt, spec), lambda k, i: _shape(ckpt, k, i), self.bucket_numels
-                )
+                order = parameter_order(ckpt, spec)
+                layouts[spec] = decode_buckets(order, lambda k, i: _shape(ckpt, k, i), self.bucket_numels)
             except MlmError as e:
-                reasons.append(f"{spec}: {e}")
-                continue
-            bad = next(
-                (p for p, (b, o) in layout.items() if not torch.equal(
-                    self._slice(mains, b, o, weights[p[0]].shape if p[1] is None else weights[p[0]].shape[1:])
-                    .to(weights[p[0]].dtype),
-                    weights[p[0]] if p[1] is None else weights[p[0]][p[1]],
-                )),
-                None,
-            )  # fmt: skip
-            if bad is None:
-                return layout, spec
-            reasons.append(f"{spec}: the decoded main param of {bad[0]} differs from the weight")
+                reasons.append(f"{spec} order: {e}")
+        mains = self._buckets("param") if layouts else {}
+        for key in ckpt.tensors:
+            if not layouts:
+                break
+            weight = ckpt.read(key)
+            for spec, layout in list(layouts.items()):
+                for (k, layer), (bucket, offset) in layout.items():
+                    want = weight if layer is None else weight[layer]
+                    if k == key and not torch.equal(
+                        self._slice(mains, bucket, offset, want.shape).to(want.dtype), want
+                    ):
+                        reasons.append(
+                            f"{spec} order: the decoded main param of {key} differs from the weight"
+                        )
+                        del layouts[spec]
+                        break
+        if layouts:
+            spec = next(iter(layouts))
+            return layouts[spec], spec
         raise MlmError(
             f"{ckpt.path}: the dp_reshardable bucket layout was not reconstructed ({'; '.join(reasons)}); save the "
             "run with --dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
         )
 
     def _buckets(self, what: str) -> dict[int, torch.Tensor]:
-        return {b: self._read_flat(f"{k}.{what}") for b, k in self._bucket_key.items()}
-
-    def _read_flat(self, key: str) -> torch.Tensor:
-        meta = self.ckpt.optimizer_meta[key]
-        out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, storage_reader=_Reader(self.ckpt.path), no_dist=True)
-        return out[key]
+        return {b: read_tensor(self.ckpt, f"{k}.{what}") for b, k in self._bucket_key.items()}
 
     @staticmethod
     def _slice(buckets: dict[int, torch.Tensor], bucket: int, offset: int, shape) -> torch.Tensor:
@@ -293,26 +300,31 @@ class MegatronOptimizer:
 
 class _StateView:
     """`.path`, `.tensors` (the model's keys) and `.read(key)`: one optimizer state per model key.
-    A dp_reshardable state's buckets are read on the first `read` and kept."""
+    A dp_reshardable state's buckets are read on the first `read` and kept until every key has been read."""
 
     def __init__(self, opt: MegatronOptimizer, what: str):
         self.path, self.tensors, self._opt, self._what = opt.ckpt.path, opt.ckpt.tensors, opt, what
         self._flat: dict[int, torch.Tensor] | None = None
+        self._unread = set(self.tensors)  # the buckets are dropped once every key has been read
 
     def read(self, key: str) -> torch.Tensor:
         opt = self._opt
         if opt.sharding == "per_parameter":
-            return opt._read_flat(
-                f"optimizer.state.{opt._main if self._what == 'main' else self._what}.{key}"
+            return read_tensor(
+                opt.ckpt, f"optimizer.state.{opt._main if self._what == 'main' else self._what}.{key}"
             )
         if self._flat is None:
             self._flat = opt._buckets("param" if self._what == "main" else self._what)
         shape = opt.ckpt.shape(key)
-        parts = [(p, b, o) for p, (b, o) in opt.layout.items() if p[0] == key]
-        if parts[0][0][1] is None:
-            return opt._slice(self._flat, parts[0][1], parts[0][2], shape).clone()
-        layers = sorted(parts, key=lambda t: t[0][1])
-        return torch.stack([opt._slice(self._flat, b, o, shape[1:]) for _, b, o in layers])
+        parts = sorted((p[1] or 0, b, o) for p, (b, o) in opt.layout.items() if p[0] == key)
+        if key.startswith("decoder.layers.") and _split_key(key)[0] is None:  # layers on axis 0
+            out = torch.stack([opt._slice(self._flat, b, o, shape[1:]) for _, b, o in parts])
+        else:
+            out = opt._slice(self._flat, parts[0][1], parts[0][2], shape).clone()
+        self._unread.discard(key)
+        if not self._unread:
+            self._flat = None
+        return out
 
 
 _SAME = {  # Megatron-LM args → mlm fields of the same meaning
