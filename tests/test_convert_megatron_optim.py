@@ -33,6 +33,7 @@ from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step
 
 from distributed import run_ranks  # noqa: E402
 from megatron_ref import GROUPS, HEADS, SEQ, inputs, train_and_save  # noqa: E402
+from test_bad_input import assert_error, mlm  # noqa: E402
 
 VOCAB = 512  # the tiny dataset's SentencePiece vocabulary, so that mlm train can resume on it
 STEP_TOL = 1e-6  # fp32 weights after one more Adam step (lr 1e-3), absolute
@@ -217,3 +218,15 @@ def test_refused_without_the_run_position(imported):
     _rewrite(tmp / "megatron", tmp / "noiter", lambda state, common: common.pop("iteration"))
     with pytest.raises(MlmError, match=r"lacks Megatron-LM's iteration .* \(--weights-only\)"):
         import_megatron(tmp / "noiter", tmp / "noiter-mlm")
+
+
+def test_command_line(imported, tmp_path):
+    tmp = _dp(imported)  # Megatron-LM's default layout (each command costs seconds)
+    r = mlm("convert", "--from-megatron", tmp / "megatron", tmp_path / "cli", "--no-progress")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = " ".join(r.stderr.split())  # the console writes to stderr
+    assert "63 tensors" in out and "Adam step 1, iteration 1, 2 samples consumed" in out
+    assert_error(
+        mlm("convert", tmp_path / "cli", tmp_path / "x", "--weights-only"),
+        "--weights-only apply to --from-megatron only",
+    )
