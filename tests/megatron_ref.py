@@ -117,7 +117,7 @@ def apply_optimizer_cpu_patches() -> None:
     torch.Tensor.type = _type
 
 
-def _config(moe: bool, ep: int):
+def _config(moe: bool, ep: int, dtype: torch.dtype = torch.float32):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -134,7 +134,8 @@ def _config(moe: bool, ep: int):
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
         bias_activation_fusion=False,  # the fusions are CUDA kernels
         masked_softmax_fusion=False,
@@ -163,8 +164,8 @@ def inputs() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1234))
 
 
-def _gpt(moe: bool, ep: int, vocab: int):
-    """GPTModel (local spec, seed 0) on the initialised model-parallel state."""
+def _gpt(moe: bool, ep: int, vocab: int, dtype: torch.dtype = torch.float32):
+    """GPTModel (local spec, seed 0, parameters in `dtype`) on the initialised model-parallel state."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -175,7 +176,7 @@ def _gpt(moe: bool, ep: int, vocab: int):
         num_experts=NUM_EXPERTS if moe else None, moe_grouped_gemm=False, normalization="RMSNorm"
     )
     return GPTModel(
-        config=_config(moe, ep),
+        config=_config(moe, ep, dtype),
         transformer_layer_spec=spec,
         vocab_size=vocab,
         max_sequence_length=SEQ,
@@ -214,7 +215,8 @@ def save_reference(rank: int, world: int, out: str, moe: bool, ep: int = 1) -> t
 
 def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> None:
     """Megatron-LM's training step and save, tiny: GPTModel (seed 0, tp 1, dp = world, vocab
-    `args.padded_vocab_size`) under DDP + DistributedOptimizer (Adam with `args`' lr, betas, eps,
+    `args.padded_vocab_size`; with `args.bf16` bf16 parameters in a Float16Module, as Megatron-LM
+    wraps them, and fp32 main params in the optimizer) under DDP + DistributedOptimizer (Adam with `args`' lr, betas, eps,
     weight decay, clip_grad; OptimizerParamScheduler with `args.lr_decay_style`, no warm-up), one
     step on the loss mean(logits²) of `inputs()`, saved into `save/iter_0000001` as Megatron-LM's
     save_checkpoint does (model and optimizer sharded state dicts with the optimizer in `sharding`,
@@ -231,16 +233,19 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    model = _gpt(False, 1, args.padded_vocab_size).train()
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    core = _gpt(False, 1, args.padded_vocab_size, dtype).train()
+    model = Float16Module(core.config, core) if args.bf16 else core
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     opt = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad, use_distributed_optimizer=True, params_dtype=torch.float32,
+            clip_grad=args.clip_grad, use_distributed_optimizer=True, bf16=args.bf16, params_dtype=dtype,
         ),
         [ddp],
     )  # fmt: skip
@@ -263,7 +268,7 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
     step(inputs())
     inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
     moments = {}
-    for name, p in model.named_parameters():
+    for name, p in core.named_parameters():
         whole = {m: torch.zeros(p.numel()) for m in ("exp_avg", "exp_avg_sq")}
         if p in inner.model_param_group_index_map:  # this dp rank holds a shard of p
             span = inner._get_model_param_range_map(p)["param"]
@@ -279,7 +284,7 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
         "chained_optim_avoid_prefix": True,
         "distrib_optim_fully_reshardable_mem_efficient": True,  # gathers with gloo, not send_tensor.cuda()
     }
-    msd = model.sharded_state_dict(prefix="", metadata=md)
+    msd = core.sharded_state_dict(prefix="", metadata=md)
     state = {
         "model": msd,
         "optimizer": opt.sharded_state_dict(msd, metadata=md),
@@ -297,7 +302,7 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
             f.write("1")
     step(inputs().flip(1))
     os.makedirs(f"{save}/after_step_2", exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), f"{save}/after_step_2", sharded_strategy=strategy)
+    dist_checkpointing.save(core.sharded_state_dict(), f"{save}/after_step_2", sharded_strategy=strategy)
     ps.destroy_model_parallel()
     if rank == 0:  # a file: tensors through the result queue need the (exited) rank process
         torch.save({"moments": moments, "scheduler": state["opt_param_scheduler"]}, f"{save}/reference.pt")

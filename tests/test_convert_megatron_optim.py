@@ -39,12 +39,13 @@ VOCAB = 512  # the tiny dataset's SentencePiece vocabulary, so that mlm train ca
 STEP_TOL = 1e-6  # fp32 weights after one more Adam step (lr 1e-3), absolute
 
 
-def megatron_args() -> argparse.Namespace:
+def megatron_args(bf16: bool) -> argparse.Namespace:
     """The args Megatron-LM saves (the fields the import reads), for a run at iteration 1."""
     return argparse.Namespace(
         num_layers=2, num_attention_heads=HEADS, group_query_attention=True, num_query_groups=GROUPS,
         kv_channels=16, max_position_embeddings=SEQ, seq_length=SEQ, norm_epsilon=1e-5, rotary_base=10000,
-        swiglu=True, position_embedding_type="rope", padded_vocab_size=VOCAB, params_dtype=torch.float32,
+        swiglu=True, position_embedding_type="rope", padded_vocab_size=VOCAB, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         lr=1e-3, min_lr=1e-4, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=None,
         train_iters=8, global_batch_size=2, micro_batch_size=1, weight_decay=0.0, start_weight_decay=0.0,
         end_weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
@@ -53,23 +54,25 @@ def megatron_args() -> argparse.Namespace:
 
 
 @pytest.fixture(
-    scope="module", params=[("fully_reshardable", 1), ("dp_reshardable", 2)], ids=["fully-w1", "dp-w2"]
+    scope="module",
+    params=[("fully_reshardable", 1, False), ("dp_reshardable", 2, False), ("dp_reshardable", 2, True)],
+    ids=["fully-w1", "dp-w2", "dp-w2-bf16"],
 )
-def imported(request, tmp_path_factory):
-    """(Megatron's save dir, its moments by parameter name, its scheduler state, the import)."""
+def imported(request, tmp_path_factory) -> types.SimpleNamespace:
+    """The Megatron run (`tmp`/megatron; its `moments` by parameter name, its `scheduler` state;
+    `sharding`, `bf16`) and its import (`tmp`/mlm, `report`)."""
     if importlib.util.find_spec("megatron") is None:  # found, not imported (see test_convert_megatron)
         pytest.skip("megatron-core is not installed (pinned for Python 3.11: pip install -e '.[dev]')")
-    sharding, world = request.param
+    sharding, world, bf16 = request.param
     tmp = tmp_path_factory.mktemp(sharding)
-    run_ranks(world, train_and_save, str(tmp / "megatron"), sharding, megatron_args())
+    run_ranks(world, train_and_save, str(tmp / "megatron"), sharding, megatron_args(bf16))
     ref = torch.load(tmp / "megatron" / "reference.pt", weights_only=True)
-    moments, scheduler = ref["moments"], ref["scheduler"]
     report = import_megatron(tmp / "megatron", tmp / "mlm")
-    return tmp, moments, scheduler, report, sharding
+    return types.SimpleNamespace(tmp=tmp, report=report, sharding=sharding, bf16=bf16, **ref)
 
 
 def test_moments_step_and_position_carried(imported):
-    tmp, moments, scheduler, report, sharding = imported
+    tmp, moments, scheduler, sharding = imported.tmp, imported.moments, imported.scheduler, imported.sharding
     optim, manifest, it_dir = read_group(tmp / "mlm", "optim")
     assert it_dir.name == "iter_0000001" and manifest["iteration"] == 1
     assert manifest["consumed_samples"] == 2 and manifest["optimizer_step"] == 1
@@ -95,8 +98,11 @@ def test_moments_step_and_position_carried(imported):
 def test_one_more_step_matches_megatron(imported):
     """mlm's AdamW from the imported moments and step, on the gradient of Megatron's second step,
     gives Megatron's weights after that step (to STEP_TOL; weight decay 0 and no clipping on both
-    sides, as the imported config says)."""
-    tmp, _, _, _, _ = imported
+    sides, as the imported config says). fp32 runs only: a bf16 Megatron's gradient and weights
+    differ from mlm's fp32 ones by bf16 rounding."""
+    tmp = imported.tmp
+    if imported.bf16:
+        pytest.skip("bf16: Megatron's step is not mlm's fp32 step")
     weights, manifest, _ = read_group(tmp / "mlm")
     optim = read_group(tmp / "mlm", "optim")[0]
     cfg = config_from_dict(manifest["config"])
@@ -121,7 +127,7 @@ def test_one_more_step_matches_megatron(imported):
 def test_mlm_train_resumes(imported, tiny_data):
     from mlm.train.trainer import Trainer
 
-    tmp, _, _, _, _ = imported
+    tmp = imported.tmp
     sets = [
         f"run_dir='{tmp / 'run'}'",
         f"data.data_path=['{tiny_data}']",
@@ -136,11 +142,26 @@ def test_mlm_train_resumes(imported, tiny_data):
 
 
 def test_weights_only_leaves_the_optimizer_out(imported):
-    tmp, _, _, _, _ = imported
+    tmp = imported.tmp
     report = import_megatron(tmp / "megatron", tmp / "weights", weights_only=True)
     _, manifest, it_dir = read_group(tmp / "weights")
     assert it_dir.name == "iter_0000000" and not any(k.startswith("optim/") for k in manifest["tensors"])
     assert any("--weights-only" in n for n in report.notes)
+
+
+def test_bf16_weights_come_from_the_main_params(imported):
+    """With bf16 weights the model group holds the optimizer's fp32 main params: cast to bf16 they
+    are Megatron's weights, and they hold more than the weights do."""
+    if not imported.bf16:
+        pytest.skip("an fp32 run's main params are its weights")
+    mains = read_group(imported.tmp / "mlm")[0]
+    import_megatron(imported.tmp / "megatron", imported.tmp / "bf16-weights", weights_only=True)
+    weights = read_group(imported.tmp / "bf16-weights")[0]
+    assert mains.keys() == weights.keys() and len(mains) == 21
+    for key, main in mains.items():
+        assert main.dtype == torch.float32 and weights[key].dtype == torch.bfloat16
+        assert torch.equal(main.to(torch.bfloat16), weights[key]), key
+    assert any(not torch.equal(main, weights[k].float()) for k, main in mains.items())
 
 
 def test_bucket_decoding_rules():
@@ -178,10 +199,9 @@ def _rewrite(src, out, change) -> None:
 
 
 def _dp(imported):
-    tmp, _, _, _, sharding = imported
-    if sharding != "dp_reshardable":
-        pytest.skip("a dp_reshardable save is rewritten")
-    return tmp
+    if imported.sharding != "dp_reshardable" or imported.bf16:
+        pytest.skip("the fp32 dp_reshardable save is rewritten")
+    return imported.tmp
 
 
 def test_refused_dp_reshardable_layouts(imported):
