@@ -418,7 +418,7 @@ def import_megatron(
                     written["dtypes"].add(dtype_name(t.dtype))
                     progress(f"{group}/{prefix}{key}", written["bytes"], total)
 
-        save_streaming(tmp, iteration, tensors(), extra, [g for g, _, _ in states[:2]])
+        save_streaming(tmp, iteration, tensors(), extra, ["model", "optim"] if opt is not None else ["model"])
         (tmp / "config.toml").write_text(to_toml(config))
         report = Report(
             "import",

@@ -11,8 +11,9 @@ matter to the reader.
 Unpickling: torch's own `FileSystemReader.read_metadata` runs a plain `pickle.load` on `.metadata`
 and its default planner `torch.load(weights_only=False)`s every bytes entry. Here `.metadata` goes
 through `_MetadataUnpickler`, which allows only DCP's metadata, storage and plan classes, `torch.Size` and torch's
-dtype / layout / memory-format constants; only tensor entries are ever requested (bytes entries,
-e.g. `_extra_state` or RNG states, are not read); `common.pt` is read with `torch.load(weights_only=True)`
+dtype / layout / memory-format constants; only tensor entries are requested here (bytes entries,
+e.g. `_extra_state` or RNG states, are not read; `mlm.convert.megatron_optim` reads the optimizer's
+with `torch.load(weights_only=True)`); `common.pt` is read with `torch.load(weights_only=True)`
 allowing `argparse.Namespace` as the only extra class.
 """
 
