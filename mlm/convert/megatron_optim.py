@@ -70,7 +70,8 @@ _LAYER_ORDERS = {
     # norms after the linear they precede
     "local": (*_ATTN_NORM, *_LINEARS["self_attention.linear_proj"], *_LINEARS["self_attention.linear_qkv"],
               *_QK_NORMS, *_MLP_NORM, *_LINEARS["mlp.linear_fc1"], *_LINEARS["mlp.linear_fc2"]),
-    # Transformer Engine spec: the norms are parameters of the fused LayerNorm-linear, before its weight
+    # Transformer Engine spec: the norms are parameters of the fused LayerNormLinear, which registers
+    # layer_norm_weight / layer_norm_bias before weight / bias (not run here: no TE)
     "transformer_engine": (*_LINEARS["self_attention.linear_proj"], *_ATTN_NORM,
                            *_LINEARS["self_attention.linear_qkv"], *_QK_NORMS, *_MLP_NORM,
                            *_LINEARS["mlp.linear_fc1"], *_LINEARS["mlp.linear_fc2"]),
