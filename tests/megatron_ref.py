@@ -239,7 +239,12 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     core = _gpt(False, 1, args.padded_vocab_size, dtype).train()
     model = Float16Module(core.config, core) if args.bf16 else core
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,  # buckets of args.ddp_bucket_size parameters
+        bucket_size=args.ddp_bucket_size,
+    )
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     opt = get_megatron_optimizer(
         OptimizerConfig(

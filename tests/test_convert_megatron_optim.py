@@ -36,10 +36,11 @@ from megatron_ref import GROUPS, HEADS, SEQ, inputs, train_and_save  # noqa: E40
 from test_bad_input import assert_error, mlm  # noqa: E402
 
 VOCAB = 512  # the tiny dataset's SentencePiece vocabulary, so that mlm train can resume on it
+BUCKET = 20000  # parameters per DDP bucket in the run with several buckets (4 buckets)
 STEP_TOL = 1e-6  # fp32 weights after one more Adam step (lr 1e-3), absolute
 
 
-def megatron_args(bf16: bool) -> argparse.Namespace:
+def megatron_args(bf16: bool, bucket_size: int | None = None) -> argparse.Namespace:
     """The args Megatron-LM saves (the fields the import reads), for a run at iteration 1."""
     return argparse.Namespace(
         num_layers=2, num_attention_heads=HEADS, group_query_attention=True, num_query_groups=GROUPS,
@@ -49,23 +50,25 @@ def megatron_args(bf16: bool) -> argparse.Namespace:
         lr=1e-3, min_lr=1e-4, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=None,
         train_iters=8, global_batch_size=2, micro_batch_size=1, weight_decay=0.0, start_weight_decay=0.0,
         end_weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
-        consumed_train_samples=2,
+        consumed_train_samples=2, overlap_grad_reduce=bucket_size is not None, ddp_bucket_size=bucket_size,
     )  # fmt: skip
 
 
 @pytest.fixture(
     scope="module",
     params=[("fully_reshardable", 1, False), ("dp_reshardable", 2, False), ("dp_reshardable", 2, True)],
-    ids=["fully-w1", "dp-w2", "dp-w2-bf16"],
+    ids=["fully-w1", "dp-w2", "dp-w2-bf16-buckets"],
 )
 def imported(request, tmp_path_factory) -> types.SimpleNamespace:
     """The Megatron run (`tmp`/megatron; its `moments` by parameter name, its `scheduler` state;
-    `sharding`, `bf16`) and its import (`tmp`/mlm, `report`)."""
+    `sharding`, `bf16`; the bf16 run also with --overlap-grad-reduce buckets of BUCKET parameters)
+    and its import (`tmp`/mlm, `report`)."""
     if importlib.util.find_spec("megatron") is None:  # found, not imported (see test_convert_megatron)
         pytest.skip("megatron-core is not installed (pinned for Python 3.11: pip install -e '.[dev]')")
     sharding, world, bf16 = request.param
     tmp = tmp_path_factory.mktemp(sharding)
-    run_ranks(world, train_and_save, str(tmp / "megatron"), sharding, megatron_args(bf16))
+    args = megatron_args(bf16, BUCKET if bf16 else None)
+    run_ranks(world, train_and_save, str(tmp / "megatron"), sharding, args)
     ref = torch.load(tmp / "megatron" / "reference.pt", weights_only=True)
     report = import_megatron(tmp / "megatron", tmp / "mlm")
     return types.SimpleNamespace(tmp=tmp, report=report, sharding=sharding, bf16=bf16, **ref)
@@ -80,6 +83,9 @@ def test_moments_step_and_position_carried(imported):
     assert manifest["source"]["megatron_optimizer"]["sharding"] == (
         "dp_reshardable" if sharding == "dp_reshardable" else "per_parameter"
     )
+    if sharding == "dp_reshardable":  # one bucket by default, 4 of BUCKET parameters with overlap_grad_reduce
+        keys = MegatronCheckpoint(checkpoint_dir(tmp / "megatron")).optimizer_keys
+        assert len([k for k in keys if k.endswith(".param")]) == (4 if imported.bf16 else 1)
     cfg = config_from_dict(manifest["config"])
     assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.decay_style) == (1e-3, 1e-4, "constant")
     assert (cfg.optimizer.adam_beta2, cfg.optimizer.clip_grad, cfg.optimizer.weight_decay) == (0.95, 0.0, 0.0)
