@@ -26,7 +26,7 @@ from mlm.checkpoint import read_group
 from mlm.config import config_from_dict, load_config
 from mlm.convert.megatron import _mlm_tensors, import_megatron
 from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir
-from mlm.convert.megatron_optim import decode_buckets, read_object, read_tensor
+from mlm.convert.megatron_optim import decode_buckets, read_object, read_tensor, run_settings
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
 from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step
@@ -256,3 +256,27 @@ def test_command_line(imported, tmp_path):
         mlm("convert", tmp_path / "cli", tmp_path / "x", "--weights-only"),
         "--weights-only apply to --from-megatron only",
     )
+
+
+def test_run_settings_carry_equal_meanings_only():
+    """Sample counts become iterations where whole global batches; what mlm has no equal for is
+    named in a note, not carried."""
+    settings, notes = run_settings(
+        {"lr": 3e-4, "min_lr": 3e-5, "global_batch_size": 8, "lr_warmup_samples": 80, "lr_decay_samples": 801,
+         "train_samples": 1600, "lr_decay_style": "inverse-square-root", "weight_decay": 0.1,
+         "start_weight_decay": 0.0, "end_weight_decay": 0.1}
+    )  # fmt: skip
+    assert settings == {
+        "optimizer.lr": 3e-4, "optimizer.min_lr": 3e-5, "train.global_batch_size": 8,
+        "optimizer.warmup_iters": 10, "train.train_iters": 200,
+    }  # fmt: skip
+    text = " ".join(notes)
+    assert "lr_decay_samples=801 is not a whole number of global batches (8)" in text
+    assert "lr_decay_style=inverse-square-root has no mlm equal" in text
+    assert "weight decay 0.0 → 0.1 (incremented)" in text and "warm-up" in text
+    wsd = {"lr_decay_style": "WSD", "lr_wsd_decay_style": "linear", "lr_wsd_decay_iters": 50, "lr_warmup_fraction": 0.1,
+           "train_iters": 1000}  # fmt: skip
+    assert run_settings(wsd)[0] == {
+        "optimizer.decay_style": "wsd", "optimizer.wsd_decay_iters": 50, "optimizer.warmup_iters": 100,
+        "train.train_iters": 1000,
+    }  # fmt: skip
