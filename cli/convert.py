@@ -2,7 +2,7 @@
 
     mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--ep 4] [--dtype bf16] [--consolidate]   # another mesh
     mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
-    mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...]   # Megatron torch_dist / legacy → mlm
+    mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...] [--weights-only]   # Megatron torch_dist / legacy → mlm
     mlm convert --from-dcp DIR OUT --set model.num_attention_heads=32 --set model.rope_base=500000   # torchtitan → mlm
     mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
     mlm convert CKPT --to-megatron OUT                     # mlm checkpoint → Megatron torch_dist (weights)
@@ -42,6 +42,11 @@ def convert(
         [],
         "--set",
         help="--from-megatron, --from-dcp: model.key=value (or preset=NAME) for what the checkpoint does not say.",
+    ),
+    weights_only: bool = typer.Option(
+        False,
+        "--weights-only",
+        help="--from-megatron: leave out the optimizer state (mlm train then starts a new run from the weights).",
     ),
     to_hf: bool = typer.Option(
         False, "--to-hf", help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Hugging Face folder."
@@ -112,7 +117,7 @@ def convert(
                 "checkpoint as it is: leave out --from-hf/--to-hf (and one of --from-megatron/--from-dcp) and the "
                 "reshard options (reshard the imported checkpoint afterwards with mlm convert OUT OUT2 --tp ...)"
             )
-        return _from_megatron(src, out, overrides, verify, progress, torchtitan=from_dcp)
+        return _from_megatron(src, out, overrides, verify, progress, weights_only, torchtitan=from_dcp)
     if to_megatron:
         if (
             from_hf
@@ -197,7 +202,7 @@ def convert(
         console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 
 
-def _from_megatron(src, out, overrides, verify, progress, torchtitan=False) -> None:
+def _from_megatron(src, out, overrides, verify, progress, weights_only, torchtitan=False) -> None:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
     from mlm.console import console, human
@@ -211,8 +216,12 @@ def _from_megatron(src, out, overrides, verify, progress, torchtitan=False) -> N
         def show(desc: str, done: int, total: int) -> None:
             bar.update(task, description=desc[:28], completed=done, total=total or None)
 
-        importer = import_torchtitan if torchtitan else import_megatron
-        report = importer(src, out, overrides, verify=verify, progress=show)
+        if torchtitan:
+            report = import_torchtitan(src, out, overrides, verify=verify, progress=show)
+        else:
+            report = import_megatron(
+                src, out, overrides, verify=verify, weights_only=weights_only, progress=show
+            )
     line = (
         f"[bold green]imported[/] {report.architecture} {report.src} → {report.out}: {report.tensors} tensors, "
         f"{human(report.bytes, 'B')} {report.dtype}, {report.seconds:.1f} s"

@@ -5,6 +5,9 @@ logits, and its weights saved with Megatron's own `dist_checkpointing.save` (tor
     logits = run_ranks(2, save_reference, out_dir, moe, ep)[0]   # tp = world / ep
     logits, common = run_ranks(2, load_reference, ckpt_dir, moe)[0]   # the same model, loaded from ckpt_dir
 
+`train_and_save` also runs Megatron's DDP and DistributedOptimizer (Adam), which need the patches
+of `apply_optimizer_cpu_patches` on CPU.
+
 megatron-core runs on CPU given the patches of `apply_cpu_patches` (each says why); they change
 process-wide state (e.g. torch.cuda.current_device), so they run only in the rank processes of
 tests/distributed.py, never in the pytest process.
@@ -76,7 +79,45 @@ def apply_cpu_patches() -> None:
         fsa._process_memory = lambda: 0
 
 
-def _config(moe: bool, ep: int, gpt2: bool = False):
+def apply_optimizer_cpu_patches() -> None:
+    """Make megatron-core 0.16.1's DistributedOptimizer (Adam) step and save on CPU as well."""
+    import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.distrib_optimizer as dopt
+    import megatron.core.optimizer.optimizer as mopt
+    import megatron.core.utils as mutils
+
+    # P8: MixedPrecisionOptimizer.__init__ (optimizer.py:473-485, 907), the grad-norm code
+    # (clip_grads.py:90-115, 174, 207) and local_multi_tensor_l2_norm (utils.py:1207) create tensors
+    # with device="cuda" literals: give those modules a `torch` whose factories map "cuda" to "cpu".
+    def _cpu(factory):
+        return lambda *a, device=None, **k: factory(*a, device="cpu" if device == "cuda" else device, **k)
+
+    class _TorchOnCpu:
+        tensor, zeros, empty, ones = (
+            staticmethod(_cpu(f)) for f in (torch.tensor, torch.zeros, torch.empty, torch.ones)
+        )
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    for module in (mopt, mclip, dopt, mutils):
+        module.torch = _TorchOnCpu()
+
+    # P9: the distributed optimizer sorts parameters by `param.type()` against
+    # "torch.cuda.FloatTensor" etc. (distrib_optimizer.py:361-435, 582) and raises TypeError on CPU
+    # names: report CPU float tensors under their CUDA names.
+    plain_type = torch.Tensor.type
+
+    def _type(self, *a, **k):
+        name = plain_type(self, *a, **k)
+        if not a and not k and name in ("torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor"):
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+
+    torch.Tensor.type = _type
+
+
+def _config(moe: bool, ep: int, gpt2: bool = False, dtype: torch.dtype = torch.float32):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -93,7 +134,8 @@ def _config(moe: bool, ep: int, gpt2: bool = False):
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
         bias_activation_fusion=False,  # the fusions are CUDA kernels
         masked_softmax_fusion=False,
@@ -126,21 +168,25 @@ def inputs() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1234))
 
 
-def _model(world: int, moe: bool, ep: int, mixed: bool = False, gpt2: bool = False):
-    """GPTModel (seed 0) at tp = world / ep, in eval mode (model parallel state initialised).
+def _gpt(
+    moe: bool,
+    ep: int,
+    vocab: int = VOCAB,
+    dtype: torch.dtype = torch.float32,
+    mixed: bool = False,
+    gpt2: bool = False,
+):
+    """GPTModel (local spec, seed 0, parameters in `dtype`) on the initialised model-parallel state.
     `mixed`: MoE in layer 1 only (moe_layer_freq [0, 1], a heterogeneous stack) with a gated shared
     expert of width SHARED_FFN. `gpt2`: a GPT-2-like model instead (LayerNorm, GeLU, biases,
     learned positions, tied output)."""
-    apply_cpu_patches()
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=world // ep, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(42)
     torch.manual_seed(0)
-    config = _config(moe, ep, gpt2)
+    config = _config(moe, ep, gpt2, dtype)
     spec = get_gpt_layer_local_spec(
         num_experts=NUM_EXPERTS if moe else None,
         moe_grouped_gemm=False,
@@ -153,13 +199,22 @@ def _model(world: int, moe: bool, ep: int, mixed: bool = False, gpt2: bool = Fal
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_sequence_length=SEQ,
         parallel_output=False,
         share_embeddings_and_output_weights=gpt2,
         position_embedding_type="learned_absolute" if gpt2 else "rope",
         rotary_base=10000,
-    ).eval()
+    )
+
+
+def _model(world: int, moe: bool, ep: int, mixed: bool = False, gpt2: bool = False):
+    """`_gpt` at tp = world / ep (the model-parallel state initialised here), in eval mode."""
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world // ep, expert_model_parallel_size=ep)
+    return _gpt(moe, ep, mixed=mixed, gpt2=gpt2).eval()
 
 
 def perturb(model) -> None:
@@ -170,18 +225,23 @@ def perturb(model) -> None:
             param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(i)))
 
 
-def _logits(model) -> torch.Tensor:
-    """The model's logits on `inputs()` (gathered over tp), [2, SEQ, VOCAB]."""
+def _forward_inputs(ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """GPTModel's (ids, positions, causal mask: True = masked) for [2, SEQ] ids."""
     pos = torch.arange(SEQ).expand(2, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None].expand(2, 1, SEQ, SEQ)
+    return ids, pos, mask
+
+
+def _logits(model) -> torch.Tensor:
+    """The model's logits on `inputs()` (gathered over tp), [2, SEQ, VOCAB]."""
     with torch.no_grad():
-        return model(inputs(), pos, mask)  # causal mask: True = masked
+        return model(*_forward_inputs(inputs()))
 
 
 def save_reference(
     rank: int, world: int, out: str, moe: bool, ep: int = 1, gpt2: bool = False
 ) -> torch.Tensor:
-    """Build GPTModel (seed 0, then `perturb`ed) at tp = world / ep (`gpt2`: see `_model`), save it
+    """Build GPTModel (seed 0, then `perturb`ed) at tp = world / ep (`gpt2`: see `_gpt`), save it
     with dist_checkpointing.save (torch_dist) into `out`, return its logits on `inputs()` (gathered
     over tp), [2, SEQ, VOCAB]."""
     from megatron.core import dist_checkpointing
@@ -217,3 +277,103 @@ def load_reference(
     logits = _logits(model)
     ps.destroy_model_parallel()
     return logits, common
+
+
+def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> None:
+    """Megatron-LM's training step and save, tiny: GPTModel (seed 0, tp 1, dp = world, vocab
+    `args.padded_vocab_size`; with `args.bf16` bf16 parameters in a Float16Module, as Megatron-LM
+    wraps them, and fp32 main params in the optimizer) under DDP + DistributedOptimizer (Adam with `args`' lr, betas, eps,
+    weight decay, clip_grad; OptimizerParamScheduler with `args.lr_decay_style`, no warm-up), one
+    step on the loss mean(logits²) of `inputs()`, saved into `save/iter_0000001` as Megatron-LM's
+    save_checkpoint does (model and optimizer sharded state dicts with the optimizer in `sharding`,
+    iteration, args, opt_param_scheduler, content_metadata); then a second step on `inputs()`
+    flipped, whose weights are saved (model only) into `save/after_step_2`. `save/reference.pt`:
+    {"moments": {parameter name: {"exp_avg", "exp_avg_sq"}} after step 1, whole (each dp rank's
+    shard placed by the optimizer's own range maps, summed over dp), "scheduler": its saved state}."""
+    apply_cpu_patches()
+    apply_optimizer_cpu_patches()
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    core = _gpt(False, 1, args.padded_vocab_size, dtype).train()
+    model = Float16Module(core.config, core) if args.bf16 else core
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,  # buckets of args.ddp_bucket_size parameters
+        bucket_size=args.ddp_bucket_size,
+    )
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad, use_distributed_optimizer=True, bf16=args.bf16, params_dtype=dtype,
+        ),
+        [ddp],
+    )  # fmt: skip
+    steps = args.train_iters * args.global_batch_size  # the scheduler counts samples
+    scheduler = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=0, lr_decay_steps=steps,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=steps, wd_incr_style="constant",
+    )  # fmt: skip
+
+    def step(ids: torch.Tensor) -> None:
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(*_forward_inputs(ids)).float().pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        applied, _, _ = opt.step()
+        assert applied
+        scheduler.step(increment=args.global_batch_size)
+
+    step(inputs())
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    moments = {}
+    for name, p in core.named_parameters():
+        whole = {m: torch.zeros(p.numel()) for m in ("exp_avg", "exp_avg_sq")}
+        if p in inner.model_param_group_index_map:  # this dp rank holds a shard of p
+            span = inner._get_model_param_range_map(p)["param"]
+            state = inner._get_main_param_and_optimizer_states(p)
+            for m, t in whole.items():
+                t[span.start : span.end] = state[m]
+        for t in whole.values():
+            dist.all_reduce(t)
+        moments[name] = {m: t.view(p.shape) for m, t in whole.items()}
+    md = {
+        "distrib_optim_sharding_type": sharding,
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "distrib_optim_fully_reshardable_mem_efficient": True,  # gathers with gloo, not send_tensor.cuda()
+    }
+    msd = core.sharded_state_dict(prefix="", metadata=md)
+    state = {
+        "model": msd,
+        "optimizer": opt.sharded_state_dict(msd, metadata=md),
+        "iteration": 1,
+        "checkpoint_version": 3.0,
+        "args": args,
+        "opt_param_scheduler": dict(scheduler.state_dict()),
+        "num_floating_point_operations_so_far": 0,
+    }
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    os.makedirs(f"{save}/iter_0000001", exist_ok=True)
+    dist_checkpointing.save(state, f"{save}/iter_0000001", sharded_strategy=strategy, content_metadata=md)
+    if rank == 0:
+        with open(f"{save}/latest_checkpointed_iteration.txt", "w") as f:
+            f.write("1")
+    step(inputs().flip(1))
+    os.makedirs(f"{save}/after_step_2", exist_ok=True)
+    dist_checkpointing.save(core.sharded_state_dict(), f"{save}/after_step_2", sharded_strategy=strategy)
+    ps.destroy_model_parallel()
+    if rank == 0:  # a file: tensors through the result queue need the (exited) rank process
+        torch.save({"moments": moments, "scheduler": state["opt_param_scheduler"]}, f"{save}/reference.pt")

@@ -25,8 +25,11 @@ Megatron-LM saves in `common.pt` (in each rank file of the legacy layout), read 
 positions, norm epsilon, RoPE base, position embedding type, swiglu, top-k, vocab size), then the
 user's `--set model.*` (or `preset=`), each over the one before. Every tensor's shape is checked
 against `GPT(config)` before anything is written. Megatron-LM's `iteration` and
-`consumed_train_samples` are recorded in the manifest's `source`; `mlm train --load` starts a new
-run from the weights. Not read: optimizer state, RNG states, Transformer Engine `_extra_state`.
+`consumed_train_samples` are recorded in the manifest's `source`. Where the checkpoint holds
+the distributed optimizer's state (Megatron-LM's default), its Adam moments go through the same
+table and splits into the "optim" group and the mlm checkpoint continues the run
+(`mlm.convert.megatron_optim`); with `weights_only` (or without optimizer state) `mlm train --load`
+starts a new run from the weights. Not read: RNG states, Transformer Engine `_extra_state`.
 """
 
 from __future__ import annotations
@@ -433,11 +436,16 @@ def import_megatron(
     overrides: list[str] | tuple[str, ...] = (),
     *,
     verify: bool = True,
+    weights_only: bool = False,
     progress: Progress = noop,
 ) -> Report:
     """Megatron-core torch_dist or legacy checkpoint (`iter_NNNNNNN/` or the save root) → mlm checkpoint
-    folder `out` (iteration 0, group "model"). `verify`: read back what was written (checksums)
+    folder `out`: with the optimizer state the checkpoint holds (unless `weights_only`), a run
+    `mlm train --load` resumes (Megatron's iteration, the "optim" group; `megatron_optim.resumed_run`),
+    else iteration 0 with the "model" group. `verify`: read back what was written (checksums)
     and check mlm's logits on it are finite."""
+    from mlm.convert.megatron_optim import MOMENTS, MegatronOptimizer, resumed_run  # it reuses this module
+
     src, out = Path(src), Path(out)
     check_new_dir(out)
     start = time.perf_counter()
@@ -445,12 +453,24 @@ def import_megatron(
     ckpt = LegacyCheckpoint(folder) if is_legacy(folder) else MegatronCheckpoint(checkpoint_dir(folder))
     _known(ckpt)
     config, notes = model_config(ckpt, list(overrides))
-    if ckpt.optimizer_keys:
+    if ckpt.optimizer_keys and weights_only:
         notes.append(
             f"the optimizer state ({len(ckpt.optimizer_keys)} tensors, e.g. {ckpt.optimizer_keys[0]}) is not "
-            "imported: the mlm checkpoint holds the weights, and mlm train starts a new run from them"
+            "imported (--weights-only): mlm train starts a new run from the weights"
         )
-    position = _training_position(ckpt.common()[0])
+    common = ckpt.common()[0]
+    position = _training_position(common)
+    opt, iteration, resume = None, 0, {}
+    if ckpt.optimizer_keys and not weights_only:
+        if isinstance(ckpt, LegacyCheckpoint):
+            raise MlmError(
+                f"{ckpt.path}: the legacy layout's optimizer state ({ckpt.optimizer_keys[0]}, …) is not imported: "
+                "pass --weights-only to import the weights (a new run), or have Megatron-LM rewrite the "
+                "checkpoint as torch_dist (--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and import that"
+            )
+        opt = MegatronOptimizer(ckpt)
+        config, iteration, resume, more = resumed_run(opt, config, common)
+        notes += more
     cfg = config.model
     padded = ckpt.shape("embedding.word_embeddings.weight")[0]
     if cfg.vocab_size > padded:
@@ -460,19 +480,26 @@ def import_megatron(
         )
     _check_shapes(ckpt, cfg, padded)
     total = sum(math.prod(ckpt.shape(k)) * ckpt.tensors[k].properties.dtype.itemsize for k in ckpt.tensors)
+    total *= 1 if opt is None else 3  # the weights (or fp32 main params, about as large) and two moments
     with staged_dir(out) as tmp:
-        extra = {"config": config.to_dict(), "source": {"megatron_dir": str(ckpt.path.resolve()), **position}}
+        source = {"megatron_dir": str(ckpt.path.resolve()), **position, **resume.pop("source", {})}
+        extra = {"config": config.to_dict(), "source": source, **resume}
         written = {"tensors": 0, "bytes": 0, "dtypes": set()}
+        # mlm's model group holds the fp32 main weights: Megatron's main params where the weights are not fp32
+        low = opt is not None and any(m.properties.dtype != torch.float32 for m in ckpt.tensors.values())
+        states = [("model", "", opt.view("main") if low else ckpt)]
+        states += [("optim", f"{m}.", opt.view(m)) for m in MOMENTS] if opt is not None else []
 
         def tensors() -> Iterator[tuple]:
-            for key, t in _mlm_tensors(ckpt, cfg):
-                yield "model", key, t, tuple(t.shape)
-                written["tensors"] += 1
-                written["bytes"] += t.numel() * t.element_size()
-                written["dtypes"].add(dtype_name(t.dtype))
-                progress(f"model/{key}", written["bytes"], total)
+            for group, prefix, state in states:
+                for key, t in _mlm_tensors(state, cfg):
+                    yield group, prefix + key, t, tuple(t.shape)
+                    written["tensors"] += 1
+                    written["bytes"] += t.numel() * t.element_size()
+                    written["dtypes"].add(dtype_name(t.dtype))
+                    progress(f"{group}/{prefix}{key}", written["bytes"], total)
 
-        save_streaming(tmp, 0, tensors(), extra, ["model"])
+        save_streaming(tmp, iteration, tensors(), extra, ["model", "optim"] if opt is not None else ["model"])
         (tmp / "config.toml").write_text(to_toml(config))
         report = Report(
             "import",

@@ -11,9 +11,10 @@ matter to the reader.
 Unpickling: torch's own `FileSystemReader.read_metadata` runs a plain `pickle.load` on `.metadata`
 and its default planner `torch.load(weights_only=False)`s every bytes entry. Here `.metadata` goes
 through `_MetadataUnpickler`, which allows only DCP's metadata, storage and plan classes, `torch.Size` and torch's
-dtype / layout / memory-format constants; bytes entries (e.g. `_extra_state`, RNG states) are read only
-when asked for by name (`values`), each with `torch.load(weights_only=True)`; `common.pt` is read with
-`torch.load(weights_only=True)` and the allow-list of `mlm.convert.megatron_pickle` (Megatron's args hold its enums).
+dtype / layout / memory-format constants; bytes entries (e.g. `_extra_state`, RNG states, the
+optimizer's) are read only when asked for by name (`values`; `mlm.convert.megatron_optim`), each
+with `torch.load(weights_only=True)`; `common.pt` is read with `torch.load(weights_only=True)` and
+the allow-list of `mlm.convert.megatron_pickle` (Megatron's args hold its enums).
 """
 
 from __future__ import annotations
@@ -168,8 +169,9 @@ class MegatronCheckpoint:
             k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)
         )
         # the optimizer's state (Megatron-LM saves it by default: optimizer.distributed.* or
-        # optimizer.state.*) is not read yet
+        # optimizer.state.*) is read by mlm.convert.megatron_optim
         self.optimizer_keys = sorted(k for k in tensors if k.startswith("optimizer."))
+        self.optimizer_meta = {k: tensors[k] for k in self.optimizer_keys}
         self.tensors: dict[str, TensorStorageMetadata] = {
             k: v for k, v in tensors.items() if not k.startswith("optimizer.")
         }

@@ -1,0 +1,455 @@
+"""Adam's state of a Megatron-LM run, read from its torch_dist checkpoint: the moments per Megatron
+sharded key, the fp32 main parameters, Adam's step and the run's position.
+
+    opt = MegatronOptimizer(ckpt)          # ckpt: mlm.convert.megatron_dcp.MegatronCheckpoint
+    opt.step, opt.param_groups             # Adam's step (param_groups[*]["step"])
+    opt.view("exp_avg").read(key)          # the moment of model key `key`, in the weight's global shape
+
+Megatron's DistributedOptimizer saves its state in one of two layouts (Megatron-LM picks
+`dp_reshardable` by default, `fully_reshardable` with `--dist-ckpt-optim-fully-reshardable`):
+
+- per parameter (`fully_reshardable`, also `fully_sharded_model_space`): tensors
+  `optimizer.state.{param|fp32_param, exp_avg, exp_avg_sq}.<model key>` in the model tensor's
+  global shape; the param groups (with Adam's `step`) in common.pt's `optimizer.optimizer`.
+- `dp_reshardable`: per DDP bucket, one flat tensor
+  `optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(…).bucket_idx_B.{param,exp_avg,exp_avg_sq}`
+  holding the bucket's parameters in **reverse registration order**, each starting at a multiple of
+  64 elements (the gaps are garbage), the bucket's length `per_bucket_numel_unpadded` (a bytes
+  entry); the param groups in the bytes entry `optimizer.distributed.dp_group_idx_0.optimizer`.
+  `decode_buckets` rebuilds the layout from the model's parameter order (the local spec's or
+  Transformer Engine's, `_LAYER_ORDERS`) and the saved bucket lengths, and keeps the order whose
+  decoded fp32 main params equal the checkpoint's weights (cast to the weights' dtype). Not
+  decoded (refused): several dp groups (tp or pp > 1: each domain's buckets hold its local
+  shards), several gradient buffers (MoE expert buffers, mixed dtypes).
+
+Bytes entries are read with `torch.load(weights_only=True)` (builtins and torch dtypes only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from mlm.checkpoint.keys import MOMENTS
+from mlm.config import Config
+from mlm.convert.megatron import _split_key
+from mlm.convert.megatron_dcp import MegatronCheckpoint, _Reader
+from mlm.errors import MlmError
+
+_ALIGN = 64
+"""Megatron DDP starts every parameter of a distributed-optimizer buffer at a multiple of 64 elements."""
+
+_BUCKET = re.compile(
+    r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)"
+)
+
+_EMBEDDING = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+_FINAL = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+_LINEARS = {  # a linear's parameters, in registration order (weight, then bias)
+    name: (f"{name}.weight", f"{name}.bias")
+    for name in (
+        "self_attention.linear_proj",
+        "self_attention.linear_qkv",
+        "mlp.linear_fc1",
+        "mlp.linear_fc2",
+    )
+}
+_QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+_ATTN_NORM = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
+_MLP_NORM = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias")
+_LAYER_ORDERS = {
+    # local spec: input_layernorm, then SelfAttention (linear_proj is built by its base class
+    # before linear_qkv and the q/k norms), pre_mlp_layernorm, MLP; torch_dist names the two
+    # norms after the linear they precede
+    "local": (*_ATTN_NORM, *_LINEARS["self_attention.linear_proj"], *_LINEARS["self_attention.linear_qkv"],
+              *_QK_NORMS, *_MLP_NORM, *_LINEARS["mlp.linear_fc1"], *_LINEARS["mlp.linear_fc2"]),
+    # Transformer Engine spec: the norms are parameters of the fused LayerNormLinear, which registers
+    # layer_norm_weight / layer_norm_bias before weight / bias (not run here: no TE)
+    "transformer_engine": (*_LINEARS["self_attention.linear_proj"], *_ATTN_NORM,
+                           *_LINEARS["self_attention.linear_qkv"], *_QK_NORMS, *_MLP_NORM,
+                           *_LINEARS["mlp.linear_fc1"], *_LINEARS["mlp.linear_fc2"]),
+}  # fmt: skip
+"""A dense layer's parameters in `model.parameters()` order, by sub-key (after `decoder.layers.`)."""
+
+
+class _SafeBytesPlanner(DefaultLoadPlanner):
+    """DCP's load planner with bytes entries unpickled by `torch.load(weights_only=True)`."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False)
+        self.loaded: dict[str, object] = {}  # dcp.load hands the planner a copy of the state dict
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.loaded[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def read_object(ckpt: MegatronCheckpoint, key: str):
+    """A Megatron ShardedObject (a DCP bytes entry, `torch.save([obj])`): obj."""
+    planner = _SafeBytesPlanner()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({key: io.BytesIO()}, storage_reader=_Reader(ckpt.path), planner=planner, no_dist=True)
+    value = planner.loaded[key]
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def read_tensor(ckpt: MegatronCheckpoint, key: str) -> torch.Tensor:
+    """The optimizer's tensor `key`, whole."""
+    meta = ckpt.optimizer_meta[key]
+    out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(out, storage_reader=_Reader(ckpt.path), no_dist=True)
+    return out[key]
+
+
+def _pad(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def parameter_order(ckpt: MegatronCheckpoint, spec: str) -> list[tuple[str, int | None]]:
+    """Every parameter of the checkpoint's GPTModel in `model.parameters()` order under `spec`, as
+    (sharded key, layer index along its stacked axis or None)."""
+    per_layer: dict[int, dict[str, tuple[str, int | None]]] = {}
+    for key in ckpt.tensors:
+        if key.startswith("decoder.layers."):
+            n, sub = _split_key(key)
+            for i in [n] if n is not None else range(ckpt.shape(key)[0]):
+                per_layer.setdefault(i, {})[sub] = (key, None if n is not None else i)
+    order = [(k, None) for k in _EMBEDDING if k in ckpt.tensors]
+    for i in sorted(per_layer):
+        unknown = sorted(set(per_layer[i]) - set(_LAYER_ORDERS[spec]))
+        if unknown:
+            raise MlmError(
+                f"{ckpt.path}: dp_reshardable optimizer state of a layer with {unknown[0]} is not decoded "
+                "(dense GPTModel layers only: MoE layers' experts live in separate buffers); save the run "
+                "with --dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
+            )
+        order += [per_layer[i][sub] for sub in _LAYER_ORDERS[spec] if sub in per_layer[i]]
+    return order + [(k, None) for k in _FINAL if k in ckpt.tensors]
+
+
+def _shape(ckpt: MegatronCheckpoint, key: str, layer: int | None) -> tuple[int, ...]:
+    shape = ckpt.shape(key)
+    return shape[1:] if layer is not None else shape
+
+
+def decode_buckets(
+    order: list[tuple[str, int | None]],
+    shapes: Callable[[str, int | None], tuple[int, ...]],
+    bucket_numels: list[int],
+) -> dict[tuple[str, int | None], tuple[int, int]]:
+    """Megatron DDP's distributed-optimizer bucket layout: each parameter's (bucket, offset in the
+    bucket), given the parameters in `model.parameters()` order and the saved unpadded bucket
+    lengths. Parameters fill the buckets in reverse order, each starting at a multiple of 64
+    elements; a bucket ends where its parameters reach its saved length. MlmError when the
+    parameters do not fill the buckets exactly. Works on any flat buffer of this layout (the
+    torch_dist `dp_reshardable` tensors, or the legacy `distrib_optim.pt` buckets)."""
+    layout, bucket, offset = {}, 0, 0
+    for param in reversed(order):
+        numel = torch.Size(shapes(*param)).numel()
+        start = _pad(offset)
+        if bucket >= len(bucket_numels) or start + numel > bucket_numels[bucket]:
+            raise MlmError(
+                f"parameter {param[0]}{'' if param[1] is None else f' (layer {param[1]})'} does not fit the "
+                f"saved bucket lengths {bucket_numels}"
+            )
+        layout[param] = (bucket, start)
+        offset = start + numel
+        if offset == bucket_numels[bucket]:
+            bucket, offset = bucket + 1, 0
+    if bucket != len(bucket_numels):
+        raise MlmError(
+            f"the parameters fill {bucket} of the {len(bucket_numels)} saved buckets {bucket_numels}"
+        )
+    return layout
+
+
+class MegatronOptimizer:
+    """The optimizer state of a Megatron torch_dist checkpoint (see the module docstring)."""
+
+    def __init__(self, ckpt: MegatronCheckpoint):
+        self.ckpt = ckpt
+        keys = set(ckpt.optimizer_keys)
+        if not keys:
+            raise MlmError(
+                f"{ckpt.path}: the checkpoint holds no optimizer state (saved with --no-save-optim?)"
+            )
+        common, note = ckpt.common()
+        if note:
+            raise MlmError(
+                f"{ckpt.path}: {note}, and carrying the optimizer state needs it (Adam's step, the iteration, "
+                "the consumed samples); import the weights only (--weights-only)"
+            )
+        if any(k.startswith("optimizer.state.") for k in keys):
+            self.sharding = "per_parameter"
+            groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
+            names = {k.split(".")[2] for k in keys}
+            self._main = "fp32_param" if "fp32_param" in names else "param"
+            lacking = [
+                f"optimizer.state.{m}.{k}" for k in ckpt.tensors for m in (*MOMENTS, self._main)
+                if f"optimizer.state.{m}.{k}" not in keys
+            ]  # fmt: skip
+            if lacking:
+                raise MlmError(
+                    f"{ckpt.path}: the optimizer state lacks {lacking[0]} (Adam's state per parameter)"
+                )
+        elif any(k.startswith("optimizer.distributed.") for k in keys):
+            self.sharding = "dp_reshardable"
+            groups = (
+                read_object(ckpt, "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1") or {}
+            ).get("param_groups")
+            self._init_buckets(keys)
+        else:
+            raise MlmError(f"{ckpt.path}: optimizer state {sorted(keys)[0]} is in a layout mlm does not read")
+        if not groups or any(g.get("step") != groups[0].get("step") for g in groups):
+            raise MlmError(
+                f"{ckpt.path}: Adam's param_groups with one 'step' not found (chained or non-Adam optimizers "
+                "are not read)"
+            )
+        self.param_groups: list[dict] = groups
+        self.step = int(groups[0]["step"])
+
+    def _init_buckets(self, keys: set[str]) -> None:
+        found = [(m, k) for k in keys if (m := _BUCKET.fullmatch(k))]
+        domains = {m.group(1) for m, _ in found}
+        buffers = {m.group(2) for m, _ in found}
+        if domains != {"0"} or buffers != {"0"}:
+            why = (
+                "several dp groups (tensor or pipeline parallel > 1: each domain's buckets hold its local shards)"
+                if domains != {"0"}
+                else "several gradient buffers (MoE expert buffers or several dtypes)"
+            )
+            raise MlmError(
+                f"{self.ckpt.path}: dp_reshardable optimizer state with {why} is not decoded; save the run with "
+                "--dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
+            )
+        self._bucket_key = {int(m.group(4)): k.rsplit(".", 1)[0] for m, k in found}
+        numels = read_object(
+            self.ckpt, "optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"
+        )
+        per_dtype = numels[0] if isinstance(numels, list) and len(numels) == 1 else {}
+        self.bucket_numels = next(iter(per_dtype.values())) if len(per_dtype) == 1 else None
+        if self.bucket_numels is None or len(self.bucket_numels) != len(self._bucket_key):
+            raise MlmError(
+                f"{self.ckpt.path}: per_bucket_numel_unpadded {numels} does not describe one buffer's buckets"
+            )
+        for b, n in enumerate(self.bucket_numels):
+            for what in ("param", *MOMENTS):
+                key = f"{self._bucket_key.get(b)}.{what}"
+                meta = self.ckpt.optimizer_meta.get(key)
+                if meta is None or tuple(meta.size) != (n,):
+                    raise MlmError(
+                        f"{self.ckpt.path}: {key} is {'absent' if meta is None else list(meta.size)}; "
+                        f"per_bucket_numel_unpadded gives bucket {b} {n} elements"
+                    )
+        self.layout, self.spec = self._match_layout()
+
+    def _match_layout(self) -> tuple[dict, str]:
+        """(layout, spec) of the parameter order whose decoded main params equal the weights (cast
+        to the weights' dtype), reading one weight at a time: MlmError if no order does."""
+        ckpt, reasons, layouts = self.ckpt, [], {}
+        for spec in _LAYER_ORDERS:
+            try:
+                order = parameter_order(ckpt, spec)
+                layouts[spec] = decode_buckets(order, lambda k, i: _shape(ckpt, k, i), self.bucket_numels)
+            except MlmError as e:
+                reasons.append(f"{spec} order: {e}")
+        mains = self._buckets("param") if layouts else {}
+        for key in ckpt.tensors:
+            if not layouts:
+                break
+            weight = ckpt.read(key)
+            for spec, layout in list(layouts.items()):
+                for (k, layer), (bucket, offset) in layout.items():
+                    want = weight if layer is None else weight[layer]
+                    if k == key and not torch.equal(
+                        self._slice(mains, bucket, offset, want.shape).to(want.dtype), want
+                    ):
+                        reasons.append(
+                            f"{spec} order: the decoded main param of {key} differs from the weight"
+                        )
+                        del layouts[spec]
+                        break
+        if layouts:
+            spec = next(iter(layouts))
+            return layouts[spec], spec
+        raise MlmError(
+            f"{ckpt.path}: the dp_reshardable bucket layout was not reconstructed ({'; '.join(reasons)}); save the "
+            "run with --dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
+        )
+
+    def _buckets(self, what: str) -> dict[int, torch.Tensor]:
+        return {b: read_tensor(self.ckpt, f"{k}.{what}") for b, k in self._bucket_key.items()}
+
+    @staticmethod
+    def _slice(buckets: dict[int, torch.Tensor], bucket: int, offset: int, shape) -> torch.Tensor:
+        return buckets[bucket][offset : offset + torch.Size(shape).numel()].view(shape)
+
+    def view(self, what: str) -> _StateView:
+        """The state `what` (exp_avg, exp_avg_sq, or "main" for the fp32 main params) per model key,
+        as a checkpoint-like object for `mlm.convert.megatron._mlm_tensors`."""
+        return _StateView(self, what)
+
+
+class _StateView:
+    """`.path`, `.tensors` (the model's keys) and `.read(key)`: one optimizer state per model key.
+    A dp_reshardable state's buckets are read on the first `read` and kept until every key has been read."""
+
+    def __init__(self, opt: MegatronOptimizer, what: str):
+        self.path, self.tensors, self._opt, self._what = opt.ckpt.path, opt.ckpt.tensors, opt, what
+        self._flat: dict[int, torch.Tensor] | None = None
+        self._unread = set(self.tensors)  # the buckets are dropped once every key has been read
+
+    def read(self, key: str) -> torch.Tensor:
+        opt = self._opt
+        if opt.sharding == "per_parameter":
+            return read_tensor(
+                opt.ckpt, f"optimizer.state.{opt._main if self._what == 'main' else self._what}.{key}"
+            )
+        if self._flat is None:
+            self._flat = opt._buckets("param" if self._what == "main" else self._what)
+        shape = opt.ckpt.shape(key)
+        parts = sorted((p[1] or 0, b, o) for p, (b, o) in opt.layout.items() if p[0] == key)
+        if key.startswith("decoder.layers.") and _split_key(key)[0] is None:  # layers on axis 0
+            out = torch.stack([opt._slice(self._flat, b, o, shape[1:]) for _, b, o in parts])
+        else:
+            out = opt._slice(self._flat, parts[0][1], parts[0][2], shape).clone()
+        self._unread.discard(key)
+        if not self._unread:
+            self._flat = None
+        return out
+
+
+_SAME = {  # Megatron-LM args → mlm fields of the same meaning
+    "lr": "optimizer.lr",
+    "min_lr": "optimizer.min_lr",
+    "adam_beta1": "optimizer.adam_beta1",
+    "adam_beta2": "optimizer.adam_beta2",
+    "adam_eps": "optimizer.adam_eps",
+    "clip_grad": "optimizer.clip_grad",
+    "global_batch_size": "train.global_batch_size",
+    "micro_batch_size": "train.micro_batch_size",
+    "seq_length": "data.seq_length",
+}
+_IN_SAMPLES = {  # Megatron-LM args counted in samples → mlm fields counted in iterations
+    "lr_warmup_samples": "optimizer.warmup_iters",
+    "lr_decay_samples": "optimizer.decay_iters",
+    "train_samples": "train.train_iters",
+}
+
+
+def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
+    """({"optimizer.lr": …, "train.train_iters": …}: the mlm settings that mean what Megatron-LM's
+    `args` mean; notes naming what is not carried). Iteration counts come from `*_iters`, or from
+    `*_samples` divided by global_batch_size where it divides."""
+    out = {ours: args[theirs] for theirs, ours in _SAME.items() if args.get(theirs) is not None}
+    notes = []
+    for name, ours in (("lr_warmup_iters", "optimizer.warmup_iters"), ("lr_decay_iters", "optimizer.decay_iters"),
+                       ("train_iters", "train.train_iters")):  # fmt: skip
+        if args.get(name):
+            out[ours] = int(args[name])
+    gbs = args.get("global_batch_size")
+    for name, ours in _IN_SAMPLES.items():
+        if args.get(name):
+            if gbs and args[name] % gbs == 0:
+                out[ours] = args[name] // gbs
+            else:
+                notes.append(
+                    f"args.{name}={args[name]} is not a whole number of global batches ({gbs}): not carried"
+                )
+    if args.get("lr_warmup_fraction") is not None:
+        decay = out.get("optimizer.decay_iters") or out.get("train.train_iters")
+        if decay:
+            out["optimizer.warmup_iters"] = round(args["lr_warmup_fraction"] * decay)
+    style = args.get("lr_decay_style")
+    if style in ("cosine", "linear", "constant"):
+        out["optimizer.decay_style"] = style
+    elif style == "WSD" and args.get("lr_wsd_decay_style") == "linear" and args.get("lr_wsd_decay_iters"):
+        out["optimizer.decay_style"], out["optimizer.wsd_decay_iters"] = (
+            "wsd",
+            int(args["lr_wsd_decay_iters"]),
+        )
+    elif style is not None:
+        notes.append(f"args.lr_decay_style={style} has no mlm equal: optimizer.decay_style is mlm's (set it)")
+    start, end = args.get("start_weight_decay"), args.get("end_weight_decay")
+    if args.get("weight_decay") is not None and (start is None or start == end):
+        out["optimizer.weight_decay"] = args["weight_decay"]
+    elif args.get("weight_decay") is not None:
+        notes.append(f"args weight decay {start} → {end} (incremented) has no mlm equal: not carried")
+    if out.get("optimizer.warmup_iters"):
+        notes.append(
+            "warm-up: Megatron's step k (from 0) uses lr·k/warmup (lr_warmup_init 0), mlm's lr·(k+1)/warmup; "
+            "equal after the warm-up"
+        )
+    notes.append(
+        "weight decay groups: Megatron exempts biases and 1-d parameters, mlm also the embeddings "
+        "(optimizer.no_decay_norms_biases_embeddings)"
+    )
+    return out, notes
+
+
+def _json_safe(value):
+    """`value` with what JSON cannot hold (e.g. torch dtypes) as its repr."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value if value is None or isinstance(value, bool | int | float | str) else repr(value)
+
+
+def resumed_run(opt: MegatronOptimizer, config: Config, common: dict) -> tuple[Config, int, dict, list[str]]:
+    """(the run config with the settings `run_settings` carries, the iteration, the manifest fields a
+    resumable mlm checkpoint holds — consumed_samples, optimizer_step, scheduler, source additions —,
+    notes) for continuing the Megatron-LM run whose optimizer `opt` is."""
+    args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
+    iteration, consumed = common.get("iteration"), args.get("consumed_train_samples")
+    if not isinstance(iteration, int) or not isinstance(consumed, int):
+        raise MlmError(
+            f"{opt.ckpt.path}: common.pt lacks Megatron-LM's iteration or args.consumed_train_samples "
+            f"(iteration={iteration!r}, consumed_train_samples={consumed!r}), which a resumed run needs; "
+            "import the weights only (--weights-only)"
+        )
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    betas = group.get("betas") or (None, None)
+    from_group = {  # Adam's own settings, where the args (e.g. a trimmed Namespace) lack them
+        "lr": group.get("max_lr"), "min_lr": group.get("min_lr"), "adam_beta1": betas[0],
+        "adam_beta2": betas[1], "adam_eps": group.get("eps"), "weight_decay": group.get("weight_decay"),
+    }  # fmt: skip
+    settings, notes = run_settings({**{k: v for k, v in from_group.items() if v is not None}, **args})
+    sections = {}
+    for dotted, value in settings.items():
+        section, field = dotted.split(".")
+        sections.setdefault(section, {})[field] = value
+    config = dataclasses.replace(
+        config, **{s: dataclasses.replace(getattr(config, s), **f) for s, f in sections.items()}
+    )
+    extra = {
+        "consumed_samples": consumed,
+        "optimizer_step": opt.step,
+        "scheduler": {
+            "total_iters": config.train.train_iters,
+            "decay_style": config.optimizer.decay_style,
+        },
+        "loss_scaler": None,
+        "rng": None,
+        "rng_per_stage": None,
+        "faults": None,
+        "source": {
+            "megatron_optimizer": {"sharding": opt.sharding, "param_group": _json_safe(group)},
+            "opt_param_scheduler": _json_safe(common.get("opt_param_scheduler")),
+            "run_settings": settings,
+        },
+    }
+    notes.append(
+        f"optimizer state carried ({opt.sharding}): Adam step {opt.step}, iteration {iteration}, "
+        f"{consumed} samples consumed; not carried: RNG states (train.seed's), the fp16 loss scale"
+    )
+    return config, iteration, extra, notes
