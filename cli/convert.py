@@ -99,61 +99,106 @@ def convert(
     ),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
-    """Reshard a checkpoint for another mesh, import a Hugging Face model (--from-hf) or export a
-    checkpoint to one (--to-hf); the logits of both sides are compared before OUT appears."""
+    """Reshard a checkpoint for another mesh, import a Hugging Face, Megatron-LM or torchtitan
+    checkpoint, or export to Hugging Face or Megatron-LM; verified before OUT appears."""
     from mlm.errors import MlmError
 
-    if from_megatron or from_dcp:
-        if (
-            from_hf
-            or to_hf
-            or (from_megatron and from_dcp)
-            or to_megatron
-            or any(v is not None for v in (tp, pp, vpp, dp, ep, dtype, tokenizer))
-            or consolidate
-        ):
-            raise MlmError(
-                f"{'--from-dcp imports a torchtitan' if from_dcp else '--from-megatron imports a Megatron'} "
-                "checkpoint as it is: leave out --from-hf/--to-hf (and one of --from-megatron/--from-dcp) and the "
-                "reshard options (reshard the imported checkpoint afterwards with mlm convert OUT OUT2 --tp ...)"
-            )
-        return _from_megatron(src, out, overrides, verify, progress, weights_only, torchtitan=from_dcp)
-    if to_megatron:
-        if (
-            from_hf
-            or to_hf
-            or overrides
-            or any(v is not None for v in (tp, pp, vpp, dp, ep, dtype, tokenizer))
-            or consolidate
-        ):
-            raise MlmError(
-                "--to-megatron exports the checkpoint's weights as they are: leave out --from-hf/--to-hf, --set "
-                "and the reshard options (Megatron reshards a torch_dist checkpoint when it loads it)"
-            )
-        return _to_megatron(src, out, verify, progress)
-    if overrides:
-        raise MlmError("--set applies to --from-megatron and --from-dcp only")
-    if from_hf and to_hf:
-        raise MlmError("mlm convert: pass at most one of --from-hf (HF → mlm) or --to-hf (mlm → HF)")
-    mesh_options = any(v is not None for v in (tp, pp, vpp, dp, ep)) or consolidate
-    if (from_hf or to_hf) and mesh_options:
-        raise MlmError(
-            "--tp, --pp, --vpp, --dp, --ep and --consolidate reshard an mlm checkpoint; leave out --from-hf/--to-hf"
+    modes = {
+        "--from-hf": from_hf,
+        "--to-hf": to_hf,
+        "--from-megatron": from_megatron,
+        "--to-megatron": to_megatron,
+        "--from-dcp": from_dcp,
+    }
+    chosen = [m for m, on in modes.items() if on]
+    if len(chosen) > 1:
+        raise MlmError(f"mlm convert: pass at most one of {', '.join(modes)} (given: {' '.join(chosen)})")
+    mode = chosen[0] if chosen else "reshard"
+    given = {
+        "--tp": tp is not None,
+        "--pp": pp is not None,
+        "--vpp": vpp is not None,
+        "--dp": dp is not None,
+        "--ep": ep is not None,
+        "--consolidate": consolidate,
+        "--dtype": dtype is not None,
+        "--max-shard-size": max_shard_size != "5GB",
+        "--tokenizer": tokenizer is not None,
+        "--set": bool(overrides),
+        "--weights-only": weights_only,
+    }
+    bad = [o for o, on in given.items() if on and o not in _OPTIONS[mode]]
+    if bad:
+        where = "; ".join(
+            f"{o} applies to {' and '.join(m for m in _OPTIONS if o in _OPTIONS[m])}" for o in bad
         )
-    if from_hf and (dtype is not None or tokenizer is not None or max_shard_size != "5GB"):
-        raise MlmError("--dtype, --tokenizer and --max-shard-size apply to --to-hf only")
-    if not (from_hf or to_hf):
-        if not mesh_options and dtype is None:
+        label = "SRC OUT (a reshard)" if mode == "reshard" else mode
+        raise MlmError(f"mlm convert {label}: leave out {', '.join(bad)} ({_WHAT[mode]}; {where})")
+    if mode == "reshard":
+        if not any(given.values()):
             raise MlmError(
                 "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--dp/--ep/--consolidate/--dtype (reshard), "
-                "--from-hf or --to-hf (Hugging Face), --from-megatron / --to-megatron or --from-dcp"
+                "--from-hf or --to-hf (Hugging Face), --from-megatron or --to-megatron (Megatron-LM), or --from-dcp "
+                "(torchtitan)"
             )
         return _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress)
 
+    from mlm.convert import hf, megatron, megatron_export, torchtitan
+
+    run = {
+        "--from-hf": lambda show: hf.import_hf(src, out, verify=verify, progress=show),
+        "--to-hf": lambda show: hf.export_hf(
+            src,
+            out,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            tokenizer=tokenizer,
+            verify=verify,
+            progress=show,
+        ),
+        "--from-megatron": lambda show: megatron.import_megatron(
+            src, out, overrides, verify=verify, weights_only=weights_only, progress=show
+        ),
+        "--to-megatron": lambda show: megatron_export.export_megatron(src, out, verify=verify, progress=show),
+        "--from-dcp": lambda show: torchtitan.import_torchtitan(
+            src, out, overrides, verify=verify, progress=show
+        ),
+    }[mode]
+    _print_report(_with_progress(run, progress), mode)
+
+
+_OPTIONS = {
+    "reshard": {"--tp", "--pp", "--vpp", "--dp", "--ep", "--consolidate", "--dtype"},
+    "--from-hf": set(),
+    "--to-hf": {"--dtype", "--max-shard-size", "--tokenizer"},
+    "--from-megatron": {"--set", "--weights-only"},
+    "--to-megatron": set(),
+    "--from-dcp": {"--set"},
+}
+"""The options each mode takes (besides --verify and --progress)."""
+
+_WHAT = {
+    "reshard": "a reshard rewrites an mlm checkpoint for another mesh",
+    "--from-hf": "--from-hf imports a Hugging Face model as it is; reshard the import afterwards with mlm convert OUT OUT2 --tp ...",
+    "--to-hf": "--to-hf exports the checkpoint's weights",
+    "--from-megatron": "--from-megatron imports a Megatron checkpoint as it is; reshard the import afterwards with mlm convert OUT OUT2 --tp ...",
+    "--to-megatron": "--to-megatron exports the checkpoint's weights as they are; Megatron reshards a torch_dist checkpoint when it loads it",
+    "--from-dcp": "--from-dcp imports a torchtitan checkpoint as it is; reshard the import afterwards with mlm convert OUT OUT2 --tp ...",
+}
+
+_VERIFIED = {
+    "--from-megatron": "checksums verified, shapes match the config, mlm logits finite (not compared with Megatron's)",
+    "--from-dcp": "checksums verified, shapes match the config, mlm logits finite (not compared with torchtitan's)",
+    "--to-megatron": "read back with mlm's Megatron reader: every tensor bitwise equal",
+}
+"""What verification checked where it is not a logit comparison of both sides."""
+
+
+def _with_progress(run, progress: bool):
+    """`run(show)` under a rich progress bar (bytes read or written so far); its result."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mlm.console import console, human
-    from mlm.convert.hf import export_hf, import_hf
 
     bar = Progress(
         TextColumn("[bold]{task.description:<28}"),
@@ -168,20 +213,14 @@ def convert(
 
         def show(desc: str, done: int, total: int) -> None:
             size = f"{human(done, 'B')} / {human(total, 'B')}" if total else ""
-            bar.update(task, description=desc, completed=done, total=total or None, size=size)
+            bar.update(task, description=desc[:28], completed=done, total=total or None, size=size)
 
-        if from_hf:
-            report = import_hf(src, out, verify=verify, progress=show)
-        else:
-            report = export_hf(
-                src,
-                out,
-                dtype=dtype,
-                max_shard_size=max_shard_size,
-                tokenizer=tokenizer,
-                verify=verify,
-                progress=show,
-            )
+        return run(show)
+
+
+def _print_report(report, mode: str) -> None:
+    from mlm.console import console, human
+
     rate = report.bytes / 1e9 / max(report.seconds, 1e-9)
     line = (
         f"[bold green]{report.direction}ed[/] {report.architecture} {report.src} → {report.out}: "
@@ -190,76 +229,15 @@ def convert(
     )
     if report.tokenizer_files:
         line += f", tokenizer: {', '.join(report.tokenizer_files)}"
-    if report.max_abs_diff is None:
-        line += "; logits not verified (--no-verify)"
+    if not report.verified:
+        line += "; not verified (--no-verify)"
+    elif mode in _VERIFIED:
+        line += f"; {_VERIFIED[mode]}"
     else:
         line += (
             f"; logits verified: max |diff| {report.max_abs_diff:.3g} ≤ {report.tolerance:.3g} "
             f"(max |logit| {report.max_abs_logit:.3g})"
         )
-    console.print(line, highlight=False, soft_wrap=True)
-    for note in report.notes:
-        console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-
-
-def _from_megatron(src, out, overrides, verify, progress, weights_only, torchtitan=False) -> None:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-    from mlm.console import console, human
-    from mlm.convert.megatron import import_megatron
-    from mlm.convert.torchtitan import import_torchtitan
-
-    columns = (TextColumn("[bold]{task.description:<28}"), BarColumn(), DownloadColumn())
-    with Progress(*columns, console=console, disable=not progress or not console.is_terminal) as bar:
-        task = bar.add_task("importing", total=None)
-
-        def show(desc: str, done: int, total: int) -> None:
-            bar.update(task, description=desc[:28], completed=done, total=total or None)
-
-        if torchtitan:
-            report = import_torchtitan(src, out, overrides, verify=verify, progress=show)
-        else:
-            report = import_megatron(
-                src, out, overrides, verify=verify, weights_only=weights_only, progress=show
-            )
-    line = (
-        f"[bold green]imported[/] {report.architecture} {report.src} → {report.out}: {report.tensors} tensors, "
-        f"{human(report.bytes, 'B')} {report.dtype}, {report.seconds:.1f} s"
-    )
-    line += (
-        "; not verified (--no-verify)"
-        if report.max_abs_logit is None
-        else "; checksums verified, shapes match the config, mlm logits finite (not compared with "
-        f"{'torchtitan' if torchtitan else 'Megatron'}'s)"
-    )
-    console.print(line, highlight=False, soft_wrap=True)
-    for note in report.notes:
-        console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-
-
-def _to_megatron(src, out, verify, progress) -> None:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-    from mlm.console import console, human
-    from mlm.convert.megatron_export import export_megatron
-
-    columns = (TextColumn("[bold]{task.description:<28}"), BarColumn(), DownloadColumn())
-    with Progress(*columns, console=console, disable=not progress or not console.is_terminal) as bar:
-        task = bar.add_task("exporting", total=None)
-
-        def show(desc: str, done: int, total: int) -> None:
-            bar.update(task, description=desc[:28], completed=done, total=total or None)
-
-        report = export_megatron(src, out, verify=verify, progress=show)
-    line = (
-        f"[bold green]exported[/] {report.src} → {report.out} ({report.architecture}, torch_dist): "
-        f"{report.tensors} tensors, {human(report.bytes, 'B')} {report.dtype}, {report.seconds:.1f} s"
-    )
-    line += (
-        "; read back with mlm's Megatron reader: every tensor bitwise equal"
-        if verify
-        else "; not verified (--no-verify)"
-    )
     console.print(line, highlight=False, soft_wrap=True)
     for note in report.notes:
         console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)

@@ -158,4 +158,4 @@ def test_cli(trained, tmp_path):
     r = mlm("convert", ckpt, tmp_path / "nothing")
     assert r.returncode == 2 and "say what to convert" in r.stderr and not (tmp_path / "nothing").exists()
     r = mlm("convert", ckpt, tmp_path / "x", "--to-hf", "--tp", "2")
-    assert r.returncode == 2 and "leave out --from-hf/--to-hf" in r.stderr
+    assert r.returncode == 2 and "mlm convert --to-hf: leave out --tp" in r.stderr

@@ -1,12 +1,23 @@
-"""What the conversions share: the logit tolerance of each dtype, and the progress callback.
-(The `--dtype` names are `mlm.units.DTYPES`; staging OUT beside its final name is
-`mlm.fileio.staged_dir`; the verification prompt and mlm's logits on it are `mlm.verify`.)"""
+"""What the conversions share: the logit tolerance of each dtype, the progress callback, the
+report, and writing / checking an imported mlm checkpoint. (The `--dtype` names are
+`mlm.units.DTYPES`; staging OUT beside its final name is `mlm.fileio.staged_dir`; the
+verification prompt and mlm's logits on it are `mlm.verify`.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+from mlm.checkpoint import read_group
+from mlm.checkpoint.manager import save_streaming
+from mlm.checkpoint.store import dtype_name
+from mlm.config import Config, to_toml
+from mlm.errors import MlmError
+from mlm.verify import prompt_logits
 
 # Max |logit difference| allowed, relative to max(1, max |logit|) (both sides computed in fp32 on
 # the CPU). Bit-exact conversions differ only by the order of operations: measured 5e-7 relative
@@ -22,3 +33,72 @@ Progress = Callable[[str, int, int], None]
 
 def noop(desc: str, done: int, total: int) -> None:
     pass
+
+
+@dataclass
+class Report:
+    """What a conversion did, for the summary line."""
+
+    direction: str
+    """'import' (→ mlm) or 'export' (mlm →)."""
+    src: Path
+    out: Path
+    architecture: str
+    """What the other side is, e.g. LlamaForCausalLM, Megatron-core GPTModel."""
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    dtype: str = ""
+    tokenizer_files: list[str] = field(default_factory=list)
+    verified: bool = False
+    """OUT was checked before it was kept (--verify): logits, or for a Megatron export every tensor."""
+    max_abs_diff: float | None = None
+    """Max |mlm logit − transformers logit| on the verification prompt; None when not compared."""
+    max_abs_logit: float | None = None
+    tolerance: float | None = None
+    """The absolute tolerance the difference was checked against."""
+    notes: list[str] = field(default_factory=list)
+    """What the conversion changed or assumed that the user should know (e.g. MTP layers the weights lack)."""
+
+    def count(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """One more tensor written."""
+        self.tensors += 1
+        self.bytes += math.prod(shape) * dtype.itemsize
+        self.dtype = ",".join(sorted({*filter(None, self.dtype.split(",")), dtype_name(dtype)}))
+
+
+def write_import(
+    tmp: Path,
+    iteration: int,
+    items: Iterable[tuple[str, str, torch.Tensor]],
+    extra: dict,
+    groups: list[str],
+    config: Config,
+    report: Report,
+    progress: Progress,
+    total: int,
+) -> None:
+    """Write (group, key, tensor) `items` as iteration `iteration` of the mlm checkpoint `tmp`, one
+    at a time (`save_streaming`), and its config.toml; counted in `report`."""
+
+    def tensors() -> Iterator[tuple]:
+        for group, key, t in items:
+            yield group, key, t, tuple(t.shape)
+            report.count(tuple(t.shape), t.dtype)
+            progress(f"{group}/{key}", report.bytes, total)
+
+    save_streaming(tmp, iteration, tensors(), extra, groups)
+    (tmp / "config.toml").write_text(to_toml(config))
+
+
+def check_finite_logits(
+    tmp: Path, config: Config, padded_vocab: int, report: Report, progress: Progress
+) -> None:
+    """Read back what was written (chunk checksums) and check mlm's logits on it are finite: the
+    verification of an import whose source mlm cannot run."""
+    progress("verifying", 0, 0)
+    logits = prompt_logits(read_group(tmp)[0], config.model, padded_vocab)
+    if not torch.isfinite(logits).all():
+        raise MlmError(f"verification failed: mlm's logits on {report.src}'s weights are not finite")
+    report.max_abs_logit = logits.abs().max().item()
+    report.verified = True

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from mlm.checkpoint.manager import save_streaming, tokenizer_path
 from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, DataConfig, ModelConfig, config_from_dict, to_toml
 from mlm.convert import hf_io
-from mlm.convert.common import TOLERANCE, Progress, noop
+from mlm.convert.common import TOLERANCE, Progress, Report, noop
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
 from mlm.units import DTYPES, parse_size
@@ -37,30 +36,6 @@ from mlm.verify import prompt, prompt_logits
 
 TOKENIZER_DIR = "tokenizer"
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-@dataclass
-class Report:
-    """What a conversion did, for the summary line."""
-
-    direction: str
-    """'import' (HF → mlm) or 'export' (mlm → HF)."""
-    src: Path
-    out: Path
-    architecture: str
-    """The Hugging Face class, e.g. LlamaForCausalLM."""
-    tensors: int
-    bytes: int
-    seconds: float
-    dtype: str
-    tokenizer_files: list[str]
-    max_abs_diff: float | None = None
-    """Max |mlm logit − transformers logit| on the verification prompt; None when not verified."""
-    max_abs_logit: float | None = None
-    tolerance: float | None = None
-    """The absolute tolerance the difference was checked against."""
-    notes: list[str] = field(default_factory=list)
-    """What the conversion changed that the user should know (e.g. MTP layers the weights lack)."""
 
 
 def check_transformers(hf_class: str) -> None:
@@ -106,6 +81,7 @@ def check_logits(report: Report, ours: torch.Tensor, theirs: torch.Tensor, tol_d
             f"{report.out} was not written. This is a conversion bug or an unsupported config field: "
             "please report it with the config.json"
         )
+    report.verified = True
 
 
 def _hf_class(hf_config: dict) -> str:

@@ -42,18 +42,13 @@ from pathlib import Path
 
 import torch
 
-from mlm.checkpoint import read_group
-from mlm.checkpoint.manager import save_streaming
-from mlm.checkpoint.store import dtype_name
-from mlm.config import Config, DataConfig, ModelConfig, load_config, to_toml, toml_value
-from mlm.convert.common import Progress, noop
-from mlm.convert.hf import Report
+from mlm.config import Config, DataConfig, ModelConfig, load_config, toml_value
+from mlm.convert.common import Progress, Report, check_finite_logits, noop, write_import
 from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir, iteration_dir
 from mlm.convert.megatron_legacy import LegacyCheckpoint, is_legacy
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
 from mlm.model.gpt import GPT
-from mlm.verify import prompt_logits
 
 _TOP = {
     "embedding.word_embeddings.weight": "embed.weight",
@@ -481,44 +476,20 @@ def import_megatron(
     _check_shapes(ckpt, cfg, padded)
     total = sum(math.prod(ckpt.shape(k)) * ckpt.tensors[k].properties.dtype.itemsize for k in ckpt.tensors)
     total *= 1 if opt is None else 3  # the weights (or fp32 main params, about as large) and two moments
+    # mlm's model group holds the fp32 main weights: Megatron's main params where the weights are not fp32
+    low = opt is not None and any(m.properties.dtype != torch.float32 for m in ckpt.tensors.values())
+    states = [("model", "", opt.view("main") if low else ckpt)]
+    states += [("optim", f"{m}.", opt.view(m)) for m in MOMENTS] if opt is not None else []
+    items = (
+        (group, prefix + key, t) for group, prefix, state in states for key, t in _mlm_tensors(state, cfg)
+    )
+    report = Report("import", src, out, "Megatron-core GPTModel", notes=notes)
     with staged_dir(out) as tmp:
         source = {"megatron_dir": str(ckpt.path.resolve()), **position, **resume.pop("source", {})}
         extra = {"config": config.to_dict(), "source": source, **resume}
-        written = {"tensors": 0, "bytes": 0, "dtypes": set()}
-        # mlm's model group holds the fp32 main weights: Megatron's main params where the weights are not fp32
-        low = opt is not None and any(m.properties.dtype != torch.float32 for m in ckpt.tensors.values())
-        states = [("model", "", opt.view("main") if low else ckpt)]
-        states += [("optim", f"{m}.", opt.view(m)) for m in MOMENTS] if opt is not None else []
-
-        def tensors() -> Iterator[tuple]:
-            for group, prefix, state in states:
-                for key, t in _mlm_tensors(state, cfg):
-                    yield group, prefix + key, t, tuple(t.shape)
-                    written["tensors"] += 1
-                    written["bytes"] += t.numel() * t.element_size()
-                    written["dtypes"].add(dtype_name(t.dtype))
-                    progress(f"{group}/{prefix}{key}", written["bytes"], total)
-
-        save_streaming(tmp, iteration, tensors(), extra, ["model", "optim"] if opt is not None else ["model"])
-        (tmp / "config.toml").write_text(to_toml(config))
-        report = Report(
-            "import",
-            src,
-            out,
-            "Megatron-core GPTModel",
-            tensors=written["tensors"],
-            bytes=written["bytes"],
-            seconds=0.0,
-            dtype=",".join(sorted(written["dtypes"])),
-            tokenizer_files=[],
-            notes=notes,
-        )
+        groups = ["model", "optim"] if opt is not None else ["model"]
+        write_import(tmp, iteration, items, extra, groups, config, report, progress, total)
         if verify:
-            progress("verifying", 0, 0)
-            stored = read_group(tmp)[0]
-            logits = prompt_logits(stored, cfg, padded)
-            if not torch.isfinite(logits).all():
-                raise MlmError(f"verification failed: mlm's logits on {src}'s weights are not finite")
-            report.max_abs_logit = logits.abs().max().item()
+            check_finite_logits(tmp, config, padded, report, progress)
     report.seconds = time.perf_counter() - start
     return report

@@ -45,8 +45,7 @@ from mlm.checkpoint import read_group
 from mlm.checkpoint.manager import iter_dir_name
 from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, ModelConfig, config_from_dict
-from mlm.convert.common import Progress, noop
-from mlm.convert.hf import Report
+from mlm.convert.common import Progress, Report, noop
 from mlm.convert.megatron import _LAYER, _TOP, _fc1_axis, _fuse_qkv, _mlm_tensors
 from mlm.convert.megatron_dcp import MegatronCheckpoint
 from mlm.errors import MlmError
@@ -367,5 +366,6 @@ def export_megatron(
         if verify:
             progress("verifying", 0, 0)
             _verify(tmp / name, state, cfg)
+            report.verified = True
     report.seconds = time.perf_counter() - start
     return report

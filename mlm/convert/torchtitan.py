@@ -38,24 +38,18 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from mlm.checkpoint import read_group
 from mlm.checkpoint.keys import MOMENTS, moment_key
-from mlm.checkpoint.manager import save_streaming
 from mlm.checkpoint.rng import rng_state_from_json, rng_state_to_json
-from mlm.checkpoint.store import dtype_name
-from mlm.config import Config, DataConfig, ModelConfig, load_config, to_toml, toml_value
-from mlm.convert.common import Progress, noop
-from mlm.convert.hf import Report
+from mlm.config import Config, DataConfig, ModelConfig, load_config, toml_value
+from mlm.convert.common import Progress, Report, check_finite_logits, noop, write_import
 from mlm.convert.megatron import _expected_shapes
 from mlm.convert.megatron_dcp import MegatronCheckpoint
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
-from mlm.verify import prompt_logits
 
 _TOP = {
     "tok_embeddings.weight": "embed.weight",
@@ -369,44 +363,19 @@ def import_torchtitan(
     iteration = position.pop("iteration", 0)
     keys = [*weights, *[f[m] for f in optim.values() for m in MOMENTS]]
     total = sum(math.prod(ckpt.shape(k)) * ckpt.stored[k].properties.dtype.itemsize for k in keys)
+    items = [("model", k, name) for k, name in weights.items()]
+    items += [("optim", f[m], moment_key(m, weights[p])) for p, f in optim.items() for m in MOMENTS]
+    report = Report("import", src, out, "torchtitan Llama 3", notes=notes)
     with staged_dir(out) as tmp:
         extra = {
             "config": config.to_dict(),
             **position,
             "source": {"torchtitan_dir": str(ckpt.path.resolve()), **source},
         }
-        written = {"tensors": 0, "bytes": 0, "dtypes": set()}
-
-        def tensors() -> Iterator[tuple]:
-            items = [("model", k, name) for k, name in weights.items()]
-            items += [("optim", f[m], moment_key(m, weights[p])) for p, f in optim.items() for m in MOMENTS]
-            for group, key, name in items:
-                t = _layout(name, ckpt.read(key), cfg)
-                yield group, name, t, tuple(t.shape)
-                written["tensors"] += 1
-                written["bytes"] += t.numel() * t.element_size()
-                written["dtypes"].add(dtype_name(t.dtype))
-                progress(f"{group}/{name}", written["bytes"], total)
-
-        save_streaming(tmp, iteration, tensors(), extra, ["model", "optim"] if optim else ["model"])
-        (tmp / "config.toml").write_text(to_toml(config))
-        report = Report(
-            "import",
-            src,
-            out,
-            "torchtitan Llama 3",
-            tensors=written["tensors"],
-            bytes=written["bytes"],
-            seconds=0.0,
-            dtype=",".join(sorted(written["dtypes"])),
-            tokenizer_files=[],
-            notes=notes,
-        )
+        tensors = ((group, name, _layout(name, ckpt.read(key), cfg)) for group, key, name in items)
+        groups = ["model", "optim"] if optim else ["model"]
+        write_import(tmp, iteration, tensors, extra, groups, config, report, progress, total)
         if verify:
-            progress("verifying", 0, 0)
-            logits = prompt_logits(read_group(tmp)[0], cfg, ckpt.shape("tok_embeddings.weight")[0])
-            if not torch.isfinite(logits).all():
-                raise MlmError(f"verification failed: mlm's logits on {src}'s weights are not finite")
-            report.max_abs_logit = logits.abs().max().item()
+            check_finite_logits(tmp, config, ckpt.shape("tok_embeddings.weight")[0], report, progress)
     report.seconds = time.perf_counter() - start
     return report
