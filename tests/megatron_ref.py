@@ -279,8 +279,26 @@ def load_reference(
     return logits, common
 
 
+def _tp_gathered(local: torch.Tensor, name: str, param, gated: bool) -> torch.Tensor:
+    """The whole tensor of which `local` is this tp rank's shard, by megatron-core's own marks on
+    parameter `name` (`tensor_model_parallel`, `partition_dim`); a gated linear_fc1's shards are
+    [gate_r; up_r] (mc/transformer/mlp.py's swiglu sharding)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
+        return local
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    if gated and name.endswith("mlp.linear_fc1.weight"):
+        halves = [s.chunk(2) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(shards, dim=param.partition_dim)
+
+
 def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> None:
-    """Megatron-LM's training step and save, tiny: GPTModel (seed 0, tp 1, dp = world, vocab
+    """Megatron-LM's training step and save, tiny: GPTModel (seed 0, tp `args.tensor_model_parallel_size` (default 1), dp = world / tp, vocab
     `args.padded_vocab_size`; with `args.bf16` bf16 parameters in a Float16Module, as Megatron-LM
     wraps them, and fp32 main params in the optimizer) under DDP + DistributedOptimizer (Adam with `args`' lr, betas, eps,
     weight decay, clip_grad; OptimizerParamScheduler with `args.lr_decay_style`, no warm-up), one
@@ -301,7 +319,8 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     core = _gpt(False, 1, args.padded_vocab_size, dtype).train()
     model = Float16Module(core.config, core) if args.bf16 else core
@@ -346,9 +365,11 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
             state = inner._get_main_param_and_optimizer_states(p)
             for m, t in whole.items():
                 t[span.start : span.end] = state[m]
-        for t in whole.values():
-            dist.all_reduce(t)
-        moments[name] = {m: t.view(p.shape) for m, t in whole.items()}
+        for m, t in whole.items():
+            dist.all_reduce(t, group=ps.get_data_parallel_group())
+            moments.setdefault(name, {})[m] = _tp_gathered(
+                t.view(p.shape), name, p, core.config.gated_linear_unit
+            )
     md = {
         "distrib_optim_sharding_type": sharding,
         "singleton_local_shards": False,
