@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import warnings
 
 import torch
@@ -84,6 +85,7 @@ def apply_optimizer_cpu_patches() -> None:
     import megatron.core.optimizer.clip_grads as mclip
     import megatron.core.optimizer.distrib_optimizer as dopt
     import megatron.core.optimizer.optimizer as mopt
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.utils as mutils
 
     # P8: MixedPrecisionOptimizer.__init__ (optimizer.py:473-485, 907), the grad-norm code
@@ -100,7 +102,7 @@ def apply_optimizer_cpu_patches() -> None:
         def __getattr__(self, name):
             return getattr(torch, name)
 
-    for module in (mopt, mclip, dopt, mutils):
+    for module in (mopt, mclip, dopt, mutils, schedules):
         module.torch = _TorchOnCpu()
 
     # P9: the distributed optimizer sorts parameters by `param.type()` against
@@ -145,6 +147,12 @@ def _config(moe: bool, ep: int, gpt2: bool = False, dtype: torch.dtype = torch.f
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
     )
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # stages talk by plain isend / irecv (no cuda sync)
+        kw.update(
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            pipeline_dtype=dtype,
+            batch_p2p_comm=False,
+        )
     if gpt2:  # LayerNorm, GeLU (erf), biases
         kw.update(
             normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True
@@ -180,6 +188,7 @@ def _gpt(
     `mixed`: MoE in layer 1 only (moe_layer_freq [0, 1], a heterogeneous stack) with a gated shared
     expert of width SHARED_FFN. `gpt2`: a GPT-2-like model instead (LayerNorm, GeLU, biases,
     learned positions, tied output)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -205,6 +214,8 @@ def _gpt(
         share_embeddings_and_output_weights=gpt2,
         position_embedding_type="learned_absolute" if gpt2 else "rope",
         rotary_base=10000,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
     )
 
 
@@ -297,6 +308,14 @@ def _tp_gathered(local: torch.Tensor, name: str, param, gated: bool) -> torch.Te
     return torch.cat(shards, dim=param.partition_dim)
 
 
+def _global(core, name: str) -> str:
+    """Parameter `name` of this pipeline stage with its layer's global number (stages count from 0)."""
+    m = re.match(r"decoder\.layers\.(\d+)\.(.+)", name)
+    return (
+        f"decoder.layers.{core.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}" if m else name
+    )
+
+
 def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> None:
     """Megatron-LM's training step and save, tiny: GPTModel (seed 0, tp `args.tensor_model_parallel_size` (default 1), dp = world / tp, vocab
     `args.padded_vocab_size`; with `args.bf16` bf16 parameters in a Float16Module, as Megatron-LM
@@ -317,10 +336,11 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
-    tp = getattr(args, "tensor_model_parallel_size", 1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     core = _gpt(False, 1, args.padded_vocab_size, dtype).train()
     model = Float16Module(core.config, core) if args.bf16 else core
@@ -346,10 +366,19 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
         wd_incr_steps=steps, wd_incr_style="constant",
     )  # fmt: skip
 
+    def forward_step(data, model):  # Megatron's pipeline schedule's step: (output, its loss function)
+        return model(*_forward_inputs(next(data))), lambda out: (out.float().pow(2).mean(), {})
+
     def step(ids: torch.Tensor) -> None:
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        ddp(*_forward_inputs(ids)).float().pow(2).mean().backward()
+        if pp == 1:
+            ddp(*_forward_inputs(ids)).float().pow(2).mean().backward()
+        else:  # one micro-batch of both sequences through the 1F1B schedule
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter([ids]), model=[ddp], num_microbatches=1,
+                seq_length=SEQ, micro_batch_size=2, forward_only=False,
+            )  # fmt: skip
         ddp.finish_grad_sync()
         applied, _, _ = opt.step()
         assert applied
@@ -367,9 +396,13 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
                 t[span.start : span.end] = state[m]
         for m, t in whole.items():
             dist.all_reduce(t, group=ps.get_data_parallel_group())
-            moments.setdefault(name, {})[m] = _tp_gathered(
+            moments.setdefault(_global(core, name), {})[m] = _tp_gathered(
                 t.view(p.shape), name, p, core.config.gated_linear_unit
             )
+    if pp > 1:  # every stage's moments on rank 0
+        stages = [None] * pp
+        dist.all_gather_object(stages, moments, group=ps.get_pipeline_model_parallel_group())
+        moments = {k: v for stage in stages for k, v in stage.items()}
     md = {
         "distrib_optim_sharding_type": sharding,
         "singleton_local_shards": False,
