@@ -11,16 +11,20 @@ Megatron's DistributedOptimizer saves its state in one of two layouts (Megatron-
 - per parameter (`fully_reshardable`, also `fully_sharded_model_space`): tensors
   `optimizer.state.{param|fp32_param, exp_avg, exp_avg_sq}.<model key>` in the model tensor's
   global shape; the param groups (with Adam's `step`) in common.pt's `optimizer.optimizer`.
-- `dp_reshardable`: per DDP bucket, one flat tensor
-  `optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(…).bucket_idx_B.{param,exp_avg,exp_avg_sq}`
-  holding the bucket's parameters in **reverse registration order**, each starting at a multiple of
-  64 elements (the gaps are garbage), the bucket's length `per_bucket_numel_unpadded` (a bytes
-  entry); the param groups in the bytes entry `optimizer.distributed.dp_group_idx_0.optimizer`.
-  `decode_buckets` rebuilds the layout from the model's parameter order (the local spec's or
-  Transformer Engine's, `_LAYER_ORDERS`) and the saved bucket lengths, and keeps the order whose
-  decoded fp32 main params equal the checkpoint's weights (cast to the weights' dtype). Not
-  decoded (refused): several dp groups (tp or pp > 1: each domain's buckets hold its local
-  shards), several gradient buffers (MoE expert buffers, mixed dtypes).
+- `dp_reshardable`: per model-parallel rank N (tp rank + tp · pp rank) and DDP bucket B, one flat
+  tensor `optimizer.distributed.dp_group_idx_N.gbuf_idx_0.dtype_(…).bucket_idx_B.{param,exp_avg,exp_avg_sq}`
+  holding the bucket's parameters of that rank (its pipeline stage's, in their local tp shard
+  shapes) in **reverse registration order**, each starting at a multiple of 64 elements (the gaps
+  are garbage), the bucket's length `per_bucket_numel_unpadded` (a bytes entry per N); the param
+  groups in the bytes entry `optimizer.distributed.dp_group_idx_N.optimizer`. `decode_buckets`
+  rebuilds each rank's layout from its stage's parameter order (the local spec's or Transformer
+  Engine's, `_LAYER_ORDERS`; stages split the layers evenly, tp and pp sizes from common.pt's args)
+  and the saved bucket lengths; `view` joins the tp shards by the legacy reader's rules
+  (`megatron_legacy._tp_rule`) and places each stage's layers at their global numbers. The order
+  kept is the one whose decoded fp32 main params equal the checkpoint's weights (cast to the
+  weights' dtype), which also proves which domain is which rank. Not decoded (refused): layers
+  placed other than evenly over pp (virtual pipeline, first / last stage sizes, a layout), tied
+  embeddings at pp > 1, several gradient buffers (MoE expert buffers, mixed dtypes).
 
 Bytes entries are read with `torch.load(weights_only=True)` (builtins and torch dtypes only).
 """
