@@ -118,6 +118,10 @@ def apply_optimizer_cpu_patches() -> None:
 
     torch.Tensor.type = _type
 
+    # P10: at pp > 1 a tied embedding's last-stage copy is moved with `weight.data.cuda()` before the
+    # all-reduce that gives it the first stage's values (language_module.py:244): it stays on CPU.
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
 
 def _config(moe: bool, ep: int, gpt2: bool = False, dtype: torch.dtype = torch.float32):
     from megatron.core import parallel_state as ps
@@ -316,7 +320,7 @@ def _global(core, name: str) -> str:
     )
 
 
-def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> None:
+def train_and_save(rank: int, world: int, save: str, sharding: str, args, gpt2: bool = False) -> None:
     """Megatron-LM's training step and save, tiny: GPTModel (seed 0, tp `args.tensor_model_parallel_size` (default 1), dp = world / tp, vocab
     `args.padded_vocab_size`; with `args.bf16` bf16 parameters in a Float16Module, as Megatron-LM
     wraps them, and fp32 main params in the optimizer) under DDP + DistributedOptimizer (Adam with `args`' lr, betas, eps,
@@ -333,7 +337,11 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -342,7 +350,7 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
     tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    core = _gpt(False, 1, args.padded_vocab_size, dtype).train()
+    core = _gpt(False, 1, args.padded_vocab_size, dtype, gpt2=gpt2).train()
     model = Float16Module(core.config, core) if args.bf16 else core
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
@@ -379,7 +387,7 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
                 forward_step_func=forward_step, data_iterator=iter([ids]), model=[ddp], num_microbatches=1,
                 seq_length=SEQ, micro_batch_size=2, forward_only=False,
             )  # fmt: skip
-        ddp.finish_grad_sync()
+        finalize_model_grads([ddp])  # dp reduce-scatter; a tied embedding's grads summed over its stages
         applied, _, _ = opt.step()
         assert applied
         scheduler.step(increment=args.global_batch_size)
@@ -388,6 +396,8 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
     inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
     moments = {}
     for name, p in core.named_parameters():
+        if name == "output_layer.weight" and core.share_embeddings_and_output_weights:
+            continue  # the last stage's copy of a tied embedding (pp > 1), not in the checkpoint
         whole = {m: torch.zeros(p.numel()) for m in ("exp_avg", "exp_avg_sq")}
         if p in inner.model_param_group_index_map:  # this dp rank holds a shard of p
             span = inner._get_model_param_range_map(p)["param"]

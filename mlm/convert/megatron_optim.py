@@ -22,9 +22,11 @@ Megatron's DistributedOptimizer saves its state in one of two layouts (Megatron-
   and the saved bucket lengths; `view` joins the tp shards by the legacy reader's rules
   (`megatron_legacy._tp_rule`) and places each stage's layers at their global numbers. The order
   kept is the one whose decoded fp32 main params equal the checkpoint's weights (cast to the
-  weights' dtype), which also proves which domain is which rank. Not decoded (refused): layers
-  placed other than evenly over pp (virtual pipeline, first / last stage sizes, a layout), tied
-  embeddings at pp > 1, several gradient buffers (MoE expert buffers, mixed dtypes).
+  weights' dtype), which also proves which domain is which rank. At pp > 1 a tied embedding's
+  last-stage copy is a parameter of its own (in its own bucket) that the checkpoint does not hold:
+  placed, then left out. Not decoded (refused): layers placed other than evenly over pp (virtual
+  pipeline, first / last stage sizes, a layout), several gradient buffers (MoE expert buffers,
+  mixed dtypes).
 
 Bytes entries are read with `torch.load(weights_only=True)` (builtins and torch dtypes only).
 """
@@ -66,6 +68,9 @@ _LINEARS = {  # a linear's parameters, in registration order (weight, then bias)
         "mlp.linear_fc2",
     )
 }
+_TIED_COPY = ("output_layer.weight", None)
+"""At pp > 1 the last stage's copy of a tied embedding: a parameter (registered last) that the
+checkpoint does not hold."""
 _QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
 _ATTN_NORM = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
 _MLP_NORM = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias")
@@ -266,8 +271,6 @@ class MegatronOptimizer:
             self._refuse(
                 f"args.{uneven[0]}={args[uneven[0]]} (only an even split of the layers over pp is decoded)"
             )
-        if self.pp > 1 and args.get("untie_embeddings_and_output_weights") is False:
-            self._refuse("tied embeddings at pp > 1 (the last stage's copy of the embedding is a parameter)")
         gated = args.get("swiglu")
         if gated is None and self.tp > 1:
             self._refuse("args without `swiglu` at tp > 1 (needed to join linear_fc1's tp shards)")
@@ -312,7 +315,9 @@ class MegatronOptimizer:
         return _Domain(index % self.tp, index // self.tp, bucket_key, bucket_numels)
 
     def _local_shape(self, key: str, layer: int | None) -> tuple[int, ...]:
-        """The shape of one tp rank's shard of `key` (of its layer `layer` if stacked)."""
+        """The shape of one tp rank's shard of `key` (of its layer `layer` if stacked; the tied
+        embedding's for the last stage's copy `_TIED_COPY`)."""
+        key = _EMBEDDING[0] if (key, layer) == _TIED_COPY and key not in self.ckpt.tensors else key
         shape = list(_shape(self.ckpt, key, layer))
         rule = self.rules[key]
         if rule != _WHOLE:
@@ -333,13 +338,15 @@ class MegatronOptimizer:
         """Under `spec`'s parameter order: (key, layer) → per tp rank (domain, bucket, offset, local shape)."""
         stages, layout = self._stage_layers(), {}
         for d, dom in enumerate(self.domains):
-            order = parameter_order(
-                self.ckpt, spec, stages[dom.pp_rank], dom.pp_rank == 0, dom.pp_rank == self.pp - 1
-            )
+            last = dom.pp_rank == self.pp - 1
+            order = parameter_order(self.ckpt, spec, stages[dom.pp_rank], dom.pp_rank == 0, last)
+            copy = last and self.pp > 1 and _TIED_COPY[0] not in self.ckpt.tensors  # a tied embedding's
             try:
-                placed = decode_buckets(order, self._local_shape, dom.bucket_numels)
+                placed = decode_buckets(order + [_TIED_COPY] * copy, self._local_shape, dom.bucket_numels)
             except MlmError as e:
                 raise MlmError(f"dp group {d} (tp rank {dom.tp_rank}, pp rank {dom.pp_rank}): {e}") from None
+            if copy:  # its state is the first stage's embedding's (same gradients)
+                del placed[_TIED_COPY]
             for param, (bucket, offset) in placed.items():
                 layout.setdefault(param, [None] * self.tp)[dom.tp_rank] = (
                     d,
@@ -420,7 +427,7 @@ class _StateView:
         parts = sorted((p[1] or 0, shards) for p, shards in opt.layout.items() if p[0] == key)
         joined = [opt._joined(self._flat, key, shards) for _, shards in parts]
         stacked = key.startswith("decoder.layers.") and _split_key(key)[0] is None  # layers on axis 0
-        out = torch.stack(joined) if stacked else joined[0].clone()
+        out = torch.stack(joined) if stacked else joined[0]  # _join copies
         self._unread.discard(key)
         if not self._unread:
             self._flat = None
