@@ -321,16 +321,21 @@ def _global(core, name: str) -> str:
 
 
 def train_and_save(rank: int, world: int, save: str, sharding: str, args, gpt2: bool = False) -> None:
-    """Megatron-LM's training step and save, tiny: GPTModel (seed 0, tp `args.tensor_model_parallel_size` (default 1), dp = world / tp, vocab
-    `args.padded_vocab_size`; with `args.bf16` bf16 parameters in a Float16Module, as Megatron-LM
-    wraps them, and fp32 main params in the optimizer) under DDP + DistributedOptimizer (Adam with `args`' lr, betas, eps,
-    weight decay, clip_grad; OptimizerParamScheduler with `args.lr_decay_style`, no warm-up), one
-    step on the loss mean(logits²) of `inputs()`, saved into `save/iter_0000001` as Megatron-LM's
-    save_checkpoint does (model and optimizer sharded state dicts with the optimizer in `sharding`,
-    iteration, args, opt_param_scheduler, content_metadata); then a second step on `inputs()`
-    flipped, whose weights are saved (model only) into `save/after_step_2`. `save/reference.pt`:
-    {"moments": {parameter name: {"exp_avg", "exp_avg_sq"}} after step 1, whole (each dp rank's
-    shard placed by the optimizer's own range maps, summed over dp), "scheduler": its saved state}."""
+    """Megatron-LM's training step and save, tiny: GPTModel (seed 0, `gpt2`: see `_gpt`; tp
+    `args.tensor_model_parallel_size`, pp `args.pipeline_model_parallel_size` (default 1 each),
+    dp = the rest of the world; vocab `args.padded_vocab_size`; with `args.bf16` bf16 parameters in a
+    Float16Module, as Megatron-LM wraps them, and fp32 main params in the optimizer) under DDP +
+    DistributedOptimizer (Adam with `args`' lr, betas, eps, weight decay, clip_grad;
+    OptimizerParamScheduler with `args.lr_decay_style`, no warm-up), one step on the loss
+    mean(logits²) of `inputs()` (at pp > 1 through Megatron's 1F1B schedule, one micro-batch;
+    gradients finished by Megatron's `finalize_model_grads`), saved into `save/iter_0000001` as
+    Megatron-LM's save_checkpoint does (model and optimizer sharded state dicts with the optimizer
+    in `sharding`, iteration, args, opt_param_scheduler, content_metadata); then a second step on
+    `inputs()` flipped, whose weights are saved (model only) into `save/after_step_2`.
+    `save/reference.pt`: {"moments": {parameter name with its global layer number: {"exp_avg",
+    "exp_avg_sq"}} after step 1, whole (each dp rank's shard placed by the optimizer's own range
+    maps, summed over dp; tp shards joined by `_tp_gathered`; every stage's), "scheduler": its
+    saved state}."""
     apply_cpu_patches()
     apply_optimizer_cpu_patches()
     import torch.distributed as dist
