@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import warnings
 
 import torch
@@ -84,6 +85,7 @@ def apply_optimizer_cpu_patches() -> None:
     import megatron.core.optimizer.clip_grads as mclip
     import megatron.core.optimizer.distrib_optimizer as dopt
     import megatron.core.optimizer.optimizer as mopt
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.utils as mutils
 
     # P8: MixedPrecisionOptimizer.__init__ (optimizer.py:473-485, 907), the grad-norm code
@@ -100,7 +102,7 @@ def apply_optimizer_cpu_patches() -> None:
         def __getattr__(self, name):
             return getattr(torch, name)
 
-    for module in (mopt, mclip, dopt, mutils):
+    for module in (mopt, mclip, dopt, mutils, schedules):
         module.torch = _TorchOnCpu()
 
     # P9: the distributed optimizer sorts parameters by `param.type()` against
@@ -115,6 +117,10 @@ def apply_optimizer_cpu_patches() -> None:
         return name
 
     torch.Tensor.type = _type
+
+    # P10: at pp > 1 a tied embedding's last-stage copy is moved with `weight.data.cuda()` before the
+    # all-reduce that gives it the first stage's values (language_module.py:244): it stays on CPU.
+    torch.Tensor.cuda = lambda self, *a, **k: self
 
 
 def _config(moe: bool, ep: int, gpt2: bool = False, dtype: torch.dtype = torch.float32):
@@ -145,6 +151,12 @@ def _config(moe: bool, ep: int, gpt2: bool = False, dtype: torch.dtype = torch.f
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
     )
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # stages talk by plain isend / irecv (no cuda sync)
+        kw.update(
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            pipeline_dtype=dtype,
+            batch_p2p_comm=False,
+        )
     if gpt2:  # LayerNorm, GeLU (erf), biases
         kw.update(
             normalization="LayerNorm", gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True
@@ -180,6 +192,7 @@ def _gpt(
     `mixed`: MoE in layer 1 only (moe_layer_freq [0, 1], a heterogeneous stack) with a gated shared
     expert of width SHARED_FFN. `gpt2`: a GPT-2-like model instead (LayerNorm, GeLU, biases,
     learned positions, tied output)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -205,6 +218,8 @@ def _gpt(
         share_embeddings_and_output_weights=gpt2,
         position_embedding_type="learned_absolute" if gpt2 else "rope",
         rotary_base=10000,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
     )
 
 
@@ -279,31 +294,68 @@ def load_reference(
     return logits, common
 
 
-def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> None:
-    """Megatron-LM's training step and save, tiny: GPTModel (seed 0, tp 1, dp = world, vocab
-    `args.padded_vocab_size`; with `args.bf16` bf16 parameters in a Float16Module, as Megatron-LM
-    wraps them, and fp32 main params in the optimizer) under DDP + DistributedOptimizer (Adam with `args`' lr, betas, eps,
-    weight decay, clip_grad; OptimizerParamScheduler with `args.lr_decay_style`, no warm-up), one
-    step on the loss mean(logits²) of `inputs()`, saved into `save/iter_0000001` as Megatron-LM's
-    save_checkpoint does (model and optimizer sharded state dicts with the optimizer in `sharding`,
-    iteration, args, opt_param_scheduler, content_metadata); then a second step on `inputs()`
-    flipped, whose weights are saved (model only) into `save/after_step_2`. `save/reference.pt`:
-    {"moments": {parameter name: {"exp_avg", "exp_avg_sq"}} after step 1, whole (each dp rank's
-    shard placed by the optimizer's own range maps, summed over dp), "scheduler": its saved state}."""
+def _tp_gathered(local: torch.Tensor, name: str, param, gated: bool) -> torch.Tensor:
+    """The whole tensor of which `local` is this tp rank's shard, by megatron-core's own marks on
+    parameter `name` (`tensor_model_parallel`, `partition_dim`); a gated linear_fc1's shards are
+    [gate_r; up_r] (mc/transformer/mlp.py's swiglu sharding)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
+        return local
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    if gated and name.endswith("mlp.linear_fc1.weight"):
+        halves = [s.chunk(2) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(shards, dim=param.partition_dim)
+
+
+def _global(core, name: str) -> str:
+    """Parameter `name` of this pipeline stage with its layer's global number (stages count from 0)."""
+    m = re.match(r"decoder\.layers\.(\d+)\.(.+)", name)
+    return (
+        f"decoder.layers.{core.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}" if m else name
+    )
+
+
+def train_and_save(rank: int, world: int, save: str, sharding: str, args, gpt2: bool = False) -> None:
+    """Megatron-LM's training step and save, tiny: GPTModel (seed 0, `gpt2`: see `_gpt`; tp
+    `args.tensor_model_parallel_size`, pp `args.pipeline_model_parallel_size` (default 1 each),
+    dp = the rest of the world; vocab `args.padded_vocab_size`; with `args.bf16` bf16 parameters in a
+    Float16Module, as Megatron-LM wraps them, and fp32 main params in the optimizer) under DDP +
+    DistributedOptimizer (Adam with `args`' lr, betas, eps, weight decay, clip_grad;
+    OptimizerParamScheduler with `args.lr_decay_style`, no warm-up), one step on the loss
+    mean(logits²) of `inputs()` (at pp > 1 through Megatron's 1F1B schedule, one micro-batch;
+    gradients finished by Megatron's `finalize_model_grads`), saved into `save/iter_0000001` as
+    Megatron-LM's save_checkpoint does (model and optimizer sharded state dicts with the optimizer
+    in `sharding`, iteration, args, opt_param_scheduler, content_metadata); then a second step on
+    `inputs()` flipped, whose weights are saved (model only) into `save/after_step_2`.
+    `save/reference.pt`: {"moments": {parameter name with its global layer number: {"exp_avg",
+    "exp_avg_sq"}} after step 1, whole (each dp rank's shard placed by the optimizer's own range
+    maps, summed over dp; tp shards joined by `_tp_gathered`; every stage's), "scheduler": its
+    saved state}."""
     apply_cpu_patches()
     apply_optimizer_cpu_patches()
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    core = _gpt(False, 1, args.padded_vocab_size, dtype).train()
+    core = _gpt(False, 1, args.padded_vocab_size, dtype, gpt2=gpt2).train()
     model = Float16Module(core.config, core) if args.bf16 else core
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
@@ -327,11 +379,20 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
         wd_incr_steps=steps, wd_incr_style="constant",
     )  # fmt: skip
 
+    def forward_step(data, model):  # Megatron's pipeline schedule's step: (output, its loss function)
+        return model(*_forward_inputs(next(data))), lambda out: (out.float().pow(2).mean(), {})
+
     def step(ids: torch.Tensor) -> None:
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        ddp(*_forward_inputs(ids)).float().pow(2).mean().backward()
-        ddp.finish_grad_sync()
+        if pp == 1:
+            ddp(*_forward_inputs(ids)).float().pow(2).mean().backward()
+        else:  # one micro-batch of both sequences through the 1F1B schedule
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter([ids]), model=[ddp], num_microbatches=1,
+                seq_length=SEQ, micro_batch_size=2, forward_only=False,
+            )  # fmt: skip
+        finalize_model_grads([ddp])  # dp reduce-scatter; a tied embedding's grads summed over its stages
         applied, _, _ = opt.step()
         assert applied
         scheduler.step(increment=args.global_batch_size)
@@ -340,15 +401,23 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
     inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
     moments = {}
     for name, p in core.named_parameters():
+        if name == "output_layer.weight" and core.share_embeddings_and_output_weights:
+            continue  # the last stage's copy of a tied embedding (pp > 1), not in the checkpoint
         whole = {m: torch.zeros(p.numel()) for m in ("exp_avg", "exp_avg_sq")}
         if p in inner.model_param_group_index_map:  # this dp rank holds a shard of p
             span = inner._get_model_param_range_map(p)["param"]
             state = inner._get_main_param_and_optimizer_states(p)
             for m, t in whole.items():
                 t[span.start : span.end] = state[m]
-        for t in whole.values():
-            dist.all_reduce(t)
-        moments[name] = {m: t.view(p.shape) for m, t in whole.items()}
+        for m, t in whole.items():
+            dist.all_reduce(t, group=ps.get_data_parallel_group())
+            moments.setdefault(_global(core, name), {})[m] = _tp_gathered(
+                t.view(p.shape), name, p, core.config.gated_linear_unit
+            )
+    if pp > 1:  # every stage's moments on rank 0
+        stages = [None] * pp
+        dist.all_gather_object(stages, moments, group=ps.get_pipeline_model_parallel_group())
+        moments = {k: v for stage in stages for k, v in stage.items()}
     md = {
         "distrib_optim_sharding_type": sharding,
         "singleton_local_shards": False,

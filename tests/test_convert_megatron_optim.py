@@ -2,10 +2,11 @@
 
 megatron-core 0.16.1 (tests/megatron_ref.py's `train_and_save`, in gloo rank processes) trains a
 tiny GPTModel one step under DDP + DistributedOptimizer (Adam) and saves it as Megatron-LM does,
-with the optimizer as `fully_reshardable` (world 1) and as `dp_reshardable` (world 2, dp 2,
-Megatron-LM's default), then takes a second step. mlm imports the save: its Adam moments must equal
-Megatron's own (each dp rank's shard placed by the optimizer's range maps) bitwise after the
-qkv / fc1 splits; the iteration, consumed samples and Adam's step must be carried; `mlm train`
+with the optimizer as `fully_reshardable` (world 1) and as `dp_reshardable` (Megatron-LM's
+default: dp 2; tp 2; pp 2 through Megatron's 1F1B schedule; tp 2 · pp 2), then takes a second
+step. mlm imports the save: its Adam moments must equal Megatron's own (each dp rank's shard placed
+by the optimizer's range maps, tp shards gathered by megatron-core's `partition_dim` marks) bitwise
+after the qkv / fc1 splits; the iteration, consumed samples and Adam's step must be carried; `mlm train`
 resumes from it; and one AdamW step in mlm from the imported state must give Megatron's weights
 after its second step (same gradient: the loss mean(logits²) of the same tokens, same lr).
 """
@@ -40,9 +41,13 @@ BUCKET = 20000  # parameters per DDP bucket in the run with several buckets (4 b
 STEP_TOL = 1e-6  # fp32 weights after one more Adam step (lr 1e-3), absolute
 
 
-def megatron_args(bf16: bool, bucket_size: int | None = None) -> argparse.Namespace:
-    """The args Megatron-LM saves (the fields the import reads), for a run at iteration 1."""
-    return argparse.Namespace(
+def megatron_args(
+    bf16: bool, bucket_size: int | None = None, tp: int = 1, pp: int = 1, gpt2: bool = False
+) -> argparse.Namespace:
+    """The args Megatron-LM saves (the fields the import reads), for a run at iteration 1 (`gpt2`:
+    of megatron_ref's GPT-2-like model: LayerNorm, GeLU, biases, learned positions, tied output)."""
+    args = argparse.Namespace(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         num_layers=2, num_attention_heads=HEADS, group_query_attention=True, num_query_groups=GROUPS,
         kv_channels=16, max_position_embeddings=SEQ, seq_length=SEQ, norm_epsilon=1e-5, rotary_base=10000,
         swiglu=True, position_embedding_type="rope", padded_vocab_size=VOCAB, bf16=bf16,
@@ -52,12 +57,23 @@ def megatron_args(bf16: bool, bucket_size: int | None = None) -> argparse.Namesp
         end_weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
         consumed_train_samples=2, overlap_grad_reduce=bucket_size is not None, ddp_bucket_size=bucket_size,
     )  # fmt: skip
+    if gpt2:
+        args.swiglu, args.position_embedding_type, args.normalization = False, "learned_absolute", "LayerNorm"
+        args.add_bias_linear, args.untie_embeddings_and_output_weights = True, False
+    return args
 
 
 @pytest.fixture(
     scope="module",
-    params=[("fully_reshardable", 1, False), ("dp_reshardable", 2, False), ("dp_reshardable", 2, True)],
-    ids=["fully-w1", "dp-w2", "dp-w2-bf16-buckets"],
+    params=[
+        ("fully_reshardable", 1, False, 1, 1, False),
+        ("dp_reshardable", 2, False, 1, 1, False),
+        ("dp_reshardable", 2, True, 1, 1, False),
+        ("dp_reshardable", 2, False, 2, 1, False),
+        ("dp_reshardable", 2, False, 1, 2, False),
+        ("dp_reshardable", 4, False, 2, 2, True),
+    ],
+    ids=["fully-w1", "dp-w2", "dp-w2-bf16-buckets", "dp-tp2", "dp-pp2", "dp-tp2-pp2-gpt2"],
 )
 def imported(request, tmp_path_factory) -> types.SimpleNamespace:
     """The Megatron run (`tmp`/megatron; its `moments` by parameter name, its `scheduler` state;
@@ -65,13 +81,15 @@ def imported(request, tmp_path_factory) -> types.SimpleNamespace:
     and its import (`tmp`/mlm, `report`)."""
     if importlib.util.find_spec("megatron") is None:  # found, not imported (see test_convert_megatron)
         pytest.skip("megatron-core is not installed (pinned for Python 3.11: pip install -e '.[dev]')")
-    sharding, world, bf16 = request.param
+    sharding, world, bf16, tp, pp, gpt2 = request.param
     tmp = tmp_path_factory.mktemp(sharding)
-    args = megatron_args(bf16, BUCKET if bf16 else None)
-    run_ranks(world, train_and_save, str(tmp / "megatron"), sharding, args)
+    args = megatron_args(bf16, BUCKET if bf16 else None, tp, pp, gpt2)
+    run_ranks(world, train_and_save, str(tmp / "megatron"), sharding, args, gpt2)
     ref = torch.load(tmp / "megatron" / "reference.pt", weights_only=True)
     report = import_megatron(tmp / "megatron", tmp / "mlm")
-    return types.SimpleNamespace(tmp=tmp, report=report, sharding=sharding, bf16=bf16, **ref)
+    return types.SimpleNamespace(
+        tmp=tmp, report=report, sharding=sharding, bf16=bf16, tp=tp, pp=pp, world=world, gpt2=gpt2, **ref
+    )
 
 
 def test_moments_step_and_position_carried(imported):
@@ -83,9 +101,12 @@ def test_moments_step_and_position_carried(imported):
     assert manifest["source"]["megatron_optimizer"]["sharding"] == (
         "dp_reshardable" if sharding == "dp_reshardable" else "per_parameter"
     )
-    if sharding == "dp_reshardable":  # one bucket by default, 4 of BUCKET parameters with overlap_grad_reduce
+    if sharding == "dp_reshardable":
+        # per (tp, pp) rank one bucket, 4 of BUCKET parameters with overlap_grad_reduce, 2 with a
+        # tied embedding at pp > 1 (its own bucket on the first and the last stage)
+        per_rank = 4 if imported.bf16 else 2 if imported.gpt2 else 1
         keys = MegatronCheckpoint(checkpoint_dir(tmp / "megatron")).optimizer_keys
-        assert len([k for k in keys if k.endswith(".param")]) == (4 if imported.bf16 else 1)
+        assert len([k for k in keys if k.endswith(".param")]) == per_rank * imported.tp * imported.pp
     cfg = config_from_dict(manifest["config"])
     assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.decay_style) == (1e-3, 1e-4, "constant")
     assert (cfg.optimizer.adam_beta2, cfg.optimizer.clip_grad, cfg.optimizer.weight_decay) == (0.95, 0.0, 0.0)
@@ -95,7 +116,7 @@ def test_moments_step_and_position_carried(imported):
         theirs = {name: m[moment] for name, m in moments.items()}
         fake = types.SimpleNamespace(tensors=theirs, read=theirs.__getitem__)
         expected = dict(_mlm_tensors(fake, cfg.model))
-        assert len(expected) == 21
+        assert len(expected) == (36 if imported.gpt2 else 21)
         for key, t in expected.items():
             assert torch.equal(optim[f"{moment}.{key}"], t), f"{moment}.{key}"
         assert all(t.abs().max() > 0 for t in expected.values())
@@ -123,7 +144,7 @@ def test_one_more_step_matches_megatron(imported):
     adamw.step()
     sets = [f"model.num_attention_heads={HEADS}", f"model.max_position_embeddings={SEQ}"]  # a model-only save
     after = import_megatron(tmp / "megatron" / "after_step_2", tmp / "after", sets)
-    assert after.tensors == 21
+    assert after.tensors == (36 if imported.gpt2 else 21)
     theirs = read_group(tmp / "after")[0]
     worst = max((p.detach() - theirs[n]).abs().max().item() for n, p in model.named_parameters())
     moved = max((p.detach() - weights[n]).abs().max().item() for n, p in model.named_parameters())
@@ -191,9 +212,11 @@ def _rewrite(src, out, change) -> None:
     ckpt = MegatronCheckpoint(checkpoint_dir(src))
     state = {k: ckpt.read(k) for k in ckpt.tensors}
     state.update({k: read_tensor(ckpt, k) for k in ckpt.optimizer_keys})
+    domains = {k.split(".")[2] for k in ckpt.optimizer_keys if k.startswith("optimizer.distributed.")}
     for name in ("optimizer", "per_bucket_numel_unpadded"):
-        key = f"optimizer.distributed.dp_group_idx_0.{name}/shard_0_1"
-        state[key] = [read_object(ckpt, key)]
+        for domain in domains:
+            key = f"optimizer.distributed.{domain}.{name}/shard_0_1"
+            state[key] = [read_object(ckpt, key)]
     common = ckpt.common()[0]
     change(state, common)
     with warnings.catch_warnings():  # "torch.distributed is disabled … save in a single process"
@@ -204,34 +227,62 @@ def _rewrite(src, out, change) -> None:
     torch.save(common, out / "common.pt")
 
 
-def _dp(imported):
-    if imported.sharding != "dp_reshardable" or imported.bf16:
-        pytest.skip("the fp32 dp_reshardable save is rewritten")
+def _dp(imported, meshes: tuple[tuple[int, int], ...] = ((1, 1),)):
+    """The fp32 dp_reshardable save at world 2 with (tp, pp) in `meshes`, which the tests below
+    rewrite or convert by command (each costs seconds); other runs skip them."""
+    if imported.sharding != "dp_reshardable" or imported.bf16 or imported.world != 2:
+        pytest.skip("the fp32 dp_reshardable save at world 2 is rewritten")
+    if (imported.tp, imported.pp) not in meshes:
+        pytest.skip(f"tp {imported.tp} · pp {imported.pp}: covered at {meshes}")
     return imported.tmp
 
 
 def test_refused_dp_reshardable_layouts(imported):
-    """What the bucket decoder cannot reconstruct is refused, naming why and the way out."""
-    tmp = _dp(imported)
+    """What the bucket decoder cannot reconstruct is refused, naming why and the way out: at tp 1
+    main params that are no parameter order's weights, and more dp groups than the args' tp · pp;
+    at tp 2 the two tp ranks' buckets swapped (the check of the main params against the weights
+    proves which domain is which tp rank), and a virtual pipeline; at pp 2 the stages' buckets
+    swapped, and a first stage of its own size."""
+    tmp = _dp(imported, ((1, 1), (2, 1), (1, 2)))
     bucket = next(
         k for k in MegatronCheckpoint(checkpoint_dir(tmp / "megatron")).optimizer_keys if k.endswith(".param")
     )
 
-    def shuffled(state, common):  # main params that are not the weights in any parameter order
+    def shuffled(state, common):
         state[bucket] = state[bucket].flip(0)
 
-    def two_domains(state, common):  # as a tp 2 save writes: one dp group per tp rank
+    def two_domains(state, common):  # as a tp 2 save writes, under args that say tp 1
         for k in [k for k in state if k.startswith("optimizer.distributed.dp_group_idx_0.gbuf")]:
             state[k.replace("dp_group_idx_0", "dp_group_idx_1")] = state[k]
 
-    cases = [
-        (
-            shuffled,
-            r"bucket layout was not reconstructed \(local order: the decoded main param of .* differs",
-        ),
-        (two_domains, r"with several dp groups \(tensor or pipeline parallel > 1"),
-    ]
-    for i, (change, message) in enumerate(cases):
+    def swapped(state, common):
+        for k in [k for k in state if k.startswith("optimizer.distributed.dp_group_idx_0.")]:
+            other = k.replace("dp_group_idx_0", "dp_group_idx_1")
+            state[k], state[other] = state[other], state[k]
+
+    def virtual(state, common):
+        common["args"].virtual_pipeline_model_parallel_size = 2
+
+    def uneven(state, common):
+        common["args"].decoder_first_pipeline_num_layers = 1
+
+    cases = {
+        1: [
+            (shuffled, r"bucket layout was not reconstructed \(local order: the decoded main param of .* differs"),
+            (two_domains, r"with dp groups \[0, 1\], where the args' tensor_model_parallel_size=1 and "
+             r"pipeline_model_parallel_size=1 give one per model-parallel rank 0 … 0"),
+        ],
+        2: [
+            (swapped, r"bucket layout was not reconstructed \(local order: the decoded main param of .* differs"),
+            (virtual, r"with args.virtual_pipeline_model_parallel_size=2 \(only an even split"),
+        ],
+        "pp": [
+            (swapped, r"bucket layout was not reconstructed \(local order: dp group 0 \(tp rank 0, pp rank 0\): "
+             r"(parameter .* does not fit|the parameters fill)"),
+            (uneven, r"with args.decoder_first_pipeline_num_layers=1 \(only an even split"),
+        ],
+    }  # fmt: skip
+    for i, (change, message) in enumerate(cases["pp" if imported.pp > 1 else imported.tp]):
         _rewrite(tmp / "megatron", tmp / f"bad{i}", change)
         with pytest.raises(MlmError, match=message) as e:
             import_megatron(tmp / f"bad{i}", tmp / f"bad{i}-mlm")

@@ -11,16 +11,22 @@ Megatron's DistributedOptimizer saves its state in one of two layouts (Megatron-
 - per parameter (`fully_reshardable`, also `fully_sharded_model_space`): tensors
   `optimizer.state.{param|fp32_param, exp_avg, exp_avg_sq}.<model key>` in the model tensor's
   global shape; the param groups (with Adam's `step`) in common.pt's `optimizer.optimizer`.
-- `dp_reshardable`: per DDP bucket, one flat tensor
-  `optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(…).bucket_idx_B.{param,exp_avg,exp_avg_sq}`
-  holding the bucket's parameters in **reverse registration order**, each starting at a multiple of
-  64 elements (the gaps are garbage), the bucket's length `per_bucket_numel_unpadded` (a bytes
-  entry); the param groups in the bytes entry `optimizer.distributed.dp_group_idx_0.optimizer`.
-  `decode_buckets` rebuilds the layout from the model's parameter order (the local spec's or
-  Transformer Engine's, `_LAYER_ORDERS`) and the saved bucket lengths, and keeps the order whose
-  decoded fp32 main params equal the checkpoint's weights (cast to the weights' dtype). Not
-  decoded (refused): several dp groups (tp or pp > 1: each domain's buckets hold its local
-  shards), several gradient buffers (MoE expert buffers, mixed dtypes).
+- `dp_reshardable`: per model-parallel rank N (tp rank + tp · pp rank) and DDP bucket B, one flat
+  tensor `optimizer.distributed.dp_group_idx_N.gbuf_idx_0.dtype_(…).bucket_idx_B.{param,exp_avg,exp_avg_sq}`
+  holding the bucket's parameters of that rank (its pipeline stage's, in their local tp shard
+  shapes) in **reverse registration order**, each starting at a multiple of 64 elements (the gaps
+  are garbage), the bucket's length `per_bucket_numel_unpadded` (a bytes entry per N); the param
+  groups in the bytes entry `optimizer.distributed.dp_group_idx_N.optimizer`. `decode_buckets`
+  rebuilds each rank's layout from its stage's parameter order (the local spec's or Transformer
+  Engine's, `_LAYER_ORDERS`; stages split the layers evenly, tp and pp sizes from common.pt's args)
+  and the saved bucket lengths; `view` joins the tp shards by the legacy reader's rules
+  (`megatron_legacy._tp_rule`) and places each stage's layers at their global numbers. The order
+  kept is the one whose decoded fp32 main params equal the checkpoint's weights (cast to the
+  weights' dtype), which also proves which domain is which rank. At pp > 1 a tied embedding's
+  last-stage copy is a parameter of its own (in its own bucket) that the checkpoint does not hold:
+  placed, then left out. Not decoded (refused): layers placed other than evenly over pp (virtual
+  pipeline, first / last stage sizes, a layout), several gradient buffers (MoE expert buffers,
+  mixed dtypes).
 
 Bytes entries are read with `torch.load(weights_only=True)` (builtins and torch dtypes only).
 """
@@ -41,6 +47,7 @@ from mlm.checkpoint.keys import MOMENTS
 from mlm.config import Config
 from mlm.convert.megatron import _split_key
 from mlm.convert.megatron_dcp import MegatronCheckpoint, _Reader
+from mlm.convert.megatron_legacy import _COLS, _WHOLE, _join, _tp_rule
 from mlm.errors import MlmError
 
 _ALIGN = 64
@@ -61,6 +68,9 @@ _LINEARS = {  # a linear's parameters, in registration order (weight, then bias)
         "mlp.linear_fc2",
     )
 }
+_TIED_COPY = ("output_layer.weight", None)
+"""At pp > 1 the last stage's copy of a tied embedding: a parameter (registered last) that the
+checkpoint does not hold."""
 _QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
 _ATTN_NORM = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
 _MLP_NORM = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias")
@@ -77,6 +87,17 @@ _LAYER_ORDERS = {
                            *_LINEARS["mlp.linear_fc1"], *_LINEARS["mlp.linear_fc2"]),
 }  # fmt: skip
 """A dense layer's parameters in `model.parameters()` order, by sub-key (after `decoder.layers.`)."""
+
+
+_UNEVEN_PIPELINE = (  # Megatron-LM args that place the layers on pipeline stages other than evenly
+    "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
 
 
 class _SafeBytesPlanner(DefaultLoadPlanner):
@@ -114,16 +135,25 @@ def _pad(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def parameter_order(ckpt: MegatronCheckpoint, spec: str) -> list[tuple[str, int | None]]:
-    """Every parameter of the checkpoint's GPTModel in `model.parameters()` order under `spec`, as
-    (sharded key, layer index along its stacked axis or None)."""
+def _layers(ckpt: MegatronCheckpoint) -> dict[int, dict[str, tuple[str, int | None]]]:
+    """{global layer number: {sub-key: (sharded key, layer index along its stacked axis or None)}}."""
     per_layer: dict[int, dict[str, tuple[str, int | None]]] = {}
     for key in ckpt.tensors:
         if key.startswith("decoder.layers."):
             n, sub = _split_key(key)
             for i in [n] if n is not None else range(ckpt.shape(key)[0]):
                 per_layer.setdefault(i, {})[sub] = (key, None if n is not None else i)
-    order = [(k, None) for k in _EMBEDDING if k in ckpt.tensors]
+    return per_layer
+
+
+def parameter_order(
+    ckpt: MegatronCheckpoint, spec: str, layers: range | None = None, first: bool = True, last: bool = True
+) -> list[tuple[str, int | None]]:
+    """The parameters of the checkpoint's GPTModel (of one pipeline stage: its global `layers`, the
+    embedding if `first`, the final norm and output layer if `last`) in `model.parameters()` order
+    under `spec`, as (sharded key, layer index along its stacked axis or None)."""
+    per_layer = {i: subs for i, subs in _layers(ckpt).items() if layers is None or i in layers}
+    order = [(k, None) for k in _EMBEDDING if first and k in ckpt.tensors]
     for i in sorted(per_layer):
         unknown = sorted(set(per_layer[i]) - set(_LAYER_ORDERS[spec]))
         if unknown:
@@ -133,7 +163,7 @@ def parameter_order(ckpt: MegatronCheckpoint, spec: str) -> list[tuple[str, int 
                 "with --dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
             )
         order += [per_layer[i][sub] for sub in _LAYER_ORDERS[spec] if sub in per_layer[i]]
-    return order + [(k, None) for k in _FINAL if k in ckpt.tensors]
+    return order + [(k, None) for k in _FINAL if last and k in ckpt.tensors]
 
 
 def _shape(ckpt: MegatronCheckpoint, key: str, layer: int | None) -> tuple[int, ...]:
@@ -170,6 +200,16 @@ def decode_buckets(
             f"the parameters fill {bucket} of the {len(bucket_numels)} saved buckets {bucket_numels}"
         )
     return layout
+
+
+@dataclasses.dataclass(frozen=True)
+class _Domain:
+    """One model-parallel rank's buckets (Megatron's dp_group_idx_<tp rank + tp · pp rank>)."""
+
+    tp_rank: int
+    pp_rank: int
+    bucket_key: dict[int, str]  # bucket index → its key without the state's name
+    bucket_numels: list[int]  # per_bucket_numel_unpadded
 
 
 class MegatronOptimizer:
@@ -218,61 +258,123 @@ class MegatronOptimizer:
         self.step = int(groups[0]["step"])
 
     def _init_buckets(self, keys: set[str]) -> None:
+        """The buckets of every model-parallel domain (`self.domains`), and their layout
+        (`self.layout`, `self.spec`) reconstructed and checked against the weights."""
         found = [(m, k) for k in keys if (m := _BUCKET.fullmatch(k))]
-        domains = {m.group(1) for m, _ in found}
-        buffers = {m.group(2) for m, _ in found}
-        if domains != {"0"} or buffers != {"0"}:
-            why = (
-                "several dp groups (tensor or pipeline parallel > 1: each domain's buckets hold its local shards)"
-                if domains != {"0"}
-                else "several gradient buffers (MoE expert buffers or several dtypes)"
+        if {m.group(2) for m, _ in found} != {"0"}:
+            self._refuse("several gradient buffers (MoE expert buffers or several dtypes)")
+        args = self.ckpt.common()[0].get("args")
+        args = vars(args) if hasattr(args, "__dict__") else {}
+        self.tp, self.pp = (args.get(f"{n}_model_parallel_size") or 1 for n in ("tensor", "pipeline"))
+        uneven = [n for n in _UNEVEN_PIPELINE if args.get(n)]
+        if uneven:
+            self._refuse(
+                f"args.{uneven[0]}={args[uneven[0]]} (only an even split of the layers over pp is decoded)"
             )
-            raise MlmError(
-                f"{self.ckpt.path}: dp_reshardable optimizer state with {why} is not decoded; save the run with "
-                "--dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
+        gated = args.get("swiglu")
+        if gated is None and self.tp > 1:
+            self._refuse("args without `swiglu` at tp > 1 (needed to join linear_fc1's tp shards)")
+        domains = sorted({int(m.group(1)) for m, _ in found})
+        if domains != list(range(self.tp * self.pp)):
+            self._refuse(
+                f"dp groups {domains}, where the args' tensor_model_parallel_size={self.tp} and "
+                f"pipeline_model_parallel_size={self.pp} give one per model-parallel rank 0 … {self.tp * self.pp - 1}"
             )
-        self._bucket_key = {int(m.group(4)): k.rsplit(".", 1)[0] for m, k in found}
-        numels = read_object(
-            self.ckpt, "optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"
+        self.rules = {key: _tp_rule(key, bool(gated)) for key in self.ckpt.tensors}
+        self.domains = [self._domain(d, [(m, k) for m, k in found if int(m.group(1)) == d]) for d in domains]
+        self.layout, self.spec = self._match_layout()
+
+    def _refuse(self, why: str) -> None:
+        raise MlmError(
+            f"{self.ckpt.path}: dp_reshardable optimizer state with {why} is not decoded; save the run with "
+            "--dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
         )
+
+    def _domain(self, index: int, found: list) -> _Domain:
+        """Model-parallel domain `index` (dp_group_idx: tp rank + tp · pp rank, its rank in Megatron's
+        tp-pp group): its buckets' keys and saved unpadded lengths, checked against the tensors."""
+        prefix = f"optimizer.distributed.dp_group_idx_{index}"
+        bucket_key = {int(m.group(4)): k.rsplit(".", 1)[0] for m, k in found}
+        numels = read_object(self.ckpt, f"{prefix}.per_bucket_numel_unpadded/shard_0_1")
         per_dtype = numels[0] if isinstance(numels, list) and len(numels) == 1 else {}
-        self.bucket_numels = next(iter(per_dtype.values())) if len(per_dtype) == 1 else None
-        if self.bucket_numels is None or len(self.bucket_numels) != len(self._bucket_key):
+        bucket_numels = next(iter(per_dtype.values())) if len(per_dtype) == 1 else None
+        if bucket_numels is None or len(bucket_numels) != len(bucket_key):
             raise MlmError(
-                f"{self.ckpt.path}: per_bucket_numel_unpadded {numels} does not describe one buffer's buckets"
+                f"{self.ckpt.path}: {prefix}.per_bucket_numel_unpadded {numels} does not describe one buffer's "
+                "buckets"
             )
-        for b, n in enumerate(self.bucket_numels):
+        for b, n in enumerate(bucket_numels):
             for what in ("param", *MOMENTS):
-                key = f"{self._bucket_key.get(b)}.{what}"
+                key = f"{bucket_key.get(b)}.{what}"
                 meta = self.ckpt.optimizer_meta.get(key)
                 if meta is None or tuple(meta.size) != (n,):
                     raise MlmError(
                         f"{self.ckpt.path}: {key} is {'absent' if meta is None else list(meta.size)}; "
                         f"per_bucket_numel_unpadded gives bucket {b} {n} elements"
                     )
-        self.layout, self.spec = self._match_layout()
+        return _Domain(index % self.tp, index // self.tp, bucket_key, bucket_numels)
+
+    def _local_shape(self, key: str, layer: int | None) -> tuple[int, ...]:
+        """The shape of one tp rank's shard of `key` (of its layer `layer` if stacked; the tied
+        embedding's for the last stage's copy `_TIED_COPY`)."""
+        key = _EMBEDDING[0] if (key, layer) == _TIED_COPY and key not in self.ckpt.tensors else key
+        shape = list(_shape(self.ckpt, key, layer))
+        rule = self.rules[key]
+        if rule != _WHOLE:
+            dim = int(rule == _COLS)
+            if shape[dim] % self.tp:
+                raise MlmError(f"{self.ckpt.path}: {key} {shape} does not split over tp {self.tp}")
+            shape[dim] //= self.tp
+        return tuple(shape)
+
+    def _stage_layers(self) -> list[range]:
+        """Each pipeline stage's global layer numbers (an even split)."""
+        n = len(_layers(self.ckpt))
+        if n % self.pp:
+            self._refuse(f"{n} layers over pp {self.pp} (not an even split)")
+        return [range(p * n // self.pp, (p + 1) * n // self.pp) for p in range(self.pp)]
+
+    def _decode(self, spec: str) -> dict[tuple[str, int | None], list[tuple[int, int, int, tuple]]]:
+        """Under `spec`'s parameter order: (key, layer) → per tp rank (domain, bucket, offset, local shape)."""
+        stages, layout = self._stage_layers(), {}
+        for d, dom in enumerate(self.domains):
+            last = dom.pp_rank == self.pp - 1
+            order = parameter_order(self.ckpt, spec, stages[dom.pp_rank], dom.pp_rank == 0, last)
+            copy = last and self.pp > 1 and _TIED_COPY[0] not in self.ckpt.tensors  # a tied embedding's
+            try:
+                placed = decode_buckets(order + [_TIED_COPY] * copy, self._local_shape, dom.bucket_numels)
+            except MlmError as e:
+                raise MlmError(f"dp group {d} (tp rank {dom.tp_rank}, pp rank {dom.pp_rank}): {e}") from None
+            if copy:  # its state is the first stage's embedding's (same gradients)
+                del placed[_TIED_COPY]
+            for param, (bucket, offset) in placed.items():
+                layout.setdefault(param, [None] * self.tp)[dom.tp_rank] = (
+                    d,
+                    bucket,
+                    offset,
+                    self._local_shape(*param),
+                )
+        return layout
 
     def _match_layout(self) -> tuple[dict, str]:
-        """(layout, spec) of the parameter order whose decoded main params equal the weights (cast
-        to the weights' dtype), reading one weight at a time: MlmError if no order does."""
+        """(layout, spec) of the parameter order whose decoded main params (their tp shards joined)
+        equal the weights (cast to the weights' dtype), reading one weight at a time: MlmError if no
+        order does."""
         ckpt, reasons, layouts = self.ckpt, [], {}
         for spec in _LAYER_ORDERS:
             try:
-                order = parameter_order(ckpt, spec)
-                layouts[spec] = decode_buckets(order, lambda k, i: _shape(ckpt, k, i), self.bucket_numels)
+                layouts[spec] = self._decode(spec)
             except MlmError as e:
                 reasons.append(f"{spec} order: {e}")
-        mains = self._buckets("param") if layouts else {}
+        mains = self._buckets("param") if layouts else []
         for key in ckpt.tensors:
             if not layouts:
                 break
             weight = ckpt.read(key)
             for spec, layout in list(layouts.items()):
-                for (k, layer), (bucket, offset) in layout.items():
+                for (k, layer), shards in layout.items():
                     want = weight if layer is None else weight[layer]
-                    if k == key and not torch.equal(
-                        self._slice(mains, bucket, offset, want.shape).to(want.dtype), want
-                    ):
+                    if k == key and not torch.equal(self._joined(mains, key, shards).to(want.dtype), want):
                         reasons.append(
                             f"{spec} order: the decoded main param of {key} differs from the weight"
                         )
@@ -286,12 +388,18 @@ class MegatronOptimizer:
             "run with --dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
         )
 
-    def _buckets(self, what: str) -> dict[int, torch.Tensor]:
-        return {b: read_tensor(self.ckpt, f"{k}.{what}") for b, k in self._bucket_key.items()}
+    def _buckets(self, what: str) -> list[dict[int, torch.Tensor]]:
+        """State `what` of every domain's buckets, whole: [domain][bucket]."""
+        return [
+            {b: read_tensor(self.ckpt, f"{k}.{what}") for b, k in dom.bucket_key.items()}
+            for dom in self.domains
+        ]
 
-    @staticmethod
-    def _slice(buckets: dict[int, torch.Tensor], bucket: int, offset: int, shape) -> torch.Tensor:
-        return buckets[bucket][offset : offset + torch.Size(shape).numel()].view(shape)
+    def _joined(self, flat: list[dict[int, torch.Tensor]], key: str, shards: list) -> torch.Tensor:
+        """The tensor whose tp shards lie at `shards` [(domain, bucket, offset, shape) per tp rank]
+        of the buckets `flat`, joined by `key`'s tp rule (that of megatron_legacy)."""
+        parts = [flat[d][b][o : o + torch.Size(shape).numel()].view(shape) for d, b, o, shape in shards]
+        return _join(parts, self.rules[key])
 
     def view(self, what: str) -> _StateView:
         """The state `what` (exp_avg, exp_avg_sq, or "main" for the fp32 main params) per model key,
@@ -305,7 +413,7 @@ class _StateView:
 
     def __init__(self, opt: MegatronOptimizer, what: str):
         self.path, self.tensors, self._opt, self._what = opt.ckpt.path, opt.ckpt.tensors, opt, what
-        self._flat: dict[int, torch.Tensor] | None = None
+        self._flat: list[dict[int, torch.Tensor]] | None = None
         self._unread = set(self.tensors)  # the buckets are dropped once every key has been read
 
     def read(self, key: str) -> torch.Tensor:
@@ -316,12 +424,10 @@ class _StateView:
             )
         if self._flat is None:
             self._flat = opt._buckets("param" if self._what == "main" else self._what)
-        shape = opt.ckpt.shape(key)
-        parts = sorted((p[1] or 0, b, o) for p, (b, o) in opt.layout.items() if p[0] == key)
-        if key.startswith("decoder.layers.") and _split_key(key)[0] is None:  # layers on axis 0
-            out = torch.stack([opt._slice(self._flat, b, o, shape[1:]) for _, b, o in parts])
-        else:
-            out = opt._slice(self._flat, parts[0][1], parts[0][2], shape).clone()
+        parts = sorted((p[1] or 0, shards) for p, shards in opt.layout.items() if p[0] == key)
+        joined = [opt._joined(self._flat, key, shards) for _, shards in parts]
+        stacked = key.startswith("decoder.layers.") and _split_key(key)[0] is None  # layers on axis 0
+        out = torch.stack(joined) if stacked else joined[0]  # _join copies
         self._unread.discard(key)
         if not self._unread:
             self._flat = None
