@@ -100,7 +100,13 @@ class _Reader(FileSystemReader):
             return self._metadata
         path = Path(self.path) / ".metadata"
         with open(path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
+            try:
+                md = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+                raise MlmError(
+                    f"{path}: not a readable torch DCP metadata file ({type(e).__name__}: {e}); copy it "
+                    "again (a save interrupted before its .metadata was written is not a checkpoint)"
+                ) from None
         if not isinstance(md, Metadata):
             raise MlmError(f"{path}: holds a {type(md).__name__}, not torch DCP Metadata")
         md.storage_meta = getattr(md, "storage_meta", None)
@@ -224,4 +230,10 @@ class MegatronCheckpoint:
         path = self.path / "common.pt"
         if not path.exists():
             return {}, None
-        return load_megatron_pickle(path), None
+        common = load_megatron_pickle(path)
+        if not isinstance(common, dict):
+            raise MlmError(
+                f"{path}: holds a {type(common).__name__}, not the dict Megatron's dist_checkpointing saves "
+                "(args, iteration, …); copy the checkpoint again or remove the stray common.pt"
+            )
+        return common, None
