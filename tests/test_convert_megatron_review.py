@@ -42,6 +42,42 @@ def test_truncated_metadata_is_an_mlm_error(tmp_path):
 def test_common_pt_not_a_dict_is_an_mlm_error(tmp_path):
     _write_dcp(tmp_path / "ckpt", TINY)
     torch.save([1, 2], tmp_path / "ckpt" / "common.pt")
-    with pytest.raises(MlmError, match=r"common\.pt: holds a list, not the dict Megatron's dist_checkpointing"):
+    with pytest.raises(
+        MlmError, match=r"common\.pt: holds a list, not the dict Megatron's dist_checkpointing"
+    ):
         import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "kinds, coeffs, expected",
+    [
+        # Megatron-LM keeps a list where --moe-router-load-balancing-type / --moe-aux-loss-coeff name
+        # several (arguments.py unwraps one-element lists); the export writes what Megatron-LM writes
+        ("aux_loss", 0.01, {"model.moe.aux_loss_coeff=0.01"}),
+        (
+            ["aux_loss", "seq_aux_loss"],
+            [0.01, 0.001],
+            {"model.moe.aux_loss_coeff=0.01", "model.moe.seq_aux_loss_coeff=0.001"},
+        ),
+        (["seq_aux_loss"], [0.002], {"model.moe.seq_aux_loss_coeff=0.002"}),
+    ],
+)
+def test_aux_loss_lists_are_read(kinds, coeffs, expected):
+    args = argparse.Namespace(moe_router_load_balancing_type=kinds, moe_aux_loss_coeff=coeffs)
+    assert expected <= set(_args_overrides({"args": args}))
+
+
+def test_exported_aux_loss_reads_back():
+    """--to-megatron's args carry the aux-loss coefficients the way --from-megatron (and Megatron-LM)
+    read them."""
+    from mlm.config import load_config
+    from mlm.convert.megatron_export import megatron_args
+
+    sets = ['model.mlp_kind="moe"', "model.moe.num_experts=4", "model.moe.aux_loss_coeff=0.01",
+            "model.moe.seq_aux_loss_coeff=0.001", "data.seq_length=8"]  # fmt: skip
+    args = megatron_args(load_config(None, sets), 64, 0, 0)
+    back = set(_args_overrides({"args": args}))
+    assert {"model.moe.aux_loss_coeff=0.01", "model.moe.seq_aux_loss_coeff=0.001"} <= back
+    single = megatron_args(load_config(None, sets[:3] + sets[4:]), 64, 0, 0)
+    assert (single.moe_router_load_balancing_type, single.moe_aux_loss_coeff) == ("aux_loss", 0.01)

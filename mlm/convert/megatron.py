@@ -247,11 +247,12 @@ def _args_overrides(common: dict) -> list[str]:
         out |= {"rope_scaling_factor": args.get("rope_scaling_factor", 8.0), "rope_scaling_type": "llama3"}
         out |= {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0}
         out["rope_original_max_position_embeddings"] = 8192
-    balance = args.get("moe_router_load_balancing_type")
-    if args.get("moe_aux_loss_coeff") and balance in ("aux_loss", "seq_aux_loss"):
-        out["moe.aux_loss_coeff" if balance == "aux_loss" else "moe.seq_aux_loss_coeff"] = args[
-            "moe_aux_loss_coeff"
-        ]
+    # one type and coefficient, or lists of equal length (Megatron-LM unwraps one-element lists)
+    kinds, coeffs = (args.get(n) for n in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"))
+    kinds, coeffs = ([v] if not isinstance(v, list | tuple) else list(v) for v in (kinds, coeffs))
+    for kind, coeff in zip(kinds, coeffs, strict=False):
+        if coeff and kind in ("aux_loss", "seq_aux_loss"):
+            out[f"moe.{'seq_' if kind == 'seq_aux_loss' else ''}aux_loss_coeff"] = coeff
     if args.get("vocab_size"):
         out["vocab_size"] = args["vocab_size"]
     return [f"model.{k}={toml_value(v)}" for k, v in out.items()]

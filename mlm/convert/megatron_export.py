@@ -126,6 +126,10 @@ def _heterogeneous(cfg: ModelConfig) -> bool:
     return isinstance(freq, list) or freq > 1
 
 
+def _one_or_list(values: list):
+    return values[0] if len(values) == 1 else values
+
+
 def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: int) -> argparse.Namespace:
     """Megatron-LM's `args` for the run `config` (builtins only: mlm's reader and
     `torch.load(weights_only=True)` read it), as `--use-checkpoint-args` and mlm's `--from-megatron`
@@ -198,8 +202,9 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
             moe_router_enable_expert_bias=moe.router_enable_expert_bias,
             moe_router_bias_update_rate=moe.router_bias_update_rate,
             moe_router_dtype="fp32",  # mlm computes the router in fp32
-            moe_router_load_balancing_type=[k for k, _ in balancing] or "none",
-            moe_aux_loss_coeff=[c for _, c in balancing] or 0.0,
+            # as Megatron-LM's arguments.py leaves them: one type and coefficient unwrapped, lists for two
+            moe_router_load_balancing_type=_one_or_list([k for k, _ in balancing]) or "none",
+            moe_aux_loss_coeff=_one_or_list([c for _, c in balancing]) or 0.0,
             moe_z_loss_coeff=moe.z_loss_coeff or None,
             moe_expert_capacity_factor=moe.capacity_factor,
             moe_pad_expert_input_to_capacity=moe.pad_to_capacity,
