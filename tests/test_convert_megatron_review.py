@@ -81,3 +81,44 @@ def test_exported_aux_loss_reads_back():
     assert {"model.moe.aux_loss_coeff=0.01", "model.moe.seq_aux_loss_coeff=0.001"} <= back
     single = megatron_args(load_config(None, sets[:3] + sets[4:]), 64, 0, 0)
     assert (single.moe_router_load_balancing_type, single.moe_aux_loss_coeff) == ("aux_loss", 0.01)
+
+
+BUCKET = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0"
+GROUPS = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+
+
+def _optimizer_ckpt(path, objects: dict) -> MegatronCheckpoint:
+    """TINY with a dp_reshardable bucket and the ShardedObjects `objects` (bytes entries, as
+    Megatron saves them: unflattened, `torch.save([obj])`)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    state = {**TINY, **{f"{BUCKET}.{m}": torch.zeros(4) for m in ("param", "exp_avg", "exp_avg_sq")}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(
+            {**state, **objects},
+            checkpoint_id=str(path),
+            no_dist=True,
+            planner=DefaultSavePlanner(flatten_state_dict=False),
+        )
+    return MegatronCheckpoint(path)
+
+
+def test_optimizer_object_outside_plain_values_is_refused(tmp_path):
+    """The distributed optimizer's param groups (a bytes entry) go through the reader's restricted
+    torch.load: a foreign class is an MlmError naming it, not a traceback."""
+    from mlm.convert.megatron_optim import MegatronOptimizer
+
+    ckpt = _optimizer_ckpt(tmp_path / "ckpt", {GROUPS: [datetime.date(2020, 1, 1)]})
+    with pytest.raises(MlmError, match=r"dp_group_idx_0\.optimizer/shard_0_1 not read: .*datetime\.date"):
+        MegatronOptimizer(ckpt)
+
+
+def test_optimizer_object_missing_is_named(tmp_path):
+    from mlm.convert.megatron_optim import MegatronOptimizer
+
+    ckpt = _optimizer_ckpt(tmp_path / "ckpt", {})
+    with pytest.raises(
+        MlmError, match=r"holds no entry optimizer\.distributed\.dp_group_idx_0\.optimizer/shard_0_1"
+    ):
+        MegatronOptimizer(ckpt)

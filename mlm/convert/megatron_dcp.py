@@ -201,7 +201,14 @@ class MegatronCheckpoint:
 
     def values(self, keys: list[str]) -> dict:
         """The bytes entries `keys` (of `bytes_keys`), each read with `torch.load(weights_only=True)`:
-        plain values (ints, floats, strings, containers of them, tensors); another class is refused."""
+        plain values (ints, floats, strings, containers of them, tensors); another class is refused,
+        and so is a key the checkpoint holds no bytes entry for."""
+        absent = [k for k in keys if k not in self.bytes_keys]
+        if absent:
+            raise MlmError(
+                f"{self.path}: holds no entry {absent[0]} (a Megatron ShardedObject); the checkpoint is "
+                "incomplete or was not saved by Megatron-core: copy it again"
+            )
         planner = _BytesPlanner()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
