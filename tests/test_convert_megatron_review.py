@@ -122,3 +122,47 @@ def test_optimizer_object_missing_is_named(tmp_path):
         MlmError, match=r"holds no entry optimizer\.distributed\.dp_group_idx_0\.optimizer/shard_0_1"
     ):
         MegatronOptimizer(ckpt)
+
+
+LLAMA = {  # torchtitan's Llama 3, 2 layers of width 8 (2 heads of 4), MLP 16, vocabulary 32
+    "tok_embeddings.weight": torch.zeros(32, 8),
+    "norm.weight": torch.ones(8),
+    "output.weight": torch.zeros(32, 8),
+    **{
+        f"layers.{i}.{k}": torch.zeros(*s)
+        for i in range(2)
+        for k, s in {
+            "attention_norm.weight": (8,), "attention.wq.weight": (8, 8), "attention.wk.weight": (8, 8),
+            "attention.wv.weight": (8, 8), "attention.wo.weight": (8, 8), "ffn_norm.weight": (8,),
+            "feed_forward.w1.weight": (16, 8), "feed_forward.w3.weight": (16, 8), "feed_forward.w2.weight": (8, 16),
+        }.items()
+    },
+}  # fmt: skip
+TITAN_SETS = ["model.num_attention_heads=2", "model.rope_base=10000"]
+
+
+@pytest.mark.parametrize(
+    "drop, message",
+    [
+        ("layers.0.attention.wk.weight", r"lacks layers\.0\.attention\.wk\.weight"),
+        ("layers.0.feed_forward.w1.weight", r"lacks layers\.0\.feed_forward\.w1\.weight"),
+        ("layers.1.attention.wo.weight", r"lacks layers\.1\.attention\.wo\.weight"),
+    ],
+)
+def test_torchtitan_missing_parameter_is_named(tmp_path, drop, message):
+    """A torchtitan checkpoint lacking a parameter of a layer is refused naming the torchtitan key."""
+    from mlm.convert.torchtitan import import_torchtitan
+
+    _write_dcp(tmp_path / "step-3", {k: v for k, v in LLAMA.items() if k != drop})
+    with pytest.raises(MlmError, match=message):
+        import_torchtitan(tmp_path, tmp_path / "out", TITAN_SETS)
+    assert not (tmp_path / "out").exists()
+
+
+def test_torchtitan_missing_layer_is_named(tmp_path):
+    from mlm.convert.torchtitan import import_torchtitan
+
+    three = {**LLAMA, **{k.replace("layers.1.", "layers.2."): v for k, v in LLAMA.items() if ".1." in k}}
+    _write_dcp(tmp_path / "step-3", {k: v for k, v in three.items() if not k.startswith("layers.1.")})
+    with pytest.raises(MlmError, match=r"holds layers 0, 2: layer 1 is missing"):
+        import_torchtitan(tmp_path, tmp_path / "out", TITAN_SETS)

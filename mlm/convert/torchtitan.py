@@ -144,7 +144,36 @@ def _weights(ckpt: MegatronCheckpoint) -> dict[str, str]:
         name = next(n for n in names if list(out.values()).count(n) > 1)
         both = [k for k, n in out.items() if n == name]
         raise MlmError(f"{ckpt.path}: {' and '.join(both)} are the same parameter under both spellings")
+    _check_complete(ckpt, out)
     return out
+
+
+def _check_complete(ckpt: MegatronCheckpoint, weights: dict[str, str]) -> None:
+    """MlmError naming the first torchtitan parameter a Llama model needs and the checkpoint lacks:
+    layers 0 … L-1 each with every parameter of `_LAYER` (in the spelling the checkpoint uses), and
+    the final norm."""
+    layers = sorted({int(k.split(".")[1]) for k in weights if k.startswith("layers.")})
+    if layers != list(range(len(layers))):
+        gap = next(i for i in range(len(layers) + 1) if i not in layers)
+        raise MlmError(
+            f"{ckpt.path}: holds layers {', '.join(map(str, layers))}: layer {gap} is missing; copy the "
+            "whole torchtitan checkpoint (every .distcp file of the step)"
+        )
+    fused = any(".attention.qkv_linear." in k for k in weights)
+    subs = {}  # mlm sub-key → the torchtitan sub-key this checkpoint's spelling gives it
+    for sub, name in _LAYER.items():
+        if (
+            name not in ("attn.q.weight", "attn.k.weight", "attn.v.weight")
+            or (".qkv_linear." in sub) == fused
+        ):
+            subs.setdefault(name, sub)
+    wanted = ["norm.weight", *(f"layers.{i}.{sub}" for i in layers for sub in subs.values())]
+    lacking = [k for k in wanted if k not in weights]
+    if lacking:
+        raise MlmError(
+            f"{ckpt.path}: the checkpoint lacks {lacking[0]}{f' (and {len(lacking) - 1} more)' if len(lacking) > 1 else ''}; "
+            "it is not a whole Llama model: copy the whole torchtitan checkpoint"
+        )
 
 
 def _optimizer(ckpt: MegatronCheckpoint, weights: dict[str, str]) -> dict[str, dict[str, str]]:
