@@ -166,3 +166,16 @@ def test_torchtitan_missing_layer_is_named(tmp_path):
     _write_dcp(tmp_path / "step-3", {k: v for k, v in three.items() if not k.startswith("layers.1.")})
     with pytest.raises(MlmError, match=r"holds layers 0, 2: layer 1 is missing"):
         import_torchtitan(tmp_path, tmp_path / "out", TITAN_SETS)
+
+
+def test_to_megatron_on_a_megatron_dir_says_so(tmp_path):
+    from mlm.convert.megatron_export import export_megatron
+
+    _write_dcp(tmp_path / "iter_0000001", TINY)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    for src in (tmp_path, tmp_path / "iter_0000001"):
+        with pytest.raises(
+            MlmError, match=r"a Megatron \(or torch DCP\) checkpoint, not an mlm one.*--from-megatron"
+        ):
+            export_megatron(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

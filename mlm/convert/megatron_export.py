@@ -327,6 +327,11 @@ def export_megatron(
     ckpt, out = Path(ckpt), Path(out)
     check_new_dir(out)
     start = time.perf_counter()
+    if (ckpt / ".metadata").exists() or (ckpt / "latest_checkpointed_iteration.txt").exists():
+        raise MlmError(
+            f"{ckpt}: a Megatron (or torch DCP) checkpoint, not an mlm one; --to-megatron exports an mlm "
+            f"checkpoint. To read this one into mlm: mlm convert --from-megatron {ckpt} OUT"
+        )
     progress("reading the checkpoint", 0, 0)
     state, manifest, it_dir = read_group(ckpt, verify=verify)
     if "config" not in manifest:
