@@ -179,3 +179,20 @@ def test_to_megatron_on_a_megatron_dir_says_so(tmp_path):
         ):
             export_megatron(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_truncated_data_file_is_an_mlm_error(tmp_path):
+    _write_dcp(tmp_path / "ckpt", TINY)
+    (data,) = (tmp_path / "ckpt").glob("*.distcp")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    ckpt = MegatronCheckpoint(tmp_path / "ckpt")
+    with pytest.raises(MlmError, match=r"not read: the checkpoint's data files are damaged or incomplete"):
+        ckpt.read_all(list(TINY))
+
+
+@pytest.mark.parametrize("text", ['{"sharded_backend": ', "[1]"])
+def test_bad_metadata_json_is_an_mlm_error(tmp_path, text):
+    _write_dcp(tmp_path / "ckpt", TINY)
+    (tmp_path / "ckpt" / "metadata.json").write_text(text)
+    with pytest.raises(MlmError, match=r"metadata\.json: not Megatron's JSON object"):
+        import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)

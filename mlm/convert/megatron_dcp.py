@@ -143,7 +143,16 @@ def checkpoint_dir(src: str | Path) -> Path:
         )
     meta_json = src / "metadata.json"
     if meta_json.exists():
-        backend = json.loads(meta_json.read_text()).get("sharded_backend")
+        try:
+            meta = json.loads(meta_json.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            meta = None
+        if not isinstance(meta, dict):
+            raise MlmError(
+                f'{meta_json}: not Megatron\'s JSON object ({{"sharded_backend": "torch_dist", …}}); copy '
+                "the checkpoint again"
+            )
+        backend = meta.get("sharded_backend")
         if backend != "torch_dist":
             raise MlmError(f"{meta_json}: sharded_backend {backend!r}; only torch_dist is read")
     return src
@@ -159,6 +168,17 @@ class _BytesPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value) -> None:
         self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _damaged(path: Path, keys: list[str], e: CheckpointException) -> MlmError:
+    """The error for a DCP read that failed other than by the allow-list: torch's own failure, by name."""
+    causes = [c for c in getattr(e, "failures", {}).values() if isinstance(c, BaseException)]
+    cause = causes[0] if causes else e
+    first = (str(cause).strip().splitlines() or [""])[-1]
+    return MlmError(
+        f"{path}: {', '.join(keys[:3])}{' …' if len(keys) > 3 else ''} not read: the checkpoint's data files "
+        f"are damaged or incomplete ({type(cause).__name__}{': ' + first if first else ''}); copy it again"
+    )
 
 
 class MegatronCheckpoint:
@@ -196,7 +216,10 @@ class MegatronCheckpoint:
         }
         with warnings.catch_warnings():  # "torch.distributed is disabled … load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, storage_reader=_Reader(self.path, self._metadata), no_dist=True)
+            try:
+                dcp.load(out, storage_reader=_Reader(self.path, self._metadata), no_dist=True)
+            except CheckpointException as e:
+                raise _damaged(self.path, keys, e) from None
         return out
 
     def values(self, keys: list[str]) -> dict:
@@ -219,14 +242,12 @@ class MegatronCheckpoint:
                     planner=planner,
                     no_dist=True,
                 )
-            except CheckpointException as e:  # wraps torch.load's UnpicklingError
-                why = (
-                    str(e).split("Unsupported global: ")[-1].split(" was not")[0]
-                    if "Unsupported global" in str(e)
-                    else ""
-                )
+            except CheckpointException as e:  # wraps torch.load's UnpicklingError, or a read error
+                if "Unsupported global" not in str(e):
+                    raise _damaged(self.path, keys, e) from None
+                why = str(e).split("Unsupported global: ")[-1].split(" was not")[0]
                 raise MlmError(
-                    f"{self.path}: {', '.join(keys)} not read: a class outside plain values ({why or 'see torch.load'})"
+                    f"{self.path}: {', '.join(keys)} not read: a class outside plain values ({why})"
                 ) from None
         return planner.values
 
