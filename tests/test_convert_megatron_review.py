@@ -196,3 +196,27 @@ def test_bad_metadata_json_is_an_mlm_error(tmp_path, text):
     (tmp_path / "ckpt" / "metadata.json").write_text(text)
     with pytest.raises(MlmError, match=r"metadata\.json: not Megatron's JSON object"):
         import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)
+
+
+def test_export_names_the_flags_use_checkpoint_args_does_not_read():
+    """Megatron-LM's --use-checkpoint-args leaves norm_epsilon, RoPE scaling, q/k norms, … at its
+    defaults: the export names the flags where the model differs."""
+    from mlm.config import load_config
+    from mlm.convert.megatron_export import megatron_args, unread_flags
+
+    base = ["model.num_attention_heads=4", "model.hidden_size=16", "data.seq_length=8"]
+    assert unread_flags(megatron_args(load_config(None, [*base, "model.norm_eps=1e-5"]), 64, 0, 0)) == []
+    llama = [*base, "model.norm_eps=1e-6", "model.rope_scaling_factor=32.0", 'model.rope_scaling_type="llama3"',
+             "model.qk_norm=true"]  # fmt: skip
+    flags = unread_flags(megatron_args(load_config(None, llama), 64, 0, 0))
+    assert flags == [
+        "--norm-epsilon 1e-06",
+        "--use-rope-scaling",
+        "--rope-scaling-factor 32.0",
+        "--qk-layernorm",
+    ]
+    moe = [*base, "model.norm_eps=1e-5", 'model.mlp_kind="moe"', "model.moe.num_experts=4",
+           "model.moe.aux_loss_coeff=0.01", "model.moe.capacity_factor=1.5"]  # fmt: skip
+    flags = unread_flags(megatron_args(load_config(None, moe), 64, 0, 0))
+    assert "--moe-aux-loss-coeff 0.01" in flags and "--moe-expert-capacity-factor 1.5" in flags
+    assert "--moe-router-load-balancing-type aux_loss" not in flags  # Megatron-LM's default

@@ -126,6 +126,45 @@ def _heterogeneous(cfg: ModelConfig) -> bool:
     return isinstance(freq, list) or freq > 1
 
 
+_UNREAD = {
+    "openai_gelu": False,
+    "norm_epsilon": 1e-5,
+    "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+    "qk_layernorm": False,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_dtype": None,
+    "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False,
+    "moe_token_drop_policy": "probs",
+    "moe_shared_expert_gate": False,
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None,
+    "moe_router_bias_update_rate": 1e-3,
+}
+"""Args the export writes that Megatron-LM's `--use-checkpoint-args` does not read
+(`load_args_from_checkpoint`, core_v0.16.1), with Megatron-LM's defaults: where the model's
+value differs, Megatron-LM builds another model (or trains it otherwise) unless given the flag."""
+
+
+def unread_flags(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM command-line flags for the `_UNREAD` args whose value differs from Megatron-LM's
+    default (a store-true flag alone, else the flag and its value)."""
+    out = []
+    for name, default in _UNREAD.items():
+        value = getattr(args, name, default)
+        if value == default or (name == "rope_scaling_factor" and not args.use_rope_scaling):
+            continue
+        if name == "moe_router_load_balancing_type" and not getattr(args, "moe_aux_loss_coeff", 0.0):
+            continue  # "none" and "aux_loss" with coefficient 0 are the same
+        flag = "--" + name.replace("_", "-")
+        values = value if isinstance(value, list) else [value]
+        out.append(flag if value is True else " ".join([flag, *map(str, values)]))
+    return out
+
+
 def _one_or_list(values: list):
     return values[0] if len(values) == 1 else values
 
@@ -353,8 +392,13 @@ def export_megatron(
         "weights only: no optimizer, scheduler or RNG state (args.no_save_optim / no_save_rng are set); load "
         "it in Megatron-LM with --finetune, or --no-load-optim to continue at its iteration"
     ]
-    if cfg.activation == "gelu_tanh":
-        notes.append("--use-checkpoint-args does not read openai_gelu: pass --openai-gelu to Megatron-LM")
+    flags = unread_flags(args)
+    if flags:
+        names = ", ".join(f.split()[0].removeprefix("--").replace("-", "_") for f in flags)
+        notes.append(
+            f"--use-checkpoint-args does not read {names}: pass {' '.join(flags)} to Megatron-LM (its "
+            "defaults differ from this model's)"
+        )
     with staged_dir(out) as tmp:
         progress("writing torch_dist", 0, total)
         name = iter_dir_name(iteration)
