@@ -220,3 +220,23 @@ def test_export_names_the_flags_use_checkpoint_args_does_not_read():
     flags = unread_flags(megatron_args(load_config(None, moe), 64, 0, 0))
     assert "--moe-aux-loss-coeff 0.01" in flags and "--moe-expert-capacity-factor 1.5" in flags
     assert "--moe-router-load-balancing-type aux_loss" not in flags  # Megatron-LM's default
+
+
+def test_from_megatron_on_an_mlm_checkpoint_says_so(tmp_path):
+    from mlm.checkpoint.manager import save_streaming
+    from mlm.config import load_config
+
+    config = load_config(None, ["model.num_attention_heads=4", "model.hidden_size=16", "data.seq_length=8"])
+    t = torch.zeros(4)
+    save_streaming(
+        tmp_path / "mlm",
+        3,
+        [("model", "final_norm.weight", t, (4,))],
+        {"config": config.to_dict()},
+        ["model"],
+    )
+    for src in (tmp_path / "mlm", tmp_path / "mlm" / "iter_0000003"):
+        with pytest.raises(
+            MlmError, match=r"an mlm checkpoint \(it holds (latest|manifest\.json)\), not a Megatron one"
+        ):
+            import_megatron(src, tmp_path / "out", SETS)

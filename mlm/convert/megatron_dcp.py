@@ -135,6 +135,11 @@ def checkpoint_dir(src: str | Path) -> Path:
     """The torch_dist directory `src` names: itself (`iter_NNNNNNN/` or any dir with `.metadata`) or,
     for a Megatron-LM save root, the iteration `latest_checkpointed_iteration.txt` names."""
     src = iteration_dir(src)
+    if (src / "manifest.json").exists() or (src / "latest").exists():
+        raise MlmError(
+            f"--from-megatron {src}: an mlm checkpoint (it holds {'manifest.json' if (src / 'manifest.json').exists() else 'latest'}), "
+            "not a Megatron one: mlm train --load and mlm convert read it as it is; --to-megatron exports it"
+        )
     if not (src / ".metadata").exists():
         raise MlmError(
             f"--from-megatron {src}: not a Megatron checkpoint: no torch_dist .metadata file, no legacy "
