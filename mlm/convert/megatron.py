@@ -260,7 +260,8 @@ def _args_overrides(common: dict) -> list[str]:
 
 def _training_position(common: dict) -> dict:
     """Megatron-LM's `iteration` and `args.consumed_train_samples` where common.pt has them, for the
-    manifest's `source` (a record: mlm train starts a new run from imported weights)."""
+    manifest's `source` (a record; where the optimizer state is carried, `resumed_run` also makes
+    them the mlm run's iteration and consumed samples)."""
     args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
     found = {
         "iteration": common.get("iteration"),
