@@ -240,3 +240,12 @@ def test_from_megatron_on_an_mlm_checkpoint_says_so(tmp_path):
             MlmError, match=r"an mlm checkpoint \(it holds (latest|manifest\.json)\), not a Megatron one"
         ):
             import_megatron(src, tmp_path / "out", SETS)
+
+
+def test_other_sharded_backend_names_the_way_forward(tmp_path):
+    _write_dcp(tmp_path / "ckpt", TINY)
+    (tmp_path / "ckpt" / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    with pytest.raises(
+        MlmError, match=r"sharded_backend 'zarr'; only torch_dist is read: .*--ckpt-convert-format torch_dist"
+    ):
+        import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)

@@ -108,7 +108,10 @@ class _Reader(FileSystemReader):
                     "again (a save interrupted before its .metadata was written is not a checkpoint)"
                 ) from None
         if not isinstance(md, Metadata):
-            raise MlmError(f"{path}: holds a {type(md).__name__}, not torch DCP Metadata")
+            raise MlmError(
+                f"{path}: holds a {type(md).__name__}, not torch DCP Metadata; pass the directory as "
+                "Megatron's dist_checkpointing.save (or torch DCP) wrote it"
+            )
         md.storage_meta = getattr(md, "storage_meta", None)
         return md
 
@@ -159,7 +162,10 @@ def checkpoint_dir(src: str | Path) -> Path:
             )
         backend = meta.get("sharded_backend")
         if backend != "torch_dist":
-            raise MlmError(f"{meta_json}: sharded_backend {backend!r}; only torch_dist is read")
+            raise MlmError(
+                f"{meta_json}: sharded_backend {backend!r}; only torch_dist is read: have Megatron-LM rewrite "
+                "it (--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and import that"
+            )
     return src
 
 
