@@ -10,11 +10,13 @@ matter to the reader.
 
 Unpickling: torch's own `FileSystemReader.read_metadata` runs a plain `pickle.load` on `.metadata`
 and its default planner `torch.load(weights_only=False)`s every bytes entry. Here `.metadata` goes
-through `_MetadataUnpickler`, which allows only DCP's metadata, storage and plan classes, `torch.Size` and torch's
-dtype / layout / memory-format constants; bytes entries (e.g. `_extra_state`, RNG states, the
-optimizer's) are read only when asked for by name, by `values` alone (`mlm.convert.megatron_optim`
-and `mlm.convert.torchtitan` read theirs through it), each with `torch.load(weights_only=True)`; `common.pt` is read with `torch.load(weights_only=True)` and
-the allow-list of `mlm.convert.megatron_pickle` (Megatron's args hold its enums).
+through `_MetadataUnpickler`, which allows only DCP's metadata, storage and plan classes,
+`torch.Size` and torch's dtype / layout / memory-format constants; bytes entries (e.g.
+`_extra_state`, RNG states, the optimizer's) are read only when asked for by name, by `values`
+alone (`mlm.convert.megatron_optim` and `mlm.convert.torchtitan` read theirs through it), each with
+`torch.load(weights_only=True)`; `common.pt` is read with `torch.load(weights_only=True)` and the
+allow-list of `mlm.convert.megatron_pickle` (Megatron's args hold its enums). A damaged or
+incomplete file is an MlmError naming it, never torch's traceback.
 """
 
 from __future__ import annotations
