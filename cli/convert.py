@@ -41,7 +41,7 @@ def convert(
     overrides: list[str] = typer.Option(
         [],
         "--set",
-        help="--from-megatron, --from-dcp: model.key=value (or preset=NAME) for what the checkpoint does not say.",
+        help="--from-megatron, --from-dcp: model.key=value (or preset=NAME; --from-dcp also data.seq_length=N) for what the checkpoint does not say.",
     ),
     weights_only: bool = typer.Option(
         False,

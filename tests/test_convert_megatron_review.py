@@ -249,3 +249,11 @@ def test_other_sharded_backend_names_the_way_forward(tmp_path):
         MlmError, match=r"sharded_backend 'zarr'; only torch_dist is read: .*--ckpt-convert-format torch_dist"
     ):
         import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)
+
+
+def test_from_megatron_on_a_torchtitan_dir_names_from_dcp(tmp_path):
+    _write_dcp(tmp_path / "step-3", LLAMA)
+    with pytest.raises(
+        MlmError, match=r"a torchtitan checkpoint .*not a Megatron one: import it with mlm convert --from-dcp"
+    ):
+        import_megatron(tmp_path / "step-3", tmp_path / "out", SETS)

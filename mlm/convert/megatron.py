@@ -137,6 +137,11 @@ def _split_key(key: str) -> tuple[int | None, str]:
 
 def _known(ckpt: MegatronCheckpoint) -> None:
     """MlmError naming the first Megatron key mlm has no mapping for, or the GPTModel parts it lacks."""
+    if "tok_embeddings.weight" in ckpt.tensors:
+        raise MlmError(
+            f"{ckpt.path}: a torchtitan checkpoint (tok_embeddings.weight, layers.N.*), not a Megatron one: "
+            f"import it with mlm convert --from-dcp {ckpt.path} OUT"
+        )
     for key in ckpt.tensors:
         if key in _TOP:
             continue
