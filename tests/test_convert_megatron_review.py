@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import warnings
 
 import pytest
@@ -257,3 +258,31 @@ def test_from_megatron_on_a_torchtitan_dir_names_from_dcp(tmp_path):
         MlmError, match=r"a torchtitan checkpoint .*not a Megatron one: import it with mlm convert --from-dcp"
     ):
         import_megatron(tmp_path / "step-3", tmp_path / "out", SETS)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [  # args Megatron-LM 0.16 saves (TransformerConfig's fields among them) that change the logits
+        ("window_size", (128, 0), "window_size=(128, 0): sliding-window attention"),
+        ("no_rope_freq", [0, 0, 0, 1], "no_rope_freq=[0, 0, 0, 1]: layers without RoPE"),
+        ("no_rope_freq", 4, "no_rope_freq=4: layers without RoPE"),
+        ("qk_l2_norm", True, "qk_l2_norm=True: L2-normalized queries and keys"),
+        ("attention_output_gate", True, "attention_output_gate=True: a gate on the attention output"),
+        ("glu_linear_offset", 1.0, "glu_linear_offset=1.0: an offset added to the GLU's linear half"),
+        ("activation_func_clamp_value", 7.0, "activation_func_clamp_value=7.0: clamped activations"),
+        ("moe_apply_probs_on_input", True, "moe_apply_probs_on_input=True: router probabilities"),
+        ("layernorm_zero_centered_gamma", True, "layernorm_zero_centered_gamma=True: zero-centered"),
+    ],
+)
+def test_args_that_change_the_logits_are_refused(field, value, message):
+    with pytest.raises(MlmError, match=re.escape(message)):
+        _args_overrides({"args": argparse.Namespace(**{field: value})})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("window_size", None), ("window_size", (-1, -1)), ("no_rope_freq", None), ("no_rope_freq", [0, 0]),
+     ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None), ("qk_l2_norm", False)],
+)  # fmt: skip
+def test_default_args_are_not_refused(field, value):
+    _args_overrides({"args": argparse.Namespace(**{field: value})})

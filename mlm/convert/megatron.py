@@ -124,8 +124,17 @@ _REFUSED_ARGS = {
     "squared_relu": "the squared-ReLU MLP",
     "apply_residual_connection_post_layernorm": "residuals taken after the norm",
     "mtp_num_layers": "multi-token prediction modules",
+    "layernorm_zero_centered_gamma": "zero-centered norm weights (1 + weight)",
+    "qk_l2_norm": "L2-normalized queries and keys",
+    "attention_output_gate": "a gate on the attention output",
+    "experimental_attention_variant": "another attention (gated delta net, DSA)",
+    "glu_linear_offset": "an offset added to the GLU's linear half",
+    "activation_func_clamp_value": "clamped activations",
+    "moe_apply_probs_on_input": "router probabilities applied to the experts' input",
+    "moe_router_force_load_balancing": "forced (random) expert routing",
 }
-"""Megatron-LM args (when set) whose model mlm's importer does not reproduce, with what they mean."""
+"""Megatron-LM args (when set) whose model mlm's importer does not reproduce, with what they mean
+(args built from TransformerConfig's fields included: each changes the logits of the same weights)."""
 
 
 def _split_key(key: str) -> tuple[int | None, str]:
@@ -230,6 +239,17 @@ def _args_overrides(common: dict) -> list[str]:
             raise MlmError(
                 f"Megatron args {name}={args[name]!r}: {what} is not imported by mlm convert --from-megatron"
             )
+    if args.get("window_size") not in (None, (-1, -1), [-1, -1]):
+        raise MlmError(
+            f"Megatron args window_size={args['window_size']!r}: sliding-window attention is not imported by "
+            "mlm convert --from-megatron (mlm attends to the whole causal context)"
+        )
+    nope = args.get("no_rope_freq")
+    if nope and (not isinstance(nope, list) or any(nope)):
+        raise MlmError(
+            f"Megatron args no_rope_freq={nope!r}: layers without RoPE are not imported by mlm convert "
+            "--from-megatron (mlm applies RoPE in every layer)"
+        )
     if args.get("rotary_percent", 1.0) != 1.0:
         raise MlmError(
             f"Megatron args rotary_percent={args['rotary_percent']}: mlm rotates the whole head (1.0) only"
