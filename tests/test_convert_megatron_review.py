@@ -286,3 +286,27 @@ def test_args_that_change_the_logits_are_refused(field, value, message):
 )  # fmt: skip
 def test_default_args_are_not_refused(field, value):
     _args_overrides({"args": argparse.Namespace(**{field: value})})
+
+
+def test_openai_gelu_is_exact_gelu_in_gptmodel():
+    """Megatron-LM 0.16.1 parses --openai-gelu, but only its legacy models use it: megatron-core's
+    GPTModel (core_transformer_config_from_args) computes exact GELU whatever the flag says."""
+    sets = _args_overrides({"args": argparse.Namespace(swiglu=False, openai_gelu=True)})
+    assert 'model.activation="gelu"' in sets
+
+
+def test_export_of_gelu_tanh_says_gptmodel_computes_exact_gelu(tmp_path):
+    from mlm.checkpoint.manager import save_streaming
+    from mlm.config import load_config
+    from mlm.convert.megatron_export import export_megatron
+    from mlm.model.gpt import GPT
+
+    config = load_config(None, ["model.num_attention_heads=4", "model.hidden_size=16", 'model.activation="gelu_tanh"',
+                                'model.position_embedding="learned"', "data.seq_length=8"])  # fmt: skip
+    model = GPT(config.model, config.model.padded_vocab_size())
+    state = model.state_dict()
+    items = (("model", k, t, tuple(t.shape)) for k, t in state.items())
+    save_streaming(tmp_path / "mlm", 1, items, {"config": config.to_dict()}, ["model"])
+    report = export_megatron(tmp_path / "mlm", tmp_path / "megatron")
+    assert any("Megatron computes exact GELU" in n for n in report.notes)
+    assert not any("--openai-gelu to Megatron-LM" in n for n in report.notes)

@@ -114,7 +114,7 @@ _ARGS = {
 }
 """Megatron-LM `args` fields read from common.pt → mlm `model.` fields, same meaning and unit (plus,
 in `_args_overrides`: num_query_groups when group_query_attention, position_embedding_type,
-normalization, swiglu / openai_gelu, use_rope_scaling with rope_scaling_factor, the aux-loss
+normalization, swiglu (exact GELU otherwise), use_rope_scaling with rope_scaling_factor, the aux-loss
 coefficient by moe_router_load_balancing_type, and vocab_size; and the args it refuses)."""
 
 _REFUSED_ARGS = {
@@ -266,8 +266,9 @@ def _args_overrides(common: dict) -> list[str]:
         out["position_embedding"] = "rope" if kind == "rope" else "learned"
     if args.get("normalization") in ("RMSNorm", "LayerNorm"):
         out["normalization"] = args["normalization"].lower()
-    if "swiglu" in args:
-        out["activation"] = "swiglu" if args["swiglu"] else "gelu_tanh" if args.get("openai_gelu") else "gelu"
+    if "swiglu" in args:  # args.openai_gelu is not read: it reaches Megatron-LM's legacy models only,
+        # never megatron-core's GPTModel (core_transformer_config_from_args), which computes exact GELU
+        out["activation"] = "swiglu" if args["swiglu"] else "gelu"
     if args.get("use_rope_scaling"):  # Llama 3.1's scaling; Megatron fixes the other three constants
         out |= {"rope_scaling_factor": args.get("rope_scaling_factor", 8.0), "rope_scaling_type": "llama3"}
         out |= {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0}

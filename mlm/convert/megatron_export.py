@@ -127,7 +127,6 @@ def _heterogeneous(cfg: ModelConfig) -> bool:
 
 
 _UNREAD = {
-    "openai_gelu": False,
     "norm_epsilon": 1e-5,
     "use_rope_scaling": False,
     "rope_scaling_factor": 8.0,
@@ -392,6 +391,12 @@ def export_megatron(
         "weights only: no optimizer, scheduler or RNG state (args.no_save_optim / no_save_rng are set); load "
         "it in Megatron-LM with --finetune, or --no-load-optim to continue at its iteration"
     ]
+    if cfg.activation == "gelu_tanh":
+        notes.append(
+            "model.activation=gelu_tanh: Megatron-core's GPTModel has no tanh-approximated GELU (Megatron-LM's "
+            "--openai-gelu reaches its legacy models only), so Megatron computes exact GELU: its logits differ "
+            "from mlm's by the approximation, and --from-megatron reads the export back as activation=gelu"
+        )
     flags = unread_flags(args)
     if flags:
         names = ", ".join(f.split()[0].removeprefix("--").replace("-", "_") for f in flags)
