@@ -310,3 +310,11 @@ def test_export_of_gelu_tanh_says_gptmodel_computes_exact_gelu(tmp_path):
     report = export_megatron(tmp_path / "mlm", tmp_path / "megatron")
     assert any("Megatron computes exact GELU" in n for n in report.notes)
     assert not any("--openai-gelu to Megatron-LM" in n for n in report.notes)
+
+
+def test_tracker_naming_an_absent_iteration(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("100\n")
+    with pytest.raises(
+        MlmError, match=r"names iter_0000100/, which .* does not hold; copy that iteration folder"
+    ):
+        import_megatron(tmp_path, tmp_path / "out", SETS)

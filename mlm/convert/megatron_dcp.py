@@ -132,6 +132,11 @@ def iteration_dir(src: str | Path) -> Path:
         name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
         if name is None:
             raise MlmError(f"{tracker}: holds {text!r}, expected an iteration number or 'release'")
+        if not (src / name).is_dir():
+            raise MlmError(
+                f"{tracker}: names {name}/, which {src} does not hold; copy that iteration folder too, or "
+                "pass an iter_NNNNNNN/ it holds"
+            )
         src = src / name
     return src
 
