@@ -1,6 +1,9 @@
-"""Review of issue 22's Megatron / torchtitan interop: bad input that once crashed with a traceback,
-args whose meaning was dropped, bytes entries read outside the checkpoint reader. No megatron
-import (the files are written with plain torch DCP)."""
+"""Review of issue 22's Megatron / torchtitan interop: bad input that once crashed with a traceback
+or blamed the wrong thing (truncated .metadata / .distcp / metadata.json, a common.pt that is not a
+dict, a torchtitan step lacking a layer, the wrong direction or tool), Megatron-LM args whose
+meaning was dropped or changed (aux-loss lists, openai_gelu, args that change the logits), the
+flags `--use-checkpoint-args` does not carry, and the optimizer's bytes entries read through the
+one restricted reader. No megatron import: the files are written with plain torch DCP."""
 
 from __future__ import annotations
 
@@ -17,18 +20,9 @@ from mlm.convert.megatron import _args_overrides, import_megatron
 from mlm.convert.megatron_dcp import MegatronCheckpoint
 from mlm.errors import MlmError
 
-TINY = {  # embedding, one layer's qkv (4 heads of 1) and proj
-    "embedding.word_embeddings.weight": torch.zeros(8, 4),
-    "decoder.layers.self_attention.linear_qkv.weight": torch.zeros(1, 12, 4),
-    "decoder.layers.self_attention.linear_proj.weight": torch.zeros(1, 4, 4),
-}
-SETS = ["model.num_attention_heads=4"]
+from test_convert_megatron import TINY, _write_dcp  # noqa: E402
 
-
-def _write_dcp(path, state: dict) -> None:
-    with warnings.catch_warnings():  # "torch.distributed is disabled … save in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+SETS = ["model.num_attention_heads=4"]  # TINY's 4 heads of 1
 
 
 def test_truncated_metadata_is_an_mlm_error(tmp_path):
