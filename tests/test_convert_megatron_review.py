@@ -312,3 +312,25 @@ def test_tracker_naming_an_absent_iteration(tmp_path):
         MlmError, match=r"names iter_0000100/, which .* does not hold; copy that iteration folder"
     ):
         import_megatron(tmp_path, tmp_path / "out", SETS)
+
+
+def test_torchtitan_unreadable_optimizer_state_has_a_way_forward(tmp_path):
+    """AMSGrad's max_exp_avg_sq (state mlm's AdamW cannot resume from) is refused naming
+    --weights-only, which imports the weights as iteration 0."""
+    from mlm.checkpoint import read_group
+    from mlm.convert.torchtitan import import_torchtitan
+
+    optim = {
+        f"optimizer.state.{k}.{m}": torch.zeros(()) if m == "step" else torch.zeros_like(v)
+        for k, v in LLAMA.items()
+        for m in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    }
+    _write_dcp(tmp_path / "step-3", {**LLAMA, **optim})
+    with pytest.raises(
+        MlmError, match=r"max_exp_avg_sq' is not read: .*import the weights only \(--weights-only\)"
+    ):
+        import_torchtitan(tmp_path, tmp_path / "out", TITAN_SETS)
+    report = import_torchtitan(tmp_path, tmp_path / "out", TITAN_SETS, weights_only=True)
+    assert any("is not imported (--weights-only): iteration 0" in n for n in report.notes)
+    state, manifest, _ = read_group(tmp_path / "out")
+    assert manifest["iteration"] == 0 and set(state) >= {"embed.weight", "layers.1.mlp.down.weight"}

@@ -187,14 +187,16 @@ def _optimizer(ckpt: MegatronCheckpoint, weights: dict[str, str]) -> dict[str, d
         if param not in weights or field not in ("step", *MOMENTS):
             raise MlmError(
                 f"{ckpt.path}: optimizer state {key!r} is not read: mlm imports AdamW's step, exp_avg and "
-                "exp_avg_sq of the model's parameters (not AMSGrad, other optimizers or other parameters)"
+                "exp_avg_sq of the model's parameters (not AMSGrad, other optimizers or other parameters); "
+                "import the weights only (--weights-only)"
             )
         found.setdefault(param, {})[field] = key
     lacking = [p for p in weights if set(found.get(p, {})) != {"step", *MOMENTS}]
     if found and lacking:
         raise MlmError(
             f"{ckpt.path}: the optimizer state lacks step, exp_avg or exp_avg_sq of {lacking[0]} (a frozen "
-            "parameter?); mlm's AdamW steps every parameter, so it cannot resume from this state"
+            "parameter?); mlm's AdamW steps every parameter, so it cannot resume from this state: import "
+            "the weights only (--weights-only)"
         )
     return found
 
@@ -374,10 +376,12 @@ def import_torchtitan(
     overrides: list[str] | tuple[str, ...] = (),
     *,
     verify: bool = True,
+    weights_only: bool = False,
     progress: Progress = noop,
 ) -> Report:
     """torchtitan DCP checkpoint (`step-N/` or the checkpoint folder) → mlm checkpoint folder `out`.
-    `verify`: read back what was written (checksums) and check mlm's logits on it are finite."""
+    `verify`: read back what was written (checksums) and check mlm's logits on it are finite.
+    `weights_only`: leave the optimizer state out (iteration 0: a new run from the weights)."""
     src, out = Path(src), Path(out)
     check_new_dir(out)
     start = time.perf_counter()
@@ -386,8 +390,14 @@ def import_torchtitan(
     config, notes = model_config(ckpt, weights, list(overrides))
     cfg = config.model
     _check_shapes(ckpt, weights, cfg)
-    optim = _optimizer(ckpt, weights)
+    optim = {} if weights_only else _optimizer(ckpt, weights)
     position, source, more = _position(ckpt, optim, config)
+    stored = [k for k in ckpt.stored if k.startswith("optimizer.state.")]
+    if weights_only and stored:
+        more = [
+            f"the optimizer state ({len(stored)} tensors, e.g. {stored[0]}) is not imported (--weights-only): "
+            "iteration 0, mlm train starts a new run from the weights"
+        ]
     notes += more
     iteration = position.pop("iteration", 0)
     keys = [*weights, *[f[m] for f in optim.values() for m in MOMENTS]]
