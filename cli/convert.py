@@ -3,7 +3,7 @@
     mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--ep 4] [--dtype bf16] [--consolidate]   # another mesh
     mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
     mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...] [--weights-only]   # Megatron torch_dist / legacy → mlm
-    mlm convert --from-dcp DIR OUT --set model.num_attention_heads=32 --set model.rope_base=500000   # torchtitan → mlm
+    mlm convert --from-dcp DIR OUT --set model.num_attention_heads=32 --set model.rope_base=500000 [--weights-only]   # torchtitan → mlm
     mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
     mlm convert CKPT --to-megatron OUT                     # mlm checkpoint → Megatron torch_dist (weights)
 
@@ -41,12 +41,12 @@ def convert(
     overrides: list[str] = typer.Option(
         [],
         "--set",
-        help="--from-megatron, --from-dcp: model.key=value (or preset=NAME) for what the checkpoint does not say.",
+        help="--from-megatron, --from-dcp: model.key=value (or preset=NAME; --from-dcp also data.seq_length=N) for what the checkpoint does not say.",
     ),
     weights_only: bool = typer.Option(
         False,
         "--weights-only",
-        help="--from-megatron: leave out the optimizer state (mlm train then starts a new run from the weights).",
+        help="--from-megatron, --from-dcp: leave out the optimizer state (mlm train then starts a new run from the weights).",
     ),
     to_hf: bool = typer.Option(
         False, "--to-hf", help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Hugging Face folder."
@@ -161,7 +161,7 @@ def convert(
         ),
         "--to-megatron": lambda show: megatron_export.export_megatron(src, out, verify=verify, progress=show),
         "--from-dcp": lambda show: torchtitan.import_torchtitan(
-            src, out, overrides, verify=verify, progress=show
+            src, out, overrides, verify=verify, weights_only=weights_only, progress=show
         ),
     }[mode]
     _print_report(_with_progress(run, progress), mode)
@@ -173,7 +173,7 @@ _OPTIONS = {
     "--to-hf": {"--dtype", "--max-shard-size", "--tokenizer"},
     "--from-megatron": {"--set", "--weights-only"},
     "--to-megatron": set(),
-    "--from-dcp": {"--set"},
+    "--from-dcp": {"--set", "--weights-only"},
 }
 """The options each mode takes (besides --verify and --progress)."""
 

@@ -274,7 +274,7 @@ def test_args_that_change_the_model_are_followed():
     )  # fmt: skip
     sets = set(_args_overrides({"args": args}))
     expected = {
-        "model.num_attention_heads=8", "model.activation=\"gelu_tanh\"", "model.normalization=\"layernorm\"",
+        "model.num_attention_heads=8", "model.activation=\"gelu\"", "model.normalization=\"layernorm\"",
         "model.rope_scaling_factor=32.0", "model.rope_scaling_type=\"llama3\"", "model.hidden_dropout=0.1",
         "model.moe.router_score_function=\"sigmoid\"", "model.moe.router_enable_expert_bias=true",
         "model.moe.router_topk_scaling_factor=2.5", "model.moe.router_num_groups=4", "model.moe.router_group_topk=2",

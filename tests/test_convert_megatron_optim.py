@@ -305,7 +305,7 @@ def test_command_line(imported, tmp_path):
     assert "63 tensors" in out and "Adam step 1, iteration 1, 2 samples consumed" in out
     assert_error(
         mlm("convert", tmp_path / "cli", tmp_path / "x", "--weights-only"),
-        "leave out --weights-only (a reshard rewrites an mlm checkpoint for another mesh; --weights-only applies to --from-megatron)",
+        "leave out --weights-only (a reshard rewrites an mlm checkpoint for another mesh; --weights-only applies to --from-megatron and --from-dcp)",
     )
 
 

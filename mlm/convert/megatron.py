@@ -114,7 +114,7 @@ _ARGS = {
 }
 """Megatron-LM `args` fields read from common.pt → mlm `model.` fields, same meaning and unit (plus,
 in `_args_overrides`: num_query_groups when group_query_attention, position_embedding_type,
-normalization, swiglu / openai_gelu, use_rope_scaling with rope_scaling_factor, the aux-loss
+normalization, swiglu (exact GELU otherwise), use_rope_scaling with rope_scaling_factor, the aux-loss
 coefficient by moe_router_load_balancing_type, and vocab_size; and the args it refuses)."""
 
 _REFUSED_ARGS = {
@@ -124,8 +124,17 @@ _REFUSED_ARGS = {
     "squared_relu": "the squared-ReLU MLP",
     "apply_residual_connection_post_layernorm": "residuals taken after the norm",
     "mtp_num_layers": "multi-token prediction modules",
+    "layernorm_zero_centered_gamma": "zero-centered norm weights (1 + weight)",
+    "qk_l2_norm": "L2-normalized queries and keys",
+    "attention_output_gate": "a gate on the attention output",
+    "experimental_attention_variant": "another attention (gated delta net, DSA)",
+    "glu_linear_offset": "an offset added to the GLU's linear half",
+    "activation_func_clamp_value": "clamped activations",
+    "moe_apply_probs_on_input": "router probabilities applied to the experts' input",
+    "moe_router_force_load_balancing": "forced (random) expert routing",
 }
-"""Megatron-LM args (when set) whose model mlm's importer does not reproduce, with what they mean."""
+"""Megatron-LM args (when set) whose model mlm's importer does not reproduce, with what they mean
+(args built from TransformerConfig's fields included: each changes the logits of the same weights)."""
 
 
 def _split_key(key: str) -> tuple[int | None, str]:
@@ -137,6 +146,11 @@ def _split_key(key: str) -> tuple[int | None, str]:
 
 def _known(ckpt: MegatronCheckpoint) -> None:
     """MlmError naming the first Megatron key mlm has no mapping for, or the GPTModel parts it lacks."""
+    if "tok_embeddings.weight" in ckpt.tensors:
+        raise MlmError(
+            f"{ckpt.path}: a torchtitan checkpoint (tok_embeddings.weight, layers.N.*), not a Megatron one: "
+            f"import it with mlm convert --from-dcp {ckpt.path} OUT"
+        )
     for key in ckpt.tensors:
         if key in _TOP:
             continue
@@ -225,6 +239,17 @@ def _args_overrides(common: dict) -> list[str]:
             raise MlmError(
                 f"Megatron args {name}={args[name]!r}: {what} is not imported by mlm convert --from-megatron"
             )
+    if args.get("window_size") not in (None, (-1, -1), [-1, -1]):
+        raise MlmError(
+            f"Megatron args window_size={args['window_size']!r}: sliding-window attention is not imported by "
+            "mlm convert --from-megatron (mlm attends to the whole causal context)"
+        )
+    nope = args.get("no_rope_freq")
+    if nope and (not isinstance(nope, list) or any(nope)):
+        raise MlmError(
+            f"Megatron args no_rope_freq={nope!r}: layers without RoPE are not imported by mlm convert "
+            "--from-megatron (mlm applies RoPE in every layer)"
+        )
     if args.get("rotary_percent", 1.0) != 1.0:
         raise MlmError(
             f"Megatron args rotary_percent={args['rotary_percent']}: mlm rotates the whole head (1.0) only"
@@ -241,17 +266,19 @@ def _args_overrides(common: dict) -> list[str]:
         out["position_embedding"] = "rope" if kind == "rope" else "learned"
     if args.get("normalization") in ("RMSNorm", "LayerNorm"):
         out["normalization"] = args["normalization"].lower()
-    if "swiglu" in args:
-        out["activation"] = "swiglu" if args["swiglu"] else "gelu_tanh" if args.get("openai_gelu") else "gelu"
+    if "swiglu" in args:  # args.openai_gelu is not read: it reaches Megatron-LM's legacy models only,
+        # never megatron-core's GPTModel (core_transformer_config_from_args), which computes exact GELU
+        out["activation"] = "swiglu" if args["swiglu"] else "gelu"
     if args.get("use_rope_scaling"):  # Llama 3.1's scaling; Megatron fixes the other three constants
         out |= {"rope_scaling_factor": args.get("rope_scaling_factor", 8.0), "rope_scaling_type": "llama3"}
         out |= {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0}
         out["rope_original_max_position_embeddings"] = 8192
-    balance = args.get("moe_router_load_balancing_type")
-    if args.get("moe_aux_loss_coeff") and balance in ("aux_loss", "seq_aux_loss"):
-        out["moe.aux_loss_coeff" if balance == "aux_loss" else "moe.seq_aux_loss_coeff"] = args[
-            "moe_aux_loss_coeff"
-        ]
+    # one type and coefficient, or lists of equal length (Megatron-LM unwraps one-element lists)
+    kinds, coeffs = (args.get(n) for n in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"))
+    kinds, coeffs = ([v] if not isinstance(v, list | tuple) else list(v) for v in (kinds, coeffs))
+    for kind, coeff in zip(kinds, coeffs, strict=False):
+        if coeff and kind in ("aux_loss", "seq_aux_loss"):
+            out[f"moe.{'seq_' if kind == 'seq_aux_loss' else ''}aux_loss_coeff"] = coeff
     if args.get("vocab_size"):
         out["vocab_size"] = args["vocab_size"]
     return [f"model.{k}={toml_value(v)}" for k, v in out.items()]
@@ -259,7 +286,8 @@ def _args_overrides(common: dict) -> list[str]:
 
 def _training_position(common: dict) -> dict:
     """Megatron-LM's `iteration` and `args.consumed_train_samples` where common.pt has them, for the
-    manifest's `source` (a record: mlm train starts a new run from imported weights)."""
+    manifest's `source` (a record; where the optimizer state is carried, `resumed_run` also makes
+    them the mlm run's iteration and consumed samples)."""
     args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
     found = {
         "iteration": common.get("iteration"),

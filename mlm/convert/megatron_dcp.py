@@ -10,11 +10,13 @@ matter to the reader.
 
 Unpickling: torch's own `FileSystemReader.read_metadata` runs a plain `pickle.load` on `.metadata`
 and its default planner `torch.load(weights_only=False)`s every bytes entry. Here `.metadata` goes
-through `_MetadataUnpickler`, which allows only DCP's metadata, storage and plan classes, `torch.Size` and torch's
-dtype / layout / memory-format constants; bytes entries (e.g. `_extra_state`, RNG states, the
-optimizer's) are read only when asked for by name (`values`; `mlm.convert.megatron_optim`), each
-with `torch.load(weights_only=True)`; `common.pt` is read with `torch.load(weights_only=True)` and
-the allow-list of `mlm.convert.megatron_pickle` (Megatron's args hold its enums).
+through `_MetadataUnpickler`, which allows only DCP's metadata, storage and plan classes,
+`torch.Size` and torch's dtype / layout / memory-format constants; bytes entries (e.g.
+`_extra_state`, RNG states, the optimizer's) are read only when asked for by name, by `values`
+alone (`mlm.convert.megatron_optim` and `mlm.convert.torchtitan` read theirs through it), each with
+`torch.load(weights_only=True)`; `common.pt` is read with `torch.load(weights_only=True)` and the
+allow-list of `mlm.convert.megatron_pickle` (Megatron's args hold its enums). A damaged or
+incomplete file is an MlmError naming it, never torch's traceback.
 """
 
 from __future__ import annotations
@@ -100,9 +102,18 @@ class _Reader(FileSystemReader):
             return self._metadata
         path = Path(self.path) / ".metadata"
         with open(path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
+            try:
+                md = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+                raise MlmError(
+                    f"{path}: not a readable torch DCP metadata file ({type(e).__name__}: {e}); copy it "
+                    "again (a save interrupted before its .metadata was written is not a checkpoint)"
+                ) from None
         if not isinstance(md, Metadata):
-            raise MlmError(f"{path}: holds a {type(md).__name__}, not torch DCP Metadata")
+            raise MlmError(
+                f"{path}: holds a {type(md).__name__}, not torch DCP Metadata; pass the directory as "
+                "Megatron's dist_checkpointing.save (or torch DCP) wrote it"
+            )
         md.storage_meta = getattr(md, "storage_meta", None)
         return md
 
@@ -121,6 +132,11 @@ def iteration_dir(src: str | Path) -> Path:
         name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
         if name is None:
             raise MlmError(f"{tracker}: holds {text!r}, expected an iteration number or 'release'")
+        if not (src / name).is_dir():
+            raise MlmError(
+                f"{tracker}: names {name}/, which {src} does not hold; copy that iteration folder too, or "
+                "pass an iter_NNNNNNN/ it holds"
+            )
         src = src / name
     return src
 
@@ -129,6 +145,11 @@ def checkpoint_dir(src: str | Path) -> Path:
     """The torch_dist directory `src` names: itself (`iter_NNNNNNN/` or any dir with `.metadata`) or,
     for a Megatron-LM save root, the iteration `latest_checkpointed_iteration.txt` names."""
     src = iteration_dir(src)
+    if (src / "manifest.json").exists() or (src / "latest").exists():
+        raise MlmError(
+            f"--from-megatron {src}: an mlm checkpoint (it holds {'manifest.json' if (src / 'manifest.json').exists() else 'latest'}), "
+            "not a Megatron one: mlm train --load and mlm convert read it as it is; --to-megatron exports it"
+        )
     if not (src / ".metadata").exists():
         raise MlmError(
             f"--from-megatron {src}: not a Megatron checkpoint: no torch_dist .metadata file, no legacy "
@@ -137,9 +158,21 @@ def checkpoint_dir(src: str | Path) -> Path:
         )
     meta_json = src / "metadata.json"
     if meta_json.exists():
-        backend = json.loads(meta_json.read_text()).get("sharded_backend")
+        try:
+            meta = json.loads(meta_json.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            meta = None
+        if not isinstance(meta, dict):
+            raise MlmError(
+                f'{meta_json}: not Megatron\'s JSON object ({{"sharded_backend": "torch_dist", …}}); copy '
+                "the checkpoint again"
+            )
+        backend = meta.get("sharded_backend")
         if backend != "torch_dist":
-            raise MlmError(f"{meta_json}: sharded_backend {backend!r}; only torch_dist is read")
+            raise MlmError(
+                f"{meta_json}: sharded_backend {backend!r}; only torch_dist is read: have Megatron-LM rewrite "
+                "it (--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and import that"
+            )
     return src
 
 
@@ -153,6 +186,17 @@ class _BytesPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value) -> None:
         self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _damaged(path: Path, keys: list[str], e: CheckpointException) -> MlmError:
+    """The error for a DCP read that failed other than by the allow-list: torch's own failure, by name."""
+    causes = [c for c in getattr(e, "failures", {}).values() if isinstance(c, BaseException)]
+    cause = causes[0] if causes else e
+    first = (str(cause).strip().splitlines() or [""])[-1]
+    return MlmError(
+        f"{path}: {', '.join(keys[:3])}{' …' if len(keys) > 3 else ''} not read: the checkpoint's data files "
+        f"are damaged or incomplete ({type(cause).__name__}{': ' + first if first else ''}); copy it again"
+    )
 
 
 class MegatronCheckpoint:
@@ -190,12 +234,22 @@ class MegatronCheckpoint:
         }
         with warnings.catch_warnings():  # "torch.distributed is disabled … load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, storage_reader=_Reader(self.path, self._metadata), no_dist=True)
+            try:
+                dcp.load(out, storage_reader=_Reader(self.path, self._metadata), no_dist=True)
+            except CheckpointException as e:
+                raise _damaged(self.path, keys, e) from None
         return out
 
     def values(self, keys: list[str]) -> dict:
         """The bytes entries `keys` (of `bytes_keys`), each read with `torch.load(weights_only=True)`:
-        plain values (ints, floats, strings, containers of them, tensors); another class is refused."""
+        plain values (ints, floats, strings, containers of them, tensors); another class is refused,
+        and so is a key the checkpoint holds no bytes entry for."""
+        absent = [k for k in keys if k not in self.bytes_keys]
+        if absent:
+            raise MlmError(
+                f"{self.path}: holds no entry {absent[0]} (a Megatron ShardedObject); the checkpoint is "
+                "incomplete or was not saved by Megatron-core: copy it again"
+            )
         planner = _BytesPlanner()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -206,14 +260,12 @@ class MegatronCheckpoint:
                     planner=planner,
                     no_dist=True,
                 )
-            except CheckpointException as e:  # wraps torch.load's UnpicklingError
-                why = (
-                    str(e).split("Unsupported global: ")[-1].split(" was not")[0]
-                    if "Unsupported global" in str(e)
-                    else ""
-                )
+            except CheckpointException as e:  # wraps torch.load's UnpicklingError, or a read error
+                if "Unsupported global" not in str(e):
+                    raise _damaged(self.path, keys, e) from None
+                why = str(e).split("Unsupported global: ")[-1].split(" was not")[0]
                 raise MlmError(
-                    f"{self.path}: {', '.join(keys)} not read: a class outside plain values ({why or 'see torch.load'})"
+                    f"{self.path}: {', '.join(keys)} not read: a class outside plain values ({why})"
                 ) from None
         return planner.values
 
@@ -224,4 +276,10 @@ class MegatronCheckpoint:
         path = self.path / "common.pt"
         if not path.exists():
             return {}, None
-        return load_megatron_pickle(path), None
+        common = load_megatron_pickle(path)
+        if not isinstance(common, dict):
+            raise MlmError(
+                f"{path}: holds a {type(common).__name__}, not the dict Megatron's dist_checkpointing saves "
+                "(args, iteration, …); copy the checkpoint again or remove the stray common.pt"
+            )
+        return common, None

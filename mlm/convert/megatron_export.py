@@ -126,6 +126,48 @@ def _heterogeneous(cfg: ModelConfig) -> bool:
     return isinstance(freq, list) or freq > 1
 
 
+_UNREAD = {
+    "norm_epsilon": 1e-5,
+    "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+    "qk_layernorm": False,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_dtype": None,
+    "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False,
+    "moe_token_drop_policy": "probs",
+    "moe_shared_expert_gate": False,
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None,
+    "moe_router_bias_update_rate": 1e-3,
+}
+"""Args the export writes that Megatron-LM's `--use-checkpoint-args` does not read
+(`load_args_from_checkpoint`, core_v0.16.1), with Megatron-LM's defaults: where the model's
+value differs, Megatron-LM builds another model (or trains it otherwise) unless given the flag."""
+
+
+def unread_flags(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM command-line flags for the `_UNREAD` args whose value differs from Megatron-LM's
+    default (a store-true flag alone, else the flag and its value)."""
+    out = []
+    for name, default in _UNREAD.items():
+        value = getattr(args, name, default)
+        if value == default or (name == "rope_scaling_factor" and not args.use_rope_scaling):
+            continue
+        if name == "moe_router_load_balancing_type" and not getattr(args, "moe_aux_loss_coeff", 0.0):
+            continue  # "none" and "aux_loss" with coefficient 0 are the same
+        flag = "--" + name.replace("_", "-")
+        values = value if isinstance(value, list) else [value]
+        out.append(flag if value is True else " ".join([flag, *map(str, values)]))
+    return out
+
+
+def _one_or_list(values: list):
+    return values[0] if len(values) == 1 else values
+
+
 def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: int) -> argparse.Namespace:
     """Megatron-LM's `args` for the run `config` (builtins only: mlm's reader and
     `torch.load(weights_only=True)` read it), as `--use-checkpoint-args` and mlm's `--from-megatron`
@@ -198,8 +240,9 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
             moe_router_enable_expert_bias=moe.router_enable_expert_bias,
             moe_router_bias_update_rate=moe.router_bias_update_rate,
             moe_router_dtype="fp32",  # mlm computes the router in fp32
-            moe_router_load_balancing_type=[k for k, _ in balancing] or "none",
-            moe_aux_loss_coeff=[c for _, c in balancing] or 0.0,
+            # as Megatron-LM's arguments.py leaves them: one type and coefficient unwrapped, lists for two
+            moe_router_load_balancing_type=_one_or_list([k for k, _ in balancing]) or "none",
+            moe_aux_loss_coeff=_one_or_list([c for _, c in balancing]) or 0.0,
             moe_z_loss_coeff=moe.z_loss_coeff or None,
             moe_expert_capacity_factor=moe.capacity_factor,
             moe_pad_expert_input_to_capacity=moe.pad_to_capacity,
@@ -322,6 +365,11 @@ def export_megatron(
     ckpt, out = Path(ckpt), Path(out)
     check_new_dir(out)
     start = time.perf_counter()
+    if (ckpt / ".metadata").exists() or (ckpt / "latest_checkpointed_iteration.txt").exists():
+        raise MlmError(
+            f"{ckpt}: a Megatron (or torch DCP) checkpoint, not an mlm one; --to-megatron exports an mlm "
+            f"checkpoint. To read this one into mlm: mlm convert --from-megatron {ckpt} OUT"
+        )
     progress("reading the checkpoint", 0, 0)
     state, manifest, it_dir = read_group(ckpt, verify=verify)
     if "config" not in manifest:
@@ -344,7 +392,18 @@ def export_megatron(
         "it in Megatron-LM with --finetune, or --no-load-optim to continue at its iteration"
     ]
     if cfg.activation == "gelu_tanh":
-        notes.append("--use-checkpoint-args does not read openai_gelu: pass --openai-gelu to Megatron-LM")
+        notes.append(
+            "model.activation=gelu_tanh: Megatron-core's GPTModel has no tanh-approximated GELU (Megatron-LM's "
+            "--openai-gelu reaches its legacy models only), so Megatron computes exact GELU: its logits differ "
+            "from mlm's by the approximation, and --from-megatron reads the export back as activation=gelu"
+        )
+    flags = unread_flags(args)
+    if flags:
+        names = ", ".join(f.split()[0].removeprefix("--").replace("-", "_") for f in flags)
+        notes.append(
+            f"--use-checkpoint-args does not read {names}: pass {' '.join(flags)} to Megatron-LM (its "
+            "defaults differ from this model's)"
+        )
     with staged_dir(out) as tmp:
         progress("writing torch_dist", 0, total)
         name = iter_dir_name(iteration)

@@ -197,7 +197,8 @@ class LegacyCheckpoint:
         gated = args.get("swiglu")
         if gated is None and tp > 1:
             raise MlmError(
-                f"{self.path}: the Megatron args lack `swiglu`, needed to join linear_fc1's tp shards"
+                f"{self.path}: the Megatron args lack `swiglu`, needed to join linear_fc1's tp shards; copy the "
+                "rank files as Megatron-LM wrote them (their args included)"
             )
         etp = args.get("expert_tensor_parallel_size")
         tied = args.get("untie_embeddings_and_output_weights") is False
@@ -213,7 +214,10 @@ class LegacyCheckpoint:
                         continue
                     if not isinstance(value, torch.Tensor):
                         where = self.path / self._names[t, p, e] / FILE
-                        raise MlmError(f"{where}: {local} is a {type(value).__name__}, not a tensor")
+                        raise MlmError(
+                            f"{where}: {local} is a {type(value).__name__}, not a tensor; not a Megatron-LM "
+                            "model state dict (copy the file as Megatron-LM wrote it)"
+                        )
                     key, sub, expert = local, local, None
                     if (m := _LAYER.match(local)) is not None:
                         layer, sub = offsets[v, p] + int(m.group(1)), m.group(2)
@@ -236,10 +240,16 @@ class LegacyCheckpoint:
         for key, by_expert in self._parts.items():
             experts = sorted(by_expert, key=lambda x: -1 if x is None else x)
             if experts != [None] and experts != list(range(len(experts))):
-                raise MlmError(f"{self.path}: {key} has experts {experts}, not 0 … {len(experts) - 1}")
+                raise MlmError(
+                    f"{self.path}: {key} has experts {experts}, not 0 … {len(experts) - 1}; copy every "
+                    "expert-parallel rank folder (mp_rank_*_NNN) as Megatron-LM wrote it"
+                )
             holes = [t for x in experts for t, part in enumerate(by_expert[x]) if part is None]
             if holes:
-                raise MlmError(f"{self.path}: {key} lacks the shard of tp rank {holes[0]}")
+                raise MlmError(
+                    f"{self.path}: {key} lacks the shard of tp rank {holes[0]}; copy every rank folder as "
+                    "Megatron-LM wrote it"
+                )
             shape = _joined_shape(shapes[key][experts[0]], self._rules[key])
             if experts != [None]:
                 shape = (len(experts), *shape)

@@ -34,19 +34,15 @@ Bytes entries are read with `torch.load(weights_only=True)` (builtins and torch 
 from __future__ import annotations
 
 import dataclasses
-import io
 import re
-import warnings
 from collections.abc import Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from mlm.checkpoint.keys import MOMENTS
 from mlm.config import Config
 from mlm.convert.megatron import _split_key
-from mlm.convert.megatron_dcp import MegatronCheckpoint, _Reader
+from mlm.convert.megatron_dcp import MegatronCheckpoint
 from mlm.convert.megatron_legacy import _COLS, _WHOLE, _join, _tp_rule
 from mlm.errors import MlmError
 
@@ -100,35 +96,16 @@ _UNEVEN_PIPELINE = (  # Megatron-LM args that place the layers on pipeline stage
 )
 
 
-class _SafeBytesPlanner(DefaultLoadPlanner):
-    """DCP's load planner with bytes entries unpickled by `torch.load(weights_only=True)`."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False)
-        self.loaded: dict[str, object] = {}  # dcp.load hands the planner a copy of the state dict
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        self.loaded[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
-
-
 def read_object(ckpt: MegatronCheckpoint, key: str):
-    """A Megatron ShardedObject (a DCP bytes entry, `torch.save([obj])`): obj."""
-    planner = _SafeBytesPlanner()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({key: io.BytesIO()}, storage_reader=_Reader(ckpt.path), planner=planner, no_dist=True)
-    value = planner.loaded[key]
+    """A Megatron ShardedObject (a DCP bytes entry, `torch.save([obj])`): obj, read by the
+    checkpoint's restricted reader (`MegatronCheckpoint.values`)."""
+    value = ckpt.values([key])[key]
     return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
 def read_tensor(ckpt: MegatronCheckpoint, key: str) -> torch.Tensor:
     """The optimizer's tensor `key`, whole."""
-    meta = ckpt.optimizer_meta[key]
-    out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(out, storage_reader=_Reader(ckpt.path), no_dist=True)
-    return out[key]
+    return ckpt.read(key)
 
 
 def _pad(n: int) -> int:

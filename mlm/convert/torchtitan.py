@@ -144,7 +144,36 @@ def _weights(ckpt: MegatronCheckpoint) -> dict[str, str]:
         name = next(n for n in names if list(out.values()).count(n) > 1)
         both = [k for k, n in out.items() if n == name]
         raise MlmError(f"{ckpt.path}: {' and '.join(both)} are the same parameter under both spellings")
+    _check_complete(ckpt, out)
     return out
+
+
+def _check_complete(ckpt: MegatronCheckpoint, weights: dict[str, str]) -> None:
+    """MlmError naming the first torchtitan parameter a Llama model needs and the checkpoint lacks:
+    layers 0 … L-1 each with every parameter of `_LAYER` (in the spelling the checkpoint uses), and
+    the final norm."""
+    layers = sorted({int(k.split(".")[1]) for k in weights if k.startswith("layers.")})
+    if layers != list(range(len(layers))):
+        gap = next(i for i in range(len(layers) + 1) if i not in layers)
+        raise MlmError(
+            f"{ckpt.path}: holds layers {', '.join(map(str, layers))}: layer {gap} is missing; copy the "
+            "whole torchtitan checkpoint (every .distcp file of the step)"
+        )
+    fused = any(".attention.qkv_linear." in k for k in weights)
+    subs = {}  # mlm sub-key → the torchtitan sub-key this checkpoint's spelling gives it
+    for sub, name in _LAYER.items():
+        if (
+            name not in ("attn.q.weight", "attn.k.weight", "attn.v.weight")
+            or (".qkv_linear." in sub) == fused
+        ):
+            subs.setdefault(name, sub)
+    wanted = ["norm.weight", *(f"layers.{i}.{sub}" for i in layers for sub in subs.values())]
+    lacking = [k for k in wanted if k not in weights]
+    if lacking:
+        raise MlmError(
+            f"{ckpt.path}: the checkpoint lacks {lacking[0]}{f' (and {len(lacking) - 1} more)' if len(lacking) > 1 else ''}; "
+            "it is not a whole Llama model: copy the whole torchtitan checkpoint"
+        )
 
 
 def _optimizer(ckpt: MegatronCheckpoint, weights: dict[str, str]) -> dict[str, dict[str, str]]:
@@ -158,14 +187,16 @@ def _optimizer(ckpt: MegatronCheckpoint, weights: dict[str, str]) -> dict[str, d
         if param not in weights or field not in ("step", *MOMENTS):
             raise MlmError(
                 f"{ckpt.path}: optimizer state {key!r} is not read: mlm imports AdamW's step, exp_avg and "
-                "exp_avg_sq of the model's parameters (not AMSGrad, other optimizers or other parameters)"
+                "exp_avg_sq of the model's parameters (not AMSGrad, other optimizers or other parameters); "
+                "import the weights only (--weights-only)"
             )
         found.setdefault(param, {})[field] = key
     lacking = [p for p in weights if set(found.get(p, {})) != {"step", *MOMENTS}]
     if found and lacking:
         raise MlmError(
             f"{ckpt.path}: the optimizer state lacks step, exp_avg or exp_avg_sq of {lacking[0]} (a frozen "
-            "parameter?); mlm's AdamW steps every parameter, so it cannot resume from this state"
+            "parameter?); mlm's AdamW steps every parameter, so it cannot resume from this state: import "
+            "the weights only (--weights-only)"
         )
     return found
 
@@ -345,10 +376,12 @@ def import_torchtitan(
     overrides: list[str] | tuple[str, ...] = (),
     *,
     verify: bool = True,
+    weights_only: bool = False,
     progress: Progress = noop,
 ) -> Report:
     """torchtitan DCP checkpoint (`step-N/` or the checkpoint folder) → mlm checkpoint folder `out`.
-    `verify`: read back what was written (checksums) and check mlm's logits on it are finite."""
+    `verify`: read back what was written (checksums) and check mlm's logits on it are finite.
+    `weights_only`: leave the optimizer state out (iteration 0: a new run from the weights)."""
     src, out = Path(src), Path(out)
     check_new_dir(out)
     start = time.perf_counter()
@@ -357,8 +390,14 @@ def import_torchtitan(
     config, notes = model_config(ckpt, weights, list(overrides))
     cfg = config.model
     _check_shapes(ckpt, weights, cfg)
-    optim = _optimizer(ckpt, weights)
+    optim = {} if weights_only else _optimizer(ckpt, weights)
     position, source, more = _position(ckpt, optim, config)
+    stored = [k for k in ckpt.stored if k.startswith("optimizer.state.")]
+    if weights_only and stored:
+        more = [
+            f"the optimizer state ({len(stored)} tensors, e.g. {stored[0]}) is not imported (--weights-only): "
+            "iteration 0, mlm train starts a new run from the weights"
+        ]
     notes += more
     iteration = position.pop("iteration", 0)
     keys = [*weights, *[f[m] for f in optim.values() for m in MOMENTS]]
