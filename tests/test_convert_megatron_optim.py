@@ -331,3 +331,12 @@ def test_run_settings_carry_equal_meanings_only():
         "optimizer.decay_style": "wsd", "optimizer.wsd_decay_iters": 50, "optimizer.warmup_iters": 100,
         "train.train_iters": 1000,
     }  # fmt: skip
+
+
+def test_warmup_fraction_rounding_is_said():
+    """A warm-up fraction of the decay that is not whole iterations is rounded, with a note."""
+    settings, notes = run_settings({"lr_warmup_fraction": 0.013, "train_iters": 1000})
+    assert settings["optimizer.warmup_iters"] == 13 and "rounded" not in " ".join(notes)
+    settings, notes = run_settings({"lr_warmup_fraction": 0.0125, "train_iters": 1000})
+    assert settings["optimizer.warmup_iters"] == 12
+    assert "12.5 warm-up iterations, rounded to optimizer.warmup_iters=12" in " ".join(notes)

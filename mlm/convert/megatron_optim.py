@@ -451,7 +451,13 @@ def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
     if args.get("lr_warmup_fraction") is not None:
         decay = out.get("optimizer.decay_iters") or out.get("train.train_iters")
         if decay:
-            out["optimizer.warmup_iters"] = round(args["lr_warmup_fraction"] * decay)
+            warmup = args["lr_warmup_fraction"] * decay
+            out["optimizer.warmup_iters"] = round(warmup)
+            if warmup != round(warmup):  # Megatron warms up over that many samples' worth, fractions included
+                notes.append(
+                    f"args.lr_warmup_fraction={args['lr_warmup_fraction']} × {decay} decay iterations = {warmup:g} "
+                    f"warm-up iterations, rounded to optimizer.warmup_iters={round(warmup)}"
+                )
     style = args.get("lr_decay_style")
     if style in ("cosine", "linear", "constant"):
         out["optimizer.decay_style"] = style
