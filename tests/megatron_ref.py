@@ -377,3 +377,93 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args) -> Non
     ps.destroy_model_parallel()
     if rank == 0:  # a file: tensors through the result queue need the (exited) rank process
         torch.save({"moments": moments, "scheduler": state["opt_param_scheduler"]}, f"{save}/reference.pt")
+
+
+MLA = dict(q_lora_rank=24, kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10)
+"""The tiny MLA of `save_mla_reference` (Megatron's names: qk_head_dim is the part without RoPE)."""
+YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, original_max_position_embeddings=8, mscale=1.0)
+"""Its YaRN: 4× over 8 original positions (SEQ = 16 reaches past them), mscale_all_dim as given."""
+
+
+def apply_mla_local_patch() -> None:
+    """Let megatron-core 0.16.1's multi-latent attention run on the local spec's core attention."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    # P7: MultiLatentAttention builds its core attention with k_channels / v_channels (query-key
+    # and value head dims differ), which only Transformer Engine's attention accepts;
+    # DotProductAttention sizes its output [s, b, heads · kv_channels]. Take them and size the
+    # output by the value head dim (the scores follow the query and key tensors' own width).
+    if getattr(DotProductAttention, "_mla_patched", False):
+        return
+    init = DotProductAttention.__init__
+
+    def _init(self, *a, k_channels=None, v_channels=None, **k):
+        init(self, *a, **k)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    DotProductAttention.__init__ = _init
+    DotProductAttention._mla_patched = True
+
+    # P7b: without Transformer Engine its extension module still imports, with a MagicMock for
+    # TELinear, so MultiLatentAttention's `HAVE_TE and isinstance(self.linear_proj, TELinear)` raises
+    # TypeError: a class nothing is an instance of.
+    if not isinstance(mla.TELinear, type):
+        mla.TELinear = type("NoTELinear", (), {})
+
+
+def _mla_gpt(q_lora: bool, mscale_all_dim: float):
+    """GPTModel with multi-latent attention (MLATransformerConfig of `MLA` and `YARN`, the local
+    spec with qk_layernorm: q_layernorm / kv_layernorm on the latents, as DeepSeek's), otherwise as
+    `_gpt`'s dense model; `q_lora` False: queries straight from the hidden state (linear_q_proj)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    model_parallel_cuda_manual_seed(42)
+    torch.manual_seed(0)
+    base = vars(_config(False, 1))
+    fields = {k: base[k] for k in (
+        "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization",
+        "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear", "hidden_dropout",
+        "attention_dropout", "params_dtype", "use_cpu_initialization", "bias_activation_fusion",
+        "masked_softmax_fusion", "persist_layer_norm", "bias_dropout_fusion", "apply_rope_fusion",
+        "gradient_accumulation_fusion", "tensor_model_parallel_size",
+    )}  # fmt: skip
+    mla = {**MLA, "q_lora_rank": MLA["q_lora_rank"] if q_lora else None}
+    config = MLATransformerConfig(
+        **fields, **mla, **YARN, mscale_all_dim=mscale_all_dim, qk_layernorm=True, rotary_base=10000
+    )
+    assert config.tensor_model_parallel_size == ps.get_tensor_model_parallel_world_size()
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        parallel_output=False,
+        position_embedding_type="rope",
+    )
+
+
+def save_mla_reference(rank: int, world: int, out: str, q_lora: bool, mscale_all_dim: float) -> torch.Tensor:
+    """`_mla_gpt` at tp = world (seed 0, then `perturb`ed), saved with dist_checkpointing.save into
+    `out`; its logits on `inputs()`, [2, SEQ, VOCAB]."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    apply_cpu_patches()
+    apply_mla_local_patch()
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    model = _mla_gpt(q_lora, mscale_all_dim).eval()
+    perturb(model)
+    logits = _logits(model)
+    os.makedirs(out, exist_ok=True)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dist_checkpointing.save(model.sharded_state_dict(), out, sharded_strategy=strategy)
+    ps.destroy_model_parallel()
+    return logits

@@ -70,6 +70,14 @@ _LAYER = {
     "self_attention.linear_proj.bias": "attn.out.bias",
     "self_attention.q_layernorm.weight": "attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "attn.k_norm.weight",
+    "self_attention.linear_q_proj.weight": "attn.q.weight",
+    "self_attention.linear_q_down_proj.weight": "attn.q_down.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "attn.q_norm.weight",
+    "self_attention.linear_q_up_proj.weight": "attn.q_up.weight",
+    "self_attention.linear_kv_down_proj.weight": "attn.kv_down.weight",
+    "self_attention.kv_layernorm.weight": "attn.kv_norm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "attn.kv_norm.weight",
+    "self_attention.linear_kv_up_proj.weight": "attn.kv_up.weight",
     "mlp.linear_fc1.layer_norm_weight": "mlp_norm.weight",
     "mlp.linear_fc1.layer_norm_bias": "mlp_norm.bias",
     "pre_mlp_layernorm.weight": "mlp_norm.weight",
@@ -87,7 +95,11 @@ _LAYER = {
     "mlp.shared_experts.gate_weight": "mlp.shared_gate.weight",
 }
 """Megatron sub-keys of a layer (after `decoder.layers.`) → the mlm key under `layers.N.`; `qkv`:
-split into attn.{q,k,v}; `fc1:P`: [gate; up] into P.gate and P.up (P.up alone when not gated)."""
+split into attn.{q,k,v}; `fc1:P`: [gate; up] into P.gate and P.up (P.up alone when not gated).
+Multi-latent attention (MLASelfAttention) has mlm's layouts as they are: linear_q_proj /
+linear_q_up_proj rows per head [nope; rope], linear_kv_down_proj rows [latent; shared rope key],
+linear_kv_up_proj rows per head [k nope; v]; its latent norms are q_layernorm / kv_layernorm (local
+spec) or fused into linear_q_up_proj / linear_kv_up_proj (Transformer Engine spec)."""
 
 _ARGS = {
     "num_attention_heads": "num_attention_heads",
@@ -120,7 +132,6 @@ coefficient by moe_router_load_balancing_type, and vocab_size; and the args it r
 _REFUSED_ARGS = {
     "rotary_interleaved": "interleaved RoPE (mlm rotates halves)",
     "apply_layernorm_1p": "zero-centered norm weights (1 + weight)",
-    "multi_latent_attention": "multi-latent attention",
     "squared_relu": "the squared-ReLU MLP",
     "apply_residual_connection_post_layernorm": "residuals taken after the norm",
     "mtp_num_layers": "multi-token prediction modules",
@@ -144,15 +155,17 @@ def _known(ckpt: MegatronCheckpoint) -> None:
             continue
         raise MlmError(
             f"{ckpt.path}: Megatron module {key!r} is not supported by mlm convert --from-megatron (it reads "
-            "GPTModel's embedding, self_attention (linear_qkv, linear_proj, q/k_layernorm), dense mlp, MoE "
-            "router / experts / shared_experts, norms and output_layer; not MLA, MTP or other specs)"
+            "GPTModel's embedding, self_attention (linear_qkv, linear_proj, q/k_layernorm, or multi-latent "
+            "attention's linear_q*/kv* projections and latent norms), dense mlp, MoE router / experts / "
+            "shared_experts, norms and output_layer; not MTP or other specs)"
         )
+    subs = {_split_key(k)[1] for k in ckpt.tensors if k.startswith("decoder.layers.")}
+    mla = "self_attention.linear_kv_down_proj.weight" in subs
     needed = (
         "embedding.word_embeddings.weight",
-        "self_attention.linear_qkv.weight",
+        "self_attention.linear_kv_down_proj.weight" if mla else "self_attention.linear_qkv.weight",
         "self_attention.linear_proj.weight",
     )
-    subs = {_split_key(k)[1] for k in ckpt.tensors if k.startswith("decoder.layers.")}
     lacking = [n for n in needed if n not in ckpt.tensors and n not in subs]
     if lacking:
         raise MlmError(
@@ -199,6 +212,14 @@ def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
     }
     if out["normalization"] == "layernorm":
         out["activation"] = "gelu"  # a GPT-2-like model; swiglu from args or --set otherwise
+    kv_down = shape("self_attention.linear_kv_down_proj.weight")
+    if kv_down is not None:  # multi-latent attention: q_layernorm is its query latent's norm
+        latent = shape("self_attention.linear_kv_up_proj.weight")[1]
+        out |= {"attention_kind": "mla", "qk_norm": False, "mla.kv_lora_rank": latent}
+        out["mla.qk_rope_head_dim"] = kv_down[0] - latent
+        q_down = shape("self_attention.linear_q_down_proj.weight")
+        if q_down is not None:
+            out["mla.q_lora_rank"] = q_down[0]
     fc2 = shape("mlp.linear_fc2.weight")
     if fc2 is not None:
         out["ffn_hidden_size"] = fc2[1]
@@ -230,6 +251,8 @@ def _args_overrides(common: dict) -> list[str]:
             f"Megatron args rotary_percent={args['rotary_percent']}: mlm rotates the whole head (1.0) only"
         )
     kind = args.get("position_embedding_type")
+    if args.get("multi_latent_attention") and kind == "none":  # MLA applies its own RoPE either way
+        kind = "rope"
     if kind not in (None, "rope", "learned_absolute"):
         raise MlmError(
             f"Megatron args position_embedding_type={kind!r}: mlm imports 'rope' and 'learned_absolute' only"
@@ -254,7 +277,57 @@ def _args_overrides(common: dict) -> list[str]:
         ]
     if args.get("vocab_size"):
         out["vocab_size"] = args["vocab_size"]
+    if args.get("multi_latent_attention"):  # kv_channels (hidden / heads, always saved) is not MLA's
+        out.pop("kv_channels", None)
+        out |= _mla_args(args)
     return [f"model.{k}={toml_value(v)}" for k, v in out.items()]
+
+
+_MLA_ARGS = {
+    "q_lora_rank": "mla.q_lora_rank",
+    "kv_lora_rank": "mla.kv_lora_rank",
+    "qk_head_dim": "mla.qk_nope_head_dim",
+    "qk_pos_emb_head_dim": "mla.qk_rope_head_dim",
+    "v_head_dim": "mla.v_head_dim",
+}
+"""Megatron-LM's MLA args → mlm `model.` fields (Megatron's qk_head_dim is the part without RoPE)."""
+
+
+def _mla_args(args: dict) -> dict:
+    """mlm fields for a run with --multi-latent-attention: the MLA dims, interleaved RoPE on the
+    rope dims (Megatron's MLA always applies RoPE to the de-interleaved pairs: `multi_latent_attention`
+    in `_apply_rotary_pos_emb_bshd`), and its YaRN (`--rope-type`, default yarn for MLA), with the
+    constants Megatron-LM has no arguments for (MLATransformerConfig's original_max_position_embeddings
+    4096, beta_fast 32, beta_slow 1). MlmError where mlm's model differs: no latent norms, or an
+    attention factor / softmax scale that mlm's YaRN fields cannot express."""
+    if args.get("qk_layernorm") is False:
+        raise MlmError(
+            "Megatron args multi_latent_attention=True with qk_layernorm=False: that MLA has no latent norms "
+            "(q_layernorm / kv_layernorm are identities); mlm's MLA normalises the latents (DeepSeek's), so "
+            "it is not imported"
+        )
+    out = {ours: args[theirs] for theirs, ours in _MLA_ARGS.items() if args.get(theirs) is not None}
+    out |= {"attention_kind": "mla", "position_embedding": "rope", "mla.rope_interleave": True}
+    rope_type = args.get("rope_type") or "yarn"  # MLATransformerConfig's default
+    factor = args.get("rotary_scaling_factor") or 1.0
+    mscale, mscale_all = args.get("mscale", 1.0), args.get("mscale_all_dim", 0.0)
+    if factor > 1 and mscale_all and rope_type == "rope":
+        raise MlmError(
+            f"Megatron args rope_type='rope' with rotary_scaling_factor={factor}, mscale_all_dim={mscale_all}: "
+            "Megatron scales that MLA's softmax by YaRN's mscale without YaRN frequencies, which mlm does "
+            "not; it is not imported"
+        )
+    if rope_type == "yarn" and factor > 1:
+        if not (mscale and mscale_all) and not (mscale_all == 0 and mscale == 1):
+            raise MlmError(
+                f"Megatron args mscale={mscale}, mscale_all_dim={mscale_all}: Megatron's YaRN multiplies cos "
+                "and sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim); mlm's fields give that "
+                "for both set, or mscale 1 with mscale_all_dim 0, only"
+            )
+        out |= {"rope_scaling_factor": factor, "rope_scaling_type": "yarn", "rope_yarn_mscale": mscale}
+        out |= {"rope_yarn_mscale_all_dim": mscale_all, "rope_original_max_position_embeddings": 4096}
+        out |= {"rope_yarn_beta_fast": 32.0, "rope_yarn_beta_slow": 1.0}
+    return out
 
 
 def _training_position(common: dict) -> dict:
@@ -362,7 +435,10 @@ class _FakeCheckpoint:
 
 
 def _attention_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
-    """model.kv_channels and model.num_query_groups from the qkv and proj shapes, given the heads."""
+    """model.kv_channels and model.num_query_groups from the qkv and proj shapes, given the heads
+    (MLA: its per-head dims, `_mla_head_overrides`)."""
+    if any(_split_key(k)[1] == "self_attention.linear_kv_down_proj.weight" for k in ckpt.tensors):
+        return _mla_head_overrides(ckpt, heads)
     proj = next(k for k in ckpt.tensors if _split_key(k)[1] == "self_attention.linear_proj.weight")
     qkv = next(k for k in ckpt.tensors if _split_key(k)[1] == "self_attention.linear_qkv.weight")
     width = ckpt.shape(proj)[-1]  # heads · head dim
@@ -376,6 +452,35 @@ def _attention_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
             "--set model.num_attention_heads=N"
         )
     return [f"model.kv_channels={head_dim}", f"model.num_query_groups={groups}"]
+
+
+def _mla_head_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
+    """model.mla.v_head_dim and qk_nope_head_dim from linear_proj's inputs (heads · v) and
+    linear_kv_up_proj's rows (heads · (nope + v)), checked against the query rows (heads · (nope + rope))."""
+
+    def rows(sub: str) -> tuple[int, ...] | None:
+        key = next((k for k in ckpt.tensors if _split_key(k)[1] == sub), None)
+        return None if key is None else ckpt.shape(key)[-2:]
+
+    width = rows("self_attention.linear_proj.weight")[1]
+    kv_up, latent = rows("self_attention.linear_kv_up_proj.weight")
+    rope = rows("self_attention.linear_kv_down_proj.weight")[0] - latent
+    q = rows("self_attention.linear_q_up_proj.weight") or rows("self_attention.linear_q_proj.weight")
+    v, nope = width // heads, kv_up // heads - width // heads
+    if (
+        v * heads != width
+        or (nope + v) * heads != kv_up
+        or nope < 1
+        or q is None
+        or q[0] != heads * (nope + rope)
+    ):
+        raise MlmError(
+            f"{ckpt.path}: model.num_attention_heads={heads} does not fit the multi-latent attention's shapes "
+            f"(linear_proj's {width} inputs, linear_kv_up_proj's {kv_up} rows, query rows "
+            f"{q[0] if q else 'none'}); set the Megatron run's --num-attention-heads with "
+            "--set model.num_attention_heads=N"
+        )
+    return [f"model.mla.v_head_dim={v}", f"model.mla.qk_nope_head_dim={nope}"]
 
 
 def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config, list[str]]:
