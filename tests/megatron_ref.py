@@ -467,3 +467,26 @@ def save_mla_reference(rank: int, world: int, out: str, q_lora: bool, mscale_all
     dist_checkpointing.save(model.sharded_state_dict(), out, sharded_strategy=strategy)
     ps.destroy_model_parallel()
     return logits
+
+
+def load_mla_reference(
+    rank: int, world: int, src: str, q_lora: bool, mscale_all_dim: float
+) -> tuple[torch.Tensor, dict]:
+    """`_mla_gpt` at tp = world with the torch_dist directory `src` loaded (every key, strictly, as
+    `load_reference`); its logits on `inputs()` and the entries of `src`'s common.pt."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    apply_cpu_patches()
+    apply_mla_local_patch()
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    model = _mla_gpt(q_lora, mscale_all_dim).eval()
+    torch.manual_seed(1)  # the loaded weights, not the seed-0 init, must give the logits
+    for p in model.parameters():
+        p.data.normal_()
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), src)
+    common = {k: loaded.pop(k) for k in set(loaded) - set(model.state_dict())}
+    model.load_state_dict(loaded, strict=True)
+    logits = _logits(model)
+    ps.destroy_model_parallel()
+    return logits, common

@@ -6,25 +6,43 @@ latent norms) is built by megatron-core 0.16.1 on CPU (tests/megatron_ref.py, pa
 saved with Megatron's own `dist_checkpointing.save`; mlm imports it and its `GPT` must give
 GPTModel's logits to 1e-5 (fp32, absolute; measured 6.4e-7 at tp 2 with the query latent,
 7.2e-7 without; rotate-half instead of interleaved RoPE, YaRN's original positions at 4096 or
-mscale_all_dim 0 move them by 0.17, 0.04, 0.04).
+mscale_all_dim 0 move them by 0.17, 0.04, 0.04). The other way, an mlm MLA checkpoint exported
+with --to-megatron loads (strictly) into that GPTModel with mlm's logits to 1e-5 (measured 1.5e-6
+at tp 2, 1.6e-6 at tp 1; max |logit| ≈ 3), and a GPTModel save imported and exported again equals
+it bitwise. Without megatron: the MLA args mlm follows or refuses, and the export's refusals.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
+from test_convert_megatron_export import dcp_entries, mlm_checkpoint  # noqa: E402
 
 from mlm.checkpoint import read_group
 from mlm.config import config_from_dict
-from mlm.convert.megatron import import_megatron
+from mlm.convert.megatron import _args_overrides, import_megatron
+from mlm.convert.megatron_export import export_megatron
+from mlm.errors import MlmError
 
 from distributed import run_ranks  # noqa: E402
-from megatron_ref import HEADS, MLA, SEQ, YARN, save_mla_reference  # noqa: E402
+from megatron_ref import (  # noqa: E402
+    FFN,
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    MLA,
+    SEQ,
+    VOCAB,
+    YARN,
+    load_mla_reference,
+    save_mla_reference,
+)
 from test_convert_megatron import megatron, mlm_logits  # noqa: E402, F401 (megatron: the fixture)
 
-TOL = 1e-5  # fp32 logits, absolute (max |logit| ≈ 1.6); measured 6.4e-7, 7.2e-7
+TOL = 1e-5  # fp32 logits, absolute (max |logit| ≈ 1.6 and 3); measured 6.4e-7 to 1.6e-6
 
 
 def _args(q_lora: bool, mscale_all_dim: float) -> argparse.Namespace:
@@ -69,3 +87,101 @@ def test_import_mla_matches_gptmodel(
     )
     diff = (mlm_logits(tmp_path / "out") - ref).abs().max().item()
     assert diff <= TOL, diff
+
+
+def _mlm_sets(q_lora: bool, mscale_all_dim: float) -> list[str]:
+    """`megatron_ref._mla_gpt` as an mlm config (init_std 0.1: logits a misplaced tensor moves by O(1))."""
+    q = [f"model.mla.q_lora_rank={MLA['q_lora_rank']}"] if q_lora else []
+    return [
+        f"model.num_layers={LAYERS}", f"model.hidden_size={HIDDEN}", f"model.num_attention_heads={HEADS}",
+        f"model.ffn_hidden_size={FFN}", f"model.vocab_size={VOCAB}", f"model.max_position_embeddings={SEQ}",
+        "model.init_std=0.1", f"data.seq_length={SEQ}", "model.attention_kind=mla", *q,
+        f"model.mla.kv_lora_rank={MLA['kv_lora_rank']}", f"model.mla.qk_nope_head_dim={MLA['qk_head_dim']}",
+        f"model.mla.qk_rope_head_dim={MLA['qk_pos_emb_head_dim']}", f"model.mla.v_head_dim={MLA['v_head_dim']}",
+        f"model.rope_scaling_factor={YARN['rotary_scaling_factor']}", "model.rope_scaling_type=yarn",
+        f"model.rope_original_max_position_embeddings={YARN['original_max_position_embeddings']}",
+        f"model.rope_yarn_mscale={YARN['mscale']}", f"model.rope_yarn_mscale_all_dim={mscale_all_dim}",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "q_lora, world, mscale_all_dim",
+    [(True, 2, 1.0), (False, 1, 0.0)],
+    ids=["q_lora-tp2", "q_proj-tp1"],
+)
+def test_export_mla_loads_into_gptmodel(megatron, tmp_path, q_lora, world, mscale_all_dim):  # noqa: F811
+    """mlm's MLA model → --to-megatron → dist_checkpointing.load into the MLA GPTModel: the same logits."""
+    mlm_checkpoint(tmp_path / "mlm", _mlm_sets(q_lora, mscale_all_dim))
+    report = export_megatron(tmp_path / "mlm", tmp_path / "megatron")
+    assert "YaRN's original positions 8" in report.notes[-1]
+    assert report.tensors == (
+        14 if q_lora else 12
+    )  # 3 + 2 norms, proj, fc1, fc2, MLA 6 (q_down, q_norm, q_up or q), kv 3
+    it_dir = tmp_path / "megatron" / "iter_0000005"
+    theirs, common = run_ranks(world, load_mla_reference, str(it_dir), q_lora, mscale_all_dim)[0]
+    args = common["args"]
+    assert args.multi_latent_attention and args.qk_layernorm and args.q_lora_rank == (24 if q_lora else None)
+    ours = mlm_logits(tmp_path / "mlm")
+    assert ours.abs().max() > 1.0
+    diff = (theirs - ours).abs().max().item()
+    assert diff <= TOL, diff
+
+
+def test_mla_gptmodel_save_round_trips(megatron, tmp_path):  # noqa: F811
+    """Megatron (MLA) → mlm → Megatron equals GPTModel's own save bitwise (keys, tensors, _extra_state
+    objects), and the exported args import to the same mlm model."""
+    src = tmp_path / "gptmodel"
+    run_ranks(1, save_mla_reference, str(src), True, 1.0)
+    torch.save({"args": _args(True, 1.0)}, src / "common.pt")
+    sets = [f"model.rope_original_max_position_embeddings={YARN['original_max_position_embeddings']}"]
+    import_megatron(src, tmp_path / "mlm", sets)
+    export_megatron(tmp_path / "mlm", tmp_path / "back")
+    theirs, ours = dcp_entries(src), dcp_entries(tmp_path / "back" / "iter_0000000")
+    assert theirs.keys() == ours.keys()
+    assert sum(v == "bytes" for v in ours.values()) == 14  # _extra_state: 7 linear layers, 2 layers
+    for key, tensor in theirs.items():
+        assert isinstance(tensor, str) or torch.equal(tensor, ours[key]), key
+    import_megatron(tmp_path / "back", tmp_path / "again", sets)
+    first, manifest = read_group(tmp_path / "mlm")[:2]
+    again, manifest_again = read_group(tmp_path / "again")[:2]
+    assert manifest_again["config"]["model"] == manifest["config"]["model"]
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+
+
+def test_mla_args_defaults():
+    """Megatron-LM's MLA defaults (--rope-type unset: yarn, --rotary-scaling-factor 1): no scaling;
+    kv_channels (saved for every run) is not taken."""
+    args = argparse.Namespace(
+        num_attention_heads=4, kv_channels=16, multi_latent_attention=True, q_lora_rank=None,
+        kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, rope_type=None,
+        rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0, position_embedding_type="none",
+    )  # fmt: skip
+    sets = _args_overrides({"args": args})
+    assert set(sets) == {
+        "model.num_attention_heads=4", 'model.position_embedding="rope"', 'model.attention_kind="mla"',
+        "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=128", "model.mla.qk_rope_head_dim=64",
+        "model.mla.v_head_dim=128", "model.mla.rope_interleave=true",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"qk_layernorm": False}, "qk_layernorm=False: that MLA has no latent norms"),
+        ({"rope_type": "rope", "mscale_all_dim": 1.0}, "Megatron scales that MLA's softmax by YaRN's mscale"),
+        ({"mscale": 0.5}, "mlm's fields give that for both set, or mscale 1 with mscale_all_dim 0, only"),
+    ],
+    ids=["no-latent-norms", "rope-with-mscale", "mscale-alone"],
+)
+def test_mla_args_refused(changes, message):
+    args = {**vars(_args(True, 0.0)), **changes}
+    with pytest.raises(MlmError, match=re.escape(message)):
+        _args_overrides({"args": argparse.Namespace(**args)})
+
+
+def test_mla_export_refuses_rotate_half(tmp_path):
+    mlm_checkpoint(tmp_path / "mlm", [*_mlm_sets(True, 1.0), "model.mla.rope_interleave=false"])
+    with pytest.raises(
+        MlmError, match=r"model\.mla\.rope_interleave=false: Megatron's multi-latent attention"
+    ):
+        export_megatron(tmp_path / "mlm", tmp_path / "out")

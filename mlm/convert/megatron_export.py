@@ -18,8 +18,12 @@ empty `_extra_state` object for each linear layer (Megatron's load requires them
 argument names (the model, `padded_vocab_size`, `iteration`, `consumed_train_samples`,
 `no_save_optim` / `no_save_rng`), `iteration`, `checkpoint_version`: 3.0}, so Megatron-LM's
 `--use-checkpoint-args` and mlm's `--from-megatron` read the model back. Weights only: no optimizer
-state, scheduler or RNG states. What GPTModel's layers (or this name table) cannot hold — MLA, MTP,
-YaRN, RMS q/k norms in a LayerNorm model, a tensor with no Megatron name — is refused, naming it.
+state, scheduler or RNG states. Multi-latent attention is written as the local spec's
+MLASelfAttention (`--multi-latent-attention --qk-layernorm`: q_layernorm / kv_layernorm, and the
+layer norms under their own names input_layernorm / pre_mlp_layernorm, which that spec does not
+remap) with its YaRN as MLATransformerConfig's. What GPTModel's layers (or this name table) cannot
+hold — MTP, YaRN outside MLA, MLA with rotate-half RoPE, RMS q/k norms in a LayerNorm model, a
+tensor with no Megatron name — is refused, naming it.
 
 Memory: the whole model twice (read with `read_group`, checksums checked; then fused and stacked
 under Megatron's keys). Verification reads OUT back with mlm's own Megatron reader and requires
@@ -68,12 +72,29 @@ def _parts(sub: str, name: str) -> list[str]:
     return [name]
 
 
-def _export_layer() -> list[tuple[str, str]]:
-    """(Megatron sub-key, `_LAYER` name) to write: the first of the names that read one mlm tensor."""
+_GQA_ONLY = (
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.layer_norm_bias",
+    "mlp.linear_fc1.layer_norm_weight",
+    "mlp.linear_fc1.layer_norm_bias",
+)
+"""Sub-keys of the attention with linear_qkv, with the layer norms' torch_dist names in its specs
+(sharded_state_dict_keys_map); MLASelfAttention's local spec keeps input_layernorm / pre_mlp_layernorm."""
+
+_MLA_ONLY = tuple(sub for sub in _LAYER if ".linear_q_" in sub or "kv_" in sub)
+"""Sub-keys of multi-latent attention (its linear_q_proj holds what linear_qkv's q rows do)."""
+
+
+def _export_layer(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(Megatron sub-key, `_LAYER` name) to write for `cfg`'s attention kind: the first of the names
+    that read one mlm tensor."""
     out, claimed = [], set()
+    skipped = _GQA_ONLY if cfg.attention_kind == "mla" else _MLA_ONLY
     for sub, name in _LAYER.items():
         parts = tuple(_parts(sub, name))
-        if parts not in claimed:
+        if parts not in claimed and sub not in skipped:
             claimed.add(parts)
             out.append((sub, name))
     return out
@@ -82,7 +103,9 @@ def _export_layer() -> list[tuple[str, str]]:
 def _unsupported(cfg: ModelConfig) -> list[str]:
     """What of `cfg` a Megatron GPTModel with this name table cannot hold, each naming the field."""
     out = []
-    if cfg.attention_kind != "gqa":
+    if cfg.attention_kind == "mla":
+        out += _mla_unsupported(cfg)
+    elif cfg.attention_kind != "gqa":
         out.append(
             f"model.attention_kind={cfg.attention_kind}: the export writes GPTModel's linear_qkv attention only "
             "(Megatron's multi-latent attention has other module names)"
@@ -96,7 +119,7 @@ def _unsupported(cfg: ModelConfig) -> list[str]:
             "model.qk_norm with normalization=layernorm: mlm's q/k norms are RMSNorm, Megatron's q/k_layernorm "
             "follow --normalization (LayerNorm)"
         )
-    if cfg.rope_scaling_factor is not None:
+    if cfg.rope_scaling_factor is not None and cfg.attention_kind != "mla":
         llama3 = (
             cfg.rope_low_freq_factor,
             cfg.rope_high_freq_factor,
@@ -108,6 +131,50 @@ def _unsupported(cfg: ModelConfig) -> list[str]:
                 f"original positions {llama3[2]}): Megatron's --use-rope-scaling is Llama-3.1's with 1/4/8192 only"
             )
     return out
+
+
+def _mla_unsupported(cfg: ModelConfig) -> list[str]:
+    """What of an MLA `cfg` Megatron's MLASelfAttention cannot reproduce."""
+    out = []
+    if not cfg.mla.rope_interleave:
+        out.append(
+            "model.mla.rope_interleave=false: Megatron's multi-latent attention always rotates the rope dims "
+            "as interleaved pairs (DeepSeek's)"
+        )
+    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "yarn":
+        out.append(
+            f"model.rope_scaling_type={cfg.rope_scaling_type} with attention_kind=mla: Megatron's MLA scales "
+            "RoPE with YaRN only"
+        )
+    if cfg.rope_scaling_factor is not None and not cfg.rope_yarn_mscale and cfg.rope_yarn_mscale_all_dim:
+        out.append(
+            f"model.rope_yarn_mscale=0 with rope_yarn_mscale_all_dim={cfg.rope_yarn_mscale_all_dim}: Megatron's "
+            "YaRN multiplies cos and sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim), not mlm's "
+            "mscale(factor) for that pair"
+        )
+    return out
+
+
+def _mla_args(cfg: ModelConfig) -> dict:
+    """Megatron-LM's MLA arguments for an MLA `cfg` (qk_head_dim: the dims without RoPE). mlm's
+    YaRN attention factor with mscale_all_dim 0 is mscale(factor): Megatron's with mscale 1."""
+    m, yarn = cfg.mla, cfg.rope_scaling_factor is not None
+    mscale_all = cfg.rope_yarn_mscale_all_dim if yarn else 0.0
+    return dict(
+        multi_latent_attention=True,
+        qk_layernorm=True,  # the latent norms
+        group_query_attention=False,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_type="yarn" if yarn else "rope",
+        rotary_scaling_factor=cfg.rope_scaling_factor if yarn else 1.0,
+        mscale=cfg.rope_yarn_mscale if yarn and mscale_all else 1.0,
+        mscale_all_dim=mscale_all,
+        use_rope_scaling=False,
+    )
 
 
 def _moe_layer_freq(cfg: ModelConfig) -> int | list[int]:
@@ -178,6 +245,8 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
         num_experts=None,
         moe_layer_freq=1,
     )
+    if cfg.attention_kind == "mla":
+        args.update(_mla_args(cfg))
     if any(spec.mlp == "moe" for spec in cfg.layer_specs()):
         moe = cfg.moe
         balancing = [
@@ -221,7 +290,7 @@ def megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
             out[key] = state[name]
             used.add(name)
     stacked = not _heterogeneous(cfg)
-    for sub, name in _export_layer():
+    for sub, name in _export_layer(cfg):
         layers = []
         for i in range(cfg.num_layers):
             keys = [f"layers.{i}.{p}" for p in _parts(sub, name) if f"layers.{i}.{p}" in state]
@@ -345,6 +414,13 @@ def export_megatron(
     ]
     if cfg.activation == "gelu_tanh":
         notes.append("--use-checkpoint-args does not read openai_gelu: pass --openai-gelu to Megatron-LM")
+    yarn = (cfg.rope_original_max_position_embeddings, cfg.rope_yarn_beta_fast, cfg.rope_yarn_beta_slow)
+    if cfg.attention_kind == "mla" and cfg.rope_scaling_factor is not None and yarn != (4096, 32.0, 1.0):
+        notes.append(
+            f"YaRN's original positions {yarn[0]}, beta_fast {yarn[1]}, beta_slow {yarn[2]} have no Megatron-LM "
+            "argument (it uses MLATransformerConfig's 4096, 32, 1): set original_max_position_embeddings, "
+            "beta_fast and beta_slow in the MLATransformerConfig"
+        )
     with staged_dir(out) as tmp:
         progress("writing torch_dist", 0, total)
         name = iter_dir_name(iteration)
