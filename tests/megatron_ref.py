@@ -490,3 +490,59 @@ def load_mla_reference(
     logits = _logits(model)
     ps.destroy_model_parallel()
     return logits, common
+
+
+def _mtp_gpt(depths: int):
+    """`_gpt`'s dense model with `depths` multi-token prediction depths (the local spec's
+    MultiTokenPredictionBlock: each depth a copy of the decoder's layer spec)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(42)
+    torch.manual_seed(0)
+    config = dataclasses.replace(_config(False, 1), mtp_num_layers=depths, mtp_loss_scaling_factor=0.3)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        parallel_output=True,  # the losses take vocabulary-parallel logits (gathered ones count tp times)
+        position_embedding_type="rope",
+        rotary_base=10000,
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
+    )
+
+
+def samples() -> torch.Tensor:
+    """[2, SEQ + 1] tokens: `inputs()` and the token after (the labels are the sample shifted by one)."""
+    return torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1234))
+
+
+def save_mtp_reference(rank: int, world: int, out: str, depths: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_mtp_gpt` at tp = world (seed 0, then `perturb`ed), saved with dist_checkpointing.save into
+    `out`; (its cross-entropy of every token of `samples()` [2, SEQ] and each depth's MTP loss
+    [depths]: the mean cross-entropy over the positions with a label, as GPTModel's training
+    forward logs it in MTPLossLoggingHelper's tracker; GPTModel with MTP needs labels, so it gives
+    losses, not logits)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    apply_cpu_patches()
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    model = _mtp_gpt(depths)
+    perturb(model)
+    tokens = samples()
+    with torch.no_grad():  # training mode (the tracker logs then) without dropout
+        loss = model.train()(*_forward_inputs(tokens[:, :SEQ]), labels=tokens[:, 1:])
+    losses = MTPLossLoggingHelper.tracker["values"].clone()
+    os.makedirs(out, exist_ok=True)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dist_checkpointing.save(model.sharded_state_dict(), out, sharded_strategy=strategy)
+    ps.destroy_model_parallel()
+    return loss, losses

@@ -293,7 +293,6 @@ def test_args_that_change_the_model_are_followed():
     "field, value, message",
     [
         ("squared_relu", True, "squared_relu=True: the squared-ReLU MLP"),
-        ("mtp_num_layers", 1, "mtp_num_layers=1: multi-token prediction modules"),
         (
             "position_embedding_type",
             "yarn",

@@ -19,6 +19,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_convert_megatron_export import dcp_entries, mlm_checkpoint  # noqa: E402
 
 from mlm.checkpoint import read_group
@@ -26,6 +27,8 @@ from mlm.config import config_from_dict
 from mlm.convert.megatron import _args_overrides, import_megatron
 from mlm.convert.megatron_export import export_megatron
 from mlm.errors import MlmError
+from mlm.model.gpt import GPT
+from mlm.model.mtp import MTPTargets
 
 from distributed import run_ranks  # noqa: E402
 from megatron_ref import (  # noqa: E402
@@ -38,7 +41,9 @@ from megatron_ref import (  # noqa: E402
     VOCAB,
     YARN,
     load_mla_reference,
+    samples,
     save_mla_reference,
+    save_mtp_reference,
 )
 from test_convert_megatron import megatron, mlm_logits  # noqa: E402, F401 (megatron: the fixture)
 
@@ -185,3 +190,43 @@ def test_mla_export_refuses_rotate_half(tmp_path):
         MlmError, match=r"model\.mla\.rope_interleave=false: Megatron's multi-latent attention"
     ):
         export_megatron(tmp_path / "mlm", tmp_path / "out")
+
+
+def _mlm_losses(ckpt, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mlm's (cross-entropy of every token [B, T], each MTP depth's loss) on samples [B, T + 1]."""
+    state, manifest, _ = read_group(ckpt)
+    cfg = config_from_dict(manifest["config"]).model
+    model = GPT(cfg, state["embed.weight"].shape[0])
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        logits = model.eval()(tokens[:, :-1])
+        ce = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+        h = model.hidden_states(tokens[:, :-1])
+        return ce.view(tokens.shape[0], -1), model.mtp_losses(h, MTPTargets.of(tokens, cfg.mtp_num_layers))
+
+
+def test_import_mtp_matches_gptmodel(megatron, tmp_path):  # noqa: F811
+    """GPTModel with 2 MTP depths at tp 2: mlm's token losses and each depth's MTP loss equal
+    GPTModel's to 1e-5 (measured 4.8e-7 both, losses ≈ 5; eh_proj's halves swapped moves depth 0's
+    by 0.16, the depths swapped by 0.27); exported again, it equals GPTModel's save bitwise."""
+    src = tmp_path / "megatron"
+    ce, mtp = run_ranks(2, save_mtp_reference, str(src), 2)[0]
+    args = argparse.Namespace(
+        num_attention_heads=HEADS, group_query_attention=True, num_query_groups=2, kv_channels=16,
+        max_position_embeddings=SEQ, norm_epsilon=1e-5, rotary_base=10000, swiglu=True,
+        position_embedding_type="rope", mtp_num_layers=2, mtp_loss_scaling_factor=0.3,
+    )  # fmt: skip
+    torch.save({"args": args}, src / "common.pt")
+    report = import_megatron(src, tmp_path / "out")
+    assert report.tensors == 21 + 2 * 13  # the model's, and per depth: 3 norms, eh_proj, a layer's 9
+    cfg = config_from_dict(read_group(tmp_path / "out")[1]["config"]).model
+    assert (cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor) == (2, 0.3)
+    ours_ce, ours_mtp = _mlm_losses(tmp_path / "out", samples())
+    assert (ours_ce - ce).abs().max().item() <= TOL
+    assert mtp.shape == (2,) and (ours_mtp - mtp).abs().max().item() <= TOL, (ours_mtp, mtp)
+    export_megatron(tmp_path / "out", tmp_path / "back")
+    theirs, ours = dcp_entries(src), dcp_entries(tmp_path / "back" / "iter_0000000")
+    assert theirs.keys() == ours.keys()
+    assert sum(v == "bytes" for v in ours.values()) == 8 + 2 * 5  # _extra_state: + eh_proj, 4 linear layers
+    for key, tensor in theirs.items():
+        assert isinstance(tensor, str) or torch.equal(tensor, ours[key]), key

@@ -101,6 +101,19 @@ linear_q_up_proj rows per head [nope; rope], linear_kv_down_proj rows [latent; s
 linear_kv_up_proj rows per head [k nope; v]; its latent norms are q_layernorm / kv_layernorm (local
 spec) or fused into linear_q_up_proj / linear_kv_up_proj (Transformer Engine spec)."""
 
+_MTP = {
+    "enorm.weight": "enorm.weight",
+    "enorm.bias": "enorm.bias",
+    "hnorm.weight": "hnorm.weight",
+    "hnorm.bias": "hnorm.bias",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "final_norm.weight",
+    "final_layernorm.bias": "final_norm.bias",
+}
+"""Megatron sub-keys of multi-token prediction depth d (after `mtp.layers.<d>.`) → mlm keys under
+`mtp.<d>.`; its `transformer_layer.<sub>` is one layer named as `_LAYER` names a layer's sub-keys
+(no stacked axis), mlm's `mtp.<d>.layer.`. eh_proj is [D, 2D], input [embedding; hidden] as mlm's."""
+
 _ARGS = {
     "num_attention_heads": "num_attention_heads",
     "kv_channels": "kv_channels",
@@ -123,6 +136,8 @@ _ARGS = {
     "moe_expert_capacity_factor": "moe.capacity_factor",
     "moe_pad_expert_input_to_capacity": "moe.pad_to_capacity",
     "moe_token_drop_policy": "moe.token_drop_policy",
+    "mtp_num_layers": "mtp_num_layers",
+    "mtp_loss_scaling_factor": "mtp_loss_scaling_factor",
 }
 """Megatron-LM `args` fields read from common.pt → mlm `model.` fields, same meaning and unit (plus,
 in `_args_overrides`: num_query_groups when group_query_attention, position_embedding_type,
@@ -134,7 +149,6 @@ _REFUSED_ARGS = {
     "apply_layernorm_1p": "zero-centered norm weights (1 + weight)",
     "squared_relu": "the squared-ReLU MLP",
     "apply_residual_connection_post_layernorm": "residuals taken after the norm",
-    "mtp_num_layers": "multi-token prediction modules",
 }
 """Megatron-LM args (when set) whose model mlm's importer does not reproduce, with what they mean."""
 
@@ -146,6 +160,22 @@ def _split_key(key: str) -> tuple[int | None, str]:
     return (int(head), tail) if head.isdigit() else (None, rest)
 
 
+def _mtp_key(key: str) -> tuple[int, str] | None:
+    """`mtp.layers.<d>.<rest>` → (d, rest); None for any other key."""
+    if not key.startswith("mtp.layers."):
+        return None
+    head, _, rest = key.removeprefix("mtp.layers.").partition(".")
+    return (int(head), rest) if head.isdigit() else None
+
+
+def _known_mtp(key: str) -> bool:
+    mtp = _mtp_key(key)
+    if mtp is None:
+        return False
+    rest = mtp[1]
+    return rest in _MTP or (rest.startswith("transformer_layer.") and rest[18:] in _LAYER)
+
+
 def _known(ckpt: MegatronCheckpoint) -> None:
     """MlmError naming the first Megatron key mlm has no mapping for, or the GPTModel parts it lacks."""
     for key in ckpt.tensors:
@@ -153,11 +183,13 @@ def _known(ckpt: MegatronCheckpoint) -> None:
             continue
         if key.startswith("decoder.layers.") and _split_key(key)[1] in _LAYER:
             continue
+        if _known_mtp(key):
+            continue
         raise MlmError(
             f"{ckpt.path}: Megatron module {key!r} is not supported by mlm convert --from-megatron (it reads "
             "GPTModel's embedding, self_attention (linear_qkv, linear_proj, q/k_layernorm, or multi-latent "
             "attention's linear_q*/kv* projections and latent norms), dense mlp, MoE router / experts / "
-            "shared_experts, norms and output_layer; not MTP or other specs)"
+            "shared_experts, norms, output_layer and MTP depths; not other specs)"
         )
     subs = {_split_key(k)[1] for k in ckpt.tensors if k.startswith("decoder.layers.")}
     mla = "self_attention.linear_kv_down_proj.weight" in subs
@@ -210,6 +242,9 @@ def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
         "qkv_bias": shape("self_attention.linear_qkv.bias") is not None,
         "qk_norm": shape("self_attention.q_layernorm.weight") is not None,
     }
+    depths = {m[0] for m in map(_mtp_key, ckpt.tensors) if m is not None}
+    if depths:
+        out["mtp_num_layers"] = len(depths)
     if out["normalization"] == "layernorm":
         out["activation"] = "gelu"  # a GPT-2-like model; swiglu from args or --set otherwise
     kv_down = shape("self_attention.linear_kv_down_proj.weight")
@@ -363,30 +398,45 @@ def _fc1_axis(name: str) -> int:
 
 def _mlm_tensors(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(mlm key, tensor) for every tensor of the checkpoint, one Megatron key read at a time."""
-    gated = cfg.activation == "swiglu"
     for key in ckpt.tensors:
         tensor = ckpt.read(key)
         if key in _TOP:
             yield _TOP[key], tensor
             continue
+        mtp = _mtp_key(key)
+        if mtp is not None:
+            d, rest = mtp
+            if rest in _MTP:
+                yield f"mtp.{d}.{_MTP[rest]}", tensor.contiguous()
+            else:
+                yield from _layer_tensors(
+                    f"mtp.{d}.layer.", rest.removeprefix("transformer_layer."), tensor, cfg
+                )
+            continue
         n, sub = _split_key(key)
         per_layer = [(n, tensor)] if n is not None else list(enumerate(tensor))
-        suffix = sub.rsplit(".", 1)[1]
         for i, t in per_layer:
-            name = _LAYER[sub]
-            if name == "qkv":
-                for proj, part in zip("qkv", _split_qkv(t, cfg), strict=True):
-                    yield f"layers.{i}.attn.{proj}.{suffix}", part
-            elif name.startswith("fc1:"):
-                prefix, axis = name[4:], _fc1_axis(name)
-                if gated:
-                    gate, up = t.chunk(2, dim=axis)
-                    yield f"layers.{i}.{prefix}.gate.{suffix}", gate.contiguous()
-                    yield f"layers.{i}.{prefix}.up.{suffix}", up.contiguous()
-                else:
-                    yield f"layers.{i}.{prefix}.up.{suffix}", t.contiguous()
-            else:
-                yield f"layers.{i}.{name}", t.contiguous()
+            yield from _layer_tensors(f"layers.{i}.", sub, t, cfg)
+
+
+def _layer_tensors(
+    prefix: str, sub: str, t: torch.Tensor, cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(mlm key, tensor) of one layer's Megatron sub-key `sub`, under the mlm layer `prefix`."""
+    name, suffix = _LAYER[sub], sub.rsplit(".", 1)[1]
+    if name == "qkv":
+        for proj, part in zip("qkv", _split_qkv(t, cfg), strict=True):
+            yield f"{prefix}attn.{proj}.{suffix}", part
+    elif name.startswith("fc1:"):
+        mlp, axis = name[4:], _fc1_axis(name)
+        if cfg.activation == "swiglu":
+            gate, up = t.chunk(2, dim=axis)
+            yield f"{prefix}{mlp}.gate.{suffix}", gate.contiguous()
+            yield f"{prefix}{mlp}.up.{suffix}", up.contiguous()
+        else:
+            yield f"{prefix}{mlp}.up.{suffix}", t.contiguous()
+    else:
+        yield f"{prefix}{name}", t.contiguous()
 
 
 def _expected_shapes(cfg: ModelConfig, padded_vocab: int) -> dict[str, tuple[int, ...]]:
@@ -501,9 +551,11 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
             f"{ckpt.path}: the checkpoint does not say its attention heads ({note or 'no args in common.pt'}): "
             "pass the Megatron run's --num-attention-heads as --set model.num_attention_heads=N"
         )
-    heads = load_config(None, [*sets, "data.seq_length=1"]).model.num_attention_heads
+    depths = len({m[0] for m in map(_mtp_key, ckpt.tensors) if m is not None})
+    probe = f"data.seq_length={1 + depths}"  # the shortest a model with the MTP depths accepts
+    heads = load_config(None, [*sets, probe]).model.num_attention_heads
     sets = [*shapes, *_attention_overrides(ckpt, heads), *given]
-    max_pos = load_config(None, [*sets, "data.seq_length=1"]).model.max_position_embeddings
+    max_pos = load_config(None, [*sets, probe]).model.max_position_embeddings
     seq = min(DataConfig().seq_length, max_pos)  # as import_hf: the default, within the model's positions
     config = load_config(None, [*sets, f"data.seq_length={seq}"])
     notes = [note] if note else []

@@ -50,7 +50,7 @@ from mlm.checkpoint.manager import iter_dir_name
 from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, ModelConfig, config_from_dict
 from mlm.convert.common import Progress, Report, noop
-from mlm.convert.megatron import _LAYER, _TOP, _fc1_axis, _fuse_qkv, _mlm_tensors
+from mlm.convert.megatron import _LAYER, _MTP, _TOP, _fc1_axis, _fuse_qkv, _mlm_tensors
 from mlm.convert.megatron_dcp import MegatronCheckpoint
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
@@ -58,7 +58,7 @@ from mlm.fileio import check_new_dir, staged_dir
 CHECKPOINT_VERSION = 3.0
 """Megatron-LM's `checkpoint_version` for torch_dist checkpoints (no q/k/v reordering on load)."""
 
-_LINEAR = re.compile(r"(.*linear_\w+)\.weight$")
+_LINEAR = re.compile(r"(.*(?:linear_\w+|eh_proj))\.weight$")
 """A Megatron linear layer's weight key; its module saves an `_extra_state` object beside it."""
 
 
@@ -109,10 +109,6 @@ def _unsupported(cfg: ModelConfig) -> list[str]:
         out.append(
             f"model.attention_kind={cfg.attention_kind}: the export writes GPTModel's linear_qkv attention only "
             "(Megatron's multi-latent attention has other module names)"
-        )
-    if cfg.mtp_num_layers:
-        out.append(
-            f"model.mtp_num_layers={cfg.mtp_num_layers}: multi-token prediction modules are not exported"
         )
     if cfg.qk_norm and cfg.normalization != "rmsnorm":
         out.append(
@@ -244,6 +240,8 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
         no_save_rng=True,
         num_experts=None,
         moe_layer_freq=1,
+        mtp_num_layers=cfg.mtp_num_layers or None,
+        mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
     )
     if cfg.attention_kind == "mla":
         args.update(_mla_args(cfg))
@@ -291,23 +289,20 @@ def megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
             used.add(name)
     stacked = not _heterogeneous(cfg)
     for sub, name in _export_layer(cfg):
-        layers = []
-        for i in range(cfg.num_layers):
-            keys = [f"layers.{i}.{p}" for p in _parts(sub, name) if f"layers.{i}.{p}" in state]
-            used.update(keys)
-            parts = [state[k] for k in keys]
-            if not parts:
-                layers.append(None)
-            elif name == "qkv":
-                layers.append(_fuse_qkv(*parts, cfg))
-            elif name.startswith("fc1:"):  # [gate; up], or up alone without a gate
-                layers.append(torch.cat(parts, dim=_fc1_axis(name)))
-            else:
-                layers.append(parts[0])
+        layers = [_layer_tensor(state, f"layers.{i}.", sub, name, cfg, used) for i in range(cfg.num_layers)]
         if stacked and all(t is not None for t in layers):
             out[f"decoder.layers.{sub}"] = torch.stack(layers)
         else:
             out.update({f"decoder.layers.{i}.{sub}": t for i, t in enumerate(layers) if t is not None})
+    for d in range(cfg.mtp_num_layers):  # one layer each, no stacked axis
+        for rest, name in _MTP.items():
+            if f"mtp.{d}.{name}" in state:
+                out[f"mtp.layers.{d}.{rest}"] = state[f"mtp.{d}.{name}"]
+                used.add(f"mtp.{d}.{name}")
+        for sub, name in _export_layer(cfg):
+            t = _layer_tensor(state, f"mtp.{d}.layer.", sub, name, cfg, used)
+            if t is not None:
+                out[f"mtp.layers.{d}.transformer_layer.{sub}"] = t
     left = sorted(set(state) - used)
     if left:
         raise MlmError(
@@ -318,6 +313,23 @@ def megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     return {k: t.contiguous() for k, t in out.items()}
 
 
+def _layer_tensor(
+    state: dict[str, torch.Tensor], prefix: str, sub: str, name: str, cfg: ModelConfig, used: set[str]
+) -> torch.Tensor | None:
+    """The Megatron sub-key `sub` (`_LAYER` name `name`) of the mlm layer under `prefix` (fused),
+    None where the layer has no such tensor; the mlm keys read are added to `used`."""
+    keys = [prefix + p for p in _parts(sub, name) if prefix + p in state]
+    used.update(keys)
+    parts = [state[k] for k in keys]
+    if not parts:
+        return None
+    if name == "qkv":
+        return _fuse_qkv(*parts, cfg)
+    if name.startswith("fc1:"):  # [gate; up], or up alone without a gate
+        return torch.cat(parts, dim=_fc1_axis(name))
+    return parts[0]
+
+
 def _extra_states(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     """The `_extra_state` ShardedObject of every linear layer, as Megatron keys it
     (`<module>._extra_state/shard_<offsets>_<shape>` over the layer and expert axes) and saves it
@@ -325,10 +337,10 @@ def _extra_states(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     out = {}
     for key, t in tensors.items():
         match = _LINEAR.match(key)
-        if not key.startswith("decoder.layers.") or match is None:
+        if not key.startswith(("decoder.layers.", "mtp.layers.")) or match is None:
             continue
         module = f"{match.group(1)}._extra_state"
-        stacked = not key.removeprefix("decoder.layers.").split(".", 1)[0].isdigit()
+        stacked = key.startswith("decoder.layers.") and not key[15:].split(".", 1)[0].isdigit()
         axes = list(t.shape[: int(stacked) + int(".experts.experts." in key)]) or [1]
         for index in itertools.product(*(range(n) for n in axes)):
             out[f"{module}/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, axes))}"] = [None]
