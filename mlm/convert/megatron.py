@@ -4,7 +4,8 @@ legacy per-rank layout, `--ckpt-format torch`: `mlm.convert.megatron_legacy`) â†
     import_megatron("megatron/save", "ckpt/from-megatron", ["model.num_attention_heads=32", ...])
 
 Reads the weights of a Megatron-core `GPTModel` (local or Transformer Engine spec, dense or MoE,
-saved at any tp / pp / ep: torch_dist stores global tensors) with `mlm.convert.megatron_dcp`, maps
+multi-latent attention, multi-token prediction depths; saved at any tp / pp / ep: torch_dist
+stores global tensors) with `mlm.convert.megatron_dcp`, maps
 Megatron's sharded keys to mlm's names (the table `_LAYER` below), splits the fused tensors, and writes
 iteration 0 of an mlm checkpoint with `save_streaming` (chunk checksums, the config in the manifest).
 
@@ -15,7 +16,8 @@ global-expert axis (`decoder.layers.mlp.experts.experts.linear_fc1.weight` is [L
 value head; `linear_fc1` of a gated MLP is [gate; up]. Norms appear under the names torch_dist gives
 both specs (`self_attention.linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_weight`) or
 as `input_layernorm` / `pre_mlp_layernorm` (Transformer Engine MoE layers). RoPE is rotate-half on
-both sides (Megatron's default `rotary_interleaved=False`), so q and k are not permuted.
+both sides (Megatron's default `rotary_interleaved=False`), so q and k are not permuted; MLA's
+rope dims are interleaved pairs on both (`_mla_args`).
 
 The model config: structural fields read off the tensor shapes (layers, width, MLP and expert
 widths, experts, biases, tied output, LayerNorm vs RMSNorm, qk norms; query groups and head dim

@@ -21,9 +21,10 @@ argument names (the model, `padded_vocab_size`, `iteration`, `consumed_train_sam
 state, scheduler or RNG states. Multi-latent attention is written as the local spec's
 MLASelfAttention (`--multi-latent-attention --qk-layernorm`: q_layernorm / kv_layernorm, and the
 layer norms under their own names input_layernorm / pre_mlp_layernorm, which that spec does not
-remap) with its YaRN as MLATransformerConfig's. What GPTModel's layers (or this name table) cannot
-hold — MTP, YaRN outside MLA, MLA with rotate-half RoPE, RMS q/k norms in a LayerNorm model, a
-tensor with no Megatron name — is refused, naming it.
+remap) with its YaRN as MLATransformerConfig's; multi-token prediction depths as
+`mtp.layers.<d>.{enorm,hnorm,eh_proj,transformer_layer.<sub>,final_layernorm}`. What GPTModel's
+layers (or this name table) cannot hold — YaRN outside MLA, MLA with rotate-half RoPE, RMS q/k
+norms in a LayerNorm model, a tensor with no Megatron name — is refused, naming it.
 
 Memory: the whole model twice (read with `read_group`, checksums checked; then fused and stacked
 under Megatron's keys). Verification reads OUT back with mlm's own Megatron reader and requires
