@@ -413,12 +413,13 @@ def apply_mla_local_patch() -> None:
         mla.TELinear = type("NoTELinear", (), {})
 
 
-def _mla_gpt(q_lora: bool, mscale_all_dim: float):
+def _mla_gpt(q_lora: bool, mscale_all_dim: float, depths: int = 0):
     """GPTModel with multi-latent attention (MLATransformerConfig of `MLA` and `YARN`, the local
     spec with qk_layernorm: q_layernorm / kv_layernorm on the latents, as DeepSeek's), otherwise as
-    `_gpt`'s dense model; `q_lora` False: queries straight from the hidden state (linear_q_proj)."""
+    `_gpt`'s dense model; `q_lora` False: queries straight from the hidden state (linear_q_proj);
+    `depths` MTP depths as `_mtp_gpt`'s (vocabulary-parallel output then)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -434,8 +435,9 @@ def _mla_gpt(q_lora: bool, mscale_all_dim: float):
         "gradient_accumulation_fusion", "tensor_model_parallel_size",
     )}  # fmt: skip
     mla = {**MLA, "q_lora_rank": MLA["q_lora_rank"] if q_lora else None}
+    mtp = dict(mtp_num_layers=depths, mtp_loss_scaling_factor=0.3) if depths else {}
     config = MLATransformerConfig(
-        **fields, **mla, **YARN, mscale_all_dim=mscale_all_dim, qk_layernorm=True, rotary_base=10000
+        **fields, **mla, **YARN, **mtp, mscale_all_dim=mscale_all_dim, qk_layernorm=True, rotary_base=10000
     )
     assert config.tensor_model_parallel_size == ps.get_tensor_model_parallel_world_size()
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
@@ -444,8 +446,9 @@ def _mla_gpt(q_lora: bool, mscale_all_dim: float):
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
-        parallel_output=False,
+        parallel_output=bool(depths),
         position_embedding_type="rope",
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if depths else None,
     )
 
 
@@ -522,8 +525,10 @@ def samples() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1234))
 
 
-def save_mtp_reference(rank: int, world: int, out: str, depths: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_mtp_gpt` at tp = world (seed 0, then `perturb`ed), saved with dist_checkpointing.save into
+def save_mtp_reference(
+    rank: int, world: int, out: str, depths: int, mla: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_mtp_gpt` (`mla`: `_mla_gpt` with the query latent, mscale_all_dim 1) at tp = world (seed 0, then `perturb`ed), saved with dist_checkpointing.save into
     `out`; (its cross-entropy of every token of `samples()` [2, SEQ] and each depth's MTP loss
     [depths]: the mean cross-entropy over the positions with a label, as GPTModel's training
     forward logs it in MTPLossLoggingHelper's tracker; GPTModel with MTP needs labels, so it gives
@@ -534,8 +539,9 @@ def save_mtp_reference(rank: int, world: int, out: str, depths: int) -> tuple[to
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     apply_cpu_patches()
+    apply_mla_local_patch()
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    model = _mtp_gpt(depths)
+    model = _mla_gpt(True, 1.0, depths) if mla else _mtp_gpt(depths)
     perturb(model)
     tokens = samples()
     with torch.no_grad():  # training mode (the tracker logs then) without dropout

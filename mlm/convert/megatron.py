@@ -103,6 +103,9 @@ linear_q_up_proj rows per head [nope; rope], linear_kv_down_proj rows [latent; s
 linear_kv_up_proj rows per head [k nope; v]; its latent norms are q_layernorm / kv_layernorm (local
 spec) or fused into linear_q_up_proj / linear_kv_up_proj (Transformer Engine spec)."""
 
+_MLA_SUBS = tuple(sub for sub in _LAYER if ".linear_q_" in sub or "kv_" in sub)
+"""The sub-keys of multi-latent attention (with linear_proj, shared with linear_qkv's attention)."""
+
 _MTP = {
     "enorm.weight": "enorm.weight",
     "enorm.bias": "enorm.bias",
@@ -205,6 +208,20 @@ def _known(ckpt: MegatronCheckpoint) -> None:
         raise MlmError(
             f"{ckpt.path}: not a Megatron GPTModel checkpoint: no {', '.join(lacking)} (it holds "
             f"{', '.join(list(ckpt.tensors)[:4]) or 'no tensors'}{' …' if len(ckpt.tensors) > 4 else ''})"
+        )
+
+
+def _legacy_tp(ckpt: LegacyCheckpoint) -> None:
+    """MlmError for a legacy checkpoint saved at tp > 1 that holds MLA or MTP tensors: its reader
+    joins the tp shards of the embeddings, linear_qkv, linear_fc1, linear_proj and linear_fc2 only."""
+    args = ckpt.common()[0].get("args")
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    odd = [k for k in ckpt.tensors if _mtp_key(k) is not None or _split_key(k)[1] in _MLA_SUBS]
+    if tp > 1 and odd:
+        raise MlmError(
+            f"{ckpt.path}: a legacy (--ckpt-format torch) checkpoint saved at tp {tp} with {odd[0]}: mlm joins "
+            "the tp shards of multi-latent attention and MTP depths from torch_dist only; have Megatron-LM "
+            "rewrite it as torch_dist (--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and import that"
         )
 
 
@@ -606,6 +623,8 @@ def import_megatron(
     folder = iteration_dir(src)
     ckpt = LegacyCheckpoint(folder) if is_legacy(folder) else MegatronCheckpoint(checkpoint_dir(folder))
     _known(ckpt)
+    if isinstance(ckpt, LegacyCheckpoint):
+        _legacy_tp(ckpt)
     config, notes = model_config(ckpt, list(overrides))
     if ckpt.optimizer_keys and weights_only:
         notes.append(

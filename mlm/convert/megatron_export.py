@@ -51,7 +51,7 @@ from mlm.checkpoint.manager import iter_dir_name
 from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, ModelConfig, config_from_dict
 from mlm.convert.common import Progress, Report, noop
-from mlm.convert.megatron import _LAYER, _MTP, _TOP, _fc1_axis, _fuse_qkv, _mlm_tensors
+from mlm.convert.megatron import _LAYER, _MLA_SUBS, _MTP, _TOP, _fc1_axis, _fuse_qkv, _mlm_tensors
 from mlm.convert.megatron_dcp import MegatronCheckpoint
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
@@ -84,15 +84,12 @@ _GQA_ONLY = (
 """Sub-keys of the attention with linear_qkv, with the layer norms' torch_dist names in its specs
 (sharded_state_dict_keys_map); MLASelfAttention's local spec keeps input_layernorm / pre_mlp_layernorm."""
 
-_MLA_ONLY = tuple(sub for sub in _LAYER if ".linear_q_" in sub or "kv_" in sub)
-"""Sub-keys of multi-latent attention (its linear_q_proj holds what linear_qkv's q rows do)."""
-
 
 def _export_layer(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(Megatron sub-key, `_LAYER` name) to write for `cfg`'s attention kind: the first of the names
     that read one mlm tensor."""
     out, claimed = [], set()
-    skipped = _GQA_ONLY if cfg.attention_kind == "mla" else _MLA_ONLY
+    skipped = _GQA_ONLY if cfg.attention_kind == "mla" else _MLA_SUBS  # MLA's linear_q_proj is linear_qkv's q
     for sub, name in _LAYER.items():
         parts = tuple(_parts(sub, name))
         if parts not in claimed and sub not in skipped:
