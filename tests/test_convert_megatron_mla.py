@@ -4,8 +4,8 @@ A tiny `GPTModel` with MLA (MLATransformerConfig: query latent 24 or none, kv la
 dims without RoPE + 8 with, values 10; YaRN 4× over 8 original positions; the local spec with the
 latent norms) is built by megatron-core 0.16.1 on CPU (tests/megatron_ref.py, patches P1–P7b) and
 saved with Megatron's own `dist_checkpointing.save`; mlm imports it and its `GPT` must give
-GPTModel's logits to 1e-5 (fp32, absolute; measured 6.4e-7 at tp 2 with the query latent,
-7.2e-7 without; rotate-half instead of interleaved RoPE, YaRN's original positions at 4096 or
+GPTModel's logits to 1e-5 (fp32, absolute; measured 6.4e-7 at tp 2 with the query latent and
+Megatron-LM's args, 7.2e-7 without either; rotate-half instead of interleaved RoPE, YaRN's original positions at 4096 or
 mscale_all_dim 0 move them by 0.17, 0.04, 0.04). The other way, an mlm MLA checkpoint exported
 with --to-megatron loads (strictly) into that GPTModel with mlm's logits to 1e-5 (measured 1.5e-6
 at tp 2, 1.6e-6 at tp 1; max |logit| ≈ 3), and a GPTModel save imported and exported again equals
@@ -75,12 +75,22 @@ def test_import_mla_matches_gptmodel(
     world,
     mscale_all_dim,
 ):
+    """With Megatron-LM's args (query latent, tp 2), or without (a bare dist_checkpointing.save:
+    the MLA dims from the shapes, the heads and YaRN with --set, the defaults named in a note)."""
     src = tmp_path / "megatron"
     ref = run_ranks(world, save_mla_reference, str(src), q_lora, mscale_all_dim)[0]
-    torch.save({"args": _args(q_lora, mscale_all_dim), "iteration": 0}, src / "common.pt")
     sets = [f"model.rope_original_max_position_embeddings={YARN['original_max_position_embeddings']}"]
+    if q_lora:
+        torch.save({"args": _args(q_lora, mscale_all_dim), "iteration": 0}, src / "common.pt")
+    else:
+        sets += [f"model.num_attention_heads={HEADS}", f"model.max_position_embeddings={SEQ}"]
+        sets += [f"model.rope_scaling_factor={YARN['rotary_scaling_factor']}", "model.rope_scaling_type=yarn"]
     report = import_megatron(src, tmp_path / "out", sets)
-    assert report.notes == []
+    if q_lora:
+        assert report.notes == []
+    else:
+        (note,) = report.notes
+        assert note.startswith("no Megatron-LM args in common.pt: rope_base=10000.0, norm_eps=1e-05"), note
     cfg = config_from_dict(read_group(tmp_path / "out")[1]["config"]).model
     assert cfg.attention_kind == "mla" and cfg.mla.rope_interleave
     dims = (cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank, cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim)

@@ -178,7 +178,14 @@ def _known_mtp(key: str) -> bool:
     if mtp is None:
         return False
     rest = mtp[1]
-    return rest in _MTP or (rest.startswith("transformer_layer.") and rest[18:] in _LAYER)
+    return rest in _MTP or (
+        rest.startswith("transformer_layer.") and rest.removeprefix("transformer_layer.") in _LAYER
+    )
+
+
+def _mtp_depths(ckpt: MegatronCheckpoint) -> int:
+    """How many MTP depths the checkpoint holds (`mtp.layers.<d>.*`)."""
+    return len({m[0] for m in map(_mtp_key, ckpt.tensors) if m is not None})
 
 
 def _known(ckpt: MegatronCheckpoint) -> None:
@@ -261,9 +268,8 @@ def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
         "qkv_bias": shape("self_attention.linear_qkv.bias") is not None,
         "qk_norm": shape("self_attention.q_layernorm.weight") is not None,
     }
-    depths = {m[0] for m in map(_mtp_key, ckpt.tensors) if m is not None}
-    if depths:
-        out["mtp_num_layers"] = len(depths)
+    if _mtp_depths(ckpt):
+        out["mtp_num_layers"] = _mtp_depths(ckpt)
     if out["normalization"] == "layernorm":
         out["activation"] = "gelu"  # a GPT-2-like model; swiglu from args or --set otherwise
     kv_down = shape("self_attention.linear_kv_down_proj.weight")
@@ -570,8 +576,7 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
             f"{ckpt.path}: the checkpoint does not say its attention heads ({note or 'no args in common.pt'}): "
             "pass the Megatron run's --num-attention-heads as --set model.num_attention_heads=N"
         )
-    depths = len({m[0] for m in map(_mtp_key, ckpt.tensors) if m is not None})
-    probe = f"data.seq_length={1 + depths}"  # the shortest a model with the MTP depths accepts
+    probe = f"data.seq_length={1 + _mtp_depths(ckpt)}"  # the shortest a model with the MTP depths accepts
     heads = load_config(None, [*sets, probe]).model.num_attention_heads
     sets = [*shapes, *_attention_overrides(ckpt, heads), *given]
     max_pos = load_config(None, [*sets, probe]).model.max_position_embeddings
@@ -588,6 +593,8 @@ def _defaults_note(cfg: ModelConfig, given: list[str]) -> str:
     fields = ["rope_base", "norm_eps", "activation", "max_position_embeddings"]
     if cfg.mlp_kind == "moe":
         fields += ["moe.router_topk", "moe.router_score_function", "moe.router_pre_softmax"]
+    if cfg.attention_kind == "mla":  # Megatron's MLA default is YaRN; without args mlm has none
+        fields += ["rope_scaling_factor", "rope_scaling_type"]
     taken = [f for f in fields if not any(s.startswith(f"model.{f}=") for s in given)]
     values = ", ".join(f"{f}={toml_value(_field(cfg, f))}" for f in taken)
     return (
