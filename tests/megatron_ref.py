@@ -413,11 +413,11 @@ def apply_mla_local_patch() -> None:
         mla.TELinear = type("NoTELinear", (), {})
 
 
-def _mla_gpt(q_lora: bool, mscale_all_dim: float, depths: int = 0):
+def _mla_gpt(q_lora: bool, mscale_all_dim: float, depths: int = 0, moe: bool = False):
     """GPTModel with multi-latent attention (MLATransformerConfig of `MLA` and `YARN`, the local
     spec with qk_layernorm: q_layernorm / kv_layernorm on the latents, as DeepSeek's), otherwise as
     `_gpt`'s dense model; `q_lora` False: queries straight from the hidden state (linear_q_proj);
-    `depths` MTP depths as `_mtp_gpt`'s (vocabulary-parallel output then)."""
+    `depths` MTP depths as `_mtp_gpt`'s (vocabulary-parallel output then); `moe`: `_gpt`'s MoE MLP."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -436,11 +436,18 @@ def _mla_gpt(q_lora: bool, mscale_all_dim: float, depths: int = 0):
     )}  # fmt: skip
     mla = {**MLA, "q_lora_rank": MLA["q_lora_rank"] if q_lora else None}
     mtp = dict(mtp_num_layers=depths, mtp_loss_scaling_factor=0.3) if depths else {}
+    experts = {
+        k: v for k, v in vars(_config(True, 1)).items() if k.startswith("moe_") or k == "num_moe_experts"
+    }
     config = MLATransformerConfig(
-        **fields, **mla, **YARN, **mtp, mscale_all_dim=mscale_all_dim, qk_layernorm=True, rotary_base=10000
-    )
+        **fields, **mla, **YARN, **mtp, **(experts if moe else {}), mscale_all_dim=mscale_all_dim,
+        qk_layernorm=True, rotary_base=10000,
+    )  # fmt: skip
     assert config.tensor_model_parallel_size == ps.get_tensor_model_parallel_world_size()
-    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=NUM_EXPERTS if moe else None, multi_latent_attention=True, qk_layernorm=True,
+        normalization="RMSNorm",
+    )  # fmt: skip
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -452,8 +459,10 @@ def _mla_gpt(q_lora: bool, mscale_all_dim: float, depths: int = 0):
     )
 
 
-def save_mla_reference(rank: int, world: int, out: str, q_lora: bool, mscale_all_dim: float) -> torch.Tensor:
-    """`_mla_gpt` at tp = world (seed 0, then `perturb`ed), saved with dist_checkpointing.save into
+def save_mla_reference(
+    rank: int, world: int, out: str, q_lora: bool, mscale_all_dim: float, moe: bool = False
+) -> torch.Tensor:
+    """`_mla_gpt` (`moe`: see there) at tp = world (seed 0, then `perturb`ed), saved with dist_checkpointing.save into
     `out`; its logits on `inputs()`, [2, SEQ, VOCAB]."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -462,7 +471,7 @@ def save_mla_reference(rank: int, world: int, out: str, q_lora: bool, mscale_all
     apply_cpu_patches()
     apply_mla_local_patch()
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    model = _mla_gpt(q_lora, mscale_all_dim).eval()
+    model = _mla_gpt(q_lora, mscale_all_dim, moe=moe).eval()
     perturb(model)
     logits = _logits(model)
     os.makedirs(out, exist_ok=True)

@@ -4,9 +4,10 @@ A tiny `GPTModel` with MLA (MLATransformerConfig: query latent 24 or none, kv la
 dims without RoPE + 8 with, values 10; YaRN 4× over 8 original positions; the local spec with the
 latent norms) is built by megatron-core 0.16.1 on CPU (tests/megatron_ref.py, patches P1–P7b) and
 saved with Megatron's own `dist_checkpointing.save`; mlm imports it and its `GPT` must give
-GPTModel's logits to 1e-5 (fp32, absolute; measured 6.4e-7 at tp 2 with the query latent and
-Megatron-LM's args, 7.2e-7 without either; rotate-half instead of interleaved RoPE, YaRN's original positions at 4096 or
-mscale_all_dim 0 move them by 0.17, 0.04, 0.04). The other way, an mlm MLA checkpoint exported
+GPTModel's logits to 1e-5 (fp32, absolute; measured 4.2e-7 at tp 2 with the query latent, MoE
+layers and Megatron-LM's args, 7.2e-7 dense without either; rotate-half instead of interleaved
+RoPE moves them by 0.30 / 0.18, YaRN's original positions at 4096 by 0.03 / 0.04, mscale_all_dim 0
+instead of 1 by 0.02). The other way, an mlm MLA checkpoint exported
 with --to-megatron loads (strictly) into that GPTModel with mlm's logits to 1e-5 (measured 1.5e-6
 at tp 2, 1.6e-6 at tp 1; max |logit| ≈ 3), and a GPTModel save imported and exported again equals
 it bitwise. Without megatron: the MLA args mlm follows or refuses, and the export's refusals.
@@ -38,6 +39,7 @@ from megatron_ref import (  # noqa: E402
     LAYERS,
     MLA,
     SEQ,
+    TOPK,
     VOCAB,
     YARN,
     load_mla_reference,
@@ -47,7 +49,7 @@ from megatron_ref import (  # noqa: E402
 )
 from test_convert_megatron import megatron, mlm_logits  # noqa: E402, F401 (megatron: the fixture)
 
-TOL = 1e-5  # fp32 logits, absolute (max |logit| ≈ 1.6 and 3); measured 6.4e-7 to 1.6e-6
+TOL = 1e-5  # fp32 logits, absolute (max |logit| ≈ 1.6 and 3); measured 4.2e-7 to 1.6e-6
 
 
 def _args(q_lora: bool, mscale_all_dim: float) -> argparse.Namespace:
@@ -66,7 +68,7 @@ def _args(q_lora: bool, mscale_all_dim: float) -> argparse.Namespace:
 @pytest.mark.parametrize(
     "q_lora, world, mscale_all_dim",
     [(True, 2, 1.0), (False, 1, 0.0)],
-    ids=["q_lora-tp2", "q_proj-tp1"],
+    ids=["q_lora-moe-tp2", "q_proj-tp1"],
 )
 def test_import_mla_matches_gptmodel(
     megatron,  # noqa: F811
@@ -75,13 +77,15 @@ def test_import_mla_matches_gptmodel(
     world,
     mscale_all_dim,
 ):
-    """With Megatron-LM's args (query latent, tp 2), or without (a bare dist_checkpointing.save:
+    """With Megatron-LM's args (query latent, MoE layers, tp 2), or without (a bare dist_checkpointing.save:
     the MLA dims from the shapes, the heads and YaRN with --set, the defaults named in a note)."""
     src = tmp_path / "megatron"
-    ref = run_ranks(world, save_mla_reference, str(src), q_lora, mscale_all_dim)[0]
+    ref = run_ranks(world, save_mla_reference, str(src), q_lora, mscale_all_dim, q_lora)[0]
     sets = [f"model.rope_original_max_position_embeddings={YARN['original_max_position_embeddings']}"]
-    if q_lora:
-        torch.save({"args": _args(q_lora, mscale_all_dim), "iteration": 0}, src / "common.pt")
+    if q_lora:  # MoE layers too (4 experts, top-2), as DeepSeek's
+        args = argparse.Namespace(**vars(_args(q_lora, mscale_all_dim)), moe_router_topk=TOPK)
+        torch.save({"args": args, "iteration": 0}, src / "common.pt")
+        sets.append("model.moe.token_dispatcher=allgather")
     else:
         sets += [f"model.num_attention_heads={HEADS}", f"model.max_position_embeddings={SEQ}"]
         sets += [f"model.rope_scaling_factor={YARN['rotary_scaling_factor']}", "model.rope_scaling_type=yarn"]
@@ -95,6 +99,7 @@ def test_import_mla_matches_gptmodel(
     assert cfg.attention_kind == "mla" and cfg.mla.rope_interleave
     dims = (cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank, cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim)
     assert dims == (MLA["q_lora_rank"] if q_lora else None, 20, 12, 8)
+    assert cfg.mlp_kind == ("moe" if q_lora else "dense") and cfg.moe.num_experts == (4 if q_lora else 0)
     assert (cfg.rope_scaling_type, cfg.rope_scaling_factor, cfg.rope_yarn_mscale_all_dim) == (
         "yarn",
         4.0,
