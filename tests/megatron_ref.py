@@ -6,7 +6,9 @@ logits, and its weights saved with Megatron's own `dist_checkpointing.save` (tor
     logits, common = run_ranks(2, load_reference, ckpt_dir, moe)[0]   # the same model, loaded from ckpt_dir
 
 `train_and_save` also runs Megatron's DDP and DistributedOptimizer (Adam), which need the patches
-of `apply_optimizer_cpu_patches` on CPU.
+of `apply_optimizer_cpu_patches` on CPU. `save_mla_reference` / `load_mla_reference` do the same
+for a GPTModel with multi-latent attention (patches P7, P7b of `apply_mla_local_patch`),
+`save_mtp_reference` for one with multi-token prediction depths (its token and MTP losses).
 
 megatron-core runs on CPU given the patches of `apply_cpu_patches` (each says why); they change
 process-wide state (e.g. torch.cuda.current_device), so they run only in the rank processes of
