@@ -6,7 +6,9 @@ logits, and its weights saved with Megatron's own `dist_checkpointing.save` (tor
     logits, common = run_ranks(2, load_reference, ckpt_dir, moe)[0]   # the same model, loaded from ckpt_dir
 
 `train_and_save` also runs Megatron's DDP and DistributedOptimizer (Adam), which need the patches
-of `apply_optimizer_cpu_patches` on CPU.
+of `apply_optimizer_cpu_patches` on CPU. `save_mla_reference` / `load_mla_reference` do the same
+for a GPTModel with multi-latent attention (patches P7, P7b of `apply_mla_local_patch`),
+`save_mtp_reference` for one with multi-token prediction depths (its token and MTP losses).
 
 megatron-core runs on CPU given the patches of `apply_cpu_patches` (each says why); they change
 process-wide state (e.g. torch.cuda.current_device), so they run only in the rank processes of
@@ -446,3 +448,187 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args, gpt2: 
     ps.destroy_model_parallel()
     if rank == 0:  # a file: tensors through the result queue need the (exited) rank process
         torch.save({"moments": moments, "scheduler": state["opt_param_scheduler"]}, f"{save}/reference.pt")
+
+
+MLA = dict(q_lora_rank=24, kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10)
+"""The tiny MLA of `save_mla_reference` (Megatron's names: qk_head_dim is the part without RoPE)."""
+YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, original_max_position_embeddings=8, mscale=1.0)
+"""Its YaRN: 4× over 8 original positions (SEQ = 16 reaches past them), mscale_all_dim as given."""
+
+
+def apply_mla_local_patch() -> None:
+    """Let megatron-core 0.16.1's multi-latent attention run on the local spec's core attention."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    # P7: MultiLatentAttention builds its core attention with k_channels / v_channels (query-key
+    # and value head dims differ), which only Transformer Engine's attention accepts;
+    # DotProductAttention sizes its output [s, b, heads · kv_channels]. Take them and size the
+    # output by the value head dim (the scores follow the query and key tensors' own width).
+    if getattr(DotProductAttention, "_mla_patched", False):
+        return
+    init = DotProductAttention.__init__
+
+    def _init(self, *a, k_channels=None, v_channels=None, **k):
+        init(self, *a, **k)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    DotProductAttention.__init__ = _init
+    DotProductAttention._mla_patched = True
+
+    # P7b: without Transformer Engine its extension module still imports, with a MagicMock for
+    # TELinear, so MultiLatentAttention's `HAVE_TE and isinstance(self.linear_proj, TELinear)` raises
+    # TypeError: a class nothing is an instance of.
+    if not isinstance(mla.TELinear, type):
+        mla.TELinear = type("NoTELinear", (), {})
+
+
+def _mla_gpt(q_lora: bool, mscale_all_dim: float, depths: int = 0, moe: bool = False):
+    """GPTModel with multi-latent attention (MLATransformerConfig of `MLA` and `YARN`, the local
+    spec with qk_layernorm: q_layernorm / kv_layernorm on the latents, as DeepSeek's), otherwise as
+    `_gpt`'s dense model; `q_lora` False: queries straight from the hidden state (linear_q_proj);
+    `depths` MTP depths as `_mtp_gpt`'s (vocabulary-parallel output then); `moe`: `_gpt`'s MoE MLP."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    model_parallel_cuda_manual_seed(42)
+    torch.manual_seed(0)
+    base = vars(_config(False, 1))
+    fields = {k: base[k] for k in (
+        "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization",
+        "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear", "hidden_dropout",
+        "attention_dropout", "params_dtype", "use_cpu_initialization", "bias_activation_fusion",
+        "masked_softmax_fusion", "persist_layer_norm", "bias_dropout_fusion", "apply_rope_fusion",
+        "gradient_accumulation_fusion", "tensor_model_parallel_size",
+    )}  # fmt: skip
+    mla = {**MLA, "q_lora_rank": MLA["q_lora_rank"] if q_lora else None}
+    mtp = dict(mtp_num_layers=depths, mtp_loss_scaling_factor=0.3) if depths else {}
+    experts = {
+        k: v for k, v in vars(_config(True, 1)).items() if k.startswith("moe_") or k == "num_moe_experts"
+    }
+    config = MLATransformerConfig(
+        **fields, **mla, **YARN, **mtp, **(experts if moe else {}), mscale_all_dim=mscale_all_dim,
+        qk_layernorm=True, rotary_base=10000,
+    )  # fmt: skip
+    assert config.tensor_model_parallel_size == ps.get_tensor_model_parallel_world_size()
+    spec = get_gpt_layer_local_spec(
+        num_experts=NUM_EXPERTS if moe else None, multi_latent_attention=True, qk_layernorm=True,
+        normalization="RMSNorm",
+    )  # fmt: skip
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        parallel_output=bool(depths),
+        position_embedding_type="rope",
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if depths else None,
+    )
+
+
+def save_mla_reference(
+    rank: int, world: int, out: str, q_lora: bool, mscale_all_dim: float, moe: bool = False
+) -> torch.Tensor:
+    """`_mla_gpt` (`moe`: see there) at tp = world (seed 0, then `perturb`ed), saved with dist_checkpointing.save into
+    `out`; its logits on `inputs()`, [2, SEQ, VOCAB]."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    apply_cpu_patches()
+    apply_mla_local_patch()
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    model = _mla_gpt(q_lora, mscale_all_dim, moe=moe).eval()
+    perturb(model)
+    logits = _logits(model)
+    os.makedirs(out, exist_ok=True)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dist_checkpointing.save(model.sharded_state_dict(), out, sharded_strategy=strategy)
+    ps.destroy_model_parallel()
+    return logits
+
+
+def load_mla_reference(
+    rank: int, world: int, src: str, q_lora: bool, mscale_all_dim: float
+) -> tuple[torch.Tensor, dict]:
+    """`_mla_gpt` at tp = world with the torch_dist directory `src` loaded (every key, strictly, as
+    `load_reference`); its logits on `inputs()` and the entries of `src`'s common.pt."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    apply_cpu_patches()
+    apply_mla_local_patch()
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    model = _mla_gpt(q_lora, mscale_all_dim).eval()
+    torch.manual_seed(1)  # the loaded weights, not the seed-0 init, must give the logits
+    for p in model.parameters():
+        p.data.normal_()
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), src)
+    common = {k: loaded.pop(k) for k in set(loaded) - set(model.state_dict())}
+    model.load_state_dict(loaded, strict=True)
+    logits = _logits(model)
+    ps.destroy_model_parallel()
+    return logits, common
+
+
+def _mtp_gpt(depths: int):
+    """`_gpt`'s dense model with `depths` multi-token prediction depths (the local spec's
+    MultiTokenPredictionBlock: each depth a copy of the decoder's layer spec)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(42)
+    torch.manual_seed(0)
+    config = dataclasses.replace(_config(False, 1), mtp_num_layers=depths, mtp_loss_scaling_factor=0.3)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        parallel_output=True,  # the losses take vocabulary-parallel logits (gathered ones count tp times)
+        position_embedding_type="rope",
+        rotary_base=10000,
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
+    )
+
+
+def samples() -> torch.Tensor:
+    """[2, SEQ + 1] tokens: `inputs()` and the token after (the labels are the sample shifted by one)."""
+    return torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1234))
+
+
+def save_mtp_reference(
+    rank: int, world: int, out: str, depths: int, mla: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_mtp_gpt` (`mla`: `_mla_gpt` with the query latent, mscale_all_dim 1) at tp = world (seed 0, then `perturb`ed), saved with dist_checkpointing.save into
+    `out`; (its cross-entropy of every token of `samples()` [2, SEQ] and each depth's MTP loss
+    [depths]: the mean cross-entropy over the positions with a label, as GPTModel's training
+    forward logs it in MTPLossLoggingHelper's tracker; GPTModel with MTP needs labels, so it gives
+    losses, not logits)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    apply_cpu_patches()
+    apply_mla_local_patch()
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    model = _mla_gpt(True, 1.0, depths) if mla else _mtp_gpt(depths)
+    perturb(model)
+    tokens = samples()
+    with torch.no_grad():  # training mode (the tracker logs then) without dropout
+        loss = model.train()(*_forward_inputs(tokens[:, :SEQ]), labels=tokens[:, 1:])
+    losses = MTPLossLoggingHelper.tracker["values"].clone()
+    os.makedirs(out, exist_ok=True)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dist_checkpointing.save(model.sharded_state_dict(), out, sharded_strategy=strategy)
+    ps.destroy_model_parallel()
+    return loss, losses

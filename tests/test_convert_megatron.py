@@ -149,11 +149,11 @@ def test_unknown_module_is_named(tmp_path):
         tmp_path / "ckpt",
         {
             "embedding.word_embeddings.weight": torch.zeros(8, 4),
-            "decoder.layers.self_attention.linear_q_down_proj.weight": torch.zeros(2, 4, 4),
+            "decoder.layers.self_attention.core_attention.softmax_offset": torch.zeros(2, 4),
         },
     )
     with pytest.raises(
-        MlmError, match=r"Megatron module 'decoder\.layers\.self_attention\.linear_q_down_proj"
+        MlmError, match=r"Megatron module 'decoder\.layers\.self_attention\.core_attention\.softmax_offset"
     ):
         import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)
     assert not (tmp_path / "out").exists()
@@ -293,7 +293,6 @@ def test_args_that_change_the_model_are_followed():
     "field, value, message",
     [
         ("squared_relu", True, "squared_relu=True: the squared-ReLU MLP"),
-        ("mtp_num_layers", 1, "mtp_num_layers=1: multi-token prediction modules"),
         (
             "position_embedding_type",
             "yarn",

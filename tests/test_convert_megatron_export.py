@@ -200,11 +200,11 @@ def test_export_reads_back_with_mlm(tmp_path, sets):
 
 
 def test_unsupported_is_refused(tmp_path):
-    mlm_checkpoint(tmp_path / "mtp", REFERENCE + ["model.mtp_num_layers=1"])
+    mlm_checkpoint(tmp_path / "qk", REFERENCE + ["model.qk_norm=true", "model.normalization=layernorm"])
     with pytest.raises(
-        MlmError, match=r"model\.mtp_num_layers=1: multi-token prediction modules are not exported"
+        MlmError, match=r"model\.qk_norm with normalization=layernorm: mlm's q/k norms are RMSNorm"
     ):
-        export_megatron(tmp_path / "mtp", tmp_path / "out")
+        export_megatron(tmp_path / "qk", tmp_path / "out")
     mystery = {"layers.0.mystery.weight": torch.zeros(2)}
     mlm_checkpoint(tmp_path / "extra", REFERENCE, extra_state=mystery)
     with pytest.raises(MlmError, match=r"mlm tensor layers\.0\.mystery\.weight has no Megatron GPTModel key"):

@@ -4,7 +4,8 @@ legacy per-rank layout, `--ckpt-format torch`: `mlm.convert.megatron_legacy`) �
     import_megatron("megatron/save", "ckpt/from-megatron", ["model.num_attention_heads=32", ...])
 
 Reads the weights of a Megatron-core `GPTModel` (local or Transformer Engine spec, dense or MoE,
-saved at any tp / pp / ep: torch_dist stores global tensors) with `mlm.convert.megatron_dcp`, maps
+multi-latent attention, multi-token prediction depths; saved at any tp / pp / ep: torch_dist
+stores global tensors) with `mlm.convert.megatron_dcp`, maps
 Megatron's sharded keys to mlm's names (the table `_LAYER` below), splits the fused tensors, and writes
 iteration 0 of an mlm checkpoint with `save_streaming` (chunk checksums, the config in the manifest).
 
@@ -15,7 +16,8 @@ global-expert axis (`decoder.layers.mlp.experts.experts.linear_fc1.weight` is [L
 value head; `linear_fc1` of a gated MLP is [gate; up]. Norms appear under the names torch_dist gives
 both specs (`self_attention.linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_weight`) or
 as `input_layernorm` / `pre_mlp_layernorm` (Transformer Engine MoE layers). RoPE is rotate-half on
-both sides (Megatron's default `rotary_interleaved=False`), so q and k are not permuted.
+both sides (Megatron's default `rotary_interleaved=False`), so q and k are not permuted; MLA's
+rope dims are interleaved pairs on both (`_mla_args`).
 
 The model config: structural fields read off the tensor shapes (layers, width, MLP and expert
 widths, experts, biases, tied output, LayerNorm vs RMSNorm, qk norms; query groups and head dim
@@ -70,6 +72,14 @@ _LAYER = {
     "self_attention.linear_proj.bias": "attn.out.bias",
     "self_attention.q_layernorm.weight": "attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "attn.k_norm.weight",
+    "self_attention.linear_q_proj.weight": "attn.q.weight",
+    "self_attention.linear_q_down_proj.weight": "attn.q_down.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "attn.q_norm.weight",
+    "self_attention.linear_q_up_proj.weight": "attn.q_up.weight",
+    "self_attention.linear_kv_down_proj.weight": "attn.kv_down.weight",
+    "self_attention.kv_layernorm.weight": "attn.kv_norm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "attn.kv_norm.weight",
+    "self_attention.linear_kv_up_proj.weight": "attn.kv_up.weight",
     "mlp.linear_fc1.layer_norm_weight": "mlp_norm.weight",
     "mlp.linear_fc1.layer_norm_bias": "mlp_norm.bias",
     "pre_mlp_layernorm.weight": "mlp_norm.weight",
@@ -87,7 +97,27 @@ _LAYER = {
     "mlp.shared_experts.gate_weight": "mlp.shared_gate.weight",
 }
 """Megatron sub-keys of a layer (after `decoder.layers.`) → the mlm key under `layers.N.`; `qkv`:
-split into attn.{q,k,v}; `fc1:P`: [gate; up] into P.gate and P.up (P.up alone when not gated)."""
+split into attn.{q,k,v}; `fc1:P`: [gate; up] into P.gate and P.up (P.up alone when not gated).
+Multi-latent attention (MLASelfAttention) has mlm's layouts as they are: linear_q_proj /
+linear_q_up_proj rows per head [nope; rope], linear_kv_down_proj rows [latent; shared rope key],
+linear_kv_up_proj rows per head [k nope; v]; its latent norms are q_layernorm / kv_layernorm (local
+spec) or fused into linear_q_up_proj / linear_kv_up_proj (Transformer Engine spec)."""
+
+_MLA_SUBS = tuple(sub for sub in _LAYER if ".linear_q_" in sub or "kv_" in sub)
+"""The sub-keys of multi-latent attention (with linear_proj, shared with linear_qkv's attention)."""
+
+_MTP = {
+    "enorm.weight": "enorm.weight",
+    "enorm.bias": "enorm.bias",
+    "hnorm.weight": "hnorm.weight",
+    "hnorm.bias": "hnorm.bias",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "final_norm.weight",
+    "final_layernorm.bias": "final_norm.bias",
+}
+"""Megatron sub-keys of multi-token prediction depth d (after `mtp.layers.<d>.`) → mlm keys under
+`mtp.<d>.`; its `transformer_layer.<sub>` is one layer named as `_LAYER` names a layer's sub-keys
+(no stacked axis), mlm's `mtp.<d>.layer.`. eh_proj is [D, 2D], input [embedding; hidden] as mlm's."""
 
 _ARGS = {
     "num_attention_heads": "num_attention_heads",
@@ -111,6 +141,8 @@ _ARGS = {
     "moe_expert_capacity_factor": "moe.capacity_factor",
     "moe_pad_expert_input_to_capacity": "moe.pad_to_capacity",
     "moe_token_drop_policy": "moe.token_drop_policy",
+    "mtp_num_layers": "mtp_num_layers",
+    "mtp_loss_scaling_factor": "mtp_loss_scaling_factor",
 }
 """Megatron-LM `args` fields read from common.pt → mlm `model.` fields, same meaning and unit (plus,
 in `_args_overrides`: num_query_groups when group_query_attention, position_embedding_type,
@@ -120,10 +152,8 @@ coefficient by moe_router_load_balancing_type, and vocab_size; and the args it r
 _REFUSED_ARGS = {
     "rotary_interleaved": "interleaved RoPE (mlm rotates halves)",
     "apply_layernorm_1p": "zero-centered norm weights (1 + weight)",
-    "multi_latent_attention": "multi-latent attention",
     "squared_relu": "the squared-ReLU MLP",
     "apply_residual_connection_post_layernorm": "residuals taken after the norm",
-    "mtp_num_layers": "multi-token prediction modules",
     "layernorm_zero_centered_gamma": "zero-centered norm weights (1 + weight)",
     "qk_l2_norm": "L2-normalized queries and keys",
     "attention_output_gate": "a gate on the attention output",
@@ -144,6 +174,29 @@ def _split_key(key: str) -> tuple[int | None, str]:
     return (int(head), tail) if head.isdigit() else (None, rest)
 
 
+def _mtp_key(key: str) -> tuple[int, str] | None:
+    """`mtp.layers.<d>.<rest>` → (d, rest); None for any other key."""
+    if not key.startswith("mtp.layers."):
+        return None
+    head, _, rest = key.removeprefix("mtp.layers.").partition(".")
+    return (int(head), rest) if head.isdigit() else None
+
+
+def _known_mtp(key: str) -> bool:
+    mtp = _mtp_key(key)
+    if mtp is None:
+        return False
+    rest = mtp[1]
+    return rest in _MTP or (
+        rest.startswith("transformer_layer.") and rest.removeprefix("transformer_layer.") in _LAYER
+    )
+
+
+def _mtp_depths(ckpt: MegatronCheckpoint) -> int:
+    """How many MTP depths the checkpoint holds (`mtp.layers.<d>.*`)."""
+    return len({m[0] for m in map(_mtp_key, ckpt.tensors) if m is not None})
+
+
 def _known(ckpt: MegatronCheckpoint) -> None:
     """MlmError naming the first Megatron key mlm has no mapping for, or the GPTModel parts it lacks."""
     if "tok_embeddings.weight" in ckpt.tensors:
@@ -156,22 +209,40 @@ def _known(ckpt: MegatronCheckpoint) -> None:
             continue
         if key.startswith("decoder.layers.") and _split_key(key)[1] in _LAYER:
             continue
+        if _known_mtp(key):
+            continue
         raise MlmError(
             f"{ckpt.path}: Megatron module {key!r} is not supported by mlm convert --from-megatron (it reads "
-            "GPTModel's embedding, self_attention (linear_qkv, linear_proj, q/k_layernorm), dense mlp, MoE "
-            "router / experts / shared_experts, norms and output_layer; not MLA, MTP or other specs)"
+            "GPTModel's embedding, self_attention (linear_qkv, linear_proj, q/k_layernorm, or multi-latent "
+            "attention's linear_q*/kv* projections and latent norms), dense mlp, MoE router / experts / "
+            "shared_experts, norms, output_layer and MTP depths; not other specs)"
         )
+    subs = {_split_key(k)[1] for k in ckpt.tensors if k.startswith("decoder.layers.")}
+    mla = "self_attention.linear_kv_down_proj.weight" in subs
     needed = (
         "embedding.word_embeddings.weight",
-        "self_attention.linear_qkv.weight",
+        "self_attention.linear_kv_down_proj.weight" if mla else "self_attention.linear_qkv.weight",
         "self_attention.linear_proj.weight",
     )
-    subs = {_split_key(k)[1] for k in ckpt.tensors if k.startswith("decoder.layers.")}
     lacking = [n for n in needed if n not in ckpt.tensors and n not in subs]
     if lacking:
         raise MlmError(
             f"{ckpt.path}: not a Megatron GPTModel checkpoint: no {', '.join(lacking)} (it holds "
             f"{', '.join(list(ckpt.tensors)[:4]) or 'no tensors'}{' …' if len(ckpt.tensors) > 4 else ''})"
+        )
+
+
+def _legacy_tp(ckpt: LegacyCheckpoint) -> None:
+    """MlmError for a legacy checkpoint saved at tp > 1 that holds MLA or MTP tensors: its reader
+    joins the tp shards of the embeddings, linear_qkv, linear_fc1, linear_proj and linear_fc2 only."""
+    args = ckpt.common()[0].get("args")
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    odd = [k for k in ckpt.tensors if _mtp_key(k) is not None or _split_key(k)[1] in _MLA_SUBS]
+    if tp > 1 and odd:
+        raise MlmError(
+            f"{ckpt.path}: a legacy (--ckpt-format torch) checkpoint saved at tp {tp} with {odd[0]}: mlm joins "
+            "the tp shards of multi-latent attention and MTP depths from torch_dist only; have Megatron-LM "
+            "rewrite it as torch_dist (--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and import that"
         )
 
 
@@ -211,8 +282,18 @@ def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
         "qkv_bias": shape("self_attention.linear_qkv.bias") is not None,
         "qk_norm": shape("self_attention.q_layernorm.weight") is not None,
     }
+    if _mtp_depths(ckpt):
+        out["mtp_num_layers"] = _mtp_depths(ckpt)
     if out["normalization"] == "layernorm":
         out["activation"] = "gelu"  # a GPT-2-like model; swiglu from args or --set otherwise
+    kv_down = shape("self_attention.linear_kv_down_proj.weight")
+    if kv_down is not None:  # multi-latent attention: q_layernorm is its query latent's norm
+        latent = shape("self_attention.linear_kv_up_proj.weight")[1]
+        out |= {"attention_kind": "mla", "qk_norm": False, "mla.kv_lora_rank": latent}
+        out["mla.qk_rope_head_dim"] = kv_down[0] - latent
+        q_down = shape("self_attention.linear_q_down_proj.weight")
+        if q_down is not None:
+            out["mla.q_lora_rank"] = q_down[0]
     fc2 = shape("mlp.linear_fc2.weight")
     if fc2 is not None:
         out["ffn_hidden_size"] = fc2[1]
@@ -255,6 +336,8 @@ def _args_overrides(common: dict) -> list[str]:
             f"Megatron args rotary_percent={args['rotary_percent']}: mlm rotates the whole head (1.0) only"
         )
     kind = args.get("position_embedding_type")
+    if args.get("multi_latent_attention") and kind == "none":  # MLA applies its own RoPE either way
+        kind = "rope"
     if kind not in (None, "rope", "learned_absolute"):
         raise MlmError(
             f"Megatron args position_embedding_type={kind!r}: mlm imports 'rope' and 'learned_absolute' only"
@@ -281,7 +364,57 @@ def _args_overrides(common: dict) -> list[str]:
             out[f"moe.{'seq_' if kind == 'seq_aux_loss' else ''}aux_loss_coeff"] = coeff
     if args.get("vocab_size"):
         out["vocab_size"] = args["vocab_size"]
+    if args.get("multi_latent_attention"):  # kv_channels (hidden / heads, always saved) is not MLA's
+        out.pop("kv_channels", None)
+        out |= _mla_args(args)
     return [f"model.{k}={toml_value(v)}" for k, v in out.items()]
+
+
+_MLA_ARGS = {
+    "q_lora_rank": "mla.q_lora_rank",
+    "kv_lora_rank": "mla.kv_lora_rank",
+    "qk_head_dim": "mla.qk_nope_head_dim",
+    "qk_pos_emb_head_dim": "mla.qk_rope_head_dim",
+    "v_head_dim": "mla.v_head_dim",
+}
+"""Megatron-LM's MLA args → mlm `model.` fields (Megatron's qk_head_dim is the part without RoPE)."""
+
+
+def _mla_args(args: dict) -> dict:
+    """mlm fields for a run with --multi-latent-attention: the MLA dims, interleaved RoPE on the
+    rope dims (Megatron's MLA always applies RoPE to the de-interleaved pairs: `multi_latent_attention`
+    in `_apply_rotary_pos_emb_bshd`), and its YaRN (`--rope-type`, default yarn for MLA), with the
+    constants Megatron-LM has no arguments for (MLATransformerConfig's original_max_position_embeddings
+    4096, beta_fast 32, beta_slow 1). MlmError where mlm's model differs: no latent norms, or an
+    attention factor / softmax scale that mlm's YaRN fields cannot express."""
+    if args.get("qk_layernorm") is False:
+        raise MlmError(
+            "Megatron args multi_latent_attention=True with qk_layernorm=False: that MLA has no latent norms "
+            "(q_layernorm / kv_layernorm are identities); mlm's MLA normalises the latents (DeepSeek's), so "
+            "it is not imported"
+        )
+    out = {ours: args[theirs] for theirs, ours in _MLA_ARGS.items() if args.get(theirs) is not None}
+    out |= {"attention_kind": "mla", "position_embedding": "rope", "mla.rope_interleave": True}
+    rope_type = args.get("rope_type") or "yarn"  # MLATransformerConfig's default
+    factor = args.get("rotary_scaling_factor") or 1.0
+    mscale, mscale_all = args.get("mscale", 1.0), args.get("mscale_all_dim", 0.0)
+    if factor > 1 and mscale_all and rope_type == "rope":
+        raise MlmError(
+            f"Megatron args rope_type='rope' with rotary_scaling_factor={factor}, mscale_all_dim={mscale_all}: "
+            "Megatron scales that MLA's softmax by YaRN's mscale without YaRN frequencies, which mlm does "
+            "not; it is not imported"
+        )
+    if rope_type == "yarn" and factor > 1:
+        if not (mscale and mscale_all) and not (mscale_all == 0 and mscale == 1):
+            raise MlmError(
+                f"Megatron args mscale={mscale}, mscale_all_dim={mscale_all}: Megatron's YaRN multiplies cos "
+                "and sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim); mlm's fields give that "
+                "for both set, or mscale 1 with mscale_all_dim 0, only"
+            )
+        out |= {"rope_scaling_factor": factor, "rope_scaling_type": "yarn", "rope_yarn_mscale": mscale}
+        out |= {"rope_yarn_mscale_all_dim": mscale_all, "rope_original_max_position_embeddings": 4096}
+        out |= {"rope_yarn_beta_fast": 32.0, "rope_yarn_beta_slow": 1.0}
+    return out
 
 
 def _training_position(common: dict) -> dict:
@@ -318,30 +451,45 @@ def _fc1_axis(name: str) -> int:
 
 def _mlm_tensors(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(mlm key, tensor) for every tensor of the checkpoint, one Megatron key read at a time."""
-    gated = cfg.activation == "swiglu"
     for key in ckpt.tensors:
         tensor = ckpt.read(key)
         if key in _TOP:
             yield _TOP[key], tensor
             continue
+        mtp = _mtp_key(key)
+        if mtp is not None:
+            d, rest = mtp
+            if rest in _MTP:
+                yield f"mtp.{d}.{_MTP[rest]}", tensor.contiguous()
+            else:
+                yield from _layer_tensors(
+                    f"mtp.{d}.layer.", rest.removeprefix("transformer_layer."), tensor, cfg
+                )
+            continue
         n, sub = _split_key(key)
         per_layer = [(n, tensor)] if n is not None else list(enumerate(tensor))
-        suffix = sub.rsplit(".", 1)[1]
         for i, t in per_layer:
-            name = _LAYER[sub]
-            if name == "qkv":
-                for proj, part in zip("qkv", _split_qkv(t, cfg), strict=True):
-                    yield f"layers.{i}.attn.{proj}.{suffix}", part
-            elif name.startswith("fc1:"):
-                prefix, axis = name[4:], _fc1_axis(name)
-                if gated:
-                    gate, up = t.chunk(2, dim=axis)
-                    yield f"layers.{i}.{prefix}.gate.{suffix}", gate.contiguous()
-                    yield f"layers.{i}.{prefix}.up.{suffix}", up.contiguous()
-                else:
-                    yield f"layers.{i}.{prefix}.up.{suffix}", t.contiguous()
-            else:
-                yield f"layers.{i}.{name}", t.contiguous()
+            yield from _layer_tensors(f"layers.{i}.", sub, t, cfg)
+
+
+def _layer_tensors(
+    prefix: str, sub: str, t: torch.Tensor, cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(mlm key, tensor) of one layer's Megatron sub-key `sub`, under the mlm layer `prefix`."""
+    name, suffix = _LAYER[sub], sub.rsplit(".", 1)[1]
+    if name == "qkv":
+        for proj, part in zip("qkv", _split_qkv(t, cfg), strict=True):
+            yield f"{prefix}attn.{proj}.{suffix}", part
+    elif name.startswith("fc1:"):
+        mlp, axis = name[4:], _fc1_axis(name)
+        if cfg.activation == "swiglu":
+            gate, up = t.chunk(2, dim=axis)
+            yield f"{prefix}{mlp}.gate.{suffix}", gate.contiguous()
+            yield f"{prefix}{mlp}.up.{suffix}", up.contiguous()
+        else:
+            yield f"{prefix}{mlp}.up.{suffix}", t.contiguous()
+    else:
+        yield f"{prefix}{name}", t.contiguous()
 
 
 def _expected_shapes(cfg: ModelConfig, padded_vocab: int) -> dict[str, tuple[int, ...]]:
@@ -390,7 +538,10 @@ class _FakeCheckpoint:
 
 
 def _attention_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
-    """model.kv_channels and model.num_query_groups from the qkv and proj shapes, given the heads."""
+    """model.kv_channels and model.num_query_groups from the qkv and proj shapes, given the heads
+    (MLA: its per-head dims, `_mla_head_overrides`)."""
+    if any(_split_key(k)[1] == "self_attention.linear_kv_down_proj.weight" for k in ckpt.tensors):
+        return _mla_head_overrides(ckpt, heads)
     proj = next(k for k in ckpt.tensors if _split_key(k)[1] == "self_attention.linear_proj.weight")
     qkv = next(k for k in ckpt.tensors if _split_key(k)[1] == "self_attention.linear_qkv.weight")
     width = ckpt.shape(proj)[-1]  # heads · head dim
@@ -404,6 +555,35 @@ def _attention_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
             "--set model.num_attention_heads=N"
         )
     return [f"model.kv_channels={head_dim}", f"model.num_query_groups={groups}"]
+
+
+def _mla_head_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
+    """model.mla.v_head_dim and qk_nope_head_dim from linear_proj's inputs (heads · v) and
+    linear_kv_up_proj's rows (heads · (nope + v)), checked against the query rows (heads · (nope + rope))."""
+
+    def rows(sub: str) -> tuple[int, ...] | None:
+        key = next((k for k in ckpt.tensors if _split_key(k)[1] == sub), None)
+        return None if key is None else ckpt.shape(key)[-2:]
+
+    width = rows("self_attention.linear_proj.weight")[1]
+    kv_up, latent = rows("self_attention.linear_kv_up_proj.weight")
+    rope = rows("self_attention.linear_kv_down_proj.weight")[0] - latent
+    q = rows("self_attention.linear_q_up_proj.weight") or rows("self_attention.linear_q_proj.weight")
+    v, nope = width // heads, kv_up // heads - width // heads
+    if (
+        v * heads != width
+        or (nope + v) * heads != kv_up
+        or nope < 1
+        or q is None
+        or q[0] != heads * (nope + rope)
+    ):
+        raise MlmError(
+            f"{ckpt.path}: model.num_attention_heads={heads} does not fit the multi-latent attention's shapes "
+            f"(linear_proj's {width} inputs, linear_kv_up_proj's {kv_up} rows, query rows "
+            f"{q[0] if q else 'none'}); set the Megatron run's --num-attention-heads with "
+            "--set model.num_attention_heads=N"
+        )
+    return [f"model.mla.v_head_dim={v}", f"model.mla.qk_nope_head_dim={nope}"]
 
 
 def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config, list[str]]:
@@ -424,9 +604,10 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
             f"{ckpt.path}: the checkpoint does not say its attention heads ({note or 'no args in common.pt'}): "
             "pass the Megatron run's --num-attention-heads as --set model.num_attention_heads=N"
         )
-    heads = load_config(None, [*sets, "data.seq_length=1"]).model.num_attention_heads
+    probe = f"data.seq_length={1 + _mtp_depths(ckpt)}"  # the shortest a model with the MTP depths accepts
+    heads = load_config(None, [*sets, probe]).model.num_attention_heads
     sets = [*shapes, *_attention_overrides(ckpt, heads), *given]
-    max_pos = load_config(None, [*sets, "data.seq_length=1"]).model.max_position_embeddings
+    max_pos = load_config(None, [*sets, probe]).model.max_position_embeddings
     seq = min(DataConfig().seq_length, max_pos)  # as import_hf: the default, within the model's positions
     config = load_config(None, [*sets, f"data.seq_length={seq}"])
     notes = [note] if note else []
@@ -440,6 +621,8 @@ def _defaults_note(cfg: ModelConfig, given: list[str]) -> str:
     fields = ["rope_base", "norm_eps", "activation", "max_position_embeddings"]
     if cfg.mlp_kind == "moe":
         fields += ["moe.router_topk", "moe.router_score_function", "moe.router_pre_softmax"]
+    if cfg.attention_kind == "mla":  # Megatron's MLA default is YaRN; without args mlm has none
+        fields += ["rope_scaling_factor", "rope_scaling_type"]
     taken = [f for f in fields if not any(s.startswith(f"model.{f}=") for s in given)]
     values = ", ".join(f"{f}={toml_value(_field(cfg, f))}" for f in taken)
     return (
@@ -475,6 +658,8 @@ def import_megatron(
     folder = iteration_dir(src)
     ckpt = LegacyCheckpoint(folder) if is_legacy(folder) else MegatronCheckpoint(checkpoint_dir(folder))
     _known(ckpt)
+    if isinstance(ckpt, LegacyCheckpoint):
+        _legacy_tp(ckpt)
     config, notes = model_config(ckpt, list(overrides))
     if ckpt.optimizer_keys and weights_only:
         notes.append(

@@ -18,8 +18,13 @@ empty `_extra_state` object for each linear layer (Megatron's load requires them
 argument names (the model, `padded_vocab_size`, `iteration`, `consumed_train_samples`,
 `no_save_optim` / `no_save_rng`), `iteration`, `checkpoint_version`: 3.0}, so Megatron-LM's
 `--use-checkpoint-args` and mlm's `--from-megatron` read the model back. Weights only: no optimizer
-state, scheduler or RNG states. What GPTModel's layers (or this name table) cannot hold — MLA, MTP,
-YaRN, RMS q/k norms in a LayerNorm model, a tensor with no Megatron name — is refused, naming it.
+state, scheduler or RNG states. Multi-latent attention is written as the local spec's
+MLASelfAttention (`--multi-latent-attention --qk-layernorm`: q_layernorm / kv_layernorm, and the
+layer norms under their own names input_layernorm / pre_mlp_layernorm, which that spec does not
+remap) with its YaRN as MLATransformerConfig's; multi-token prediction depths as
+`mtp.layers.<d>.{enorm,hnorm,eh_proj,transformer_layer.<sub>,final_layernorm}`. What GPTModel's
+layers (or this name table) cannot hold — YaRN outside MLA, MLA with rotate-half RoPE, RMS q/k
+norms in a LayerNorm model, a tensor with no Megatron name — is refused, naming it.
 
 Memory: the whole model twice (read with `read_group`, checksums checked; then fused and stacked
 under Megatron's keys). Verification reads OUT back with mlm's own Megatron reader and requires
@@ -46,7 +51,7 @@ from mlm.checkpoint.manager import iter_dir_name
 from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, ModelConfig, config_from_dict
 from mlm.convert.common import Progress, Report, noop
-from mlm.convert.megatron import _LAYER, _TOP, _fc1_axis, _fuse_qkv, _mlm_tensors
+from mlm.convert.megatron import _LAYER, _MLA_SUBS, _MTP, _TOP, _fc1_axis, _fuse_qkv, _mlm_tensors
 from mlm.convert.megatron_dcp import MegatronCheckpoint
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
@@ -54,7 +59,7 @@ from mlm.fileio import check_new_dir, staged_dir
 CHECKPOINT_VERSION = 3.0
 """Megatron-LM's `checkpoint_version` for torch_dist checkpoints (no q/k/v reordering on load)."""
 
-_LINEAR = re.compile(r"(.*linear_\w+)\.weight$")
+_LINEAR = re.compile(r"(.*(?:linear_\w+|eh_proj))\.weight$")
 """A Megatron linear layer's weight key; its module saves an `_extra_state` object beside it."""
 
 
@@ -68,12 +73,26 @@ def _parts(sub: str, name: str) -> list[str]:
     return [name]
 
 
-def _export_layer() -> list[tuple[str, str]]:
-    """(Megatron sub-key, `_LAYER` name) to write: the first of the names that read one mlm tensor."""
+_GQA_ONLY = (
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.layer_norm_bias",
+    "mlp.linear_fc1.layer_norm_weight",
+    "mlp.linear_fc1.layer_norm_bias",
+)
+"""Sub-keys of the attention with linear_qkv, with the layer norms' torch_dist names in its specs
+(sharded_state_dict_keys_map); MLASelfAttention's local spec keeps input_layernorm / pre_mlp_layernorm."""
+
+
+def _export_layer(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(Megatron sub-key, `_LAYER` name) to write for `cfg`'s attention kind: the first of the names
+    that read one mlm tensor."""
     out, claimed = [], set()
+    skipped = _GQA_ONLY if cfg.attention_kind == "mla" else _MLA_SUBS  # MLA's linear_q_proj is linear_qkv's q
     for sub, name in _LAYER.items():
         parts = tuple(_parts(sub, name))
-        if parts not in claimed:
+        if parts not in claimed and sub not in skipped:
             claimed.add(parts)
             out.append((sub, name))
     return out
@@ -82,21 +101,19 @@ def _export_layer() -> list[tuple[str, str]]:
 def _unsupported(cfg: ModelConfig) -> list[str]:
     """What of `cfg` a Megatron GPTModel with this name table cannot hold, each naming the field."""
     out = []
-    if cfg.attention_kind != "gqa":
+    if cfg.attention_kind == "mla":
+        out += _mla_unsupported(cfg)
+    elif cfg.attention_kind != "gqa":
         out.append(
             f"model.attention_kind={cfg.attention_kind}: the export writes GPTModel's linear_qkv attention only "
             "(Megatron's multi-latent attention has other module names)"
-        )
-    if cfg.mtp_num_layers:
-        out.append(
-            f"model.mtp_num_layers={cfg.mtp_num_layers}: multi-token prediction modules are not exported"
         )
     if cfg.qk_norm and cfg.normalization != "rmsnorm":
         out.append(
             "model.qk_norm with normalization=layernorm: mlm's q/k norms are RMSNorm, Megatron's q/k_layernorm "
             "follow --normalization (LayerNorm)"
         )
-    if cfg.rope_scaling_factor is not None:
+    if cfg.rope_scaling_factor is not None and cfg.attention_kind != "mla":
         llama3 = (
             cfg.rope_low_freq_factor,
             cfg.rope_high_freq_factor,
@@ -108,6 +125,50 @@ def _unsupported(cfg: ModelConfig) -> list[str]:
                 f"original positions {llama3[2]}): Megatron's --use-rope-scaling is Llama-3.1's with 1/4/8192 only"
             )
     return out
+
+
+def _mla_unsupported(cfg: ModelConfig) -> list[str]:
+    """What of an MLA `cfg` Megatron's MLASelfAttention cannot reproduce."""
+    out = []
+    if not cfg.mla.rope_interleave:
+        out.append(
+            "model.mla.rope_interleave=false: Megatron's multi-latent attention always rotates the rope dims "
+            "as interleaved pairs (DeepSeek's)"
+        )
+    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "yarn":
+        out.append(
+            f"model.rope_scaling_type={cfg.rope_scaling_type} with attention_kind=mla: Megatron's MLA scales "
+            "RoPE with YaRN only"
+        )
+    if cfg.rope_scaling_factor is not None and not cfg.rope_yarn_mscale and cfg.rope_yarn_mscale_all_dim:
+        out.append(
+            f"model.rope_yarn_mscale=0 with rope_yarn_mscale_all_dim={cfg.rope_yarn_mscale_all_dim}: Megatron's "
+            "YaRN multiplies cos and sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim), not mlm's "
+            "mscale(factor) for that pair"
+        )
+    return out
+
+
+def _mla_args(cfg: ModelConfig) -> dict:
+    """Megatron-LM's MLA arguments for an MLA `cfg` (qk_head_dim: the dims without RoPE). mlm's
+    YaRN attention factor with mscale_all_dim 0 is mscale(factor): Megatron's with mscale 1."""
+    m, yarn = cfg.mla, cfg.rope_scaling_factor is not None
+    mscale_all = cfg.rope_yarn_mscale_all_dim if yarn else 0.0
+    return dict(
+        multi_latent_attention=True,
+        qk_layernorm=True,  # the latent norms
+        group_query_attention=False,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_type="yarn" if yarn else "rope",
+        rotary_scaling_factor=cfg.rope_scaling_factor if yarn else 1.0,
+        mscale=cfg.rope_yarn_mscale if yarn and mscale_all else 1.0,
+        mscale_all_dim=mscale_all,
+        use_rope_scaling=False,
+    )
 
 
 def _moe_layer_freq(cfg: ModelConfig) -> int | list[int]:
@@ -142,6 +203,17 @@ _UNREAD = {
     "moe_aux_loss_coeff": 0.0,
     "moe_z_loss_coeff": None,
     "moe_router_bias_update_rate": 1e-3,
+    "multi_latent_attention": False,
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+    "rope_type": None,
+    "rotary_scaling_factor": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.0,
+    "mtp_num_layers": None,
 }
 """Args the export writes that Megatron-LM's `--use-checkpoint-args` does not read
 (`load_args_from_checkpoint`, core_v0.16.1), with Megatron-LM's defaults: where the model's
@@ -219,7 +291,11 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
         no_save_rng=True,
         num_experts=None,
         moe_layer_freq=1,
+        mtp_num_layers=cfg.mtp_num_layers or None,
+        mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
     )
+    if cfg.attention_kind == "mla":
+        args.update(_mla_args(cfg))
     if any(spec.mlp == "moe" for spec in cfg.layer_specs()):
         moe = cfg.moe
         balancing = [
@@ -264,24 +340,21 @@ def megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
             out[key] = state[name]
             used.add(name)
     stacked = not _heterogeneous(cfg)
-    for sub, name in _export_layer():
-        layers = []
-        for i in range(cfg.num_layers):
-            keys = [f"layers.{i}.{p}" for p in _parts(sub, name) if f"layers.{i}.{p}" in state]
-            used.update(keys)
-            parts = [state[k] for k in keys]
-            if not parts:
-                layers.append(None)
-            elif name == "qkv":
-                layers.append(_fuse_qkv(*parts, cfg))
-            elif name.startswith("fc1:"):  # [gate; up], or up alone without a gate
-                layers.append(torch.cat(parts, dim=_fc1_axis(name)))
-            else:
-                layers.append(parts[0])
+    for sub, name in _export_layer(cfg):
+        layers = [_layer_tensor(state, f"layers.{i}.", sub, name, cfg, used) for i in range(cfg.num_layers)]
         if stacked and all(t is not None for t in layers):
             out[f"decoder.layers.{sub}"] = torch.stack(layers)
         else:
             out.update({f"decoder.layers.{i}.{sub}": t for i, t in enumerate(layers) if t is not None})
+    for d in range(cfg.mtp_num_layers):  # one layer each, no stacked axis
+        for rest, name in _MTP.items():
+            if f"mtp.{d}.{name}" in state:
+                out[f"mtp.layers.{d}.{rest}"] = state[f"mtp.{d}.{name}"]
+                used.add(f"mtp.{d}.{name}")
+        for sub, name in _export_layer(cfg):
+            t = _layer_tensor(state, f"mtp.{d}.layer.", sub, name, cfg, used)
+            if t is not None:
+                out[f"mtp.layers.{d}.transformer_layer.{sub}"] = t
     left = sorted(set(state) - used)
     if left:
         raise MlmError(
@@ -292,6 +365,23 @@ def megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     return {k: t.contiguous() for k, t in out.items()}
 
 
+def _layer_tensor(
+    state: dict[str, torch.Tensor], prefix: str, sub: str, name: str, cfg: ModelConfig, used: set[str]
+) -> torch.Tensor | None:
+    """The Megatron sub-key `sub` (`_LAYER` name `name`) of the mlm layer under `prefix` (fused),
+    None where the layer has no such tensor; the mlm keys read are added to `used`."""
+    keys = [prefix + p for p in _parts(sub, name) if prefix + p in state]
+    used.update(keys)
+    parts = [state[k] for k in keys]
+    if not parts:
+        return None
+    if name == "qkv":
+        return _fuse_qkv(*parts, cfg)
+    if name.startswith("fc1:"):  # [gate; up], or up alone without a gate
+        return torch.cat(parts, dim=_fc1_axis(name))
+    return parts[0]
+
+
 def _extra_states(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     """The `_extra_state` ShardedObject of every linear layer, as Megatron keys it
     (`<module>._extra_state/shard_<offsets>_<shape>` over the layer and expert axes) and saves it
@@ -299,10 +389,10 @@ def _extra_states(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     out = {}
     for key, t in tensors.items():
         match = _LINEAR.match(key)
-        if not key.startswith("decoder.layers.") or match is None:
+        if not key.startswith(("decoder.layers.", "mtp.layers.")) or match is None:
             continue
         module = f"{match.group(1)}._extra_state"
-        stacked = not key.removeprefix("decoder.layers.").split(".", 1)[0].isdigit()
+        stacked = key.startswith("decoder.layers.") and not key[15:].split(".", 1)[0].isdigit()
         axes = list(t.shape[: int(stacked) + int(".experts.experts." in key)]) or [1]
         for index in itertools.product(*(range(n) for n in axes)):
             out[f"{module}/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, axes))}"] = [None]
@@ -403,6 +493,13 @@ def export_megatron(
         notes.append(
             f"--use-checkpoint-args does not read {names}: pass {' '.join(flags)} to Megatron-LM (its "
             "defaults differ from this model's)"
+        )
+    yarn = (cfg.rope_original_max_position_embeddings, cfg.rope_yarn_beta_fast, cfg.rope_yarn_beta_slow)
+    if cfg.attention_kind == "mla" and cfg.rope_scaling_factor is not None and yarn != (4096, 32.0, 1.0):
+        notes.append(
+            f"YaRN's original positions {yarn[0]}, beta_fast {yarn[1]}, beta_slow {yarn[2]} have no Megatron-LM "
+            "argument (it uses MLATransformerConfig's 4096, 32, 1): set original_max_position_embeddings, "
+            "beta_fast and beta_slow in the MLATransformerConfig"
         )
     with staged_dir(out) as tmp:
         progress("writing torch_dist", 0, total)
