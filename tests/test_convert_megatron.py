@@ -303,3 +303,17 @@ def test_args_that_change_the_model_are_followed():
 def test_args_refused(field, value, message):
     with pytest.raises(MlmError, match=re.escape(message)):
         _args_overrides({"args": argparse.Namespace(**{field: value})})
+
+
+def test_missing_layer_is_named(tmp_path):
+    """Per-layer keys with a layer absent (a partial copy) are named as such, not as a config mismatch."""
+    layers = {
+        f"decoder.layers.{i}.self_attention.linear_{name}.weight": torch.zeros(rows, 4)
+        for i in (0, 2)
+        for name, rows in (("qkv", 12), ("proj", 4))
+    }
+    _write_dcp(tmp_path / "ckpt", {"embedding.word_embeddings.weight": torch.zeros(8, 4), **layers})
+    with pytest.raises(
+        MlmError, match=r"holds decoder\.layers\.2 but no tensor of layer 1: an incomplete checkpoint"
+    ):
+        import_megatron(tmp_path / "ckpt", tmp_path / "out", SETS)

@@ -217,7 +217,7 @@ def _rewrite(src, out, change) -> None:
         for domain in domains:
             key = f"optimizer.distributed.{domain}.{name}/shard_0_1"
             state[key] = [read_object(ckpt, key)]
-    common = ckpt.common()[0]
+    common = ckpt.common()
     change(state, common)
     with warnings.catch_warnings():  # "torch.distributed is disabled … save in a single process"
         warnings.simplefilter("ignore", UserWarning)

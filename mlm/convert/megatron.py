@@ -235,7 +235,7 @@ def _known(ckpt: MegatronCheckpoint) -> None:
 def _legacy_tp(ckpt: LegacyCheckpoint) -> None:
     """MlmError for a legacy checkpoint saved at tp > 1 that holds MLA or MTP tensors: its reader
     joins the tp shards of the embeddings, linear_qkv, linear_fc1, linear_proj and linear_fc2 only."""
-    args = ckpt.common()[0].get("args")
+    args = ckpt.common().get("args")
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     odd = [k for k in ckpt.tensors if _mtp_key(k) is not None or _split_key(k)[1] in _MLA_SUBS]
     if tp > 1 and odd:
@@ -255,6 +255,13 @@ def _layers(ckpt: MegatronCheckpoint) -> tuple[int, dict[int, set[str]]]:
         n, sub = _split_key(key)
         for i in [n] if n is not None else range(ckpt.shape(key)[0]):
             subs.setdefault(i, set()).add(sub)
+    absent = sorted(set(range(max(subs, default=-1) + 1)) - set(subs))
+    if absent:
+        raise MlmError(
+            f"{ckpt.path}: holds decoder.layers.{max(subs)} but no tensor of layer {absent[0]}"
+            f"{f' (nor of {len(absent) - 1} more)' if len(absent) > 1 else ''}: an incomplete checkpoint; "
+            "copy the whole iteration folder as Megatron-LM wrote it"
+        )
     return len(subs), subs
 
 
@@ -594,14 +601,14 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
     bad = [s for s in overrides if not (s.startswith("model.") or s.startswith("preset="))]
     if bad:
         raise MlmError(f"--set {bad[0]}: --from-megatron takes model.* fields (or preset=NAME) only")
-    common, note = ckpt.common()
+    common = ckpt.common()
     rows = ckpt.shape("embedding.word_embeddings.weight")[0]
     given = _args_overrides(common) + list(overrides)
     shapes = [*_shape_overrides(ckpt), f"model.vocab_size={rows}"]
     sets = [*shapes, *given]
     if not any(s.startswith(("model.num_attention_heads=", "preset=")) for s in given):
         raise MlmError(
-            f"{ckpt.path}: the checkpoint does not say its attention heads ({note or 'no args in common.pt'}): "
+            f"{ckpt.path}: the checkpoint does not say its attention heads (no args in common.pt): "
             "pass the Megatron run's --num-attention-heads as --set model.num_attention_heads=N"
         )
     probe = f"data.seq_length={1 + _mtp_depths(ckpt)}"  # the shortest a model with the MTP depths accepts
@@ -610,7 +617,7 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
     max_pos = load_config(None, [*sets, probe]).model.max_position_embeddings
     seq = min(DataConfig().seq_length, max_pos)  # as import_hf: the default, within the model's positions
     config = load_config(None, [*sets, f"data.seq_length={seq}"])
-    notes = [note] if note else []
+    notes = []
     if not hasattr(common.get("args"), "__dict__"):
         notes.append(_defaults_note(config.model, given))
     return config, notes
@@ -666,7 +673,7 @@ def import_megatron(
             f"the optimizer state ({len(ckpt.optimizer_keys)} tensors, e.g. {ckpt.optimizer_keys[0]}) is not "
             "imported (--weights-only): mlm train starts a new run from the weights"
         )
-    common = ckpt.common()[0]
+    common = ckpt.common()
     position = _training_position(common)
     opt, iteration, resume = None, 0, {}
     if ckpt.optimizer_keys and not weights_only:

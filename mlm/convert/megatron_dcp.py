@@ -269,17 +269,16 @@ class MegatronCheckpoint:
                 ) from None
         return planner.values
 
-    def common(self) -> tuple[dict, str | None]:
-        """(`common.pt`, read with `mlm.convert.megatron_pickle`'s allow-list, or {} where absent;
-        None: the place of a note, which this reader never has). MlmError naming the class where
-        common.pt holds one outside the allow-list."""
+    def common(self) -> dict:
+        """`common.pt`, read with `mlm.convert.megatron_pickle`'s allow-list, or {} where absent.
+        MlmError naming the class where common.pt holds one outside the allow-list."""
         path = self.path / "common.pt"
         if not path.exists():
-            return {}, None
+            return {}
         common = load_megatron_pickle(path)
         if not isinstance(common, dict):
             raise MlmError(
                 f"{path}: holds a {type(common).__name__}, not the dict Megatron's dist_checkpointing saves "
                 "(args, iteration, …); copy the checkpoint again or remove the stray common.pt"
             )
-        return common, None
+        return common

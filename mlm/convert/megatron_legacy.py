@@ -270,7 +270,7 @@ class LegacyCheckpoint:
             joined.append(_join(shards, self._rules[key]))
         return torch.stack(joined) if len(joined) > 1 or None not in self._parts[key] else joined[0]
 
-    def common(self) -> tuple[dict, None]:
-        """(the first rank file's entries other than the model and optimizer: `args`, `iteration`,
-        `checkpoint_version`, …, None) — what a torch_dist checkpoint keeps in common.pt."""
-        return {k: v for k, v in self._first.items() if not re.fullmatch(r"model\d*|optimizer", k)}, None
+    def common(self) -> dict:
+        """The first rank file's entries other than the model and optimizer (`args`, `iteration`,
+        `checkpoint_version`, …): what a torch_dist checkpoint keeps in common.pt."""
+        return {k: v for k, v in self._first.items() if not re.fullmatch(r"model\d*|optimizer", k)}

@@ -199,12 +199,7 @@ class MegatronOptimizer:
             raise MlmError(
                 f"{ckpt.path}: the checkpoint holds no optimizer state (saved with --no-save-optim?)"
             )
-        common, note = ckpt.common()
-        if note:
-            raise MlmError(
-                f"{ckpt.path}: {note}, and carrying the optimizer state needs it (Adam's step, the iteration, "
-                "the consumed samples); import the weights only (--weights-only)"
-            )
+        common = ckpt.common()
         if any(k.startswith("optimizer.state.") for k in keys):
             self.sharding = "per_parameter"
             groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
@@ -240,7 +235,7 @@ class MegatronOptimizer:
         found = [(m, k) for k in keys if (m := _BUCKET.fullmatch(k))]
         if {m.group(2) for m, _ in found} != {"0"}:
             self._refuse("several gradient buffers (MoE expert buffers or several dtypes)")
-        args = self.ckpt.common()[0].get("args")
+        args = self.ckpt.common().get("args")
         args = vars(args) if hasattr(args, "__dict__") else {}
         self.tp, self.pp = (args.get(f"{n}_model_parallel_size") or 1 for n in ("tensor", "pipeline"))
         uneven = [n for n in _UNEVEN_PIPELINE if args.get(n)]
