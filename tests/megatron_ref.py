@@ -261,11 +261,16 @@ def save_reference(
     """Build GPTModel (seed 0, then `perturb`ed) at tp = world / ep (`gpt2`: see `_gpt`), save it
     with dist_checkpointing.save (torch_dist) into `out`, return its logits on `inputs()` (gathered
     over tp), [2, SEQ, VOCAB]."""
+    return _perturb_and_save(_model(world, moe, ep, gpt2=gpt2), out)
+
+
+def _perturb_and_save(model, out: str) -> torch.Tensor:
+    """`perturb` the model, save it with dist_checkpointing.save (torch_dist) into `out`, leave
+    the model-parallel state; its logits on `inputs()`."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    model = _model(world, moe, ep, gpt2=gpt2)
     perturb(model)
     logits = _logits(model)
     os.makedirs(out, exist_ok=True)
@@ -535,21 +540,12 @@ def save_mla_reference(
 ) -> torch.Tensor:
     """`_mla_gpt` (`moe`: see there) at tp = world (seed 0, then `perturb`ed), saved with dist_checkpointing.save into
     `out`; its logits on `inputs()`, [2, SEQ, VOCAB]."""
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     apply_cpu_patches()
     apply_mla_local_patch()
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    model = _mla_gpt(q_lora, mscale_all_dim, moe=moe).eval()
-    perturb(model)
-    logits = _logits(model)
-    os.makedirs(out, exist_ok=True)
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-    dist_checkpointing.save(model.sharded_state_dict(), out, sharded_strategy=strategy)
-    ps.destroy_model_parallel()
-    return logits
+    return _perturb_and_save(_mla_gpt(q_lora, mscale_all_dim, moe=moe).eval(), out)
 
 
 def load_mla_reference(
