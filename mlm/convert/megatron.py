@@ -7,7 +7,8 @@ Reads the weights of a Megatron-core `GPTModel` (local or Transformer Engine spe
 multi-latent attention, multi-token prediction depths; saved at any tp / pp / ep: torch_dist
 stores global tensors) with `mlm.convert.megatron_dcp`, maps
 Megatron's sharded keys to mlm's names (the table `_LAYER` below), splits the fused tensors, and writes
-iteration 0 of an mlm checkpoint with `save_streaming` (chunk checksums, the config in the manifest).
+an mlm checkpoint with `save_streaming` (chunk checksums, the config in the manifest): iteration 0
+with the weights, or Megatron's iteration with the optimizer state too (below).
 
 Layouts: all layers of a homogeneous stack share one key `decoder.layers.<sub>` with the layer on a
 leading axis (heterogeneous stacks save `decoder.layers.<n>.<sub>`; both are read); experts add a
@@ -23,8 +24,8 @@ The model config: structural fields read off the tensor shapes (layers, width, M
 widths, experts, biases, tied output, LayerNorm vs RMSNorm, qk norms; query groups and head dim
 once the heads are known), then the `args` that
 Megatron-LM saves in `common.pt` (in each rank file of the legacy layout), read with the allow-list of
-`mlm.convert.megatron_pickle` (`_ARGS`: heads, query groups, head dim,
-positions, norm epsilon, RoPE base, position embedding type, swiglu, top-k, vocab size), then the
+`mlm.convert.megatron_pickle` (the fields of `_ARGS`, and those `_args_overrides` and `_mla_args`
+read or refuse; docs/convert.md lists them), then the
 user's `--set model.*` (or `preset=`), each over the one before. Every tensor's shape is checked
 against `GPT(config)` before anything is written. Megatron-LM's `iteration` and
 `consumed_train_samples` are recorded in the manifest's `source`. Where the checkpoint holds
