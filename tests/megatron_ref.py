@@ -337,7 +337,10 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args, gpt2: 
     mean(logits²) of `inputs()` (at pp > 1 through Megatron's 1F1B schedule, one micro-batch;
     gradients finished by Megatron's `finalize_model_grads`), saved into `save/iter_0000001` as
     Megatron-LM's save_checkpoint does (model and optimizer sharded state dicts with the optimizer
-    in `sharding`, iteration, args, opt_param_scheduler, content_metadata); then a second step on
+    in `sharding`, iteration, args, opt_param_scheduler, content_metadata; with `sharding` "legacy"
+    as `--ckpt-format torch` does: per (tp, pp) rank `mp_rank_XX[_YYY]/model_optim_rng.pt` with the
+    model's `state_dict_for_save_checkpoint()` and the optimizer's `state_dict()`, and its
+    `save_parameter_state` in `distrib_optim.pt`); then a second step on
     `inputs()` flipped, whose weights are saved (model only) into `save/after_step_2`.
     `save/reference.pt`: {"moments": {parameter name with its global layer number: {"exp_avg",
     "exp_avg_sq"}} after step 1, whole (each dp rank's shard placed by the optimizer's own range
@@ -431,10 +434,7 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args, gpt2: 
         "chained_optim_avoid_prefix": True,
         "distrib_optim_fully_reshardable_mem_efficient": True,  # gathers with gloo, not send_tensor.cuda()
     }
-    msd = core.sharded_state_dict(prefix="", metadata=md)
     state = {
-        "model": msd,
-        "optimizer": opt.sharded_state_dict(msd, metadata=md),
         "iteration": 1,
         "checkpoint_version": 3.0,
         "args": args,
@@ -442,8 +442,19 @@ def train_and_save(rank: int, world: int, save: str, sharding: str, args, gpt2: 
         "num_floating_point_operations_so_far": 0,
     }
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-    os.makedirs(f"{save}/iter_0000001", exist_ok=True)
-    dist_checkpointing.save(state, f"{save}/iter_0000001", sharded_strategy=strategy, content_metadata=md)
+    if sharding == "legacy":  # --ckpt-format torch: a rank file per (tp, pp) rank, written by dp rank 0
+        folder = f"{save}/iter_0000001/mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+        folder += f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else ""
+        os.makedirs(folder, exist_ok=True)
+        state.update(model=core.state_dict_for_save_checkpoint(), optimizer=opt.state_dict())
+        if ps.get_data_parallel_rank() == 0:
+            torch.save(state, f"{folder}/model_optim_rng.pt")
+        opt.save_parameter_state(f"{folder}/distrib_optim.pt")  # gathered over dp, saved by dp rank 0
+    else:
+        msd = core.sharded_state_dict(prefix="", metadata=md)
+        state.update(model=msd, optimizer=opt.sharded_state_dict(msd, metadata=md))
+        os.makedirs(f"{save}/iter_0000001", exist_ok=True)
+        dist_checkpointing.save(state, f"{save}/iter_0000001", sharded_strategy=strategy, content_metadata=md)
     if rank == 0:
         with open(f"{save}/latest_checkpointed_iteration.txt", "w") as f:
             f.write("1")

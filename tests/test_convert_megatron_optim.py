@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import types
 import warnings
 
@@ -28,6 +29,7 @@ from mlm.config import config_from_dict, load_config
 from mlm.convert.megatron import _mlm_tensors, import_megatron
 from mlm.convert.megatron_dcp import MegatronCheckpoint, checkpoint_dir
 from mlm.convert.megatron_optim import decode_buckets, read_object, read_tensor, run_settings
+from mlm.convert.megatron_pickle import load_megatron_pickle
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
 from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step
@@ -72,8 +74,21 @@ def megatron_args(
         ("dp_reshardable", 2, False, 2, 1, False),
         ("dp_reshardable", 2, False, 1, 2, False),
         ("dp_reshardable", 4, False, 2, 2, True),
+        ("legacy", 2, False, 1, 1, False),
+        ("legacy", 2, False, 2, 1, False),
+        ("legacy", 2, False, 1, 2, False),
     ],
-    ids=["fully-w1", "dp-w2", "dp-w2-bf16-buckets", "dp-tp2", "dp-pp2", "dp-tp2-pp2-gpt2"],
+    ids=[
+        "fully-w1",
+        "dp-w2",
+        "dp-w2-bf16-buckets",
+        "dp-tp2",
+        "dp-pp2",
+        "dp-tp2-pp2-gpt2",
+        "legacy-w2",
+        "legacy-tp2",
+        "legacy-pp2",
+    ],  # fmt: skip
 )
 def imported(request, tmp_path_factory) -> types.SimpleNamespace:
     """The Megatron run (`tmp`/megatron; its `moments` by parameter name, its `scheduler` state;
@@ -98,9 +113,9 @@ def test_moments_step_and_position_carried(imported):
     assert it_dir.name == "iter_0000001" and manifest["iteration"] == 1
     assert manifest["consumed_samples"] == 2 and manifest["optimizer_step"] == 1
     assert manifest["source"]["opt_param_scheduler"] == scheduler
-    assert manifest["source"]["megatron_optimizer"]["sharding"] == (
-        "dp_reshardable" if sharding == "dp_reshardable" else "per_parameter"
-    )
+    assert manifest["source"]["megatron_optimizer"]["sharding"] == {
+        "dp_reshardable": "dp_reshardable", "legacy": "distrib_optim.pt"
+    }.get(sharding, "per_parameter")  # fmt: skip
     if sharding == "dp_reshardable":
         # per (tp, pp) rank one bucket, 4 of BUCKET parameters with overlap_grad_reduce, 2 with a
         # tied embedding at pp > 1 (its own bucket on the first and the last stage)
@@ -340,3 +355,58 @@ def test_warmup_fraction_rounding_is_said():
     settings, notes = run_settings({"lr_warmup_fraction": 0.0125, "train_iters": 1000})
     assert settings["optimizer.warmup_iters"] == 12
     assert "12.5 warm-up iterations, rounded to optimizer.warmup_iters=12" in " ".join(notes)
+
+
+def test_refused_legacy_distrib_optim(imported):
+    """What the legacy layout's optimizer reader does not decode is refused, naming why and the way
+    out, and --weights-only still imports the weights: at tp 1 the non-distributed optimizer's state
+    (in model_optim_rng.pt by parameter index, no distrib_optim.pt), a distrib_optim.pt whose buckets
+    are not coalesced, and one whose main params are not the weights; at tp 2 one rank's
+    distrib_optim.pt missing."""
+    if imported.sharding != "legacy" or imported.pp > 1:
+        pytest.skip("the legacy saves at pp 1 are rewritten")
+    tmp, rank0 = imported.tmp, "iter_0000001/mp_rank_00"
+
+    def rewrite(i, name, change):
+        shutil.copytree(tmp / "megatron", tmp / f"bad{i}")
+        path = tmp / f"bad{i}" / rank0 / name
+        state = load_megatron_pickle(path)
+        if change(state) is False:
+            path.unlink()
+        else:
+            torch.save(state, path)
+        return tmp / f"bad{i}"
+
+    def non_distributed(state):  # Adam's state by parameter index, as torch's optimizer saves it
+        state["optimizer"]["optimizer"]["state"] = {
+            0: {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+        }
+        (tmp / "bad0" / rank0 / "distrib_optim.pt").unlink()
+
+    def not_coalesced(state):
+        state["buckets_coalesced"] = False
+
+    def shuffled(state):
+        flat = state[0][torch.float32, torch.float32]
+        flat["param"] = flat["param"].flip(0)
+
+    cases = {
+        1: [
+            ("model_optim_rng.pt", non_distributed, r"optimizer state without distrib_optim.pt \(the non-distributed "
+             r"optimizer's, mp_rank_00/model_optim_rng.pt:optimizer.optimizer.state.0.exp_avg, …\) is not imported"),
+            ("distrib_optim.pt", not_coalesced, r"distrib_optim.pt: the legacy distrib_optim.pt with buckets not "
+             r"coalesced .* is not decoded; have Megatron-LM rewrite the checkpoint as torch_dist"),
+            ("distrib_optim.pt", shuffled, r"the distrib_optim.pt bucket layout was not reconstructed \(local order: "
+             r"the decoded main param of .* differs"),
+        ],
+        2: [
+            ("distrib_optim.pt", lambda state: False, r"mp_rank_00/distrib_optim.pt is missing \(the other rank "
+             r"folders hold theirs\)"),
+        ],
+    }  # fmt: skip
+    for i, (name, change, message) in enumerate(cases[imported.tp]):
+        bad = rewrite(i, name, change)
+        with pytest.raises(MlmError, match=message) as e:
+            import_megatron(bad, tmp / f"bad{i}-mlm")
+        assert "--weights-only" in str(e.value) and not (tmp / f"bad{i}-mlm").exists()
+        import_megatron(bad, tmp / f"bad{i}-weights", weights_only=True)

@@ -29,8 +29,8 @@ read or refuse; docs/convert.md lists them), then the
 user's `--set model.*` (or `preset=`), each over the one before. Every tensor's shape is checked
 against `GPT(config)` before anything is written. Megatron-LM's `iteration` and
 `consumed_train_samples` are recorded in the manifest's `source`. Where the checkpoint holds
-the distributed optimizer's state (Megatron-LM's default), its Adam moments go through the same
-table and splits into the "optim" group and the mlm checkpoint continues the run
+the distributed optimizer's state (Megatron-LM's default; torch_dist, or the legacy
+`distrib_optim.pt`), its Adam moments go through the same table and splits into the "optim" group and the mlm checkpoint continues the run
 (`mlm.convert.megatron_optim`); with `weights_only` (or without optimizer state) `mlm train --load`
 starts a new run from the weights. Not read: RNG states, Transformer Engine `_extra_state`.
 """
@@ -678,12 +678,6 @@ def import_megatron(
     position = _training_position(common)
     opt, iteration, resume = None, 0, {}
     if ckpt.optimizer_keys and not weights_only:
-        if isinstance(ckpt, LegacyCheckpoint):
-            raise MlmError(
-                f"{ckpt.path}: the legacy layout's optimizer state ({ckpt.optimizer_keys[0]}, …) is not imported: "
-                "pass --weights-only to import the weights (a new run), or have Megatron-LM rewrite the "
-                "checkpoint as torch_dist (--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and import that"
-            )
         opt = MegatronOptimizer(ckpt)
         config, iteration, resume, more = resumed_run(opt, config, common)
         notes += more

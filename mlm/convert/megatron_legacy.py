@@ -34,8 +34,9 @@ torch_dist checkpoint has for the same model, per layer (`decoder.layers.<N>.<su
 
 Memory: every rank file is memory-mapped (`torch.load(mmap=True)`): the pickled structure (args,
 the key lists) is in memory, tensor data stays on disk until `read` concatenates the shards of one
-key, so a read holds that one global tensor. Not read: the optimizer (`optimizer` entries,
-`distrib_optim.pt`; listed in `optimizer_keys`), RNG states, Transformer Engine `_extra_state`.
+key, so a read holds that one global tensor. The optimizer (`optimizer` entries, `distrib_optim.pt`;
+listed in `optimizer_keys`) is read by `mlm.convert.megatron_optim` through `rank_folder` and
+`rank_state`. Not read: RNG states, Transformer Engine `_extra_state`.
 """
 
 from __future__ import annotations
@@ -256,6 +257,14 @@ class LegacyCheckpoint:
             self.tensors[key] = TensorStorageMetadata(
                 TensorProperties(dtype=dtypes[key]), torch.Size(shape), []
             )
+
+    def rank_folder(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
+        """The folder of model-parallel rank (tp_rank, pp_rank, ep_rank), e.g. `mp_rank_01_000`."""
+        return self.path / self._names[tp_rank, pp_rank, ep_rank]
+
+    def rank_state(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
+        """That rank's `model_optim_rng.pt` (memory-mapped)."""
+        return self._files[tp_rank, pp_rank, ep_rank]
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)

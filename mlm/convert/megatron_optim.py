@@ -28,6 +28,19 @@ Megatron's DistributedOptimizer saves its state in one of two layouts (Megatron-
   pipeline, first / last stage sizes, a layout), several gradient buffers (MoE expert buffers,
   mixed dtypes).
 
+The legacy layout (`--ckpt-format torch`, `mlm.convert.megatron_legacy.LegacyCheckpoint`) keeps the
+same buckets per model-parallel rank in `mp_rank_XX[_YYY]/distrib_optim.pt` (the distributed
+optimizer's `save_parameter_state`, gathered over dp): `{"buckets_coalesced": True, 0: {(param
+dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": flat fp32, "numel_unpadded": n}}}`, the
+buckets concatenated without their end padding, and the param groups (Adam's `step`) in
+`model_optim_rng.pt`'s `optimizer` entry (`{"optimizer": {"param_groups": …}}`). The file does not
+record each bucket's length: the coalesced buffer is decoded as one bucket by the same
+`decode_buckets` and domain decoding, which is exact with one bucket per rank (Megatron's default,
+without --overlap-grad-reduce) and wherever bucket ends fall on the 64-element grid; the check of
+the main params against the weights refuses any other. Not read (refused, with the way out): the
+non-distributed optimizer's state (in `model_optim_rng.pt`, by parameter index), files of other
+layouts (buckets not coalesced, several buffers), expert parallelism.
+
 Bytes entries are read with `torch.load(weights_only=True)` (builtins and torch dtypes only).
 """
 
@@ -43,7 +56,8 @@ from mlm.checkpoint.keys import MOMENTS
 from mlm.config import Config
 from mlm.convert.megatron import _split_key
 from mlm.convert.megatron_dcp import MegatronCheckpoint
-from mlm.convert.megatron_legacy import _COLS, _WHOLE, _join, _tp_rule
+from mlm.convert.megatron_legacy import _COLS, _WHOLE, LegacyCheckpoint, _join, _tp_rule
+from mlm.convert.megatron_pickle import load_megatron_pickle
 from mlm.errors import MlmError
 
 _ALIGN = 64
@@ -70,12 +84,18 @@ checkpoint does not hold."""
 _QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
 _ATTN_NORM = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
 _MLP_NORM = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias")
+_LOCAL_NORMS = (
+    ("input_layernorm.weight", "input_layernorm.bias"),
+    ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"),
+)
+"""The local spec's norms under their module names, as a legacy checkpoint keeps them."""
 _LAYER_ORDERS = {
     # local spec: input_layernorm, then SelfAttention (linear_proj is built by its base class
     # before linear_qkv and the q/k norms), pre_mlp_layernorm, MLP; torch_dist names the two
-    # norms after the linear they precede
-    "local": (*_ATTN_NORM, *_LINEARS["self_attention.linear_proj"], *_LINEARS["self_attention.linear_qkv"],
-              *_QK_NORMS, *_MLP_NORM, *_LINEARS["mlp.linear_fc1"], *_LINEARS["mlp.linear_fc2"]),
+    # norms after the linear they precede, the legacy layout by their modules
+    "local": (*_ATTN_NORM, *_LOCAL_NORMS[0], *_LINEARS["self_attention.linear_proj"],
+              *_LINEARS["self_attention.linear_qkv"], *_QK_NORMS, *_MLP_NORM, *_LOCAL_NORMS[1],
+              *_LINEARS["mlp.linear_fc1"], *_LINEARS["mlp.linear_fc2"]),
     # Transformer Engine spec: the norms are parameters of the fused LayerNormLinear, which registers
     # layer_norm_weight / layer_norm_bias before weight / bias (not run here: no TE)
     "transformer_engine": (*_LINEARS["self_attention.linear_proj"], *_ATTN_NORM,
@@ -189,10 +209,14 @@ class _Domain:
     bucket_numels: list[int]  # per_bucket_numel_unpadded
 
 
-class MegatronOptimizer:
-    """The optimizer state of a Megatron torch_dist checkpoint (see the module docstring)."""
+LEGACY = "distrib_optim.pt"
+"""`MegatronOptimizer.sharding` of a legacy checkpoint's distributed-optimizer state."""
 
-    def __init__(self, ckpt: MegatronCheckpoint):
+
+class MegatronOptimizer:
+    """The optimizer state of a Megatron torch_dist or legacy checkpoint (see the module docstring)."""
+
+    def __init__(self, ckpt: MegatronCheckpoint | LegacyCheckpoint):
         self.ckpt = ckpt
         keys = set(ckpt.optimizer_keys)
         if not keys:
@@ -200,7 +224,10 @@ class MegatronOptimizer:
                 f"{ckpt.path}: the checkpoint holds no optimizer state (saved with --no-save-optim?)"
             )
         common = ckpt.common()
-        if any(k.startswith("optimizer.state.") for k in keys):
+        if isinstance(ckpt, LegacyCheckpoint):
+            self.sharding = LEGACY
+            groups = self._init_legacy()
+        elif any(k.startswith("optimizer.state.") for k in keys):
             self.sharding = "per_parameter"
             groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
             names = {k.split(".")[2] for k in keys}
@@ -235,6 +262,19 @@ class MegatronOptimizer:
         found = [(m, k) for k in keys if (m := _BUCKET.fullmatch(k))]
         if {m.group(2) for m, _ in found} != {"0"}:
             self._refuse("several gradient buffers (MoE expert buffers or several dtypes)")
+        self._parallel()
+        domains = sorted({int(m.group(1)) for m, _ in found})
+        if domains != list(range(self.tp * self.pp)):
+            self._refuse(
+                f"dp groups {domains}, where the args' tensor_model_parallel_size={self.tp} and "
+                f"pipeline_model_parallel_size={self.pp} give one per model-parallel rank 0 … {self.tp * self.pp - 1}"
+            )
+        self.domains = [self._domain(d, [(m, k) for m, k in found if int(m.group(1)) == d]) for d in domains]
+        self.layout, self.spec = self._match_layout()
+
+    def _parallel(self) -> dict:
+        """The checkpoint's args (a dict): `self.tp`, `self.pp` and the tp rules `self.rules` from them;
+        refused where the layers are not split evenly over pp, or the gating needed at tp > 1 is unknown."""
         args = self.ckpt.common().get("args")
         args = vars(args) if hasattr(args, "__dict__") else {}
         self.tp, self.pp = (args.get(f"{n}_model_parallel_size") or 1 for n in ("tensor", "pipeline"))
@@ -246,21 +286,72 @@ class MegatronOptimizer:
         gated = args.get("swiglu")
         if gated is None and self.tp > 1:
             self._refuse("args without `swiglu` at tp > 1 (needed to join linear_fc1's tp shards)")
-        domains = sorted({int(m.group(1)) for m, _ in found})
-        if domains != list(range(self.tp * self.pp)):
-            self._refuse(
-                f"dp groups {domains}, where the args' tensor_model_parallel_size={self.tp} and "
-                f"pipeline_model_parallel_size={self.pp} give one per model-parallel rank 0 … {self.tp * self.pp - 1}"
-            )
         self.rules = {key: _tp_rule(key, bool(gated)) for key in self.ckpt.tensors}
-        self.domains = [self._domain(d, [(m, k) for m, k in found if int(m.group(1)) == d]) for d in domains]
-        self.layout, self.spec = self._match_layout()
+        return args
 
-    def _refuse(self, why: str) -> None:
-        raise MlmError(
-            f"{self.ckpt.path}: dp_reshardable optimizer state with {why} is not decoded; save the run with "
-            "--dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
+    def _init_legacy(self) -> list[dict] | None:
+        """The buckets of every model-parallel rank's `distrib_optim.pt` (`self.domains`, one
+        coalesced bucket each, the flat states in `self._legacy`) and their layout, as for
+        dp_reshardable; returns the param groups of `model_optim_rng.pt`'s `optimizer` entry."""
+        ckpt = self.ckpt
+        args = self._parallel()
+        if (args.get("expert_model_parallel_size") or 1) > 1:
+            self._refuse(f"args.expert_model_parallel_size={args['expert_model_parallel_size']}")
+        ranks = [(t, p) for p in range(self.pp) for t in range(self.tp)]  # dp group index t + tp · p
+        folders = {rank: ckpt.rank_folder(*rank) for rank in ranks}
+        held = [rank for rank in ranks if (folders[rank] / LEGACY).is_file()]
+        if not held:  # the non-distributed optimizer: its state is in model_optim_rng.pt
+            raise MlmError(
+                f"{ckpt.path}: the legacy layout's optimizer state without {LEGACY} (the non-distributed "
+                f"optimizer's, {ckpt.optimizer_keys[0]}, …) is not imported: pass --weights-only to import the "
+                "weights (a new run), or have Megatron-LM rewrite the checkpoint as torch_dist "
+                "(--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and import that"
+            )
+        if held != ranks:
+            lacking = next(r for r in ranks if r not in held)
+            raise MlmError(
+                f"{folders[lacking] / LEGACY} is missing (the other rank folders hold theirs); copy the whole "
+                "iteration folder as Megatron-LM wrote it, or pass --weights-only"
+            )
+        self._legacy, self.domains = [], []
+        for t, p in ranks:
+            flat = self._legacy_buffer(folders[t, p] / LEGACY)
+            self._legacy.append(flat)
+            self.domains.append(_Domain(t, p, {0: str(folders[t, p] / LEGACY)}, [flat["numel_unpadded"]]))
+        self.layout, self.spec = self._match_layout()
+        state = ckpt.rank_state(0, 0).get("optimizer")
+        return ((state or {}).get("optimizer") or {}).get("param_groups") if isinstance(state, dict) else None
+
+    def _legacy_buffer(self, path) -> dict:
+        """{"param", "exp_avg", "exp_avg_sq": flat fp32 tensor, "numel_unpadded": n} of the one
+        coalesced gradient buffer of `distrib_optim.pt` at `path` (memory-mapped)."""
+        state = load_megatron_pickle(path, mmap=True)
+        buffers = (
+            {k: v for k, v in state.items() if k != "buckets_coalesced"} if isinstance(state, dict) else {}
         )
+        if not isinstance(state, dict) or state.get("buckets_coalesced") is not True:
+            self._refuse("buckets not coalesced (an older Megatron-LM's file)", path)
+        if list(buffers) != [0] or not isinstance(buffers[0], dict) or len(buffers[0]) != 1:
+            self._refuse(f"gradient buffers {list(buffers)} (one, of one dtype, is decoded)", path)
+        flat = next(iter(buffers[0].values()))
+        n = flat.get("numel_unpadded") if isinstance(flat, dict) else None
+        for what in ("param", *MOMENTS):
+            t = flat.get(what) if isinstance(n, int) else None
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,) or t.dtype != torch.float32:
+                self._refuse(f"{what} {getattr(t, 'shape', t)} where numel_unpadded is {n}", path)
+        return flat
+
+    def _refuse(self, why: str, where=None) -> None:
+        what = f"the legacy {LEGACY}" if self.sharding == LEGACY else "dp_reshardable optimizer state"
+        raise MlmError(f"{where or self.ckpt.path}: {what} with {why} is not decoded; {self._way_out()}")
+
+    def _way_out(self) -> str:
+        if self.sharding == LEGACY:
+            return (
+                "have Megatron-LM rewrite the checkpoint as torch_dist (--ckpt-convert-format torch_dist "
+                "--ckpt-convert-save DIR) and import that, or import the weights only (--weights-only)"
+            )
+        return "save the run with --dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
 
     def _domain(self, index: int, found: list) -> _Domain:
         """Model-parallel domain `index` (dp_group_idx: tp rank + tp · pp rank, its rank in Megatron's
@@ -356,12 +447,14 @@ class MegatronOptimizer:
             spec = next(iter(layouts))
             return layouts[spec], spec
         raise MlmError(
-            f"{ckpt.path}: the dp_reshardable bucket layout was not reconstructed ({'; '.join(reasons)}); save the "
-            "run with --dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
+            f"{ckpt.path}: the {self.sharding} bucket layout was not reconstructed ({'; '.join(reasons)}); "
+            f"{self._way_out()}"
         )
 
     def _buckets(self, what: str) -> list[dict[int, torch.Tensor]]:
         """State `what` of every domain's buckets, whole: [domain][bucket]."""
+        if self.sharding == LEGACY:
+            return [{0: flat[what]} for flat in self._legacy]
         return [
             {b: read_tensor(self.ckpt, f"{k}.{what}") for b, k in dom.bucket_key.items()}
             for dom in self.domains
