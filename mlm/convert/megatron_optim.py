@@ -155,9 +155,8 @@ def parameter_order(
         unknown = sorted(set(per_layer[i]) - set(_LAYER_ORDERS[spec]))
         if unknown:
             raise MlmError(
-                f"{ckpt.path}: dp_reshardable optimizer state of a layer with {unknown[0]} is not decoded "
-                "(dense GPTModel layers only: MoE layers' experts live in separate buffers); save the run "
-                "with --dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
+                f"a layer with {unknown[0]}, which the {spec} spec's dense GPTModel layer does not have "
+                "(MoE layers' experts live in separate buffers)"
             )
         order += [per_layer[i][sub] for sub in _LAYER_ORDERS[spec] if sub in per_layer[i]]
     return order + [(k, None) for k in _FINAL if last and k in ckpt.tensors]
