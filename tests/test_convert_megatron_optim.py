@@ -77,7 +77,7 @@ def megatron_args(
         ("legacy", 2, False, 1, 1, False),
         ("legacy", 2, True, 1, 1, False),
         ("legacy", 2, False, 2, 1, False),
-        ("legacy", 2, False, 1, 2, False),
+        ("legacy", 4, False, 2, 2, True),
     ],
     ids=[
         "fully-w1",
@@ -89,7 +89,7 @@ def megatron_args(
         "legacy-w2",
         "legacy-w2-bf16-buckets",
         "legacy-tp2",
-        "legacy-pp2",
+        "legacy-tp2-pp2-gpt2",
     ],  # fmt: skip
 )
 def imported(request, tmp_path_factory) -> types.SimpleNamespace:

@@ -19,7 +19,8 @@ What mlm reads from these files: the `args` fields of `mlm.convert.megatron._ARG
 `_args_overrides` reads or refuses (docs/convert.md lists them all), `args.consumed_train_samples` and `iteration` (recorded in the manifest), and in the
 legacy layout the parallel sizes, `num_layers`, `num_experts`, `expert_tensor_parallel_size` and
 `untie_embeddings_and_output_weights` (`mlm.convert.megatron_legacy`) and the `model` /
-`model0`, `model1`, … state dicts. The stand-ins' values are never read.
+`model0`, `model1`, … state dicts, the param groups of the `optimizer` entry and the flat buffers of
+`distrib_optim.pt` (`mlm.convert.megatron_optim`). The stand-ins' values are never read.
 """
 
 from __future__ import annotations
