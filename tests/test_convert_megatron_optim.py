@@ -3,7 +3,8 @@
 megatron-core 0.16.1 (tests/megatron_ref.py's `train_and_save`, in gloo rank processes) trains a
 tiny GPTModel one step under DDP + DistributedOptimizer (Adam) and saves it as Megatron-LM does,
 with the optimizer as `fully_reshardable` (world 1) and as `dp_reshardable` (Megatron-LM's
-default: dp 2; tp 2; pp 2 through Megatron's 1F1B schedule; tp 2 · pp 2), then takes a second
+default: dp 2; tp 2; pp 2 through Megatron's 1F1B schedule; tp 2 · pp 2) and as the legacy
+layout's `distrib_optim.pt` (`--ckpt-format torch`: dp 2, tp 2, tp 2 · pp 2), then takes a second
 step. mlm imports the save: its Adam moments must equal Megatron's own (each dp rank's shard placed
 by the optimizer's range maps, tp shards gathered by megatron-core's `partition_dim` marks) bitwise
 after the qkv / fc1 splits; the iteration, consumed samples and Adam's step must be carried; `mlm train`
