@@ -413,3 +413,12 @@ def test_refused_legacy_distrib_optim(imported):
             import_megatron(bad, tmp / f"bad{i}-mlm")
         assert "--weights-only" in str(e.value) and not (tmp / f"bad{i}-mlm").exists()
         import_megatron(bad, tmp / f"bad{i}-weights", weights_only=True)
+    # every distrib_optim.pt left behind: the weights, and a note saying why there is no Adam state
+    shutil.copytree(tmp / "megatron", tmp / "no-distrib")
+    for path in (tmp / "no-distrib").rglob("distrib_optim.pt"):
+        path.unlink()
+    report = import_megatron(tmp / "no-distrib", tmp / "no-distrib-mlm")
+    assert any("param groups but no Adam state, and no distrib_optim.pt" in n for n in report.notes), (
+        report.notes
+    )
+    assert read_group(tmp / "no-distrib-mlm")[1]["iteration"] == 0

@@ -674,6 +674,16 @@ def import_megatron(
             f"the optimizer state ({len(ckpt.optimizer_keys)} tensors, e.g. {ckpt.optimizer_keys[0]}) is not "
             "imported (--weights-only): mlm train starts a new run from the weights"
         )
+    if (
+        not ckpt.optimizer_keys
+        and isinstance(ckpt, LegacyCheckpoint)
+        and "optimizer" in ckpt.rank_state(0, 0)
+    ):
+        notes.append(
+            f"{ckpt.rank_folder(0, 0).name}/model_optim_rng.pt holds the optimizer's param groups but no Adam "
+            "state, and no distrib_optim.pt is beside it (not copied?): the weights are imported, and mlm "
+            "train starts a new run from them"
+        )
     common = ckpt.common()
     position = _training_position(common)
     opt, iteration, resume = None, 0, {}
