@@ -286,11 +286,19 @@ def load_reference(
     """Build the same GPTModel (`mixed`: see `_model`) at tp = world / ep, load the torch_dist directory `src` into it with
     dist_checkpointing.load (every key of its sharded state dict, strictly); return its logits on
     `inputs()`, [2, SEQ, VOCAB], and the entries of `src`'s common.pt (which the load merges in)."""
+
+    model = _model(world, moe, ep, mixed)
+    return _load_strictly(model, src)
+
+
+def _load_strictly(model, src: str) -> tuple[torch.Tensor, dict]:
+    """Load the torch_dist directory `src` into `model` (its weights first scrambled, so the loaded
+    ones must give the logits; every key of its sharded state dict, strictly), leave the
+    model-parallel state; (its logits on `inputs()`, the entries of `src`'s common.pt)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    model = _model(world, moe, ep, mixed)
-    torch.manual_seed(1)  # the loaded weights, not the seed-0 init, must give the logits
+    torch.manual_seed(1)
     for p in model.parameters():
         p.data.normal_()
     loaded = dist_checkpointing.load(model.sharded_state_dict(), src)
@@ -564,22 +572,13 @@ def load_mla_reference(
 ) -> tuple[torch.Tensor, dict]:
     """`_mla_gpt` at tp = world with the torch_dist directory `src` loaded (every key, strictly, as
     `load_reference`); its logits on `inputs()` and the entries of `src`'s common.pt."""
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     apply_cpu_patches()
     apply_mla_local_patch()
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
     model = _mla_gpt(q_lora, mscale_all_dim).eval()
-    torch.manual_seed(1)  # the loaded weights, not the seed-0 init, must give the logits
-    for p in model.parameters():
-        p.data.normal_()
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), src)
-    common = {k: loaded.pop(k) for k in set(loaded) - set(model.state_dict())}
-    model.load_state_dict(loaded, strict=True)
-    logits = _logits(model)
-    ps.destroy_model_parallel()
-    return logits, common
+    return _load_strictly(model, src)
 
 
 def _mtp_gpt(depths: int):

@@ -47,14 +47,15 @@ def megatron():
         pytest.skip("megatron-core is not installed (pinned for Python 3.11: pip install -e '.[dev]')")
 
 
-def mlm_logits(ckpt) -> torch.Tensor:
+def mlm_logits(ckpt, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """mlm's logits on `tokens` (default `inputs()`) from the checkpoint `ckpt`, every padded row."""
     state, manifest, _ = read_group(ckpt)
     cfg = config_from_dict(manifest["config"]).model
     with torch.device("meta"):
         model = GPT(cfg, state["embed.weight"].shape[0])
     model.load_state_dict(state, strict=True, assign=True)
     with torch.no_grad():
-        return model.eval()(inputs())
+        return model.eval()(inputs() if tokens is None else tokens)
 
 
 @pytest.mark.parametrize(
