@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlm.hf import config_from_hf, load_hf_into  # noqa: E402
 from mlm.inference.engine import Engine, EngineConfig  # noqa: E402
+from mlm.inference.host_memory import keep_freed_memory  # noqa: E402
 from mlm.inference.sampling import SamplingParams  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
 from mlm.units import DTYPES  # noqa: E402
@@ -328,6 +329,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.device == "cpu":  # what mlm serve does on the CPU; the process-wide malloc settings serve every side
+        keep_freed_memory()
     hf, ours = build(a.shape, a.device, DTYPES[a.dtype])
     params = sum(p.numel() for p in hf.parameters())
     s = SHAPES[a.shape]

@@ -88,6 +88,11 @@ def serve(
         "--cuda-graphs",
         help="Replay decode steps as CUDA graphs (CUDA, tp 1; never run on a GPU yet).",
     ),
+    packed_weights: bool = typer.Option(
+        True,
+        "--packed-weights/--no-packed-weights",
+        help="CPU fp32: full decode batches multiply by MKL-packed weights (one more copy in memory).",
+    ),
 ) -> None:
     """Serve a checkpoint over HTTP: OpenAI /v1/completions, /v1/chat/completions, Megatron PUT /api.
     Under torchrun, tensor-parallel over the processes; only rank 0 binds the port."""
@@ -102,6 +107,7 @@ def serve(
         max_waiting=max_waiting,
         prefix_caching=prefix_caching,
         cuda_graphs=cuda_graphs,
+        packed_weights=packed_weights,
     )
     limits = Limits(max_body_bytes=max_body, max_tokens=max_tokens)
     run(
@@ -144,12 +150,15 @@ def generate(
     from mlm.console import console
     from mlm.inference.chat import load_chat_template
     from mlm.inference.engine import Engine, EngineConfig, build_runner
+    from mlm.inference.host_memory import keep_freed_memory
     from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config
     from mlm.inference.lockstep import serving_mesh
     from mlm.inference.sampling import SamplingParams
     from mlm.parallel.launch import pick_device
 
     dev = pick_device(device, "--device")
+    if dev.type == "cpu":
+        keep_freed_memory()
     cfg = model_config(ckpt)
     mesh = serving_mesh(cfg, tp, dev)
     config = EngineConfig(

@@ -12,8 +12,9 @@ from torch import nn
 from kernels.fp8 import FP8_MAX, check_fp8_device, dequantize, quantize, scale_from_amax
 from mlm.config import TrainConfig, load_config
 from mlm.errors import MlmError
-from mlm.parallel.fp8 import Fp8Linear, apply_fp8, fp8_linears
+from mlm.parallel.fp8 import apply_fp8, fp8_linears
 from mlm.parallel.mesh import Mesh
+from mlm.parallel.tensor import OpLinear
 from mlm.train.trainer import Trainer
 
 from conftest import tiny_sets
@@ -102,7 +103,7 @@ def test_apply_fp8_picks_the_layers_linears():
     model = Toy()
     state = apply_fp8(model, fp8_cfg(), Mesh.single(), torch.device("cpu"))
     assert fp8_linears(model) == state.names == ["layers.0.up", "layers.0.down"]
-    assert isinstance(model.layers["0"]["up"], Fp8Linear)
+    assert isinstance(model.layers["0"]["up"], OpLinear)
     assert type(model.output) is nn.Linear  # stays in the compute dtype
     assert apply_fp8(Toy(), TrainConfig(), Mesh.single(), torch.device("cpu")) is None
 

@@ -27,6 +27,7 @@ from mlm.errors import MlmError
 from mlm.inference.decode_graphs import DecodeGraphs
 from mlm.inference.kv_cache import PagedKVCache, blocks_needed
 from mlm.inference.model_runner import ModelRunner, Segment
+from mlm.inference.packed_weights import pack_weights, packing_applies
 from mlm.inference.sampling import SamplingParams, TokenLogprob, generator, sample
 from mlm.inference.scheduler import Scheduler
 from mlm.inference.text import TextStream
@@ -59,6 +60,9 @@ class EngineConfig:
     """Share the cache blocks of common prompt prefixes between requests (see `scheduler`)."""
     cuda_graphs: bool = False
     """Replay decode steps as CUDA graphs (CUDA, tp = 1; see `decode_graphs`: never run on a GPU yet)."""
+    packed_weights: bool = True
+    """On the CPU in fp32 (torch with MKL): multiply full decode batches (max_seqs rows) by
+    MKL-packed copies of the weights, one more copy of them in memory (see `packed_weights`)."""
 
     def __post_init__(self):
         for name in ("max_seqs", "max_tokens_per_step", "block_size", "max_waiting"):
@@ -124,7 +128,10 @@ def build_runner(model: GPT, config: EngineConfig, mesh: Mesh | None = None) -> 
         model.cfg, num_blocks, config.block_size, p.dtype, p.device, mesh.tp, scratch=config.cuda_graphs
     )
     graphs = DecodeGraphs(model, cache, config.max_seqs, capture=True) if config.cuda_graphs else None
-    return ModelRunner(model, cache, mesh, graphs)
+    runner = ModelRunner(model, cache, mesh, graphs)
+    if config.packed_weights and packing_applies(p.device, p.dtype):
+        runner.packed_bytes = pack_weights(model, config.max_seqs)
+    return runner
 
 
 class Sequence:

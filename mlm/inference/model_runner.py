@@ -65,6 +65,8 @@ class ModelRunner:
         self._closed = False
         self.device = next(model.parameters()).device
         self.vocab = model.cfg.vocab_size
+        self.packed_bytes = 0
+        """Bytes of the weights `packed_weights` packed for full decode batches (0: none)."""
 
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """Logits [B, V] (unpadded vocabulary) after the last token of each segment that samples (on

@@ -5,7 +5,7 @@ Every layer first writes the step's keys and values to their cache slots, then a
 - **Decoding sequences** (one new token each) run as one batch: one gather of their cached
   blocks from the layer's pool and one `scaled_dot_product_attention` per layer for all of them.
   The block tables are padded to the longest (with a block the sequence owns) and turned into
-  a [B, 1, 1, L] length mask once per step, not per layer. Grouped-query heads ride in the query
+  a [B, 1, 1, L] additive length mask once per step, not per layer. Grouped-query heads ride in the query
   dimension: the R = H / G query heads of a key head are R queries against that one head, so no
   key or value is repeated; multi-latent attention is the case G = 1.
 - **Prompts** (several new tokens) run per sequence. A whole prompt (start 0) attends causally
@@ -60,7 +60,10 @@ class PagedAttention:
             padded = [t + [t[0]] * (width - len(t)) for t in tables]
             self.tables_BN = torch.tensor(padded, device=dev).flatten()
             keys = torch.arange(width * S, device=dev)
-            self.mask_B11L = (keys[None, :] < torch.tensor(lengths, device=dev)[:, None])[:, None, None]
+            past_BL = keys[None, :] >= torch.tensor(lengths, device=dev)[:, None]
+            # additive (0 / -inf) in the cache's dtype: SDPA would convert a boolean mask per layer
+            mask_BL = torch.zeros(past_BL.shape, dtype=cache.k_LNSGK.dtype, device=dev)
+            self.mask_B11L = mask_BL.masked_fill_(past_BL, float("-inf"))[:, None, None]
             contiguous = rows == list(range(len(rows)))
             self.decode_rows = slice(0, len(rows)) if contiguous else torch.tensor(rows, device=dev)
 

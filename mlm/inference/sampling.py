@@ -202,8 +202,9 @@ def sample(
     sampled): a row that fails (NaN logits, an exception) gets its message and token -1, and the
     other rows are unaffected. Plain greedy rows take one batched argmax on the logits' device;
     the others are processed one by one on the CPU in fp32 (fp64 from the temperature on)."""
-    tokens = logits_BV.argmax(-1).tolist()
-    nan = torch.isnan(logits_BV).any(-1).tolist()
+    tokens_B = logits_BV.argmax(-1)
+    nan = logits_BV.gather(-1, tokens_B[:, None]).isnan()[:, 0].tolist()  # argmax picks a NaN first
+    tokens = tokens_B.tolist()
     errors: list[str | None] = [None] * len(params)
     special = [i for i, p in enumerate(params) if not p.plain_greedy or p.logprobs is not None]
     logprobs: list[TokenLogprob | None] = [None] * len(params)

@@ -71,6 +71,7 @@ class GPT(nn.Module):
         "linear_cross_entropy": "vocab_linear_loss",
     }
     padded_rows = VOCAB_ROWS  # checkpoint tensors whose rows are padded per tp (load across paddings)
+    output_op = staticmethod(F.linear)  # the output projection's product (see `project`)
 
     def __init__(self, cfg: ModelConfig, padded_vocab: int | None = None):
         super().__init__()
@@ -287,8 +288,9 @@ class GPT(nn.Module):
         return self.project(self.final_norm(h_BTD))
 
     def project(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        """The output projection of normed hidden states (shared by the MTP depths)."""
-        return F.linear(self.enter_output(h_BTD), self.output_weight())
+        """The output projection of normed hidden states (shared by the MTP depths), by
+        `output_op`: `F.linear` unless replaced from outside (`mlm.inference.packed_weights`)."""
+        return self.output_op(self.enter_output(h_BTD), self.output_weight())
 
     def output_weight(self) -> torch.Tensor:
         """The output layer's weight [V, D] (V / tp rows under tp): its own, or the tied embedding."""

@@ -62,7 +62,7 @@ from mlm.checkpoint import ShardedTensor
 from mlm.config import TrainConfig
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.placement import replicated
-from mlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from mlm.parallel.tensor import ColumnParallelLinear, OpLinear, RowParallelLinear
 
 INPUT, WEIGHT, GRAD = range(3)
 LAYERS = "layers."
@@ -214,21 +214,6 @@ class Fp8LinearOp:
         return f"Fp8LinearOp({self.state.names[self.index]})"
 
 
-class Fp8Linear(nn.Linear):
-    """An `nn.Linear` (same parameters, same placements) whose forward is `linear_op`."""
-
-    def __init__(self, linear: nn.Linear, op: Fp8LinearOp):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        if "placements" in linear.__dict__:
-            self.placements = linear.placements
-        self.linear_op = op
-
-    def forward(self, x):
-        return self.linear_op(x, self.weight, self.bias)
-
-
 def fp8_linears(model: nn.Module) -> list[str]:
     """The names of the linears `apply_fp8` runs in fp8 (in module order)."""
     kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
@@ -254,5 +239,5 @@ def apply_fp8(model: nn.Module, t: TrainConfig, mesh: Mesh, device: torch.device
             module.linear_op = op
         else:
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, Fp8Linear(module, op))
+            setattr(model.get_submodule(parent), attr, OpLinear(module, op))
     return state

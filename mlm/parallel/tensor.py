@@ -303,6 +303,23 @@ class RowParallelLinear(_Sharded):
         )
 
 
+class OpLinear(nn.Linear):
+    """An `nn.Linear` (the same parameters and placements) whose product is `linear_op`, set from
+    outside like the parallel linears' (`mlm.parallel.fp8`: the fp8 linear;
+    `mlm.inference.packed_weights`: MKL-packed weights)."""
+
+    def __init__(self, linear: nn.Linear, op):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        if "placements" in linear.__dict__:
+            self.placements = linear.placements
+        self.linear_op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_op(x, self.weight, self.bias)
+
+
 class VocabParallelEmbedding(_Sharded):
     """Embedding with its rows split over tp: weight [V/tp, D], rows from tp_rank · V/tp.
 

@@ -17,6 +17,7 @@ import uvicorn
 from mlm.errors import MlmError
 from mlm.inference.chat import load_chat_template
 from mlm.inference.engine import Engine, EngineConfig, build_runner
+from mlm.inference.host_memory import keep_freed_memory
 from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config
 from mlm.inference.lockstep import serving_mesh, stop_followers
 from mlm.parallel.launch import pick_device
@@ -72,6 +73,8 @@ def serve(
     Under torchrun (tp = WORLD_SIZE unless given), every rank loads its tp shard; rank 0 serves
     HTTP and drives the others, which return when it stops."""
     dev = pick_device(device, "--device")
+    if dev.type == "cpu":
+        keep_freed_memory()
     mesh = serving_mesh(model_config(ckpt), tp, dev)
     if mesh.rank != 0:
         model, _, _ = load_model(ckpt, dtype, dev, mesh)
@@ -98,6 +101,13 @@ def serve(
             server.should_exit = True
             return
         log.warning("mlm serve: %s", engine.cache.summary())
+        if engine.runner.packed_bytes:
+            log.warning(
+                "mlm serve: MKL-packed weights for decode batches of %d, %.1f MiB more memory "
+                "(--no-packed-weights: off)",
+                engine_config.max_seqs,
+                engine.runner.packed_bytes / 2**20,
+            )
         log.warning("mlm serve: %s ready in %.1f s", state.model_name, time.perf_counter() - start)
 
     threading.Thread(target=load, name="mlm-load", daemon=True).start()

@@ -1,0 +1,74 @@
+"""MKL-packed weights for full decode batches on the CPU (fp32).
+
+A decode step multiplies a few rows (one per sequence) by every weight matrix of the model. For
+so few rows MKL's sgemm spends a large share of each call packing the weight into its blocked
+layout, again at every call. `pack_weights` packs each linear's weight once for `rows` rows (the
+engine's max_seqs: a full decode batch), as Inductor's CPU weight prepacking does with the same
+torch ops (`torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`). A product of exactly
+`rows` rows then uses the packed copy; any other row count (prompts, a partial batch) falls back
+to the weight itself inside `_mkl_linear`, so those steps are unchanged. The packed product is
+MKL's sgemm over the same operands: the serving tests compare tokens and logits with the plain
+forward.
+
+Measured on a 2-core Xeon (bench/RESULTS.md): a decode step of 16 sequences on SmolLM2-135M's
+shape went from 73 to 61 ms. The price is a second copy of the packed weights in memory (the
+plain ones stay for the other row counts and for anything else that reads the model), so it is
+on only where it applies (CPU, fp32, a torch built with MKL) and can be turned off
+(`mlm serve --no-packed-weights`). Pack after the weights are final: a later in-place change of a
+weight is not seen by its packed copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mlm.model.gpt import GPT
+from mlm.parallel.tensor import ColumnParallelLinear, OpLinear, RowParallelLinear
+
+
+def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `pack_weights` can run for a model on `device` in `dtype`."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+    )
+
+
+class PackedLinearOp:
+    """`op(x, weight, bias)` like `F.linear`, through `weight`'s MKL-packed copy when x has `rows`
+    rows (the packed copy is made here, from `weight` as it is now)."""
+
+    def __init__(self, weight: torch.Tensor, rows: int):
+        self.rows, self.nbytes = rows, weight.nbytes
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+
+    def __call__(self, x, weight, bias=None):
+        if torch.is_grad_enabled():  # MKL's packed product has no backward
+            return F.linear(x, weight, bias)
+        return torch.ops.mkl._mkl_linear(x, self.packed, weight, bias, self.rows)
+
+
+def pack_weights(model: GPT, rows: int) -> int:
+    """Give the layers' linears and the output layer of `model` (this rank's shard) packed copies
+    of their weights as they are now, for products of `rows` rows, in place (again after an
+    earlier call); return the bytes of the weights packed,
+    which is what the copies add to the resident memory (MKL reserves more address space for a
+    packed buffer than it fills)."""
+    ops = []
+    for name, module in list(model.layers.named_modules()):
+        if type(module) is nn.Linear:
+            module = OpLinear(module, F.linear)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.layers.get_submodule(parent), attr, module)
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | OpLinear) and (
+            module.linear_op is F.linear or isinstance(module.linear_op, PackedLinearOp)
+        ):  # not fp8's; packed before (another engine on this model): packed again
+            module.linear_op = PackedLinearOp(module.weight, rows)
+            ops.append(module.linear_op)
+    model.output_op = PackedLinearOp(model.output_weight(), rows)
+    ops.append(model.output_op)
+    return sum(op.nbytes for op in ops)
