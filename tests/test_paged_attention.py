@@ -21,7 +21,7 @@ from mlm.inference.decode_graphs import DecodeGraphs
 from mlm.inference.engine import EngineConfig, build_runner
 from mlm.inference.kv_cache import PagedKVCache, blocks_needed
 from mlm.inference.model_runner import ModelRunner, Segment
-from mlm.inference.paged_attention import PagedAttention
+from mlm.inference.paged_attention import PagedAttention, width_groups
 from mlm.model.gpt import GPT
 
 S = 4  # block size: small, so that tables have many blocks and partial last blocks
@@ -42,7 +42,10 @@ def reference(q_nHK, k_LGK, v_LGE, start: int, scale: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 @pytest.mark.parametrize("order", ["decode_first", "prompts_first", "interleaved"])
-def test_batched_paged_attention_equals_each_sequence_alone(kind, order):
+@pytest.mark.parametrize("long", [False, True])
+def test_batched_paged_attention_equals_each_sequence_alone(kind, order, long):
+    """long: one decoding sequence of 151 tokens among short ones, so that the decoding sequences
+    run as two groups, each padded to its own longest (`width_groups`)."""
     torch.manual_seed(0)
     rng = random.Random(0)
     if kind == "gqa":  # 6 query heads over 2 key heads, head dim 8
@@ -52,15 +55,16 @@ def test_batched_paged_attention_equals_each_sequence_alone(kind, order):
         mla = MLAConfig(kv_lora_rank=12, qk_rope_head_dim=4)
         cfg = ModelConfig(num_layers=2, hidden_size=48, num_attention_heads=6, attention_kind="mla", mla=mla)
         H, G, K, E, value_dim = 6, 1, 16, 12, 12
-    cache = PagedKVCache(cfg, num_blocks=64, block_size=S, dtype=torch.float32, device=torch.device("cpu"))
+    num_blocks = 128
+    cache = PagedKVCache(cfg, num_blocks, block_size=S, dtype=torch.float32, device=torch.device("cpu"))
     # (cached length before the step, new tokens): decodes of several lengths, a whole prompt,
     # a later chunk of a prompt, and a one-token prompt (which decodes from an empty cache)
-    work = [(9, 1), (0, 7), (2, 1), (13, 1), (6, 5), (0, 1), (4, 1)]
+    work = [(9, 1), (0, 7), (2, 1), (13, 1), (6, 5), (0, 1), (4, 1)] + [(150, 1)] * long
     if order == "prompts_first":
         work.sort(key=lambda w: -w[1])
     elif order == "decode_first":
         work.sort(key=lambda w: w[1])
-    free = list(range(64))
+    free = list(range(num_blocks))
     rng.shuffle(free)  # blocks scattered over the pool
     scale = 0.3
     seqs = []
@@ -77,6 +81,7 @@ def test_batched_paged_attention_equals_each_sequence_alone(kind, order):
     segments = [Segment([1] * n, start, blocks) for start, n, blocks, *_ in seqs]
     slots_T = torch.tensor([s for c in segments for s in cache.slots(c.blocks, c.start, len(c.tokens))])
     step = PagedAttention(cache, segments, slots_T)
+    assert len(step.groups) == 1 + long
     q_1THK = torch.cat([q for *_, q in seqs])[None]
     k_1TGK = torch.cat([k[start:] for start, _, _, k, _, _ in seqs])[None]
     v_1TGK = None if value_dim else torch.cat([v[start:] for start, _, _, _, v, _ in seqs])[None]
@@ -194,3 +199,14 @@ def test_decode_graphs_go_eager_after_a_failed_capture(monkeypatch, caplog):
     assert [r.message for r in caplog.records].count(
         f"CUDA graphs off: the decode step could not be captured ({graphs.failed})"
     ) == 1
+
+
+def test_width_groups_split_only_where_padding_costs_more_than_a_group():
+    assert width_groups([3, 4, 2, 4]) == [[0, 1, 2, 3]]  # alike: one group
+    assert width_groups([5]) == [[0]]
+    # one 2,000-token sequence (125 blocks of 16) among 15 of ~100 tokens: 2 groups, each padded
+    # to its own longest (gathering 125 + 15 · 7 blocks instead of 16 · 125)
+    widths = [7] * 7 + [125] + [6] * 8
+    assert width_groups(widths) == [[i for i in range(16) if i != 7], [7]]
+    # the split goes where it saves the most: the 3 narrow ones, then the rest
+    assert width_groups([40, 2, 40, 1, 38, 2]) == [[1, 3, 5], [0, 2, 4]]
