@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from mlm.config import MLAConfig, ModelConfig
 from mlm.errors import MlmError
+from mlm.inference import paged_attention
 from mlm.inference.decode_graphs import DecodeGraphs
 from mlm.inference.engine import EngineConfig, build_runner
 from mlm.inference.kv_cache import PagedKVCache, blocks_needed
@@ -43,9 +44,11 @@ def reference(q_nHK, k_LGK, v_LGE, start: int, scale: float) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 @pytest.mark.parametrize("order", ["decode_first", "prompts_first", "interleaved"])
 @pytest.mark.parametrize("long", [False, True])
-def test_batched_paged_attention_equals_each_sequence_alone(kind, order, long):
+def test_batched_paged_attention_equals_each_sequence_alone(kind, order, long, monkeypatch):
     """long: one decoding sequence of 151 tokens among short ones, so that the decoding sequences
-    run as two groups, each padded to its own longest (`width_groups`)."""
+    run as two groups, each padded to its own longest (`width_groups`; a group costs as much as
+    gathering 4 KiB here, where a block is a few hundred bytes)."""
+    monkeypatch.setattr(paged_attention, "GROUP_BYTES", 4096)
     torch.manual_seed(0)
     rng = random.Random(0)
     if kind == "gqa":  # 6 query heads over 2 key heads, head dim 8
@@ -202,11 +205,14 @@ def test_decode_graphs_go_eager_after_a_failed_capture(monkeypatch, caplog):
 
 
 def test_width_groups_split_only_where_padding_costs_more_than_a_group():
-    assert width_groups([3, 4, 2, 4]) == [[0, 1, 2, 3]]  # alike: one group
-    assert width_groups([5]) == [[0]]
+    big = 24 << 10  # bytes of a block's keys and values per layer: SmolLM2-135M's shape
+    assert width_groups([3, 4, 2, 4], big) == [[0, 1, 2, 3]]  # alike: one group
+    assert width_groups([5], big) == [[0]]
     # one 2,000-token sequence (125 blocks of 16) among 15 of ~100 tokens: 2 groups, each padded
     # to its own longest (gathering 125 + 15 · 7 blocks instead of 16 · 125)
     widths = [7] * 7 + [125] + [6] * 8
-    assert width_groups(widths) == [[i for i in range(16) if i != 7], [7]]
+    assert width_groups(widths, big) == [[i for i in range(16) if i != 7], [7]]
     # the split goes where it saves the most: the 3 narrow ones, then the rest
-    assert width_groups([40, 2, 40, 1, 38, 2]) == [[1, 3, 5], [0, 2, 4]]
+    assert width_groups([40, 2, 40, 1, 38, 2], big) == [[1, 3, 5], [0, 2, 4]]
+    # where blocks are small a second group costs more than the padding it saves
+    assert width_groups([40, 2, 40, 1, 38, 2], 512) == [list(range(6))]

@@ -58,7 +58,10 @@ class PagedAttention:
         self.decode_rows = None
         self.groups: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
         if rows:
-            for group in width_groups([len(t) for t in tables]):
+            block_bytes = cache.k_LNSGK[0, 0].nbytes + (
+                0 if cache.v_LNSGK is None else cache.v_LNSGK[0, 0].nbytes
+            )
+            for group in width_groups([len(t) for t in tables], block_bytes):
                 sel = None if len(group) == len(rows) else torch.tensor(group, device=dev)
                 gt, gl = [tables[i] for i in group], [lengths[i] for i in group]
                 self.groups.append((sel, *_padded(gt, gl, S, cache.k_LNSGK.dtype, dev)))
@@ -160,23 +163,25 @@ class PagedAttention:
         return o_1HnE[0].transpose(0, 1)
 
 
-GROUP_COST = 32
+GROUP_BYTES = 1 << 20
 """What one more group of decoding sequences costs per layer (its gather and attention calls, its
-rows picked out and put back), in cached blocks gathered: about 50 µs against 1.5 µs per block
-of a 16-sequence step of SmolLM2-135M's shape (3 key heads of 64) on a 2-core Xeon."""
+rows picked out and put back, its tables and mask made once per step), in bytes of keys and
+values gathered: about 60 µs, as 1 MiB of gathering in a 16-sequence step of SmolLM2-135M's
+shape (3 key heads of 64; 24 KiB per block of 16 tokens) on a 2-core Xeon."""
 
 
-def width_groups(widths: list[int]) -> list[list[int]]:
+def width_groups(widths: list[int], block_bytes: int) -> list[list[int]]:
     """The decoding sequences (indices into `widths`, their block-table lengths) split into one or
-    two groups by width, whichever gathers fewer blocks counting `GROUP_COST` per group: each group
-    is padded to its own longest, not the batch's (a 2,000-token sequence among short ones no
-    longer pads every short one to 2,000)."""
+    two groups by width, whichever gathers less, a second group counting as `GROUP_BYTES`
+    (`block_bytes`: one block's keys and values in one layer). Each group is padded to its own
+    longest, not the batch's: a 2,000-token sequence among short ones no longer pads every short
+    one to 2,000."""
     order = sorted(range(len(widths)), key=widths.__getitem__)
     w = [widths[i] for i in order]
     B = len(w)
-    best, split = B * w[-1], B  # one group
+    best, split = B * w[-1], B  # one group, in blocks
     for s in range(1, B):  # the s narrowest, then the rest
-        cost = GROUP_COST + s * w[s - 1] + (B - s) * w[-1]
+        cost = GROUP_BYTES / block_bytes + s * w[s - 1] + (B - s) * w[-1]
         if cost < best:
             best, split = cost, s
     if split == B:
