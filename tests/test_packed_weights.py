@@ -3,8 +3,8 @@ allocator settings of CPU serving (mlm.inference.host_memory).
 
 The packed product must be the plain one (the same sgemm over the same operands: compared to
 1e-6 absolute on logits of magnitude ~1, and greedy tokens equal), must really be what runs at
-the packed row count (a weight changed after packing shows only at other row counts), must be
-made again for a later engine on the same model, and must apply only on the CPU in fp32.
+the packed row count, must not be used once its weight has changed (trained, loaded, converted),
+must be made again for a later engine on the same model, and must apply only on the CPU in fp32.
 """
 
 from __future__ import annotations
@@ -74,12 +74,12 @@ def test_the_packed_copy_is_what_runs_at_its_row_count():
     gpt = model()
     pack_weights(gpt, ROWS)
     before = {rows: logits(gpt, rows) for rows in (ROWS, ROWS + 1)}
-    with torch.no_grad():
-        gpt.layers["1"].mlp.down.weight.mul_(2)  # after packing: the packed copy keeps the old one
+    down = gpt.layers["1"].mlp.down
+    down.linear_op.packed = torch.ops.mkl._mkl_reorder_linear_weight(2 * down.weight.detach(), ROWS)
+    assert (logits(gpt, ROWS) - before[ROWS]).abs().max() > 1e-3  # the (doubled) packed copy runs
+    assert (logits(gpt, ROWS + 1) - before[ROWS + 1]).abs().max() <= TOL  # the weight itself
+    pack_weights(gpt, ROWS)  # packed again: the weight's own copy
     assert (logits(gpt, ROWS) - before[ROWS]).abs().max() <= TOL
-    assert (logits(gpt, ROWS + 1) - before[ROWS + 1]).abs().max() > 1e-3
-    pack_weights(gpt, ROWS)  # packed again: now the doubled weight
-    assert (logits(gpt, ROWS) - before[ROWS]).abs().max() > 1e-3
 
 
 def test_engines_pack_on_cpu_fp32_and_give_the_same_tokens():
@@ -96,6 +96,24 @@ def test_engines_pack_on_cpu_fp32_and_give_the_same_tokens():
     assert gpt.layers["0"].attn.q.linear_op.rows == gpt.output_op.rows == 2
     assert [r.token_ids for r in again.generate(ps, GREEDY)] == reference
     assert Engine(model().to(torch.bfloat16), None, EngineConfig(max_seqs=ROWS)).runner.packed_bytes == 0
+
+
+def test_weights_changed_after_serving_are_not_multiplied_stale():
+    """A model served (packed), then trained, loaded into or converted: its products use the
+    weights as they are now, at every row count, in any later engine or plain forward."""
+    gpt, fresh = model(), model()
+    Engine(gpt, None, EngineConfig(max_seqs=ROWS))
+    with torch.no_grad():  # as an optimizer step or a load_state_dict would
+        for m in (gpt, fresh):
+            m.layers["1"].mlp.down.weight.mul_(2)
+            m.output.weight.add_(0.5)
+    assert (logits(gpt, ROWS) - logits(fresh, ROWS)).abs().max() <= 10 * TOL  # logits ~5 now (stale: ~5 off)
+    ps = [[(13 * i + 5 * j) % 300 for j in range(3 + 9 * i)] for i in range(ROWS)]
+    reference = [r.token_ids for r in Engine(fresh, None, EngineConfig(max_seqs=ROWS)).generate(ps, GREEDY)]
+    unpacked = Engine(gpt, None, EngineConfig(max_seqs=ROWS, packed_weights=False))
+    assert [r.token_ids for r in unpacked.generate(ps, GREEDY)] == reference
+    half = gpt.to(torch.bfloat16)  # converted: no longer fp32, nothing for MKL's packed copy
+    assert (logits(half, ROWS).float() - logits(fresh.to(torch.bfloat16), ROWS).float()).abs().max() == 0
 
 
 def test_keep_freed_memory_keeps_a_freed_block_in_the_heap():

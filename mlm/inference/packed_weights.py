@@ -14,8 +14,8 @@ Measured on a 2-core Xeon (bench/RESULTS.md): a decode step of 16 sequences on S
 shape went from 73 to 61 ms. The price is a second copy of the packed weights in memory (the
 plain ones stay for the other row counts and for anything else that reads the model), so it is
 on only where it applies (CPU, fp32, a torch built with MKL) and can be turned off
-(`mlm serve --no-packed-weights`). Pack after the weights are final: a later in-place change of a
-weight is not seen by its packed copy.
+(`mlm serve --no-packed-weights`). A weight changed after packing (written in place, as training
+or a load does, or converted or moved) is multiplied as it is now, without its stale packed copy.
 """
 
 from __future__ import annotations
@@ -44,12 +44,20 @@ class PackedLinearOp:
 
     def __init__(self, weight: torch.Tensor, rows: int):
         self.rows, self.nbytes = rows, weight.nbytes
+        self.source = _state(weight)
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
 
     def __call__(self, x, weight, bias=None):
-        if torch.is_grad_enabled():  # MKL's packed product has no backward
+        # MKL's packed product has no backward; a weight changed since packing: the copy is stale
+        if torch.is_grad_enabled() or _state(weight) != self.source:
             return F.linear(x, weight, bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, weight, bias, self.rows)
+
+
+def _state(weight: torch.Tensor) -> tuple:
+    """What changes with `weight`'s values: its memory, dtype and in-place writes (version)."""
+    version = None if weight.is_inference() else weight._version  # inference tensors have none
+    return weight.data_ptr(), weight.dtype, weight.device, version
 
 
 def pack_weights(model: GPT, rows: int) -> int:
