@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.skipif(
     not packing_applies(torch.device("cpu"), torch.float32), reason="this torch has no MKL"
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 ROWS = 4
 TOL = 1e-6  # absolute, on logits of magnitude ~1
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -116,9 +118,13 @@ def test_weights_changed_after_serving_are_not_multiplied_stale():
     assert (logits(half, ROWS).float() - logits(fresh.to(torch.bfloat16), ROWS).float()).abs().max() == 0
 
 
-def test_keep_freed_memory_keeps_a_freed_block_in_the_heap():
+@pytest.mark.parametrize("freed_before", [0, 1 << 20])
+def test_keep_freed_memory_keeps_a_freed_block_in_the_heap(freed_before):
     """In a fresh process (glibc's thresholds untouched): a freed 8 MiB block goes back to the
-    kernel by default (mmap'd), and stays in the heap's free bytes after `keep_freed_memory`."""
+    kernel by default (mmap'd); after `keep_freed_memory` a 16 MiB one stays in the heap's free
+    bytes, whatever the heap held free before (`freed_before`: a block freed just before, as any
+    library call may leave). 16 MiB: glibc's own dynamic threshold, raised to 8 MiB by the first
+    free, would keep another 8 MiB block without `keep_freed_memory`, not a 16 MiB one."""
     if not sys.platform.startswith("linux"):
         pytest.skip("glibc's malloc: Linux only")
     script = textwrap.dedent(
@@ -136,17 +142,26 @@ def test_keep_freed_memory_keeps_a_freed_block_in_the_heap():
         libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
         libc.free.argtypes = [ctypes.c_void_p]
 
-        def freed_kept(size):
-            before = libc.mallinfo2().fordblks
+        def freed_kept(size):  # not mmap'd while held, and in the heap's free bytes once freed
+            mapped = libc.mallinfo2().hblkhd
             p = libc.malloc(size)
             ctypes.memset(p, 1, size)
+            mapped = libc.mallinfo2().hblkhd - mapped >= size
             libc.free(p)
-            return libc.mallinfo2().fordblks - before >= size
+            return not mapped and libc.mallinfo2().fordblks >= size
 
-        print(freed_kept(8 << 20), keep_freed_memory(), freed_kept(8 << 20))
+        first, kept = freed_kept(8 << 20), keep_freed_memory()
+        libc.free(libc.malloc(int(sys.argv[1])))
+        print(first, kept, freed_kept(16 << 20))
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(freed_before)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     if out.strip() == "no-glibc":
         pytest.skip("malloc is not glibc's")
     assert out.split() == ["False", "True", "True"]
