@@ -93,6 +93,11 @@ def test_engines_pack_on_cpu_fp32_and_give_the_same_tokens():
     packed = Engine(gpt, None, EngineConfig(max_seqs=ROWS))
     assert packed.runner.packed_bytes > 0
     assert [r.token_ids for r in packed.generate(ps, GREEDY)] == reference
+    # the engine's full decode batches multiply by the packed copies: a negated one shows
+    output_op = gpt.output_op
+    output_op.packed = torch.ops.mkl._mkl_reorder_linear_weight(-gpt.output_weight().detach(), ROWS)
+    assert [r.token_ids[1:] for r in packed.generate(ps, GREEDY)] != [t[1:] for t in reference]
+    output_op.packed = torch.ops.mkl._mkl_reorder_linear_weight(gpt.output_weight().detach(), ROWS)
     # a later engine with another batch size packs again, for its own row count
     again = Engine(gpt, None, EngineConfig(max_seqs=2))
     assert gpt.layers["0"].attn.q.linear_op.rows == gpt.output_op.rows == 2

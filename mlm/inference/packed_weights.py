@@ -14,8 +14,9 @@ Measured on a 2-core Xeon (bench/RESULTS.md): a decode step of 16 sequences on S
 shape went from 73 to 61 ms. The price is a second copy of the packed weights in memory (the
 plain ones stay for the other row counts and for anything else that reads the model), so it is
 on only where it applies (CPU, fp32, a torch built with MKL) and can be turned off
-(`mlm serve --no-packed-weights`). A weight changed after packing (written in place, as training
-or a load does, or converted or moved) is multiplied as it is now, without its stale packed copy.
+(`mlm serve --no-packed-weights`). A weight changed after packing (written in place, as an
+optimizer step or load_state_dict does, or converted or moved) is multiplied as it is now, without
+its stale packed copy; a write through `.data` (which bumps no version counter) is not seen.
 """
 
 from __future__ import annotations
