@@ -34,3 +34,21 @@ def test_bench_serve_small_run_checks_pass():
     assert "same greedy tokens, mlm vs HF one at a time:     3/3 requests" in out, out
     assert "HTTP: 5 streaming /v1/completions requests" in out, out
     assert "streams not ending in [DONE]: 0 []; with a token count other than 5: 0" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_serve_step_runs_each_comparison():
+    """bench/serve_step.py on the tiny shape: the host-memory and packed-weights comparisons print
+    (the decode-groups one needs a context of 1,900 tokens and says it is skipped)."""
+    out = subprocess.run(
+        [sys.executable, "bench/serve_step.py", "--shape", "tiny", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    ).stdout
+    assert "packed weights: decode, 16 seqs" in out and "off / on" in out, out
+    assert "host memory: prefill" in out, out
+    assert "decode groups: the model's context is too short" in out, out

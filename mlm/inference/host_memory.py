@@ -24,7 +24,8 @@ TRIM_THRESHOLD = 1 << 30
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's mmap and trim thresholds (see the module); False where malloc is not glibc's."""
+    """Set glibc's mmap and trim thresholds (see the module); False where the C library has no
+    mallopt or refuses them (with another malloc preloaded they may be accepted and do nothing)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
