@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mlm.config import ModelConfig
 from mlm.inference.engine import Engine, EngineConfig
@@ -102,6 +103,10 @@ def test_engines_pack_on_cpu_fp32_and_give_the_same_tokens():
     again = Engine(gpt, None, EngineConfig(max_seqs=2))
     assert gpt.layers["0"].attn.q.linear_op.rows == gpt.output_op.rows == 2
     assert [r.token_ids for r in again.generate(ps, GREEDY)] == reference
+    # and one with packing off drops the copies: plain products again
+    Engine(gpt, None, EngineConfig(max_seqs=ROWS, packed_weights=False))
+    assert gpt.layers["0"].attn.q.linear_op is F.linear and gpt.output_op is F.linear
+    assert [r.token_ids for r in plain.generate(ps, GREEDY)] == reference
     assert Engine(model().to(torch.bfloat16), None, EngineConfig(max_seqs=ROWS)).runner.packed_bytes == 0
 
 

@@ -27,7 +27,7 @@ from mlm.errors import MlmError
 from mlm.inference.decode_graphs import DecodeGraphs
 from mlm.inference.kv_cache import PagedKVCache, blocks_needed
 from mlm.inference.model_runner import ModelRunner, Segment
-from mlm.inference.packed_weights import pack_weights, packing_applies
+from mlm.inference.packed_weights import pack_weights, packing_applies, unpack_weights
 from mlm.inference.sampling import SamplingParams, TokenLogprob, generator, sample
 from mlm.inference.scheduler import Scheduler
 from mlm.inference.text import TextStream
@@ -131,6 +131,8 @@ def build_runner(model: GPT, config: EngineConfig, mesh: Mesh | None = None) -> 
     runner = ModelRunner(model, cache, mesh, graphs)
     if config.packed_weights and packing_applies(p.device, p.dtype):
         runner.packed_bytes = pack_weights(model, config.max_seqs)
+    else:
+        unpack_weights(model)
     return runner
 
 

@@ -64,9 +64,8 @@ def _state(weight: torch.Tensor) -> tuple:
 def pack_weights(model: GPT, rows: int) -> int:
     """Give the layers' linears and the output layer of `model` (this rank's shard) packed copies
     of their weights as they are now, for products of `rows` rows, in place (again after an
-    earlier call); return the bytes of the weights packed,
-    which is what the copies add to the resident memory (MKL reserves more address space for a
-    packed buffer than it fills)."""
+    earlier call); return the bytes of the weights packed, which is what the copies add to the
+    resident memory (MKL reserves more address space for a packed buffer than it fills)."""
     ops = []
     for name, module in list(model.layers.named_modules()):
         if type(module) is nn.Linear:
@@ -81,3 +80,12 @@ def pack_weights(model: GPT, rows: int) -> int:
     model.output_op = PackedLinearOp(model.output_weight(), rows)
     ops.append(model.output_op)
     return sum(op.nbytes for op in ops)
+
+
+def unpack_weights(model: GPT) -> None:
+    """Drop the packed copies `pack_weights` gave `model` (an engine built with packing off, on a
+    model an earlier engine packed): plain products again, the packed memory freed."""
+    for module in model.layers.modules():
+        if isinstance(module.__dict__.get("linear_op"), PackedLinearOp):
+            module.linear_op = F.linear
+    model.__dict__.pop("output_op", None)
