@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mlm.config import ModelConfig
+from mlm.inference import packed_weights
 from mlm.inference.engine import Engine, EngineConfig
 from mlm.inference.packed_weights import PackedLinearOp, pack_weights, packing_applies
 from mlm.inference.sampling import SamplingParams
@@ -31,6 +32,16 @@ pytestmark = pytest.mark.skipif(
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = 4
+
+
+@pytest.fixture(autouse=True)
+def pack_small_weights(monkeypatch, request):
+    """This test model's weights are far below `MIN_ELEMENTS`: pack them all the same (but in the
+    test of that threshold)."""
+    if request.node.name != "test_small_weights_stay_plain":
+        monkeypatch.setattr(packed_weights, "MIN_ELEMENTS", 0)
+
+
 TOL = 1e-6  # absolute, on logits of magnitude ~1
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -71,6 +82,15 @@ def test_packed_products_are_the_plain_ones(tie):
     with torch.enable_grad():  # training through a packed model: the plain product, with gradients
         gpt(torch.arange(ROWS)[None]).sum().backward()
     assert gpt.layers["0"].attn.q.weight.grad is not None
+
+
+def test_small_weights_stay_plain():
+    gpt = model()
+    gpt.output.weight = torch.nn.Parameter(torch.randn(2000, 64) * 0.1)  # 128,000 elements
+    gpt.cfg.vocab_size = 2000
+    assert pack_weights(gpt, ROWS) == gpt.output.weight.nbytes  # only the output layer
+    assert isinstance(gpt.output_op, PackedLinearOp)
+    assert all(m.linear_op is F.linear for m in gpt.layers.modules() if isinstance(m, OpLinear))
 
 
 def test_the_packed_copy_is_what_runs_at_its_row_count():

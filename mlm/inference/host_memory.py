@@ -7,9 +7,11 @@ kernel past 128 KiB free. A CPU forward allocates and frees activations of megab
 in page by page again, at every layer of every step. `keep_freed_memory` fixes both thresholds
 (mmap from 32 MiB, glibc's maximum; trim past 1 GiB free), so the heap keeps what a step freed for
 the next one. It is what `mlm serve` and `mlm generate` do on the CPU; tcmalloc or jemalloc
-(LD_PRELOAD) does the same and more. Measured on a 2-core Xeon: the prefill step of 16 prompts
-(1,059 tokens, SmolLM2-135M's shape, fp32) took 1.1-1.9 s before, 0.83-0.94 s after. The price is
-memory the process keeps after a peak (up to the peak's activations)."""
+(LD_PRELOAD) does the same and more. Measured on a 2-core Xeon (`bench/serve_step.py`): the
+prefill step of 16 prompts (1,059 tokens, SmolLM2-135M's shape, fp32) took 898-943 ms before and
+827-910 ms after, median of 15, in a process that has done nothing else; with glibc's defaults
+single steps swung up to 1.9 s after other work had shaped the heap. The price is memory the
+process keeps after a peak (up to the peak's activations)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A decode step multiplies a few rows (one per sequence) by every weight matrix of the model. For
 so few rows MKL's sgemm spends a large share of each call packing the weight into its blocked
-layout, again at every call. `pack_weights` packs each linear's weight once for `rows` rows (the
+layout, again at every call. `pack_weights` packs each large linear's weight once for `rows` rows (the
 engine's max_seqs: a full decode batch), as Inductor's CPU weight prepacking does with the same
 torch ops (`torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`). A product of exactly
 `rows` rows then uses the packed copy; any other row count (prompts, a partial batch) falls back
@@ -11,7 +11,7 @@ MKL's sgemm over the same operands: the serving tests compare tokens and logits 
 forward.
 
 Measured on a 2-core Xeon (bench/RESULTS.md): a decode step of 16 sequences on SmolLM2-135M's
-shape went from 73 to 61 ms. The price is a second copy of the packed weights in memory (the
+shape went from 73.6 to 64.5 ms (`bench/serve_step.py`, median of 15). The price is a second copy of the packed weights in memory (the
 plain ones stay for the other row counts and for anything else that reads the model), so it is
 on only where it applies (CPU, fp32, a torch built with MKL) and can be turned off
 (`mlm serve --no-packed-weights`). A weight changed after packing (written in place, as an
@@ -61,30 +61,39 @@ def _state(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), weight.dtype, weight.device, version
 
 
+MIN_ELEMENTS = 1 << 16
+"""Weights smaller than this (256 KiB in fp32) stay plain: they stay in cache between calls, and
+the packed call's own cost outweighs what it saves (the tiny shape of bench/serve.py, hidden 64,
+ran 48 decode steps 2.3 ms slower packed)."""
+
+
 def pack_weights(model: GPT, rows: int) -> int:
     """Give the layers' linears and the output layer of `model` (this rank's shard) packed copies
-    of their weights as they are now, for products of `rows` rows, in place (again after an
-    earlier call); return the bytes of the weights packed, which is what the copies add to the
-    resident memory (MKL reserves more address space for a packed buffer than it fills)."""
+    of their weights as they are now (those of `MIN_ELEMENTS` or more), for products of `rows`
+    rows, in place; again after an earlier call, whose copies are dropped first. Return the bytes
+    of the weights packed, which is what the copies add to the resident memory (MKL reserves more
+    address space for a packed buffer than it fills)."""
+    unpack_weights(model)
     ops = []
     for name, module in list(model.layers.named_modules()):
         if type(module) is nn.Linear:
             module = OpLinear(module, F.linear)
             parent, _, attr = name.rpartition(".")
             setattr(model.layers.get_submodule(parent), attr, module)
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear | OpLinear) and (
-            module.linear_op is F.linear or isinstance(module.linear_op, PackedLinearOp)
-        ):  # not fp8's; packed before (another engine on this model): packed again
+        packable = isinstance(module, ColumnParallelLinear | RowParallelLinear | OpLinear)
+        if packable and module.linear_op is F.linear and module.weight.numel() >= MIN_ELEMENTS:  # not fp8's
             module.linear_op = PackedLinearOp(module.weight, rows)
             ops.append(module.linear_op)
-    model.output_op = PackedLinearOp(model.output_weight(), rows)
-    ops.append(model.output_op)
+    if model.output_weight().numel() >= MIN_ELEMENTS:
+        model.output_op = PackedLinearOp(model.output_weight(), rows)
+        ops.append(model.output_op)
     return sum(op.nbytes for op in ops)
 
 
 def unpack_weights(model: GPT) -> None:
-    """Drop the packed copies `pack_weights` gave `model` (an engine built with packing off, on a
-    model an earlier engine packed): plain products again, the packed memory freed."""
+    """Drop the packed copies `pack_weights` gave `model` (before packing again, or for an engine
+    built with packing off on a model an earlier engine packed): plain products again, the packed
+    memory freed."""
     for module in model.layers.modules():
         if isinstance(module.__dict__.get("linear_op"), PackedLinearOp):
             module.linear_op = F.linear

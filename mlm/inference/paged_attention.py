@@ -58,9 +58,7 @@ class PagedAttention:
         self.decode_rows = None
         self.groups: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
         if rows:
-            block_bytes = cache.k_LNSGK[0, 0].nbytes + (
-                0 if cache.v_LNSGK is None else cache.v_LNSGK[0, 0].nbytes
-            )
+            block_bytes = cache.bytes_per_token // len(cache.k_LNSGK) * S  # a layer's keys and values
             for group in width_groups([len(t) for t in tables], block_bytes):
                 sel = None if len(group) == len(rows) else torch.tensor(group, device=dev)
                 gt, gl = [tables[i] for i in group], [lengths[i] for i in group]
@@ -176,9 +174,11 @@ def width_groups(widths: list[int], block_bytes: int) -> list[list[int]]:
     (`block_bytes`: one block's keys and values in one layer). Each group is padded to its own
     longest, not the batch's: a 2,000-token sequence among short ones no longer pads every short
     one to 2,000."""
-    order = sorted(range(len(widths)), key=widths.__getitem__)
+    B = len(widths)
+    if (B * max(widths) - sum(widths)) * block_bytes <= GROUP_BYTES:  # less padding than a group costs
+        return [list(range(B))]
+    order = sorted(range(B), key=widths.__getitem__)
     w = [widths[i] for i in order]
-    B = len(w)
     best, split = B * w[-1], B  # one group, in blocks
     for s in range(1, B):  # the s narrowest, then the rest
         cost = GROUP_BYTES / block_bytes + s * w[s - 1] + (B - s) * w[-1]
