@@ -2,19 +2,19 @@
 
 A decode step multiplies a few rows (one per sequence) by every weight matrix of the model. For
 so few rows MKL's sgemm spends a large share of each call packing the weight into its blocked
-layout, again at every call. `pack_weights` packs each large linear's weight once for `rows` rows (the
-engine's max_seqs: a full decode batch), as Inductor's CPU weight prepacking does with the same
-torch ops (`torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`). A product of exactly
+layout, again at every call. `pack_weights` packs each large linear's weight once for `rows`
+rows (the engine's max_seqs: a full decode batch), as Inductor's CPU weight prepacking does with
+the same torch ops (`torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`). A product of exactly
 `rows` rows then uses the packed copy; any other row count (prompts, a partial batch) falls back
 to the weight itself inside `_mkl_linear`, so those steps are unchanged. The packed product is
 MKL's sgemm over the same operands: the serving tests compare tokens and logits with the plain
 forward.
 
-Measured on a 2-core Xeon (bench/RESULTS.md): a decode step of 16 sequences on SmolLM2-135M's
-shape went from 73.6 to 64.5 ms (`bench/serve_step.py`, median of 15). The price is a second copy of the packed weights in memory (the
-plain ones stay for the other row counts and for anything else that reads the model), so it is
-on only where it applies (CPU, fp32, a torch built with MKL) and can be turned off
-(`mlm serve --no-packed-weights`). A weight changed after packing (written in place, as an
+Measured on a 2-core Xeon (`bench/serve_step.py`, median of 15 steps): a decode step of 16
+sequences on SmolLM2-135M's shape went from 73.6 to 64.5 ms. The price is one more copy of the
+weights in memory (the plain ones stay for the other row counts and for anything else that reads
+the model), so it is on only where it applies (CPU, fp32, a torch built with MKL) and can be
+turned off (`mlm serve --no-packed-weights`). A weight changed after packing (written in place, as an
 optimizer step or load_state_dict does, or converted or moved) is multiplied as it is now, without
 its stale packed copy; a write through `.data` (which bumps no version counter) is not seen.
 """
