@@ -18,19 +18,23 @@ pytest.importorskip("httpx")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_bench_serve_small_run_checks_pass():
-    args = ["--shape", "tiny", "--requests", "3", "--new-tokens", "5"]
-    args += ["--http-clients", "3", "--http-requests", "5"]
-    out = subprocess.run(
-        [sys.executable, "bench/serve.py", *args],
+def bench(script: str, *args: str) -> str:
+    """The standard output of `bench/SCRIPT ARGS`, which must exit 0."""
+    return subprocess.run(
+        [sys.executable, f"bench/{script}", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         check=True,
     ).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_serve_small_run_checks_pass():
+    args = ["--shape", "tiny", "--requests", "3", "--new-tokens", "5"]
+    out = bench("serve.py", *args, "--http-clients", "3", "--http-requests", "5")
     assert "same greedy tokens, mlm vs HF one at a time:     3/3 requests" in out, out
     assert "HTTP: 5 streaming /v1/completions requests" in out, out
     assert "streams not ending in [DONE]: 0 []; with a token count other than 5: 0" in out, out
@@ -41,14 +45,7 @@ def test_bench_serve_small_run_checks_pass():
 def test_bench_serve_step_runs_each_comparison():
     """bench/serve_step.py on the tiny shape: the host-memory and packed-weights comparisons print
     (the decode-groups one needs a context of 1,900 tokens and says it is skipped)."""
-    out = subprocess.run(
-        [sys.executable, "bench/serve_step.py", "--shape", "tiny", "--steps", "2"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=True,
-    ).stdout
+    out = bench("serve_step.py", "--shape", "tiny", "--steps", "2")
     assert "packed weights: decode, 16 seqs" in out and "off / on" in out, out
     assert "host memory: prefill" in out, out
     assert "decode groups: the model's context is too short" in out, out
