@@ -8,16 +8,24 @@ commit only: `MLM_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py`.
 The data are synthetic tokens from a fixed integer recurrence (no tokenizer training, no corpus
 that depends on the Python version), written as a Megatron indexed dataset. The sequence is
 shortened to 64 tokens so that the four layouts train in seconds. Bitwise holds on one kind of
-machine (here an x86-64 CPU, torch's CPU kernels); the file is per hardware kind.
+machine: torch's CPU kernels and MKL pick their code by CPU (AVX2, AVX-512) and vendor, which moves
+the last bits of a few losses. So the file is per kind of machine: `tiny-cpu-fp32-KIND.txt` where
+KIND is the CPU vendor and torch's CPU capability (`golden_kind()`, e.g. genuineintel-avx512,
+recorded on a 2-core Xeon), else `tiny-cpu-fp32.txt` (recorded on the 2-core AMD EPYC VMs the
+project started on). Regenerating writes the file the test reads; to record a new kind, create its
+empty file first. A change that moves the losses regenerates every kind's file it can, and
+deletes (and names in its commit) those it cannot, rather than leave one stale.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from mlm.config import load_config
 from mlm.datasets.indexed import IndexedDatasetWriter, data_paths
@@ -25,7 +33,27 @@ from mlm.train.trainer import Trainer
 
 from distributed import run_ranks
 
-GOLDEN = Path(__file__).parent / "golden" / "tiny-cpu-fp32.txt"
+
+def golden_kind() -> str:
+    """This machine's kind for the golden file: CPU vendor and torch's CPU capability."""
+    vendor = platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        vendor = next(
+            (line.split(":")[1] for line in cpuinfo.read_text().splitlines() if line.startswith("vendor_id")),
+            vendor,
+        )
+    return f"{vendor.strip()}-{torch.backends.cpu.get_cpu_capability()}".lower()
+
+
+def golden_path() -> Path:
+    """The golden file for this kind of machine (see the module)."""
+    folder = Path(__file__).parent / "golden"
+    kind = folder / f"tiny-cpu-fp32-{golden_kind()}.txt"
+    return kind if kind.exists() else folder / "tiny-cpu-fp32.txt"
+
+
+GOLDEN = golden_path()
 TRAIN_TOML = Path(__file__).parents[1] / "pipelines" / "tiny" / "train.toml"
 STEPS = 20
 LAYOUTS = {"tp1": (1, {}), "tp2": (2, {"parallel.tp": 2}), "pp2": (2, {"parallel.pp": 2}), "dp2": (2, {})}
