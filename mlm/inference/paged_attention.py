@@ -109,12 +109,10 @@ class PagedAttention:
         """One query per decoding sequence over its cached keys and values: [B, H, E]."""
         if len(self.groups) == 1:
             return self._attend_cached(layer, q_BHK, *self.groups[0][1:], scale, value_dim)
-        out_BHE = None
+        B, H, K = q_BHK.shape
+        out_BHE = q_BHK.new_empty(B, H, value_dim or K)
         for sel, tables_BN, mask_B11L in self.groups:
-            o_bHE = self._attend_cached(layer, q_BHK[sel], tables_BN, mask_B11L, scale, value_dim)
-            if out_BHE is None:
-                out_BHE = o_bHE.new_empty(q_BHK.shape[0], *o_bHE.shape[1:])
-            out_BHE[sel] = o_bHE
+            out_BHE[sel] = self._attend_cached(layer, q_BHK[sel], tables_BN, mask_B11L, scale, value_dim)
         return out_BHE
 
     def _attend_cached(self, layer: int, q_BHK, tables_BN, mask_B11L, scale, value_dim) -> torch.Tensor:
