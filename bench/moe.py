@@ -4,7 +4,7 @@ measure the expert-parallel dispatchers' bytes against their formulas.
     .venv/bin/python bench/moe.py [--tokens 4096] [--hidden 256] [--ffn 512] [--experts 8] [--topk 2]
                                   [--steps 10] [--warmup 2] [--impl auto] [--ep 2]
 
-Part 1, one process: mlm's MoE (`mlm.model.moe`, router + grouped experts, dropless) and HF's
+Part 1, one process: mlm's MoE (`mlm.model.kinds.moe`, router + grouped experts, dropless) and HF's
 sparse MoE block (transformers' default experts implementation) get identical weights (router,
 w1/w3/w2 per expert); forward + backward of the same [1, tokens, hidden] input with a fixed
 random output gradient, alternating the two step by step; tokens/s from the median step time,

@@ -44,7 +44,7 @@ def show(
     config: Path | None = typer.Option(None, "--config", "-c", help="A run config TOML file."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value (repeatable)."),
 ) -> None:
-    """Print the resolved config as TOML, with the layers' module kinds, parameter count and FLOPs per token."""
+    """Print the resolved config as TOML, with the layers' kinds and pattern, parameter count and FLOPs per token."""
     from mlm.config import describe_layers, load_config, to_toml
     from mlm.model import flops_per_token, parameter_counts
 
@@ -54,6 +54,7 @@ def show(
     n, active = counts.total, counts.active
     f = flops_per_token(cfg.model, cfg.data.seq_length)
     print(f"# layers: {describe_layers(cfg.model.layer_specs())}")
+    print(f"# layer pattern: {cfg.model.pattern()}  (as model.layer_pattern; {_symbols()})")
     if active != n:  # MoE: a token uses k of the E routed experts
         print(
             f"# parameters: total {n:,} ({n / 1e9:.3f} B), active {active:,} ({active / 1e9:.3f} B) per token"
@@ -67,3 +68,10 @@ def show(
         )
     print(f"# training FLOPs per token at seq {cfg.data.seq_length}: {f:.4g}")
     print(to_toml(cfg), end="")
+
+
+def _symbols() -> str:
+    """The pattern symbols of the registered kinds: "* gqa, + mla, - dense, E moe"."""
+    from mlm.model.kinds import symbols
+
+    return ", ".join(f"{sym} {spec.name}" for sym, spec in symbols().items())

@@ -35,14 +35,16 @@ def _choice(section: str, name: str, value, choices) -> None:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """The module kinds of one transformer layer (registered in `mlm.model.layers`)."""
+    """The kinds of one layer (`mlm.model.kinds`): its mixer and its MLP (either may be None: a
+    layer with one half only) and its norm."""
 
-    attention: str
-    mlp: str
+    mixer: str | None
+    mlp: str | None
     norm: str
 
     def __str__(self) -> str:
-        return f"{self.attention} + {self.mlp} ({self.norm})"
+        parts = " + ".join(k for k in (self.mixer, self.mlp) if k is not None)
+        return f"{parts} ({self.norm})"
 
 
 def describe_layers(specs: list[LayerSpec]) -> str:
@@ -220,7 +222,7 @@ class ModelConfig:
     max_position_embeddings: int = 256
     """Longest sequence the model supports (learned positions, RoPE tables)."""
     normalization: str = "rmsnorm"
-    """layernorm (GPT-2) or rmsnorm (Llama)."""
+    """Norm kind: layernorm (GPT-2) or rmsnorm (Llama)."""
     norm_eps: float = 1e-5
     """Epsilon of the normalisation layers."""
     position_embedding: str = "rope"
@@ -267,10 +269,12 @@ class ModelConfig:
     """Activation recompute: none, selective (attention core) or full (each layer)."""
     fused_cross_entropy: bool = False
     """Compute the loss with the chunked linear + cross-entropy (Liger/Megatron style, kernels.linear_cross_entropy), never holding the [tokens, vocab] logits."""
+    layer_pattern: str = ""
+    """Every layer's kinds as Megatron's hybrid layer pattern: * gqa, + mla, - dense, E moe (and the symbols registered kinds add); a mixer and the MLP after it are one layer; /X per MTP depth. Empty: from the four fields below."""
     attention_kind: str = "gqa"
-    """Attention module of every layer: gqa (multi-head, grouped-query or multi-query attention) or mla (multi-latent, see model.mla)."""
+    """Mixer of every layer without layer_pattern: gqa (multi-head, grouped-query or multi-query attention) or mla (multi-latent, see model.mla)."""
     mlp_kind: str = "dense"
-    """MLP module of the layers that mlp_kind_freq and first_k_dense select; the others are dense."""
+    """MLP of the layers that mlp_kind_freq and first_k_dense select (without layer_pattern); the others are dense."""
     mlp_kind_freq: int | list[int] = 1
     """Which layers get mlp_kind (Megatron's moe_layer_freq): every Nth layer from 0, or a 0/1 list per layer."""
     first_k_dense: int = 0
@@ -299,22 +303,8 @@ class ModelConfig:
         ):
             _check(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
         _check(
-            self.num_attention_heads % self.query_groups == 0,
-            f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
-            f"model.num_query_groups={self.query_groups}",
-        )
-        _check(
             self.kv_channels is None or self.kv_channels > 0,
             f"model.kv_channels={self.kv_channels}: must be positive (or unset for hidden / heads)",
-        )
-        _check(
-            self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
-            f"model.hidden_size={self.hidden_size} is not divisible by "
-            f"model.num_attention_heads={self.num_attention_heads}; set model.kv_channels (the head dim)",
-        )
-        _check(
-            self.head_dim % 2 == 0 or self.position_embedding != "rope" or self.attention_kind == "mla",
-            f"model head dim {self.head_dim}: RoPE needs an even head dim (set model.kv_channels)",
         )
         freq = self.mlp_kind_freq
         if isinstance(freq, list):
@@ -328,31 +318,6 @@ class ModelConfig:
             0 <= self.first_k_dense <= self.num_layers,
             f"model.first_k_dense={self.first_k_dense}: must be within [0, num_layers={self.num_layers}]",
         )
-        if any(spec.mlp == "moe" for spec in self.layer_specs()):
-            _check(
-                self.moe.num_experts >= 1,
-                "model.mlp_kind=moe needs experts: set model.moe.num_experts (and model.moe.router_topk)",
-            )
-        if self.attention_kind == "mla":
-            _check(
-                self.query_groups == self.num_attention_heads,
-                f"model.num_query_groups={self.num_query_groups} with attention_kind=mla: MLA gives every one of "
-                f"the {self.num_attention_heads} heads its own key and value (from the shared latent); unset it",
-            )
-            _check(
-                self.position_embedding == "rope",
-                f"model.position_embedding={self.position_embedding!r} with attention_kind=mla: MLA's decoupled "
-                "key part is rotary; set model.position_embedding=rope",
-            )
-            ignored = [
-                f"{k}={getattr(self, k)}" for k in ("kv_channels", "qk_norm", "qkv_bias") if getattr(self, k)
-            ]
-            _check(
-                not ignored,
-                f"model.{', model.'.join(ignored)} with attention_kind=mla: MLA's head dims are model.mla's "
-                "(qk_nope_head_dim, qk_rope_head_dim, v_head_dim) and it has no q/k norms or q/k/v biases; "
-                "unset them",
-            )
         for name in ("mtp_num_layers", "mtp_loss_scaling_factor"):
             _check(getattr(self, name) >= 0, f"model.{name}={getattr(self, name)}: must be >= 0 (0: no MTP)")
         _check(
@@ -366,7 +331,6 @@ class ModelConfig:
             self.rope_scaling_factor is None or self.rope_scaling_factor >= 1.0,
             f"model.rope_scaling_factor={self.rope_scaling_factor}: must be >= 1 (or unset)",
         )
-        _choice(s, "normalization", self.normalization, ("layernorm", "rmsnorm"))
         _choice(s, "position_embedding", self.position_embedding, ("learned", "rope"))
         _choice(s, "activation", self.activation, ("swiglu", "gelu_tanh", "gelu"))
         _choice(s, "attention_backend", self.attention_backend, ("auto", "sdpa", "flash", "te"))
@@ -374,6 +338,57 @@ class ModelConfig:
         _choice(s, "recompute", self.recompute, ("none", "selective", "full"))
         for name in ("hidden_dropout", "attention_dropout"):
             _check(0.0 <= getattr(self, name) < 1.0, f"{s}.{name}={getattr(self, name)}: must be in [0, 1)")
+        self._check_kinds()
+
+    def _check_kinds(self) -> None:
+        """The layers' kinds exist, the pattern agrees with the fields, and each kind accepts the
+        config (its spec's `check`)."""
+        from mlm.model import kinds
+        from mlm.model.kinds.pattern import parse
+
+        if self.layer_pattern:
+            fields = {"attention_kind": "gqa", "mlp_kind": "dense", "mlp_kind_freq": 1, "first_k_dense": 0}
+            given = [f"model.{k}={getattr(self, k)!r}" for k, v in fields.items() if getattr(self, k) != v]
+            _check(
+                not given,
+                f"model.layer_pattern={self.layer_pattern!r} with {', '.join(given)}: the pattern gives every "
+                "layer's kinds; unset the fields (they choose kinds only without a pattern)",
+            )
+            layers, mtp = parse(self.layer_pattern)
+            _check(
+                len(layers) == self.num_layers,
+                f"model.layer_pattern={self.layer_pattern!r} has {len(layers)} layers (a mixer and the MLP "
+                f"after it are one layer) but model.num_layers={self.num_layers}; set model.num_layers="
+                f"{len(layers)}",
+            )
+            _check(
+                mtp == self.mtp_num_layers,
+                f"model.layer_pattern={self.layer_pattern!r} has {mtp} MTP depths ('/') but "
+                f"model.mtp_num_layers={self.mtp_num_layers}; make them agree",
+            )
+        kinds.norm(self.normalization)
+        used = {
+            (role, name)
+            for spec in self.layer_specs()
+            for role, name in (("mixer", spec.mixer), ("mlp", spec.mlp))
+        }
+        for role, name in sorted(used, key=lambda rn: (rn[0], rn[1] or "")):
+            if name is not None:
+                kinds.lookup(role, name).check(self)
+        ropes = {kinds.mixer(k).rope_dim(self) for k in self.mixer_kinds()} - {None}
+        _check(
+            len(ropes) <= 1,
+            f"model: the mixers {', '.join(self.mixer_kinds())} rotate {sorted(ropes)} dims per head; the "
+            "model's RoPE tables are one size, so layers with RoPE must agree",
+        )
+
+    def mixer_kinds(self) -> tuple[str, ...]:
+        """The mixer kinds the layers use, in order of first use."""
+        return tuple(dict.fromkeys(s.mixer for s in self.layer_specs() if s.mixer is not None))
+
+    def mlp_kinds(self) -> tuple[str, ...]:
+        """The MLP kinds the layers use, in order of first use."""
+        return tuple(dict.fromkeys(s.mlp for s in self.layer_specs() if s.mlp is not None))
 
     @property
     def query_groups(self) -> int:
@@ -384,13 +399,22 @@ class ModelConfig:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
-    def rope_dim(self) -> int:
-        """The dims RoPE rotates per head: the head dim, or MLA's qk_rope_head_dim."""
-        return self.mla.qk_rope_head_dim if self.attention_kind == "mla" else self.head_dim
+    def rope_dim(self) -> int | None:
+        """The dims RoPE rotates per head (the mixers' common `rope_dim`: the head dim, MLA's
+        qk_rope_head_dim); None when no layer uses RoPE."""
+        from mlm.model import kinds
+
+        dims = [kinds.mixer(k).rope_dim(self) for k in self.mixer_kinds()]
+        return next((d for d in dims if d is not None), None)
 
     def layer_specs(self) -> list[LayerSpec]:
-        """The module kinds of every layer, from attention_kind, mlp_kind, mlp_kind_freq,
-        first_k_dense and normalization (names only: `mlm.model.layers` builds them)."""
+        """The kinds of every layer: from layer_pattern, else from attention_kind, mlp_kind,
+        mlp_kind_freq, first_k_dense; and normalization (names only: `mlm.model.kinds` builds them)."""
+        if self.layer_pattern:
+            from mlm.model.kinds.pattern import parse
+
+            layers, _ = parse(self.layer_pattern)
+            return [LayerSpec(a, b, self.normalization) for a, b in layers]
         freq = self.mlp_kind_freq
         chosen = [
             i >= self.first_k_dense and (freq[i] == 1 if isinstance(freq, list) else i % freq == 0)
@@ -400,6 +424,12 @@ class ModelConfig:
             LayerSpec(self.attention_kind, self.mlp_kind if c else "dense", self.normalization)
             for c in chosen
         ]
+
+    def pattern(self) -> str:
+        """The layers as a layer pattern (`model.layer_pattern` reads it back to the same layers)."""
+        from mlm.model.kinds.pattern import format_pattern
+
+        return format_pattern([(s.mixer, s.mlp) for s in self.layer_specs()], self.mtp_num_layers)
 
     @property
     def ffn_size(self) -> int:
@@ -718,6 +748,8 @@ class Config:
             "residual stream follows bf16/fp16 parameters (the embedding's output is in their dtype); "
             "set train.param_dtype=fp32 to keep an fp32 residual stream, or model.fp32_residual_connection=false",
         )
+        if self.parallel.cp > 1:
+            check_context_parallel_kinds(self.model, self.parallel.cp)
         _check(
             self.train.fault_action != "rollback" or bool(self.checkpoint.save),
             "train.fault_action=rollback with checkpoint.save empty: a rollback reloads checkpoint.save's latest "
@@ -726,6 +758,18 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_context_parallel_kinds(m: ModelConfig, cp: int) -> None:
+    """MlmError when a layer's mixer does not run under context parallelism (its spec says)."""
+    from mlm.model import kinds
+
+    refused = [k for k in m.mixer_kinds() if not kinds.mixer(k).context_parallel]
+    _check(
+        not refused,
+        f"parallel.cp={cp} with the mixer kind(s) {', '.join(refused)}: they are not built for context "
+        "parallelism (each rank would need the state of the tokens before its own); set parallel.cp=1",
+    )
 
 
 # ---------------------------------------------------------------- building from dicts / TOML / --set

@@ -125,7 +125,7 @@ def test_the_router_is_exercised(pair):
     name, hf, mlm_model, cfg = pair
     if cfg.moe.router_num_groups is None:
         pytest.skip("no group limit in this model")
-    from mlm.model.moe.router import route
+    from mlm.model.kinds.moe.router import route
 
     h = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
     router = mlm_model.layers["2"].mlp.router

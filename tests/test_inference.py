@@ -434,7 +434,7 @@ def test_moe_checkpoint_generates_as_the_plain_model(tmp_path):
     batching: greedy tokens equal the cache-less forward of the plain model, which is dropless."""
     from test_inference_tp import MOE, _checkpoint
 
-    from mlm.model.moe.layer import MoE
+    from mlm.model.kinds.moe.module import MoE
 
     model, _, _ = load_model(_checkpoint(tmp_path, MOE), device="cpu")
     moes = [m for m in model.modules() if isinstance(m, MoE)]

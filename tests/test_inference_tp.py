@@ -24,7 +24,7 @@ from mlm.inference.loader import load_model
 from mlm.inference.lockstep import serving_mesh
 from mlm.inference.sampling import SamplingParams
 from mlm.model.gpt import build_model
-from mlm.model.moe.layer import MoE
+from mlm.model.kinds.moe.module import MoE
 
 from distributed import run_ranks
 

@@ -32,8 +32,8 @@ from kernels import lean
 from mlm.config import MLAConfig, ModelConfig, MoEConfig
 from mlm.errors import MlmError
 from mlm.model import build_model
-from mlm.model.layers import resolve_kernels
-from mlm.model.moe.experts import GroupedExperts
+from mlm.model.kinds.moe.experts import GroupedExperts
+from mlm.model.ops import resolve_kernels
 from mlm.model.rope import apply_rope, apply_rope_interleaved
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,6 +1,7 @@
 """Layer specs and module kinds: a new MLP kind defined in this file only (squared ReLU, with an
-auxiliary loss), selected for some layers by config, trains at tp 2 and pp 2 as one process does
-— with no edit to `mlm.parallel` — and the config fields that choose kinds per layer.
+auxiliary loss: its module and its spec), selected for some layers by config, trains at tp 2 and
+pp 2 as one process does — with no edit to `mlm.parallel` — and the config fields that choose
+kinds per layer.
 
 Every rank is a real gloo process; the kind registers itself when this module is imported, which
 each rank does to find `_train_rank`. Tolerance: fp32, 1e-5 relative on losses and final weights
@@ -20,8 +21,11 @@ from torch import nn
 
 from mlm.config import ModelConfig, describe_layers, load_config
 from mlm.errors import MlmError
-from mlm.model import GPT, build_model
-from mlm.model.layers import TP_INPUT, register_mlp
+from mlm.model import build_model
+from mlm.model.kinds import register
+from mlm.model.kinds.dense.spec import mlp_params
+from mlm.model.kinds.spec import Flops, MLPSpec, PartWork
+from mlm.model.layers import TP_INPUT
 from mlm.train.trainer import Trainer
 
 from distributed import run_ranks
@@ -30,7 +34,6 @@ from test_parallel_training import RTOL, _assert_matches, _sets, _train_rank, re
 AUX_COEF = 1e-3
 
 
-@register_mlp("squared_relu")
 class SquaredReLU(nn.Module):
     """down(relu(up x)²) (Primer, Nemotron) plus an auxiliary loss AUX_COEF · mean(h²) on its
     hidden activations, which reaches the total loss through `aux_losses` on any stage."""
@@ -53,6 +56,27 @@ class SquaredReLU(nn.Module):
         return out
 
 
+@register
+class SquaredReLUSpec(MLPSpec):
+    """What the rest of mlm asks of the kind: its parameters, FLOPs, saved bytes and work."""
+
+    name, symbol, module = "squared_relu", "Q", SquaredReLU
+
+    def params(self, m, prefix, tp, ep):
+        return [p for p in mlp_params(m, prefix, m.ffn_size, tp) if ".gate." not in p.name]
+
+    def flops(self, m):
+        return Flops(tp=6 * 2 * m.hidden_size * m.ffn_size)
+
+    def saved(self, m, mb):  # the input, up's output (relu's), the square's input and output
+        return {"linear inputs": mb.e * m.hidden_size * mb.A, "mlp": 3 * mb.e * m.ffn_size / mb.tp * mb.A}
+
+    def work(self, m, mb, sw, times):
+        part = PartWork(gemms=2)
+        part.work.add((4, 8, 2, 4), m.ffn_size / mb.tp, mb.e, mb.A, times.norm_act)
+        return part
+
+
 MIXED = {"model.num_layers": 4, "model.mlp_kind": "squared_relu", "model.mlp_kind_freq": "[0, 1, 0, 1]"}
 MIXED_RUN = {**MIXED, "train.train_iters": 3}
 
@@ -73,9 +97,9 @@ def test_layer_specs_from_config_fields():
     with pytest.raises(MlmError, match="mlp_kind_freq=0: must be at least 1"):
         ModelConfig(**base, mlp_kind_freq=0)
     with pytest.raises(
-        MlmError, match=r"model.mlp_kind='nope' is not a registered kind; registered: .*dense"
+        MlmError, match=r"model.mlp_kind='nope' is not a registered mlp kind; registered: .*dense"
     ):
-        GPT(ModelConfig(**base, mlp_kind="nope"))
+        ModelConfig(**base, mlp_kind="nope")
 
 
 def test_head_dim_is_settable():

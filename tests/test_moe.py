@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from mlm.config import ModelConfig, MoEConfig
 from mlm.errors import MlmError
 from mlm.model import build_model
-from mlm.model.moe import router as R
-from mlm.model.moe.experts import GroupedExperts
+from mlm.model.kinds.moe import router as R
+from mlm.model.kinds.moe.experts import GroupedExperts
 from mlm.parallel.expert import apply_expert_parallel, expert_load_step
 from mlm.parallel.mesh import Mesh
 

@@ -305,7 +305,7 @@ def test_a_context_parallel_layout_that_cannot_run_is_refused(tmp_path, tiny_dat
         (
             None,
             "tp1,ep2",
-            "layout 'ep2': parallel.ep=2: the model has no MoE layers (model.mlp_kind='dense')",
+            "layout 'ep2': parallel.ep=2: the model has no MoE layers (its MLPs: dense)",
         ),
         (
             {"model.moe.num_experts": 3},

@@ -788,7 +788,7 @@ def test_cp_exchange_time():
     rate = hw.peak("bf16") * 0.5
     step = 16384 * 4 * 131072 * 32 * 128 / rate / 8
     assert kv / hw.intra_bandwidth < step
-    assert cp_exchange_time(job.cfg, job, lo, rate) == pytest.approx(
+    assert cp_exchange_time(job.cfg, job, lo, rate, "gqa") == pytest.approx(
         kv * 2 / hw.intra_bandwidth + hw.intra_latency
     )
     # with no compute to hide behind (an infinitely fast GPU) every transfer counts: cp − 1 forward,
@@ -800,10 +800,10 @@ def test_cp_exchange_time():
         (wide, (hw.inter_bandwidth, hw.inter_latency)),
     ):
         every = 7 * (kv / bw + lat) + 7 * (kv * 3 / bw + lat) + kv * 2 / bw + lat
-        assert cp_exchange_time(j.cfg, j, lo, float("inf")) == pytest.approx(every)
+        assert cp_exchange_time(j.cfg, j, lo, float("inf"), "gqa") == pytest.approx(every)
     # recompute repeats the forward ring
     full = Layout(1, 1, 8, 1, 64, cp=8, recompute="full")
-    assert cp_exchange_time(job.cfg, job, full, float("inf")) == pytest.approx(
+    assert cp_exchange_time(job.cfg, job, full, float("inf"), "gqa") == pytest.approx(
         every_in_node := (
             14 * (kv / hw.intra_bandwidth + hw.intra_latency)
             + 7 * (kv * 3 / hw.intra_bandwidth + hw.intra_latency)
@@ -815,7 +815,7 @@ def test_cp_exchange_time():
     # all_gather: K and V all-gathered forward, reduce-scattered backward, 7/8 of the whole each
     ag = Layout(1, 1, 8, 1, 64, cp=8, recompute="none", cp_comm_type="all_gather")
     one = 2 * (7 / 8 * kv * 8 / 2 / hw.intra_bandwidth + hw.intra_latency)
-    assert cp_exchange_time(job.cfg, job, ag, rate) == pytest.approx(2 * one)
+    assert cp_exchange_time(job.cfg, job, ag, rate, "gqa") == pytest.approx(2 * one)
     assert m.query_groups == 8
 
 

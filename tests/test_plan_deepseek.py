@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from mlm.config import load_config
-from mlm.flops import attention_flops, eh_proj_flops, flops_per_token
+from mlm.flops import eh_proj_flops, flops_per_token, mixer_flops
 from mlm.hardware import PROFILES
 from mlm.model import parameter_counts
 from mlm.plan.hardware import load_hardware
@@ -46,7 +46,7 @@ def test_compute_time_is_the_flops_of_mla_and_mtp():
     # under tp 2 every GEMM splits but MLA's down-projections (3 layers and 2 MTP depths) and
     # eh_proj, which each rank computes whole over its own tokens (Megatron's layout): without
     # sequence parallelism the whole sequence, under it the rank's half
-    whole = (3 + 2) * attention_flops(m, 256).replicated + 2 * eh_proj_flops(m)
+    whole = (3 + 2) * mixer_flops(m, "mla", 256).replicated + 2 * eh_proj_flops(m)
     two = evaluate(job, Layout(2, 1, 4, 2, 16))
     expected = 2 * tokens * ((per_token - whole) / 2 + whole) / rate
     assert two.timing.terms["GEMMs and attention"] == pytest.approx(expected, rel=1e-12)

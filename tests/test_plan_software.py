@@ -7,12 +7,16 @@ import dataclasses
 
 import pytest
 
+from mlm.config import LayerSpec
 from mlm.errors import MlmError
 from mlm.plan.hardware import load_hardware
 from mlm.plan.layout import Layout, make_job
 from mlm.plan.search import evaluate
 from mlm.plan.software import PROFILES, Software, load_software
 from mlm.plan.work import layer_work, loss_work
+
+DENSE = LayerSpec("gqa", "dense", "rmsnorm")
+MOE_LAYER = LayerSpec("gqa", "moe", "rmsnorm")
 
 GPT = [
     "model.num_layers=4",
@@ -45,13 +49,13 @@ def test_gpt_layer_bytes_by_hand_megatron_2021():
     lo = Layout(2, 1, 4, 2, 64)
     e, h, t, f, S, H = 2 * 2048, 1024, 2, 4096, 2048, 16
     per_token = 2 * 5 * h + 2 * 7 * h + 4 * h / t + 10 * (H / t) * S + 5 * f / t
-    w = layer_work(job.cfg, lo, sw, "dense", "none")
+    w = layer_work(job.cfg, lo, sw, DENSE, "none")
     assert w.bytes == pytest.approx(e * per_token * 2, rel=1e-12)
     # selective recompute runs the softmax and dropout forward again: (2 + 2.5) more passes
-    again = layer_work(job.cfg, lo, sw, "dense", "selective")
+    again = layer_work(job.cfg, lo, sw, DENSE, "selective")
     assert again.bytes - w.bytes == pytest.approx(e * 4.5 * (H / t) * S * 2, rel=1e-12)
     # sequence parallelism splits the norms and residual adds over tp
-    sp = layer_work(job.cfg, Layout(2, 1, 4, 2, 64, sequence_parallel=True), sw, "dense", "none")
+    sp = layer_work(job.cfg, Layout(2, 1, 4, 2, 64, sequence_parallel=True), sw, DENSE, "none")
     assert w.bytes - sp.bytes == pytest.approx(e * (2 * 5 + 2 * 7) * h / 2 * 2, rel=1e-12)
 
 
@@ -165,7 +169,7 @@ def test_cp_exchange_repeats_only_where_selective_recompute_reruns_the_core(comm
         job = dataclasses.replace(job, hardware=dataclasses.replace(job.hardware, intra_bandwidth=1e9))
         rate = gemm_rates(job, lo)[2]
         seconds[sel] = {
-            rc: cp_exchange_time(job.cfg, job, dataclasses.replace(lo, recompute=rc), rate)
+            rc: cp_exchange_time(job.cfg, job, dataclasses.replace(lo, recompute=rc), rate, "gqa")
             for rc in ("none", "selective", "full")
         }
     none = seconds["core"]["none"]
@@ -199,9 +203,9 @@ def test_fp8_casts_of_an_moe_layer_over_its_experts_widths():
     extra = {}
     for name in ("megatron-core", "mlm"):
         sw = PROFILES[name]
-        plain = layer_work(_job(sw, MOE, seq).cfg, lo, sw, "moe", "none")
+        plain = layer_work(_job(sw, MOE, seq).cfg, lo, sw, MOE_LAYER, "none")
         cfg = _job(sw, MOE + ['train.fp8="hybrid"'], seq).cfg
-        extra[name] = layer_work(cfg, lo, sw, "moe", "none").bytes - plain.bytes
+        extra[name] = layer_work(cfg, lo, sw, MOE_LAYER, "none").bytes - plain.bytes
     m, t, e, A = cfg.model, 2, seq, 2
     h, K, H, G, F, S = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups, 512, 1024
     attention = (h + H * K / t) + (H * K / t + 2 * G * K / t + h)  # qkv's and out's inputs, gradients
@@ -250,7 +254,7 @@ def test_selective_modes_rerun_what_their_docstrings_say():
     def extra(selective, fp8=False):
         sw = dataclasses.replace(PROFILES["mlm-triton"], selective=selective)
         cfg = _job(sw, sets + (['train.fp8="hybrid"'] if fp8 else []), 2048).cfg
-        plain, again = (layer_work(cfg, lo, sw, "dense", rc) for rc in ("none", "selective"))
+        plain, again = (layer_work(cfg, lo, sw, DENSE, rc) for rc in ("none", "selective"))
         return cfg.model, again.bytes - plain.bytes, again.kernels - plain.kernels
 
     m, bytes_, kernels = extra("elementwise")

@@ -119,7 +119,7 @@ def test_tiny_deepseek_and_printed_counts(capsys):
 
 
 def test_mla_and_mtp_flops_by_hand():
-    from mlm.flops import attention_flops, flops_per_token
+    from mlm.flops import flops_per_token, mixer_flops
 
     cfg = load_config(
         overrides=[
@@ -143,7 +143,7 @@ def test_mla_and_mtp_flops_by_hand():
     q_down, kv_down = 6 * 8 * 4, 6 * 8 * (6 + 2)  # 192, 384: replicated over tp
     q_up, kv_up, out = 6 * 4 * 2 * (4 + 2), 6 * 6 * 2 * (4 + 3), 6 * 2 * 3 * 8  # 288, 504, 288
     core = 6 * 16 * 2 * ((4 + 2) + 3)  # scores over nope + rope dims, values of 3: 1728
-    parts = attention_flops(cfg, 16)
+    parts = mixer_flops(cfg, "mla", 16)
     assert (parts.replicated, parts.tp, parts.core) == (q_down + kv_down, q_up + kv_up + out, core)
     layer = q_down + kv_down + q_up + kv_up + out + core + 6 * 3 * 8 * 32  # 3384 + 4608
     logits = 6 * 8 * 128
@@ -151,8 +151,8 @@ def test_mla_and_mtp_flops_by_hand():
     assert flops_per_token(cfg, 16) == 2 * layer + logits + mtp == 37032
     # without the query latent: q [H·(N + R), D], split over tp
     cfg.mla.q_lora_rank = None
-    assert attention_flops(cfg, 16).tp == 6 * 8 * 2 * (4 + 2) + kv_up + out
-    assert attention_flops(cfg, 16).replicated == kv_down
+    assert mixer_flops(cfg, "mla", 16).tp == 6 * 8 * 2 * (4 + 2) + kv_up + out
+    assert mixer_flops(cfg, "mla", 16).replicated == kv_down
 
 
 def test_deepseek_v3_flops_follow_active_parameters():

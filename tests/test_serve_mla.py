@@ -1,6 +1,6 @@
 """Serving multi-latent attention (MLA): the paged cache holds per token and layer one head
 [normed latent ; roped rope key] and no values, and decoding runs the absorbed computation
-(`mlm.model.mla`: W_UK folded into the query, W_UV applied to the attention output).
+(`mlm.model.kinds.mla`: W_UK folded into the query, W_UV applied to the attention output).
 
 Through the engine `mlm serve` runs (continuous batching, a prompt prefilled over two steps),
 greedy tokens must equal the training forward's (`greedy`: the full sequence re-run each step)

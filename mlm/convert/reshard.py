@@ -35,7 +35,7 @@ from mlm.convert.common import TOLERANCE, Progress, noop
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
 from mlm.model.gpt import GPT, VOCAB_ROWS
-from mlm.model.moe.experts import GroupedExperts
+from mlm.model.kinds.moe.experts import GroupedExperts
 from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dims
 from mlm.parallel.pipeline import stage_layer_counts
 from mlm.parallel.schedules import micro_batches_per_step

@@ -57,7 +57,7 @@ def architecture(cfg: ModelConfig) -> str:
     """The TensorRT-LLM architecture mlm writes `cfg` as, or an MlmError saying why there is none."""
     llama = _LLAMA
     gpt = dict(normalization="layernorm", position_embedding="learned", activation="gelu_tanh", add_bias=True)
-    kinds = sorted({(s.attention, s.mlp) for s in cfg.layer_specs()})
+    kinds = sorted({(s.mixer, s.mlp) for s in cfg.layer_specs()})
     if cfg.mtp_num_layers:
         raise MlmError(
             f"model.mtp_num_layers={cfg.mtp_num_layers}: TensorRT-LLM's layouts that mlm writes have no "

@@ -98,7 +98,7 @@ class Adapter(ABC):
         ("dense", "moe"), or ("moe",) when every layer has experts); MTP depths only where the
         architecture stores them."""
         bad = [f"model.{k}={_field(cfg, k)!r} (needs {v!r})" for k, v in rules.items() if _field(cfg, k) != v]
-        kinds = {(s.attention, s.mlp) for s in cfg.layer_specs()}
+        kinds = {(s.mixer, s.mlp) for s in cfg.layer_specs()}
         if not kinds <= {(attention, m) for m in mlp}:
             needs = " or ".join(repr((attention, m)) for m in mlp)
             bad.append(f"layer kinds {sorted(kinds)} (needs only {needs})")

@@ -30,6 +30,7 @@ from mlm.inference.model_runner import ModelRunner, Segment
 from mlm.inference.packed_weights import pack_weights, packing_applies, unpack_weights
 from mlm.inference.sampling import SamplingParams, TokenLogprob, generator, sample
 from mlm.inference.scheduler import Scheduler
+from mlm.inference.state_cache import StatePool
 from mlm.inference.text import TextStream
 from mlm.model.gpt import GPT
 from mlm.parallel.mesh import Mesh
@@ -124,11 +125,16 @@ def build_runner(model: GPT, config: EngineConfig, mesh: Mesh | None = None) -> 
     if config.cuda_graphs and (p.device.type != "cuda" or mesh.tp > 1):
         where = f"on {p.device.type}" if p.device.type != "cuda" else f"at tp {mesh.tp}"
         raise MlmError(f"--cuda-graphs {where}: CUDA graphs run on a CUDA device at tp 1 only; leave it off")
+    states = StatePool(model.cfg, config.max_seqs, p.dtype, p.device, mesh.tp)
+    if config.cuda_graphs and states.layers:
+        raise MlmError(
+            "--cuda-graphs with recurrent layers: decode graphs of state slots are not built; leave it off"
+        )
     cache = PagedKVCache(
         model.cfg, num_blocks, config.block_size, p.dtype, p.device, mesh.tp, scratch=config.cuda_graphs
     )
     graphs = DecodeGraphs(model, cache, config.max_seqs, capture=True) if config.cuda_graphs else None
-    runner = ModelRunner(model, cache, mesh, graphs)
+    runner = ModelRunner(model, cache, mesh, graphs, states if states.layers else None)
     if config.packed_weights and packing_applies(p.device, p.dtype):
         runner.packed_bytes = pack_weights(model, config.max_seqs)
     else:
@@ -150,6 +156,7 @@ class Sequence:
         self.prefix_ids: list[int] = []
         self.num_prompt_tokens = len(prompt_ids)
         self.preemptions = 0
+        self.slot: int | None = None  # its state slot while it runs (recurrent layers)
         self.completion_tokens = 0  # output_ids plus a stop token, which is not output
         self.max_length = min(len(prompt_ids) + params.max_tokens, context)
         self.gen = None if params.greedy else generator(params.seed)
@@ -196,8 +203,16 @@ class Engine:
         self.context = model.cfg.max_position_embeddings
         self.runner = build_runner(model, cfg, mesh)
         self.cache = self.runner.cache
+        states = self.runner.states
+        if states is not None:
+            log.info("%s", states.summary())
         self.scheduler = Scheduler(
-            self.cache.allocator, cfg.block_size, cfg.max_seqs, cfg.max_tokens_per_step, cfg.prefix_caching
+            self.cache.allocator,
+            cfg.block_size,
+            cfg.max_seqs,
+            cfg.max_tokens_per_step,
+            cfg.prefix_caching and states is None,
+            states,
         )
         self.stats = self.scheduler.stats
         """Tokens run (prefill, decode), prefix-cache tokens queried and hit, preemptions."""
@@ -282,7 +297,13 @@ class Engine:
             return 0
         try:
             segments = [
-                Segment(seq.pending(n), seq.num_computed, seq.blocks, seq.num_computed + n == seq.num_tokens)
+                Segment(
+                    seq.pending(n),
+                    seq.num_computed,
+                    seq.blocks,
+                    seq.num_computed + n == seq.num_tokens,
+                    seq.slot,
+                )
                 for seq, n in batch
             ]
             logits_BV = self.runner.forward(segments)  # rows: the segments that sample

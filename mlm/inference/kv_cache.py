@@ -4,12 +4,12 @@ A sequence owns a list of block ids (its block table); token t of the sequence l
 `table[t // block_size]` at offset `t % block_size`. Sequences of any length share the pool
 without fragmentation, and a finished or cancelled sequence gives its blocks back at once.
 
-What a token leaves per layer is the model's `CacheLayout`: for multi-head and grouped-query
-attention, keys and values of G = query groups / tp heads of head_dim each (every tp rank holds
-its own heads); for multi-latent attention (attention_kind "mla"), one tensor of one head holding
+What a token leaves per layer is its mixer kind's `TokenCache` (`mlm.model.kinds`): for
+multi-head and grouped-query attention, keys and values of G = query groups / tp heads of head_dim
+each (every tp rank holds its own heads); for multi-latent attention, one tensor of one head holding
 the normed latent and the roped rope key, kv_lora_rank + qk_rope_head_dim values, and no value
 tensor: the latent's columns are the values (the up-projections are absorbed into the query and
-the output, see `mlm.model.mla`). Every head reads that latent, so each tp rank holds all of it.
+the output, see `mlm.model.kinds.mla`). Every head reads that latent, so each tp rank holds all of it.
 `bytes_per_token` is the figure `mlm serve` reports.
 
 Blocks are reference-counted and full blocks are cached by their prefix (`BlockAllocator`), so
@@ -27,12 +27,13 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
+from mlm.model import kinds
+from mlm.model.kinds.spec import TokenCache
 
 
 class BlockAllocator:
@@ -144,27 +145,30 @@ class BlockAllocator:
         return self._id[block]
 
 
-@dataclass(frozen=True)
-class CacheLayout:
-    """What one token leaves in one layer's cache on one tp rank: `heads` key heads of `key_dim`
-    values each, and as many value heads of `key_dim` values, unless `values_in_keys` (MLA: the
-    values are the first columns of the one key head, so no value tensor is stored)."""
-
-    heads: int
-    key_dim: int
-    values_in_keys: bool = False
-
-    @property
-    def per_token(self) -> int:
-        """Values stored per token and layer."""
-        return self.heads * self.key_dim * (1 if self.values_in_keys else 2)
+def token_layers(cfg: ModelConfig) -> list[int]:
+    """The layers whose mixer caches per token (attention); recurrent mixers keep a per-sequence
+    state instead (`state_cache`)."""
+    return [
+        i
+        for i, spec in enumerate(cfg.layer_specs())
+        if spec.mixer is not None and isinstance(kinds.mixer(spec.mixer).cache(cfg, 1), TokenCache)
+    ]
 
 
-def cache_layout(cfg: ModelConfig, tp: int = 1) -> CacheLayout:
-    """The cache layout of `cfg`'s attention on one of `tp` ranks."""
-    if cfg.attention_kind == "mla":  # [latent ; rope key], whole on every tp rank
-        return CacheLayout(1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim, values_in_keys=True)
-    return CacheLayout(cfg.query_groups // tp, cfg.head_dim)
+def cache_layout(cfg: ModelConfig, tp: int = 1) -> TokenCache:
+    """The per-token cache layout of `cfg`'s mixers on one of `tp` ranks (their specs' `cache`),
+    which the layers that cache per token share."""
+    specs = cfg.layer_specs()
+    layouts = []
+    for i in token_layers(cfg):
+        if (layout := kinds.mixer(specs[i].mixer).cache(cfg, tp)) not in layouts:
+            layouts.append(layout)
+    if len(layouts) > 1:
+        raise MlmError(
+            f"the mixers {', '.join(cfg.mixer_kinds())} cache tokens in {len(layouts)} layouts; serving "
+            "keeps one paged pool of one layout (not built: a pool per layout)"
+        )
+    return layouts[0] if layouts else TokenCache(0, 0, description="no layer caches tokens")
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -174,7 +178,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
     """Cache bytes one token takes over every layer, on one of `tp` ranks: MLA (kv_lora_rank +
     qk_rope_head_dim) · layers · itemsize; otherwise 2 · (query groups / tp) · head_dim · layers · itemsize."""
-    return cfg.num_layers * cache_layout(cfg, tp).per_token * _itemsize(dtype)
+    return len(token_layers(cfg)) * cache_layout(cfg, tp).per_token * _itemsize(dtype)
 
 
 def describe_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> str:
@@ -182,16 +186,9 @@ def describe_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) 
     per token (MLA: (latent 512 + rope key 64) × 61 layers × 2 bytes)"; Llama-3-8B in bf16 at tp 2:
     "65536 bytes per token (keys and values: 2 × 4 heads × 128 dims × 32 layers × 2 bytes; 4 of
     the 8 key/value heads on each of 2 tp ranks)"."""
-    n, size, L = bytes_per_token(cfg, dtype, tp), _itemsize(dtype), cfg.num_layers
-    if cfg.attention_kind == "mla":
-        m = cfg.mla
-        per_layer = f"MLA: (latent {m.kv_lora_rank} + rope key {m.qk_rope_head_dim})"
-        split = f"; the whole latent on each of {tp} tp ranks" if tp > 1 else ""
-    else:
-        G = cache_layout(cfg, tp).heads
-        per_layer = f"keys and values: 2 × {G} heads × {cfg.head_dim} dims"
-        split = f"; {G} of the {cfg.query_groups} key/value heads on each of {tp} tp ranks" if tp > 1 else ""
-    return f"{n} bytes per token ({per_layer} × {L} layers × {size} bytes{split})"
+    n, size, L = bytes_per_token(cfg, dtype, tp), _itemsize(dtype), len(token_layers(cfg))
+    layout = cache_layout(cfg, tp)
+    return f"{n} bytes per token ({layout.description} × {L} layers × {size} bytes{layout.split})"
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
@@ -204,6 +201,8 @@ def blocks_for_memory(
 ) -> int:
     """Blocks that `memory_bytes` per rank hold."""
     need = bytes_per_block(cfg, block_size, dtype, tp)
+    if need == 0:
+        raise MlmError("no layer of this model caches tokens: blocks take no memory, give their number")
     if memory_bytes < need:
         raise MlmError(f"KV cache memory of {memory_bytes} bytes holds no block (one takes {need} bytes)")
     return memory_bytes // need
@@ -214,9 +213,9 @@ def blocks_needed(tokens: int, block_size: int) -> int:
 
 
 class PagedKVCache:
-    """Per layer, keys and values [N, S, G, K] in one tensor each, allocated once (`layout`: G
-    the query groups of one of `tp` ranks, K the head dim); for MLA keys [N, S, 1, latent + rope]
-    and no values (`v_LNSGK` None)."""
+    """Per layer that caches tokens (`layer_index`), keys and values [N, S, G, K] in one tensor
+    each, allocated once (`layout`: G the query groups of one of `tp` ranks, K the head dim); for
+    MLA keys [N, S, 1, latent + rope] and no values (`v_LNSGK` None)."""
 
     def __init__(
         self,
@@ -234,9 +233,11 @@ class PagedKVCache:
         """With `scratch`, one more block that the allocator never hands out: where padding rows
         of a fixed-shape step (`decode_graphs`) write."""
         self.layout = layout = cache_layout(cfg, tp)
+        self.layer_index = {layer: i for i, layer in enumerate(token_layers(cfg))}
+        """Layer number → its index in the pools (the layers that cache per token)."""
         self.bytes_per_token = bytes_per_token(cfg, dtype, tp)
         self.description = describe_bytes_per_token(cfg, dtype, tp)
-        shape = (cfg.num_layers, num_blocks + int(scratch), block_size, layout.heads, layout.key_dim)
+        shape = (len(self.layer_index), num_blocks + int(scratch), block_size, layout.heads, layout.key_dim)
         self.k_LNSGK = torch.zeros(shape, dtype=dtype, device=device)
         self.v_LNSGK = None if layout.values_in_keys else torch.zeros(shape, dtype=dtype, device=device)
 

@@ -9,7 +9,8 @@ positions, block tables, which chunks sample) over the tp group, every rank runs
 samples. A step of no chunks is the stop message that ends the other ranks' loop.
 
 A step travels as two broadcasts of int64 tensors on the model's device (NCCL needs CUDA
-tensors): its length, then [B, (n, start, blocks, sample) × B, tokens…, block ids…].
+tensors): its length, then [B, (n, start, blocks, sample, slot) × B, tokens…, block ids…] (slot
+−1: none).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def broadcast_step(chunks: list, mesh: Mesh, device: torch.device) -> None:
     tokens: list[int] = []
     blocks: list[int] = []
     for c in chunks:
-        head += [len(c.tokens), c.start, len(c.blocks), int(c.sample)]
+        head += [len(c.tokens), c.start, len(c.blocks), int(c.sample), -1 if c.slot is None else c.slot]
         tokens += c.tokens
         blocks += c.blocks
     data = head + tokens + blocks if chunks else []
@@ -60,8 +61,11 @@ def broadcast_step(chunks: list, mesh: Mesh, device: torch.device) -> None:
         dist.broadcast(torch.tensor(data, device=device), src=_src(mesh), group=mesh.tp_group)
 
 
-def receive_step(mesh: Mesh, device: torch.device) -> list[tuple[list[int], int, list[int], bool]]:
-    """The other tp ranks: the next step's chunks as (tokens, start, blocks, sample); [] means stop."""
+def receive_step(
+    mesh: Mesh, device: torch.device
+) -> list[tuple[list[int], int, list[int], bool, int | None]]:
+    """The other tp ranks: the next step's chunks as (tokens, start, blocks, sample, slot); []
+    means stop."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.broadcast(size, src=_src(mesh), group=mesh.tp_group)
     if int(size) == 0:
@@ -70,12 +74,14 @@ def receive_step(mesh: Mesh, device: torch.device) -> list[tuple[list[int], int,
     dist.broadcast(data, src=_src(mesh), group=mesh.tp_group)
     values = data.tolist()
     B = values[0]
-    head = [values[1 + 4 * i : 5 + 4 * i] for i in range(B)]
-    t = 1 + 4 * B
-    b = t + sum(n for n, _, _, _ in head)
+    head = [values[1 + 5 * i : 6 + 5 * i] for i in range(B)]
+    t = 1 + 5 * B
+    b = t + sum(n for n, *_ in head)
     chunks = []
-    for n, start, nb, sample in head:
-        chunks.append((values[t : t + n], start, values[b : b + nb], bool(sample)))
+    for n, start, nb, sample, slot in head:
+        chunks.append(
+            (values[t : t + n], start, values[b : b + nb], bool(sample), None if slot < 0 else slot)
+        )
         t, b = t + n, b + nb
     return chunks
 

@@ -10,7 +10,7 @@ for all decoding sequences over their cached keys and values and once per prompt
 (`paged_attention`). Only the segments that end a sequence's pending tokens (`sample`) go
 through the output layer. Multi-latent attention caches one key head per token, [latent ; rope
 key], whose latent columns are also the values; its queries come with the key up-projection
-absorbed, so attention is one-key-head (MQA) attention over the cache (see `mlm.model.mla`).
+absorbed, so attention is one-key-head (MQA) attention over the cache (see `mlm.model.kinds.mla`).
 
 Under tensor parallelism (a model from `parallelize`) the same code runs on every tp rank over
 its shards: its query and key/value heads (MLA: its query heads, the whole latent), its cache,
@@ -33,6 +33,7 @@ from mlm.inference.decode_graphs import DecodeGraphs
 from mlm.inference.kv_cache import PagedKVCache
 from mlm.inference.lockstep import broadcast_step, receive_step, stop_followers
 from mlm.inference.paged_attention import PagedAttention
+from mlm.inference.state_cache import StatePool
 from mlm.model.gpt import GPT
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.tensor import gather_from_tp
@@ -47,6 +48,8 @@ class Segment:
     start: int
     blocks: list[int]
     sample: bool = True
+    slot: int | None = None
+    """Its state slot (`state_cache`), for a model with recurrent layers."""
 
 
 class ModelRunner:
@@ -54,11 +57,18 @@ class ModelRunner:
     (and at tp = 1), `follow` on the other tp ranks."""
 
     def __init__(
-        self, model: GPT, cache: PagedKVCache, mesh: Mesh | None = None, graphs: DecodeGraphs | None = None
+        self,
+        model: GPT,
+        cache: PagedKVCache,
+        mesh: Mesh | None = None,
+        graphs: DecodeGraphs | None = None,
+        states: StatePool | None = None,
     ):
-        """`graphs`: CUDA graphs that run the decode steps they take (tp = 1 only)."""
+        """`graphs`: CUDA graphs that run the decode steps they take (tp = 1 only); `states`: the
+        recurrent layers' state slots, if the model has any."""
         self.model = model.eval()
         self.cache = cache
+        self.states = states
         self.mesh = mesh or Mesh.single()
         assert graphs is None or self.mesh.tp == 1, "decode graphs run at tp = 1 only"
         self.graphs = graphs
@@ -109,7 +119,7 @@ class ModelRunner:
         slots_T = torch.tensor(
             [s for c in segments for s in cache.slots(c.blocks, c.start, len(c.tokens))], device=dev
         )
-        step = PagedAttention(cache, segments, slots_T)
+        step = PagedAttention(cache, segments, slots_T, self.states)
         h_1TD = self.model.hidden_states(tokens_1T, pos_1T, step)
         lengths = accumulate(len(c.tokens) for c in segments)
         ends = [end - 1 for c, end in zip(segments, lengths, strict=True) if c.sample]

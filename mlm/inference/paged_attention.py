@@ -26,19 +26,21 @@ blocks, S block size, H query heads, G key heads, R = H / G, K key dims, E value
 from __future__ import annotations
 
 import contextlib
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
 from mlm.inference.kv_cache import PagedKVCache, blocks_needed
+from mlm.inference.state_cache import StatePool, StateView
 
 
 class PagedAttention:
     """The KV cache as the model's attention layers see it during one step of `segments`
     (`model_runner.Segment`s packed in order into T tokens, whose cache slots are `slots_T`)."""
 
-    def __init__(self, cache: PagedKVCache, segments, slots_T: torch.Tensor):
-        self.cache, self.slots_T = cache, slots_T
+    def __init__(self, cache: PagedKVCache, segments, slots_T: torch.Tensor, states: StatePool | None = None):
+        self.cache, self.slots_T, self.states = cache, slots_T, states
         dev, S = slots_T.device, cache.block_size
         rows, tables, lengths = [], [], []
         self.prompts: list[tuple[int, int, int, torch.Tensor | None]] = []  # (offset, n, start, blocks)
@@ -55,10 +57,19 @@ class PagedAttention:
                 self.prompts.append((offset, n, c.start, blocks))
             offset += n
         self.T = offset
+        if states is not None and states.layers:  # the segments' state slots, for `state`
+            self._state_args = (
+                [
+                    (o - len(c.tokens), len(c.tokens))
+                    for c, o in zip(segments, accumulate(len(c.tokens) for c in segments), strict=True)
+                ],
+                torch.tensor([c.slot for c in segments], device=dev),
+                torch.tensor([c.start == 0 for c in segments], device=dev),
+            )
         self.decode_rows = None
         self.groups: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
         if rows:
-            block_bytes = cache.bytes_per_token // len(cache.k_LNSGK) * S  # a layer's keys and values
+            block_bytes = cache.bytes_per_token // max(1, len(cache.k_LNSGK)) * S  # a layer's keys and values
             for group in width_groups([len(t) for t in tables], block_bytes):
                 sel = None if len(group) == len(rows) else torch.tensor(group, device=dev)
                 gt, gl = [tables[i] for i in group], [lengths[i] for i in group]
@@ -71,16 +82,17 @@ class PagedAttention:
         """A step of B decoding sequences given as tensors (`decode_graphs`' static buffers):
         their cache slots, their block tables padded to N blocks (flattened) and the length mask."""
         step = cls.__new__(cls)
-        step.cache, step.slots_T, step.T, step.prompts = cache, slots_B, len(slots_B), []
+        step.cache, step.slots_T, step.T, step.prompts, step.states = cache, slots_B, len(slots_B), [], None
         step.decode_rows, step.groups = slice(0, len(slots_B)), [(None, tables_BN, mask_B11L)]
         return step
 
     def attend(self, layer: int, q_1THK, k_1TGK, v_1TGK, scale=None, value_dim=None) -> torch.Tensor:
         """[1, T, H, E] attention output of the packed step at layer `layer` (E = K, the head dim).
         With `v_1TGK` None (MLA's latent cache: one key head [latent ; rope key], see
-        `mlm.model.mla`) only the keys are stored and the values are the first `value_dim` columns
+        `mlm.model.kinds.mla`) only the keys are stored and the values are the first `value_dim` columns
         of the keys (E = value_dim). `scale`: the softmax scale; None: K^-½."""
         assert (v_1TGK is None) == (value_dim is not None), "value_dim goes with values kept in the keys"
+        layer = self.cache.layer_index[layer]
         q_THK, k_TGK = q_1THK[0], k_1TGK[0]
         v_TGE = None if v_1TGK is None else v_1TGK[0]
         self.cache.write(layer, self.slots_T, k_TGK, v_TGE)
@@ -104,6 +116,10 @@ class PagedAttention:
             prompts(short=True)
         prompts(short=False)
         return out_THE[None]
+
+    def state(self, layer: int) -> StateView:
+        """Layer `layer`'s per-sequence states for this step (a recurrent mixer's, `state_cache`)."""
+        return StateView(self.states.tensors[layer], *self._state_args)
 
     def _decode(self, layer: int, q_BHK, scale, value_dim) -> torch.Tensor:
         """One query per decoding sequence over its cached keys and values: [B, H, E]."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mlm.inference.kv_cache import BlockAllocator, blocks_needed
+from mlm.inference.state_cache import StatePool
 
 
 class Schedulable(Protocol):
@@ -36,6 +37,7 @@ class Schedulable(Protocol):
     prefix_ids: list[int]  # the prefix id of each of its leading full blocks that are cached
     num_prompt_tokens: int
     preemptions: int  # times it was preempted
+    slot: int | None  # its state slot while it runs (models with recurrent layers)
 
     @property
     def num_tokens(self) -> int: ...  # prompt + generated so far
@@ -71,9 +73,15 @@ class Scheduler:
         max_seqs: int,
         max_tokens_per_step: int,
         prefix_caching: bool = True,
+        slots: StatePool | None = None,
     ):
+        """`slots`: the recurrent layers' state slots (one per running sequence), if any."""
         assert max_tokens_per_step >= max_seqs, "every running sequence must fit in one step"
+        assert slots is None or (slots.num_slots >= max_seqs and not prefix_caching), (
+            "a slot each, no prefix cache"
+        )
         self.allocator = allocator
+        self.slots = slots
         self.block_size = block_size
         self.max_seqs = max_seqs
         self.max_tokens_per_step = max_tokens_per_step
@@ -148,6 +156,8 @@ class Scheduler:
             seq.blocks = cached + self.allocator.allocate(need)
             seq.prefix_ids = [self.allocator.prefix_id(b) for b in cached]
             seq.num_computed = start
+            if self.slots is not None:
+                seq.slot = self.slots.allocate()
             if self.prefix_caching and not seq.preemptions:
                 self.stats.prefix_queries += seq.num_tokens
                 self.stats.prefix_hits += start
@@ -217,3 +227,6 @@ class Scheduler:
     def _release(self, seq: Schedulable) -> None:
         self.allocator.free(seq.blocks)
         seq.blocks, seq.prefix_ids, seq.num_computed = [], [], 0
+        if self.slots is not None and seq.slot is not None:
+            self.slots.free(seq.slot)
+            seq.slot = None

@@ -1,5 +1,5 @@
 """A plain decoder-only transformer, GPT-2 or Llama style from the same config, its layers built
-from per-layer specs (`ModelConfig.layer_specs`, kinds in `mlm.model.layers`).
+from per-layer specs (`ModelConfig.layer_specs`, kinds in `mlm.model.kinds`).
 
 Parallelism is applied from outside (`mlm.parallel.parallelize` reads each module's `tp_plan`;
 `mlm.parallel.recompute` wraps layers for activation recompute); this file knows nothing of ranks.
@@ -19,15 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mlm.model.mla  # noqa: F401  (registers the "mla" attention kind)
-import mlm.model.moe  # noqa: F401  (registers the "moe" MLP kind)
 from kernels.linear_cross_entropy import cross_entropy, linear_cross_entropy
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
-from mlm.model.attention import resolve_backend
+from mlm.model.attention import AttentionCore, resolve_backend
 from mlm.model.aux_loss import AuxLosses
-from mlm.model.layers import AttentionCore, Block, make_norm, resolve_kernels, to_residual
+from mlm.model.layers import Block, make_norm, to_residual
 from mlm.model.mtp import MTPLayer, MTPTargets
+from mlm.model.ops import resolve_kernels
 from mlm.model.rope import inv_frequencies, rope_tables
 
 # Parameters whose rows are the vocabulary, padded to a multiple of make_vocab_size_divisible_by × tp
@@ -116,6 +115,7 @@ class GPT(nn.Module):
         # Hidden states between chunks are [B, T / sequence_shards, D] (tp under sequence parallelism).
         self.sequence_shards = 1
         self._inv_freq: torch.Tensor | None = None  # RoPE frequencies, computed once per device
+        self._rope = cfg.position_embedding == "rope" and cfg.rope_dim is not None
 
     def set_attention_backend(self, requested: str, device: torch.device) -> str:
         backend = resolve_backend(requested, device)
@@ -276,8 +276,9 @@ class GPT(nn.Module):
         return to_residual(x_BTD, self.cfg.fp32_residual_connection)
 
     def rope(self, T: int, device, positions: torch.Tensor | None = None):
-        """(cos, sin) of the rotary embedding for T tokens (or `positions`); None with learned positions."""
-        if self.cfg.position_embedding != "rope":
+        """(cos, sin) of the rotary embedding for T tokens (or `positions`); None with learned
+        positions, or when no layer's mixer uses RoPE."""
+        if not self._rope:
             return None
         if self._inv_freq is None or self._inv_freq.device != device:
             self._inv_freq = inv_frequencies(self.cfg).to(device)

@@ -22,10 +22,9 @@ __all__ = [
 def parameter_counts(cfg: ModelConfig) -> ParameterCounts:
     """Exact counts from the model built on the meta device (no memory is used): the main model
     (total, active per token) and the MTP depths (`GPT.mtp`, parameters `mtp.*`) apart. Active:
-    what one token's forward uses, the total less, in every MoE layer, the (E − k)/E share of the
-    routed experts' weights it skips (shared experts and the router count in full)."""
+    what one token's forward uses, the total less what modules say a token skips
+    (`inactive_parameters`: an MoE layer's (E − k)/E share of its routed experts)."""
     from mlm.model.gpt import GPT
-    from mlm.model.moe.layer import MoE
 
     with torch.device("meta"):
         model = GPT(cfg)
@@ -33,12 +32,7 @@ def parameter_counts(cfg: ModelConfig) -> ParameterCounts:
 
     def counts(modules) -> tuple[int, int]:
         total = sum(p.numel() for p in modules.parameters())
-        skipped = 0
-        for module in modules.modules():
-            if isinstance(module, MoE):
-                E, k = module.options.num_experts, module.options.router_topk
-                routed = sum(p.numel() for p in module.experts.parameters())  # E whole experts
-                skipped += routed // E * (E - k)
+        skipped = sum(m.inactive_parameters() for m in modules.modules() if hasattr(m, "inactive_parameters"))
         return total, total - skipped
 
     mtp_total, mtp_active = counts(mtp)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlm.errors import MlmError
-from mlm.model.layers import AttentionCore
+from mlm.model.attention import AttentionCore
 from mlm.parallel.mesh import Mesh, check_context_parallel  # noqa: F401  (the rule, torch-free)
 from mlm.parallel.ring_attention import ring_attention
 

@@ -33,8 +33,9 @@ from torch import nn
 
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
-from mlm.model.moe.experts import GroupedExperts
-from mlm.model.moe.layer import MoE, combine
+from mlm.model import kinds
+from mlm.model.kinds.moe.experts import GroupedExperts
+from mlm.model.kinds.moe.module import MoE, combine
 from mlm.parallel.data_parallel import all_gather, reduce_scatter
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.placement import expert_sharded
@@ -153,22 +154,19 @@ def check_expert_parallel(cfg: ModelConfig, ep: int, tp: int, sequence_parallel:
     sequence parallelism)."""
     if ep == 1:
         return
-    if not any(spec.mlp == "moe" for spec in cfg.layer_specs()):
+    spread = [k for k in cfg.mlp_kinds() if kinds.mlp(k).expert_parallel]
+    if not spread:
         raise MlmError(
-            f"parallel.ep={ep}: the model has no MoE layers (model.mlp_kind={cfg.mlp_kind!r}), so there are "
-            "no experts to spread; set parallel.ep=1, or use an MoE model (model.mlp_kind=moe)"
+            f"parallel.ep={ep}: the model has no MoE layers (its MLPs: {', '.join(cfg.mlp_kinds()) or 'none'}), "
+            "so there are no experts to spread; set parallel.ep=1, or use an MoE model (model.mlp_kind=moe)"
         )
     if tp > 1 and not sequence_parallel:
         raise MlmError(
             f"parallel.ep={ep} with tp={tp}: the tp ranks are expert-parallel ranks too and must "
             "hold different tokens; set parallel.sequence_parallel=true (Megatron requires it as well)"
         )
-    E = cfg.moe.num_experts
-    if E % ep:
-        raise MlmError(
-            f"model.moe.num_experts={E} is not divisible by parallel.ep={ep}: each ep rank holds "
-            f"E / ep whole experts; choose an ep that divides {E}"
-        )
+    for kind in spread:
+        kinds.mlp(kind).check_parallel(cfg, tp, ep, sequence_parallel)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool, dispatcher: str) -> None:

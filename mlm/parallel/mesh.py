@@ -214,30 +214,14 @@ def _new_groups(rank_lists: list[list[int]], rank: int):
 
 
 def check_tensor_parallel(cfg: ModelConfig, padded_vocab: int, tp: int) -> None:
-    """MlmError unless every tensor-parallel layer of `cfg` splits evenly over `tp` ranks."""
-    H, G = cfg.num_attention_heads, cfg.query_groups
-    if H % tp:
-        raise MlmError(
-            f"model.num_attention_heads={H} is not divisible by parallel.tp={tp}: each tp rank "
-            f"holds whole attention heads; choose a tp that divides {H}"
-        )
-    if G % tp:
-        raise MlmError(
-            f"model.num_query_groups={G} is not divisible by parallel.tp={tp}: each tp rank holds "
-            f"whole key/value groups; choose a tp that divides {G}, or more query groups"
-        )
-    if cfg.ffn_size % tp:
-        given = "" if cfg.ffn_hidden_size else " (unset: 4 × hidden_size)"
-        raise MlmError(
-            f"model.ffn_hidden_size={cfg.ffn_size}{given} is not divisible by parallel.tp={tp}; "
-            f"choose a tp that divides it, or an ffn_hidden_size that is a multiple of {tp}"
-        )
-    shared = cfg.moe.shared_expert_ffn_hidden_size
-    if shared and any(spec.mlp == "moe" for spec in cfg.layer_specs()) and shared % tp:
-        raise MlmError(
-            f"model.moe.shared_expert_ffn_hidden_size={shared} is not divisible by parallel.tp={tp}: the "
-            f"shared experts split over tp like a dense MLP; choose a tp that divides {shared}"
-        )
+    """MlmError unless every tensor-parallel layer of `cfg` splits evenly over `tp` ranks (each
+    kind's spec checks its own: heads, groups, ffn widths)."""
+    from mlm.model import kinds
+
+    for kind in cfg.mixer_kinds():
+        kinds.mixer(kind).check_parallel(cfg, tp, 1, False)
+    for kind in cfg.mlp_kinds():
+        kinds.mlp(kind).check_parallel(cfg, tp, 1, False)
     if padded_vocab % tp:
         raise MlmError(
             f"padded vocabulary {padded_vocab} (model.vocab_size={cfg.vocab_size}) is not divisible "

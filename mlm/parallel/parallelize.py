@@ -42,7 +42,7 @@ from mlm.checkpoint import ShardedTensor
 from mlm.errors import MlmError
 from mlm.model.layers import TP_INPUT
 from mlm.parallel.mesh import Mesh, check_tensor_parallel
-from mlm.parallel.placement import Placement, placements, replicated
+from mlm.parallel.placement import Placement, placements, replicated, sharded
 from mlm.parallel.tensor import (
     ColumnParallelLinear,
     CopyToTP,
@@ -57,6 +57,7 @@ from mlm.parallel.tensor import (
 SHARDED = ("column", "row", "vocab")
 STYLES = (
     *SHARDED,
+    "channels",
     "replicated",
     "full_sequence",
     "head_shared",
@@ -85,6 +86,9 @@ def tp_split_dims(model: nn.Module) -> dict[str, int | None]:
     dims = {name: None for name, _ in model.named_parameters()}
     for name, module, attr, style in _plans(model):
         child = getattr(module, attr, None)
+        if style == "channels" and child is not None:
+            dims[f"{name}.{attr}" if name else attr] = 0
+            continue
         if style not in SHARDED or child is None:
             continue
         for kind, _ in child.named_parameters():
@@ -126,6 +130,20 @@ def _parallel_layer(module: nn.Module, style: str, mesh: Mesh, sequence_parallel
     return new
 
 
+def _shard_channels(module: nn.Module, attr: str, p: nn.Parameter, mesh: Mesh) -> None:
+    """Keep this rank's 1/tp of parameter `module.attr` along dim 0 (per-channel or per-head
+    parameters of a module computing on its own channels: a depthwise convolution's, a
+    recurrence's decay), with its placement; a materialised parameter keeps its slice's values."""
+    assert isinstance(p, nn.Parameter), f"{type(module).__name__}.{attr}: 'channels' shards a parameter"
+    place = sharded(mesh, tuple(p.shape), 0)
+    local = torch.empty(place.shape, device=p.device, dtype=p.dtype)
+    if p.device.type != "meta":
+        with torch.no_grad():
+            local.copy_(place.slice_of(p))
+    setattr(module, attr, nn.Parameter(local, requires_grad=p.requires_grad))
+    module.__dict__.setdefault("placements", {})[attr] = place
+
+
 def _enter_tp_hook(module: nn.Module, args: tuple) -> tuple:
     """Forward pre-hook: the module's first input enters the tp region through `module.enter_tp`."""
     assert args, f"{type(module).__name__} must get its input positionally"
@@ -161,6 +179,8 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
             continue
         if style in SHARDED:
             setattr(module, attr, _parallel_layer(child, style, mesh, sequence_parallel))
+        elif style == "channels":
+            _shard_channels(module, attr, child, mesh)
         elif style == "enter":
             setattr(module, attr, enter(mesh))
         elif style == "scatter_sequence" and sequence_parallel:

@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlm.config import Config, load_config
+from mlm.config import Config, LayerSpec, load_config
 from mlm.errors import MlmError
 from mlm.flops import flops_per_token
 from mlm.hardware import Hardware
@@ -38,9 +38,9 @@ class Job:
         return self.cfg.train.global_batch_size
 
     @functools.cached_property
-    def mlp_kinds(self) -> tuple[str, ...]:
-        """Each layer's MLP kind ("dense", "moe"), computed once per job."""
-        return tuple(spec.mlp for spec in self.cfg.model.layer_specs())
+    def layer_kinds(self) -> tuple[LayerSpec, ...]:
+        """Each layer's kinds (`ModelConfig.layer_specs`), computed once per job."""
+        return tuple(self.cfg.model.layer_specs())
 
     @functools.cached_property
     def flops_per_token(self) -> float:

@@ -110,8 +110,10 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from kernels.linear_cross_entropy import chunk_tokens
-from mlm.config import Config, ModelConfig
+from mlm.config import Config, LayerSpec, ModelConfig
 from mlm.counts import ParameterCounts
+from mlm.model import kinds
+from mlm.model.kinds.spec import Micro, Param
 from mlm.parallel.buckets import bucket_layout
 from mlm.parallel.schedules import peak_in_flight, stage_layer_counts
 from mlm.plan.layout import Layout
@@ -133,123 +135,35 @@ def casts_weights(cfg: Config) -> bool:
 _in_flight = functools.lru_cache(maxsize=4096)(peak_in_flight)
 
 
-@dataclass(frozen=True)
-class Param:
-    name: str
-    numel: int
-    linear: bool = False
-    """A linear layer's weight (cast to bf16/fp16 under autocast)."""
-    expert_parallel: bool = False
-    """Routed experts' weights sharded over ep (> 1): their own gradient buffer, reduced over edp."""
-    trainable: bool = True
-    """False for the router's selection-only expert bias: a weight, with no gradient or Adam state."""
-
-
-def _mlp_params(cfg: ModelConfig, prefix: str, f: int, tp: int) -> list[Param]:
-    """A dense MLP of width `f` split over tp (column gate/up, row down: its bias replicated)."""
-    h, out = cfg.hidden_size, []
-    names = (["gate"] if cfg.activation == "swiglu" else []) + ["up"]
-    for name in names:
-        out.append(Param(f"{prefix}.{name}.weight", f // tp * h, linear=True))
-        if cfg.add_bias:
-            out.append(Param(f"{prefix}.{name}.bias", f // tp))
-    out.append(Param(f"{prefix}.down.weight", h * (f // tp), linear=True))
-    if cfg.add_bias:
-        out.append(Param(f"{prefix}.down.bias", h))
-    return out
-
-
-def _moe_params(cfg: ModelConfig, prefix: str, tp: int, ep: int) -> list[Param]:
-    """An MoE MLP: the router and the shared experts' gate replicated over tp, E / ep whole experts
-    (expert tensor parallelism 1: replicated over tp at ep = 1), the shared experts split over tp."""
-    h, moe, F = cfg.hidden_size, cfg.moe, cfg.expert_ffn_size
-    E = moe.num_experts
-    out = [Param(f"{prefix}.router.weight", E * h)]
-    if moe.router_enable_expert_bias:
-        out.append(Param(f"{prefix}.router.expert_bias", E, trainable=False))
-    names = (["gate", "up"] if cfg.activation == "swiglu" else ["up"]) + ["down"]
-    out += [
-        Param(f"{prefix}.experts.{n}.weight", E // ep * F * h, linear=True, expert_parallel=ep > 1)
-        for n in names
-    ]
-    if moe.shared_expert_ffn_hidden_size:
-        out += _mlp_params(cfg, f"{prefix}.shared", moe.shared_expert_ffn_hidden_size, tp)
-        if moe.shared_expert_gate:
-            out.append(Param(f"{prefix}.shared_gate.weight", h, linear=True))
-    return out
-
-
-def _norm_params(cfg: ModelConfig, prefix: str) -> list[Param]:
-    keys = ["weight", "bias"] if cfg.normalization == "layernorm" else ["weight"]
-    return [Param(f"{prefix}.{k}", cfg.hidden_size) for k in keys]
-
-
-def _mla_params(cfg: ModelConfig, prefix: str, tp: int) -> list[Param]:
-    """Multi-latent attention (`mlm.model.mla`): the down-projections and their RMSNorms replicated
-    over tp (each rank feeds its heads from them), the up-projections (or q without a query
-    latent) column-parallel by heads, out row-parallel (its bias replicated)."""
-    h, m, H = cfg.hidden_size, cfg.mla, cfg.num_attention_heads // tp
-    out: list[Param] = []
-
-    def linear(name: str, rows: int, cols: int, bias: bool = cfg.add_bias, bias_rows: int | None = None):
-        out.append(Param(f"{prefix}.{name}.weight", rows * cols, linear=True))
-        if bias:
-            out.append(Param(f"{prefix}.{name}.bias", bias_rows or rows))
-
-    if m.q_lora_rank is None:
-        linear("q", H * m.qk_head_dim, h)
-    else:
-        linear("q_down", m.q_lora_rank, h)
-        out.append(Param(f"{prefix}.q_norm.weight", m.q_lora_rank))
-        linear("q_up", H * m.qk_head_dim, m.q_lora_rank, bias=False)
-    linear("kv_down", m.kv_lora_rank + m.qk_rope_head_dim, h)
-    out.append(Param(f"{prefix}.kv_norm.weight", m.kv_lora_rank))
-    linear("kv_up", H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, bias=False)
-    linear("out", h, H * m.v_head_dim, bias_rows=h)
-    return out
-
-
-def _layer_params(cfg: ModelConfig, i: int | str, tp: int, ep: int, mlp: str) -> list[Param]:
-    """One layer's parameters, named `layers.{i}.…` (or `{i}.…` for a prefix such as `mtp.0.layer`)."""
-    h, K = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * K // tp, cfg.query_groups * K // tp
+def _layer_params(cfg: ModelConfig, i: int | str, tp: int, ep: int, spec: LayerSpec) -> list[Param]:
+    """One layer's parameters, named `layers.{i}.…` (or `{i}.…` for a prefix such as
+    `mtp.0.layer`), as its kinds' specs list them: the mixer's norm and mixer (`attn_norm`,
+    `attn`), the MLP's norm and MLP (`mlp_norm`, `mlp`)."""
     prefix = f"layers.{i}" if isinstance(i, int) else i
+    norm = kinds.norm(spec.norm)
     out: list[Param] = []
-
-    def linear(name: str, rows: int, cols: int, bias: int, has_bias: bool = cfg.add_bias) -> None:
-        out.append(Param(f"{prefix}.{name}.weight", rows * cols, linear=True))
-        if has_bias:
-            out.append(Param(f"{prefix}.{name}.bias", bias))
-
-    out += _norm_params(cfg, f"{prefix}.attn_norm")
-    if cfg.attention_kind == "mla":
-        out += _mla_params(cfg, f"{prefix}.attn", tp)
-    else:
-        qkv_bias = cfg.add_bias or cfg.qkv_bias
-        linear("attn.q", q, h, q, qkv_bias)
-        linear("attn.k", kv, h, kv, qkv_bias)
-        linear("attn.v", kv, h, kv, qkv_bias)
-        linear("attn.out", h, q, h)  # row-parallel: the bias is replicated
-        if cfg.qk_norm:  # one [K] weight each, shared by the heads: replicated over tp
-            out += [Param(f"{prefix}.attn.q_norm.weight", K), Param(f"{prefix}.attn.k_norm.weight", K)]
-    out += _norm_params(cfg, f"{prefix}.mlp_norm")
-    if mlp == "moe":
-        out += _moe_params(cfg, f"{prefix}.mlp", tp, ep)
-    else:
-        out += _mlp_params(cfg, f"{prefix}.mlp", cfg.ffn_size, tp)
+    if spec.mixer is not None:
+        out += norm.params(cfg, f"{prefix}.attn_norm") + kinds.mixer(spec.mixer).params(
+            cfg, f"{prefix}.attn", tp
+        )
+    if spec.mlp is not None:
+        out += norm.params(cfg, f"{prefix}.mlp_norm") + kinds.mlp(spec.mlp).params(
+            cfg, f"{prefix}.mlp", tp, ep
+        )
     return out
 
 
-def _mtp_params(cfg: ModelConfig, tp: int, ep: int, mlp: str) -> list[Param]:
+def _mtp_params(cfg: ModelConfig, tp: int, ep: int, spec: LayerSpec) -> list[Param]:
     """The MTP depths (`mlm.model.mtp`, on the last stage): enorm, hnorm, eh_proj [D, 2D] (all
     replicated over tp), a layer of the last layer's kinds, a final norm."""
     h, out = cfg.hidden_size, []
+    norm = kinds.norm(cfg.normalization)
     for d in range(cfg.mtp_num_layers):
         p = f"mtp.{d}"
-        out += _norm_params(cfg, f"{p}.enorm") + _norm_params(cfg, f"{p}.hnorm")
+        out += norm.params(cfg, f"{p}.enorm") + norm.params(cfg, f"{p}.hnorm")
         out.append(Param(f"{p}.eh_proj.weight", h * 2 * h, linear=True))
-        out += _layer_params(cfg, f"{p}.layer", tp, ep, mlp)
-        out += _norm_params(cfg, f"{p}.final_norm")
+        out += _layer_params(cfg, f"{p}.layer", tp, ep, spec)
+        out += norm.params(cfg, f"{p}.final_norm")
     return out
 
 
@@ -272,8 +186,8 @@ class Stage:
     first: bool
     last: bool
     params: list[Param] = field(repr=False)
-    kinds: tuple[str, ...] = ()
-    """The MLP kind of each of the model's layers ("dense", "moe")."""
+    kinds: tuple[LayerSpec, ...] = ()
+    """The kinds of each of the model's layers (`ModelConfig.layer_specs`)."""
     mtp: int = 0
     """MTP depths on this rank (the last stage's; each one layer of the last layer's kind)."""
     numels: tuple[int, ...] = field(init=False, repr=False)
@@ -287,8 +201,8 @@ class Stage:
     output_linear: int = field(init=False)
     """Elements of the output layer's weight (or the tied embedding's) and the MTP depths' linear
     weights on the last stage (their casts live one micro-batch: the backward follows at once)."""
-    kind_counts: tuple[tuple[str, int], ...] = field(init=False, repr=False)
-    """(MLP kind, layers of that kind on this rank)."""
+    kind_counts: tuple[tuple[LayerSpec, int], ...] = field(init=False, repr=False)
+    """(layer kinds, layers of those kinds on this rank)."""
     chunk_kind_counts: tuple[tuple[tuple[str, int], ...], ...] = field(init=False, repr=False)
     """The same per model chunk."""
 
@@ -326,7 +240,7 @@ def rank_stage(
     chunks = [list(range(starts[s], starts[s] + counts[s])) for s in stages]
     first, last = 0 in stages, len(counts) - 1 in stages
     V, h = m.padded_vocab_size(tp), m.hidden_size
-    kinds = tuple(spec.mlp for spec in m.layer_specs())
+    specs = tuple(m.layer_specs())
     params: list[Param] = []
     # the last stage holds a copy of the embedding when it is the output layer (tied) or MTP's input
     if first or (last and (m.tie_embeddings or m.mtp_num_layers)):
@@ -335,29 +249,26 @@ def rank_stage(
         params.append(Param("pos_embed.weight", m.max_position_embeddings * h))
     layers = sorted(i for c in chunks for i in c)
     for i in layers:
-        params += _layer_params(m, i, tp, ep, kinds[i])
+        params += _layer_params(m, i, tp, ep, specs[i])
     if last:
-        params += _norm_params(m, "final_norm")
+        params += kinds.norm(m.normalization).params(m, "final_norm")
         if not m.tie_embeddings:
             params.append(Param("output.weight", V // tp * h, linear=True))
-        params += _mtp_params(m, tp, ep, kinds[-1])
-    return Stage(layers, chunks, first, last, params, kinds, m.mtp_num_layers if last else 0)
+        params += _mtp_params(m, tp, ep, specs[-1])
+    return Stage(layers, chunks, first, last, params, specs, m.mtp_num_layers if last else 0)
 
 
 def parameter_counts(cfg: Config) -> ParameterCounts:
     """The model's parameter counts from the planner's parameter list (torch-free; equal to
     `mlm.model.parameter_counts` of the built model): one rank holding everything."""
     stage = rank_stage(cfg, 1, 1, 1, 0)
-    moe = cfg.model.moe
-    E, k = moe.num_experts, moe.router_topk
-    counts = {False: [0, 0], True: [0, 0]}  # MTP? → [total, skipped]
+    counts = {False: [0, 0], True: [0, 0]}  # MTP? → [total, active]
     for p in stage.params:
         c = counts[p.name.startswith("mtp.")]
         c[0] += p.numel
-        if ".experts." in p.name:
-            c[1] += p.numel // E * (E - k)
-    (total, skip), (mtp, mtp_skip) = counts[False], counts[True]
-    return ParameterCounts(total, total - skip, mtp, mtp - mtp_skip)
+        c[1] += p.active_numel
+    (total, active), (mtp, mtp_active) = counts[False], counts[True]
+    return ParameterCounts(total, active, mtp, mtp_active)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -428,108 +339,65 @@ def local_tokens(cfg: Config, layout: Layout) -> int:
     return cfg.data.seq_length // layout.cp
 
 
-def head_dims(m: ModelConfig) -> tuple[int, int]:
-    """(query/key dims, value dims) of one attention head: (K, K), MLA's (N + R, E)."""
-    if m.attention_kind == "mla":
-        return m.mla.qk_head_dim, m.mla.v_head_dim
-    return m.head_dim, m.head_dim
+def micro(cfg: Config, layout: Layout) -> Micro:
+    """One micro-batch on one rank of `layout`, as the kinds' specs take it."""
+    return Micro(
+        b=layout.micro_batch,
+        s=local_tokens(cfg, layout),
+        S=cfg.data.seq_length,
+        tp=layout.tp,
+        u=layout.tp if layout.sequence_parallel else 1,
+        cp=layout.cp,
+        cp_comm_type=layout.cp_comm_type,
+        ep=layout.ep,
+        A=act_bytes(cfg),
+        R=residual_bytes(cfg),
+        recompute=layout.recompute,
+    )
 
 
-def kv_elems(cfg: Config, layout: Layout, tokens: int) -> float:
-    """Elements of one rank's keys and values (both) for `tokens` tokens per sequence: G/t groups
-    of K each, or under MLA every one of the H/t heads' key (N + R) and value (E) as the core sees
-    them (expanded from the latent)."""
-    m = cfg.model
-    if m.attention_kind == "mla":
-        return layout.micro_batch * tokens * m.num_attention_heads / layout.tp * sum(head_dims(m))
-    return 2 * layout.micro_batch * tokens * m.query_groups / layout.tp * m.head_dim
-
-
-def cp_attention_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
-    """What the attention core saves under context parallelism beyond the cp = 1 core (its
-    logsumexp aside), per layer and micro-batch; {} at cp = 1 or when the core is recomputed."""
-    if layout.cp == 1 or layout.recompute != "none":
-        return {}
-    m = cfg.model
-    A = act_bytes(cfg)
-    S, s = cfg.data.seq_length, local_tokens(cfg, layout)
-    if layout.cp_comm_type == "all_gather":
-        return {
-            "gathered k, v (other cp ranks)": kv_elems(cfg, layout, S - s) * A,
-            "cp attention mask": s * S * A,
-        }
-    heads = m.num_attention_heads / layout.tp
-    return {"ring output": layout.micro_batch * s * heads * head_dims(m)[1] * A}
+def _mixers(cfg: Config) -> list:
+    """The specs of the mixers the model's layers use."""
+    return [kinds.mixer(k) for k in cfg.model.mixer_kinds()]
 
 
 def cp_workspace_bytes(cfg: Config, layout: Layout) -> float:
-    """The transient attention workspace of one layer under cp (see the module doc). p2p: four
-    fp32 s × s blocks per head in the backward, the boolean causal mask, and the fp32 copies of q,
-    dO and dq. all_gather under recompute: the mask and the gathered keys and values the
-    recomputed core builds again (without recompute they are saved activations). 0 at cp = 1."""
-    if layout.cp == 1:
-        return 0.0
-    m, s, b = cfg.model, local_tokens(cfg, layout), layout.micro_batch
-    if layout.cp_comm_type == "all_gather":
-        if layout.recompute == "none":
-            return 0.0
-        A = act_bytes(cfg)
-        S = cfg.data.seq_length
-        return (s * S + kv_elems(cfg, layout, S - s)) * A
-    heads = m.num_attention_heads / layout.tp
-    qk, v = head_dims(m)
-    return 4 * b * heads * s * s * 4 + s * s + b * s * heads * (2 * qk + v) * 4  # q, dq; dO
+    """The transient attention workspace of one layer under cp (see the module doc and the mixers'
+    `cp_workspace`), the largest of the model's mixers'; 0 at cp = 1."""
+    mb = micro(cfg, layout)
+    return max((spec.cp_workspace(cfg.model, mb) for spec in _mixers(cfg)), default=0.0)
 
 
 def cp_buffer_bytes(cfg: Config, layout: Layout) -> float:
-    """One layer's cp exchange buffers (estimated): p2p the key/value message in flight and its
-    receive buffer, and in the backward two fp32 dK/dV accumulators; all_gather the gathered keys'
-    and values' gradients (autocast dtype) before the reduce-scatter."""
-    if layout.cp == 1:
-        return 0.0
-    A = act_bytes(cfg)
-    if layout.cp_comm_type == "all_gather":
-        return kv_elems(cfg, layout, cfg.data.seq_length) * A
-    return 2 * kv_elems(cfg, layout, local_tokens(cfg, layout)) * (A + 4)
+    """One layer's cp exchange buffers (estimated, the mixers' `cp_buffers`), the largest."""
+    mb = micro(cfg, layout)
+    return max((spec.cp_buffers(cfg.model, mb) for spec in _mixers(cfg)), default=0.0)
 
 
-def layer_activation_bytes(cfg: Config, layout: Layout, kind: str = "dense") -> dict[str, float]:
-    """Bytes one transformer layer saves for backward per micro-batch, by part (see the module
-    doc); `kind`: the layer's MLP kind ("dense" or "moe")."""
+def _merge(parts: dict[str, float], more: dict[str, float]) -> None:
+    for key, value in more.items():
+        parts[key] = parts.get(key, 0.0) + value
+
+
+def layer_activation_bytes(cfg: Config, layout: Layout, spec: LayerSpec | None = None) -> dict[str, float]:
+    """Bytes one layer of kinds `spec` (default: the first layer's) saves for backward per
+    micro-batch, by part (see the module doc): the norm before each half, what its mixer and MLP
+    save (their specs' `saved`; the projections' inputs summed as "linear inputs"), the dropout
+    masks; under full recompute the layer's input alone."""
     m = cfg.model
-    t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
-    s = local_tokens(cfg, layout)
-    e = layout.micro_batch * s
-    h, f, H, G = m.hidden_size, m.ffn_size, m.num_attention_heads, m.query_groups
-    A = act_bytes(cfg)
+    spec = spec or m.layer_specs()[0]
+    mb = micro(cfg, layout)
+    e, h = mb.e, m.hidden_size
     if layout.recompute == "full":
-        return {"layer input (full recompute)": e * h / u * residual_bytes(cfg)}
-    norm = _norm_bytes(cfg, e / u)
-    gated = m.activation == "swiglu"
-    moe = kind == "moe"
-    mla = m.attention_kind == "mla"
-    # the norm's output, in the compute dtype, is the one input q, k, v share (gate and up too);
-    # MLA's down-projections read this rank's e/u tokens, only q without a query latent a gathered copy
-    attention_inputs = mla_input_bytes(cfg, layout, e, A) if mla else e * h * A
-    parts = {
-        "norms": 2 * norm,
-        "linear inputs": attention_inputs + (0 if moe else e * h * A),
-    }
-    if mla:
-        parts.update(mla_activation_bytes(cfg, layout, e, A))
-    else:
-        parts["q, k, v"] = e * h / t * (1 + 2 * G / H) * A
-        parts["attention output"] = e * h / t * A
-    if moe:
-        parts.update(moe_activation_bytes(cfg, layout, e, u, A))
-    else:
-        parts["mlp"] = (3 if gated else 2) * e * f / t * A
-    if layout.recompute != "selective":
-        ring = layout.cp > 1 and layout.cp_comm_type == "p2p"  # the ring's lse in the autocast dtype
-        parts["attention logsumexp"] = layout.micro_batch * H / t * s * (A if ring else 4)
-    parts.update(cp_attention_bytes(cfg, layout))
+        return {"layer input (full recompute)": e * h / mb.u * mb.R}
+    halves = [k for k in (spec.mixer, spec.mlp) if k is not None]
+    parts = {"norms": len(halves) * kinds.norm(spec.norm).saved(m, e / mb.u, mb.R)}
+    if spec.mixer is not None:
+        _merge(parts, kinds.mixer(spec.mixer).saved(m, mb))
+    if spec.mlp is not None:
+        _merge(parts, kinds.mlp(spec.mlp).saved(m, mb))
     if m.hidden_dropout > 0:
-        parts["dropout masks"] = 2 * e * h / u
+        parts["dropout masks"] = len(halves) * e * h / mb.u
     return parts
 
 
@@ -541,94 +409,8 @@ def residual_bytes(cfg: Config) -> int:
 
 
 def _norm_bytes(cfg: Config, tokens: float) -> float:
-    """What one norm over `tokens` tokens of the residual stream saves (`kernels.lean`): its input
-    in the residual dtype, and LayerNorm's fp32 mean and rstd (RMSNorm's backward recomputes its
-    statistic)."""
-    stats = 8 if cfg.model.normalization == "layernorm" else 0
-    return tokens * (cfg.model.hidden_size * residual_bytes(cfg) + stats)
-
-
-def mla_input_bytes(cfg: Config, layout: Layout, e: int, A: int) -> float:
-    """The inputs MLA's projections from the hidden state save (measured, exact): q_down and
-    kv_down read this rank's n = e/u tokens (not gathered), the norm's output shared: n·h·A;
-    without a query latent q is column-parallel on the hidden state, which enters the tp region
-    for it: its input is the gathered e·h (its own tensor under sequence parallelism, else the
-    same tensor as kv_down's)."""
-    u = layout.tp if layout.sequence_parallel else 1
-    n, h = e / u, cfg.model.hidden_size
-    if cfg.model.mla.q_lora_rank:
-        return n * h * A
-    return n * h * A + (e * h * A if u > 1 else 0)
-
-
-def mla_activation_bytes(cfg: Config, layout: Layout, e: int, A: int) -> dict[str, float]:
-    """Multi-latent attention's saved tensors past its input projections (measured on
-    `mlm.model.mla` with saved_tensors_hooks, fp32 and bf16 autocast, tp 1 and 2, with and without
-    sequence parallelism, exact; Megatron's layout): the down-projections and their norms run on
-    this rank's n = e/u tokens; their outputs, the normed latents and the rope key, concatenated,
-    enter the tp region (gathered over the sequence under sequence parallelism), from which the
-    up-projections read all e tokens, the heads split.
-
-    query latent     q_norm's input (q_down's output): n·Q·A (none without q_lora_rank); the lean
-                     RMSNorm saves nothing else
-    kv latent        kv_norm's input, a view of kv_down's whole output, so the rope key's too:
-                     n·(C + R)·A
-    entered latents  the concatenated [q latent ; kv latent ; rope key] over e tokens, e·(Q + C +
-                     R)·A: q_up's and kv_up's inputs are views of it (the norms output the compute
-                     dtype, so no linear casts again)
-    q, k, v          q and k after RoPE (nope ; rope dims) and kv_up's output, of which v is a view:
-                     e·H/t·(2·(N + R) + N + E)·A
-    output           e·H/t·E·A (the out-projection's input)"""
-    m, ml = cfg.model, cfg.model.mla
-    u = layout.tp if layout.sequence_parallel else 1
-    n = e / u
-    heads = m.num_attention_heads / layout.tp
-    Q, C, R, N, E = (
-        ml.q_lora_rank or 0,
-        ml.kv_lora_rank,
-        ml.qk_rope_head_dim,
-        ml.qk_nope_head_dim,
-        ml.v_head_dim,
-    )
-    out = {}
-    if Q:
-        out["query latent"] = n * Q * A
-    out["key/value latent"] = n * (C + R) * A
-    out["entered latents"] = e * (Q + C + R) * A
-    out["q, k, v"] = e * heads * (2 * (N + R) + N + E) * A
-    out["attention output"] = e * heads * E * A
-    return out
-
-
-def moe_activation_bytes(cfg: Config, layout: Layout, e: int, u: int, A: int) -> dict[str, float]:
-    """An MoE MLP's saved tensors (measured on mlm's MoE layer, see the module doc): each rank
-    routes its N = e/u tokens (its sequence shard under sequence parallelism) and its experts
-    compute M = N·k token copies (balanced routing; under ep the copies it receives)."""
-    m, moe = cfg.model, cfg.model.moe
-    h, F, E, k = m.hidden_size, m.expert_ffn_size, moe.num_experts, moe.router_topk
-    N = e / u
-    M = N * k
-    gated = m.activation == "swiglu"
-    out = {
-        # the router's fp32 input and scores, the top-k weights and indices, each copy's token
-        # index and weight
-        "router": N * h * 4 + N * E * 4 + N * k * 12 + M * 12,
-        "expert inputs": M * h * A,
-        "experts": (3 if gated else 2) * M * F * A,
-        # the experts' output and its fp32 copy, weighted and summed home
-        "expert outputs": M * h * (A + 4),
-    }
-    shared = moe.shared_expert_ffn_hidden_size
-    if shared:
-        t = layout.tp
-        autocast = A == 2
-        # its input is all-gathered over tp under sequence parallelism (as a dense MLP's), else
-        # the norm's output, in fp32 the router's input already
-        linear_in = e * h * A if u > 1 else (N * h * A if autocast else 0)
-        # the gate: the shared experts' output and the sigmoid, saved by their product
-        gate = N * h * A + N * 4 if moe.shared_expert_gate else 0
-        out["shared experts"] = linear_in + (3 if gated else 2) * e * shared / t * A + gate
-    return out
+    """What one norm over `tokens` tokens of the residual stream saves (its kind's spec)."""
+    return kinds.norm(cfg.model.normalization).saved(cfg.model, tokens, residual_bytes(cfg))
 
 
 def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
@@ -641,7 +423,7 @@ def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
     e, h = b * s, m.hidden_size
     A = act_bytes(cfg)
     out: dict[str, float] = {}
-    rope = 2 * s * m.rope_dim * 4  # cos and sin
+    rope = 2 * s * (m.rope_dim or 0) * 4  # cos and sin
     if m.position_embedding == "rope" and layout.recompute != "full":
         # under full recompute the checkpoint's closure holds them (a few MB), not autograd
         out["rope tables"] = sum(rope for c in stage.chunks if c)
@@ -697,10 +479,10 @@ def micro_batch_activation_bytes(cfg: Config, layout: Layout, stage: Stage) -> f
     return layers + sum(stage_extras(cfg, layout, stage).values()) + casts
 
 
-def kind_activation_bytes(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
-    """{mlp kind: bytes one such layer saves per micro-batch} for the kinds on `stage`."""
-    kinds = {k for k, _ in stage.kind_counts} or {"dense"}
-    return {k: sum(layer_activation_bytes(cfg, layout, k).values()) for k in kinds}
+def kind_activation_bytes(cfg: Config, layout: Layout, stage: Stage) -> dict[LayerSpec, float]:
+    """{layer kinds: bytes one such layer saves per micro-batch} for the kinds on `stage`."""
+    specs = {k for k, _ in stage.kind_counts} or {cfg.model.layer_specs()[-1]}
+    return {k: sum(layer_activation_bytes(cfg, layout, k).values()) for k in specs}
 
 
 @dataclass
@@ -771,14 +553,12 @@ def rank_memory(
     if cfg.parallel.grad_reduce_dtype == "bf16":  # a bf16 copy of every bucket, all may be in flight
         comm += (parts["dense"][1] if layout.dp_cp > 1 else 0) / 2
         comm += (parts["expert"][1] if layout.edp > 1 else 0) / 2
-    if layout.ep > 1 and "moe" in per_kind:  # one MoE layer's exchange buffers (the norm's
-        m = cfg.model  # output: tokens in the compute dtype)
-        n = e / u
-        A = act_bytes(cfg)
-        if m.moe.token_dispatcher == "alltoall":  # the copies sent and received
-            comm += 2 * n * m.moe.router_topk * h * A
-        else:  # the gathered tokens and the outputs to reduce-scatter
-            comm += layout.ep * n * h * 2 * A
+    if layout.ep > 1:  # one expert-parallel layer's exchange buffers
+        mb = micro(cfg, layout)
+        comm += max(
+            (kinds.mlp(k.mlp).ep_buffers(cfg.model, mb) for k in per_kind if k.mlp is not None),
+            default=0.0,
+        )
     if layout.pp > 1:  # hidden states travel between stages in the parameters' dtype
         comm += 2 * e * h / u * param_bytes(cfg)
     if t > 1:

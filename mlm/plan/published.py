@@ -26,7 +26,7 @@ from pathlib import Path
 
 from mlm.config import load_config
 from mlm.errors import MlmError
-from mlm.flops import attention_flops, logits_flops
+from mlm.flops import logits_flops, part_flops
 from mlm.hardware import PROFILES as HARDWARE
 from mlm.hardware import profile_name
 from mlm.plan.layout import Job, Layout
@@ -216,7 +216,8 @@ def source_flops_per_token(job: Job, count: str) -> float:
     if count == "megatron":
         return total
     if count == "causal":
-        core = attention_flops(m, seq).core * (m.num_layers + m.mtp_num_layers)
+        specs = m.layer_specs()
+        core = sum(part_flops(m, s, seq).core for s in specs + specs[-1:] * m.mtp_num_layers)
         return total - core / 2
     if count == "recompute":
         logits = logits_flops(m) * (1 + m.mtp_num_layers)

@@ -15,14 +15,15 @@ from rich.table import Table
 from rich.text import Text
 
 from mlm.console import LOG_WIDTH, human
+from mlm.model import kinds
 from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
 from mlm.plan.layout import Job, Layout
 from mlm.plan.memory import (
     act_bytes,
     cp_buffer_bytes,
     korthikanti_layer_bytes,
-    kv_elems,
     local_tokens,
+    micro,
     parameter_counts,
 )
 from mlm.plan.search import Candidate, SearchResult
@@ -258,7 +259,8 @@ def context_parallel_line(job: Job, lo: Layout) -> str:
     cfg = job.cfg
     S, s, cp = cfg.data.seq_length, local_tokens(cfg, lo), lo.cp
     A = act_bytes(cfg)
-    kv = kv_elems(cfg, lo, s) * A
+    mb = micro(cfg, lo)
+    kv = max(kinds.mixer(k).cp_kv_elements(cfg.model, mb, s) for k in cfg.model.mixer_kinds()) * A
     link = "NVLink" if lo.tp * cp <= job.gpus_per_node else "the network"
     split = (
         f"context parallel: each {S}-token sequence in {2 * cp} chunks of {S // (2 * cp)}; cp rank r "

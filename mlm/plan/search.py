@@ -27,7 +27,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from mlm.config import check_context_parallel_kinds
 from mlm.errors import MlmError
+from mlm.model import kinds
 from mlm.parallel.mesh import Mesh, check_context_parallel, check_tensor_parallel
 from mlm.parallel.schedules import check_pipeline, stage_layer_counts
 from mlm.plan.layout import Job, Layout
@@ -180,7 +182,8 @@ class _Stages:
 
 
 def has_moe(cfg) -> bool:
-    return any(spec.mlp == "moe" for spec in cfg.model.layer_specs())
+    """Whether a layer's MLP is spread by expert parallelism (its kind's spec says)."""
+    return any(kinds.mlp(k).expert_parallel for k in cfg.model.mlp_kinds())
 
 
 def check_ep(cfg, ep: int) -> None:
@@ -255,6 +258,8 @@ def check_cp(cfg, cp: int, sequence_shards: int = 1) -> None:
     if cp < 1:
         raise MlmError(f"cp={cp}: must be at least 1")
     check_context_parallel(cfg.data.seq_length, cp, sequence_shards)
+    if cp > 1:
+        check_context_parallel_kinds(cfg.model, cp)
     if cp > 1 and cfg.model.attention_dropout > 0:
         raise MlmError(
             f"model.attention_dropout={cfg.model.attention_dropout} with parallel.cp={cp}: attention "

@@ -89,11 +89,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from mlm.config import Config
-from mlm.flops import attention_flops, eh_proj_flops, logits_flops, mlp_flops
+from mlm.config import Config, LayerSpec
+from mlm.flops import eh_proj_flops, logits_flops, part_flops
+from mlm.model import kinds
 from mlm.parallel.schedules import bubble_fraction
 from mlm.plan.layout import Job, Layout
-from mlm.plan.memory import Stage, act_bytes, buffer_bytes, kv_elems, local_tokens, param_bytes
+from mlm.plan.memory import Stage, act_bytes, buffer_bytes, local_tokens, micro, param_bytes
 from mlm.plan.work import Work, embedding_work, layer_work, loss_work, parameter_work
 
 OPTIMIZER_BYTES = 36
@@ -149,9 +150,10 @@ def all_to_all_time(bytes_away: float, ep: int, gpus_per_node: int, hw) -> float
     return near / hw.intra_bandwidth + far / hw.inter_bandwidth + latency
 
 
-def ep_exchange_time(cfg: Config, job: Job, layout: Layout) -> float:
-    """One MoE layer's token exchanges for one micro-batch, forward and backward (and the forward
-    again under full recompute). Each rank routes N = e/u tokens (its sequence shard).
+def ep_exchange_time(cfg: Config, job: Job, layout: Layout, kind: str) -> float:
+    """One expert-parallel layer's token exchanges (MLP `kind`, its spec's `ep_exchange`) for one
+    micro-batch, forward and backward (the backward reverses each, the forward runs again under
+    full recompute). Each rank routes N = e/u tokens (its sequence shard).
 
     alltoall: dispatch and combine forward, their reverse backward; each moves this rank's N·k
     copies, (ep − 1)/ep of them to other ranks: the dispatch and the combine in the autocast
@@ -162,22 +164,16 @@ def ep_exchange_time(cfg: Config, job: Job, layout: Layout) -> float:
     ep = layout.ep
     if ep <= 1:
         return 0.0
-    m, hw = cfg.model, job.hardware
-    u = layout.tp if layout.sequence_parallel else 1
-    N = layout.micro_batch * local_tokens(cfg, layout) / u
-    h, k, E = m.hidden_size, m.moe.router_topk, m.moe.num_experts
-    A = act_bytes(cfg)
+    hw = job.hardware
     passes = 2 if layout.recompute == "full" else 1  # forward exchanges (recompute repeats them)
-    if m.moe.token_dispatcher == "alltoall":
-        away = N * k * h * (ep - 1) / ep
-        g = job.gpus_per_node
-        forward = 2 * all_to_all_time(away * A, ep, g, hw)
-        backward = 2 * all_to_all_time(away * A, ep, g, hw)
-        return passes * forward + backward
     bw, lat = _link(hw, ep_ranks_per_node(ep, job.gpus_per_node) == ep)
-    gather = _collective(ep * N * (h * A + E * 5), ep, bw, lat, 1.0)
-    scatter = _collective(ep * N * h * A, ep, bw, lat, 1.0)
-    return passes * (gather + scatter) + (gather + scatter)
+    forward = 0.0
+    for collective, bytes_ in kinds.mlp(kind).ep_exchange(cfg.model, micro(cfg, layout)):
+        if collective == "all_to_all":
+            forward += all_to_all_time(bytes_, ep, job.gpus_per_node, hw)
+        else:  # all_gather, reduce_scatter: a ring moving (ep − 1)/ep of the whole
+            forward += _collective(bytes_, ep, bw, lat, 1.0)
+    return passes * forward + forward
 
 
 def cp_link(job: Job, layout: Layout) -> tuple[float, float]:
@@ -186,17 +182,18 @@ def cp_link(job: Job, layout: Layout) -> tuple[float, float]:
     return _link(job.hardware, layout.tp * layout.cp <= job.gpus_per_node)
 
 
-def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float) -> float:
+def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float, kind: str) -> float:
     """Exposed seconds of one layer's cp exchange for one micro-batch, forward and backward (see
-    the module doc); `rate`: the FLOP/s the layer's attention core runs at on this rank, in
-    Megatron's count of its FLOPs (`attention_flops(...).core` per token over `core_seconds`)."""
+    the module doc) for mixer `kind`; `rate`: the FLOP/s its attention core runs at on this rank,
+    in Megatron's count of its FLOPs (`mixer_flops(...).core` per token over `core_seconds`)."""
     cp = layout.cp
     if cp <= 1:
         return 0.0
     m = cfg.model
     A = act_bytes(cfg)
     S, s, b = cfg.data.seq_length, local_tokens(cfg, layout), layout.micro_batch
-    kv = kv_elems(cfg, layout, s)  # one message: this rank's K and V
+    spec = kinds.mixer(kind)
+    kv = spec.cp_kv_elements(m, micro(cfg, layout), s)  # one message: this rank's K and V
     bw, lat = cp_link(job, layout)
     # the forward exchange again where recompute re-runs the attention core (as `core_seconds`)
     rerun = layout.recompute == "full" or (
@@ -207,55 +204,40 @@ def cp_exchange_time(cfg: Config, job: Job, layout: Layout, rate: float) -> floa
         # K and V gathered separately (two collectives), their gradients reduce-scattered
         one = 2 * _collective(kv * cp / 2 * A, cp, bw, lat, 1.0)
         return passes * one + one
-    core_forward = b * s * attention_flops(m, S).core / 3 / rate  # the local queries (rate: all tp ranks)
+    core_forward = b * s * spec.flops(m, S).core / 3 / rate  # the local queries (rate: all tp ranks)
     step = core_forward / cp
     forward = (cp - 1) * max(0.0, kv * A / bw + lat - step)
     backward = (cp - 1) * max(0.0, kv * (A + 4) / bw + lat - 2 * step) + kv * 4 / bw + lat
     return passes * forward + backward
 
 
-def tp_entry_widths(cfg: Config) -> list[int]:
-    """Values per token of each tensor with which a layer's attention enters the tp region (all-
-    gathered over the sequence under sequence parallelism, all-reduced in the backward without):
-    the hidden state for GQA; for MLA (Megatron's layout, `mlm.model.mla`) the concatenated query
-    latent, key/value latent and rope key, Q + C + R, or without a query latent the hidden state
-    for q and then C + R."""
-    m = cfg.model
-    if m.attention_kind != "mla":
-        return [m.hidden_size]
-    ml = m.mla
-    latents = ml.kv_lora_rank + ml.qk_rope_head_dim
-    if ml.q_lora_rank is None:
-        return [m.hidden_size, latents]
-    return [ml.q_lora_rank + latents]
-
-
-def tp_layer_time(cfg: Config, job: Job, layout: Layout) -> float:
+def tp_layer_time(cfg: Config, job: Job, layout: Layout, spec: LayerSpec) -> float:
     """One layer's tp collectives for one micro-batch, forward and backward (see the module doc):
     per region boundary pair one all-reduce of [b, s, width] (2(t−1)/t of its bytes + a latency):
-    the attention's entries (`tp_entry_widths`), its output (h), the MLP's entry and output (h);
-    under SP the same bytes as an all-gather and a reduce-scatter. Full recompute repeats the
-    forward's share: without SP the two output all-reduces, under SP half of every pair (its
-    forward collective)."""
+    the mixer's entries (its spec's `tp_entries`: the hidden state for GQA, MLA's latents) and
+    its output (h), the MLP's entry and output (h); under SP the same bytes as an all-gather and a
+    reduce-scatter. Full recompute repeats the forward's share: without SP the outputs'
+    all-reduces, under SP half of every pair (its forward collective)."""
     t = layout.tp
-    m = cfg.model
-    h = m.hidden_size
+    if t <= 1:
+        return 0.0
+    h = cfg.model.hidden_size
     e = layout.micro_batch * local_tokens(cfg, layout)
     A = act_bytes(cfg)
     bw, lat = _link(job.hardware, t <= job.gpus_per_node)
-    full = layout.recompute == "full"
-    if m.attention_kind != "mla":  # GQA: 4 all-reduces of [b, s, h], 6 with full recompute
-        return (6 if full else 4) * _collective(e * h * A, t, bw, lat, 2.0)
-    if t <= 1:
-        return 0.0
-    widths = [*tp_entry_widths(cfg), h, h, h]
+    widths: list[float] = []
+    if spec.mixer is not None:
+        widths += [*kinds.mixer(spec.mixer).tp_entries(cfg.model), h]
+    if spec.mlp is not None:
+        widths += [h, h]
     one_way = sum((t - 1) / t * e * w * A / bw for w in widths)  # one collective per pair
     sec = 2 * one_way + len(widths) * lat
-    if full:
+    if layout.recompute == "full":
         if layout.sequence_parallel:
             sec += one_way + len(widths) * lat / 2
-        else:
-            sec += 2 * _collective(e * h * A, t, bw, lat, 2.0)
+        else:  # the outputs' all-reduces again, one per half
+            halves = (spec.mixer is not None) + (spec.mlp is not None)
+            sec += halves * _collective(e * h * A, t, bw, lat, 2.0)
     return sec
 
 
@@ -271,24 +253,24 @@ def gemm_rates(job: Job, layout: Layout) -> tuple[float, float, float]:
     return peak, eff, t * peak * eff
 
 
-def core_seconds(job: Job, layout: Layout, recompute: str) -> float:
+def core_seconds(job: Job, layout: Layout, recompute: str, kind: str) -> float:
     """Seconds per token of one layer's attention core (scores and values over the sequence) on a
-    rank. With flash attention (`Software.flash_attention`) the causal half Megatron's count
-    includes is skipped and the kernel runs at `attention_efficiency` of peak; without it both
-    batched GEMMs run over every score at the efficiency of their smallest side, the head dim
-    (their s × s outputs' memory traffic is `mlm.plan.work`'s). Full recompute repeats the
-    forward (a third of the work), selective recompute repeats it too (not torchtitan's per-op
-    policy, which keeps the attention output)."""
+    rank, for mixer `kind`. With flash attention (`Software.flash_attention`) the causal half
+    Megatron's count includes is skipped and the kernel runs at `attention_efficiency` of peak;
+    without it both batched GEMMs run over every score at the efficiency of their smallest side,
+    the head dim (the spec's `core_side`; their s × s outputs' memory traffic is
+    `mlm.plan.work`'s). Full recompute repeats the forward (a third of the work), selective
+    recompute repeats it too (not torchtitan's per-op policy, which keeps the attention output)."""
     cfg, hw, sw = job.cfg, job.hardware, job.software
     m, t = cfg.model, layout.tp
-    core = attention_flops(m, cfg.data.seq_length).core
+    spec = kinds.mixer(kind)
+    core = spec.flops(m, cfg.data.seq_length).core
     again = recompute == "full" or (recompute == "selective" and sw.selective == "core")
     core *= 4 / 3 if again else 1.0
     peak = hw.peak(cfg.train.precision)
     if sw.flash_attention:
         return core / 2 / (t * peak * sw.attention_efficiency)
-    head = m.mla.qk_head_dim if m.attention_kind == "mla" else m.head_dim
-    return core / (t * peak * hw.efficiency(head))
+    return core / (t * peak * hw.efficiency(spec.core_side(m)))
 
 
 def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
@@ -299,54 +281,56 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     e, h = layout.micro_batch * local_tokens(cfg, layout), m.hidden_size
     total_per_token = job.flops_per_token
     logits_per_token = logits_flops(m)
-    attention = attention_flops(m, cfg.data.seq_length)
     peak, eff, rate = gemm_rates(job, layout)
     compute_peak = hw.peak(cfg.train.precision)  # what stays out of fp8 runs at (`gemm_rates`)
     logits_rate = t * compute_peak * eff
     whole = replace(layout, recompute="none")  # MTP depths: `mlm.parallel.recompute` never wraps them
     memory_rate = hw.hbm_bandwidth * hw.memory_efficiency
+    mb = micro(cfg, layout)
 
-    def gemm_seconds(kind: str, recompute: str) -> float:
-        """Seconds per token of one layer's GEMMs of MLP kind `kind`: tp-split projections at
-        `rate`; MLA's down-projections whole on each tp rank over its e/u tokens; the router and
-        the routed experts whole on each rank, on its e/u tokens, at the experts' GEMM efficiency
-        (rows per expert = the copies a rank's E/ep experts receive from the ep ranks) and at
-        fp8's peak only where the software runs them in fp8 (`Software.fp8_experts`)."""
+    def gemm_seconds(spec: LayerSpec, recompute: str) -> float:
+        """Seconds per token of one layer's GEMMs: tp-split projections at `rate`; replicated ones
+        (MLA's down-projections) whole on each tp rank over its e/u tokens; the router and the
+        routed experts whole on each rank, on its e/u tokens, at the experts' GEMM efficiency
+        (their spec's `gemm_side`: rows per expert = the copies a rank's E/ep experts receive from
+        the ep ranks) and at fp8's peak only where the software runs them in fp8
+        (`Software.fp8_experts`). The attention core is `core_seconds`'."""
         rerun = 4 / 3 if recompute == "full" else 1.0  # full: one more forward
         if recompute == "selective" and sw.selective == "op":
             rerun = 7 / 6  # torchtitan's per-op policy: every other matmul's forward again
-        f = mlp_flops(m, kind)
-        sec = (attention.tp + f.tp) * rerun / rate
-        sec += attention.replicated * rerun / (peak * eff * u)
-        if kind == "moe":
-            E, k = m.moe.num_experts, m.moe.router_topk
-            rows = e / u * k * layout.ep / E
-            eff_e = hw.efficiency(min(rows, h, m.expert_ffn_size))
+        f = part_flops(m, spec, cfg.data.seq_length)
+        sec = f.tp * rerun / rate
+        sec += f.replicated * rerun / (peak * eff * u)
+        side = kinds.mlp(spec.mlp).gemm_side(m, mb) if spec.mlp is not None else None
+        if side is not None:
+            eff_e = hw.efficiency(side)
             experts_peak = peak if sw.fp8_experts else compute_peak  # the router never in fp8
             sec += (f.routed * rerun / (eff_e * experts_peak) + f.router * rerun / (eff * compute_peak)) / u
         return sec
 
-    kinds = set(job.mlp_kinds)
-    gemm = {k: gemm_seconds(k, layout.recompute) for k in kinds}
-    core = core_seconds(job, layout, layout.recompute)
-    work = {k: layer_work(cfg, layout, sw, k, layout.recompute) for k in kinds}
-    # one MTP depth: its layer (the last layer's kind, never recomputed), eh_proj (replicated over
+    def core(spec: LayerSpec, lo: Layout, recompute: str) -> float:
+        return core_seconds(job, lo, recompute, spec.mixer) if spec.mixer is not None else 0.0
+
+    specs = set(job.layer_kinds)
+    gemm = {k: gemm_seconds(k, layout.recompute) + core(k, layout, layout.recompute) for k in specs}
+    work = {k: layer_work(cfg, layout, sw, k, layout.recompute) for k in specs}
+    # one MTP depth: its layer (the last layer's kinds, never recomputed), eh_proj (replicated over
     # tp, on this rank's e/u tokens) and another pass of the output layer and its loss
-    last_kind = job.mlp_kinds[-1]
+    last = job.layer_kinds[-1]
     mtp_gemm = (
-        gemm_seconds(last_kind, "none")
-        + core_seconds(job, whole, "none")
+        gemm_seconds(last, "none")
+        + core(last, whole, "none")
         + eh_proj_flops(m) / (peak * eff * u)
         + logits_per_token / logits_rate
     )
-    mtp_work = layer_work(cfg, whole, sw, last_kind, "none")
+    mtp_work = layer_work(cfg, whole, sw, last, "none")
     mtp_work += loss_work(cfg, layout, sw)
     loss = loss_work(cfg, layout, sw)
     embed = embedding_work(cfg, layout)
 
     def stage_work(stage: Stage) -> tuple[float, float, float]:
         """(GEMM and attention seconds, memory-bound seconds, kernels) of one micro-batch."""
-        c = e * sum((gemm[k] + core) * n for k, n in stage.kind_counts)
+        c = e * sum(gemm[k] * n for k, n in stage.kind_counts)
         c += e * ((logits_per_token / logits_rate if stage.last else 0.0) + stage.mtp * mtp_gemm)
         w = Work()
         parts = [(work[k], n) for k, n in stage.kind_counts]
@@ -357,17 +341,30 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         w.bytes += parameter_work(cfg, sw, params, layout.recompute)
         return c, w.bytes / memory_rate, w.kernels
 
-    tp_layer = tp_layer_time(cfg, job, layout)
-    tp_mtp = tp_layer_time(cfg, job, whole)
+    tp_layer = {k: tp_layer_time(cfg, job, layout, k) for k in specs}
+    tp_mtp = tp_layer_time(cfg, job, whole, last)
     pp_bw, pp_lat = _link(hw, t * layout.cp * layout.dp < job.gpus_per_node)
     p2p = 2 * layout.vpp * (e * h / u * param_bytes(cfg) / pp_bw + pp_lat) if layout.pp > 1 else 0.0
-    ep_one = ep_exchange_time(cfg, job, layout)
-    # the FLOP/s (Megatron's count of the core) the attention runs at: the ring hides behind it
-    attention_rate = attention.core / core_seconds(job, whole, "none")
-    cp_one = cp_exchange_time(cfg, job, layout, attention_rate)
+
+    def ep_time(spec: LayerSpec, lo: Layout) -> float:
+        """One layer's expert-parallel exchange (0 unless its MLP is spread by ep)."""
+        if spec.mlp is None or not kinds.mlp(spec.mlp).expert_parallel:
+            return 0.0
+        return ep_exchange_time(cfg, job, lo, spec.mlp)
+
+    def cp_time(spec: LayerSpec, lo: Layout) -> float:
+        """One layer's cp exchange: its mixer's keys and values around the cp ranks, hidden behind
+        the FLOP/s (Megatron's count of the core) its attention runs at."""
+        if layout.cp <= 1 or spec.mixer is None:
+            return 0.0
+        core_flops = kinds.mixer(spec.mixer).flops(m, cfg.data.seq_length).core
+        rate = core_flops / core_seconds(job, whole, "none", spec.mixer)
+        return cp_exchange_time(cfg, job, lo, rate, spec.mixer)
+
+    ep_one = {k: ep_time(k, layout) for k in specs}
+    cp_one = {k: cp_time(k, layout) for k in specs}
     # an MTP depth's layer communicates as a layer does, without recompute
-    mtp_ep = ep_exchange_time(cfg, job, whole) if last_kind == "moe" else 0.0
-    mtp_cp = cp_exchange_time(cfg, job, whole, attention_rate)
+    mtp_ep, mtp_cp = ep_time(last, whole), cp_time(last, whole)
     # the batch from host memory: tokens, labels, loss mask and positions (8 + 8 + 4 + 8 bytes)
     data = layout.micro_batch * local_tokens(cfg, layout) * 28 / hw.host_bandwidth
 
@@ -375,13 +372,13 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     for stage in stages:
         c, mem, kernels = stage_work(stage)
         launch = max(0.0, kernels * sw.launch_s - c - mem)
-        tp_s = len(stage.layers) * tp_layer + stage.mtp * tp_mtp
+        tp_s = sum(tp_layer[k] * n for k, n in stage.kind_counts) + stage.mtp * tp_mtp
         if sw.tp_overlap:  # pipelined in tp chunks with the GEMMs: the first chunk is exposed
             tp_s = tp_s / t + max(0.0, tp_s * (t - 1) / t - c)
-        ep_s = dict(stage.kind_counts).get("moe", 0) * ep_one + stage.mtp * mtp_ep
+        ep_s = sum(ep_one[k] * n for k, n in stage.kind_counts) + stage.mtp * mtp_ep
         if sw.ep_overlap:  # behind another micro-batch's compute
             ep_s = max(0.0, ep_s - c)
-        cp_s = len(stage.layers) * cp_one + stage.mtp * mtp_cp
+        cp_s = sum(cp_one[k] * n for k, n in stage.kind_counts) + stage.mtp * mtp_cp
         total = c + mem + launch + tp_s + ep_s + cp_s + p2p + data
         per_micro.append((total, c, mem, launch, tp_s, ep_s, cp_s))
     slowest = max(per_micro)

@@ -46,18 +46,15 @@ copies, max, exp, sum, the softmax gradient and its cast), 12 fused; 20 kernels 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
-from mlm.config import Config
+from mlm.config import Config, LayerSpec
+from mlm.model import kinds
+from mlm.model.kinds.spec import NORM, Passes, Work
 from mlm.plan.layout import Layout
-from mlm.plan.memory import act_bytes, casts_weights, local_tokens
+from mlm.plan.memory import act_bytes, casts_weights, local_tokens, micro
 from mlm.plan.software import Software
 
-NORM = {True: (2, 3, 1, 2), False: (12, 24, 6, 10)}
-ROPE = {True: (2, 2, 2, 2), False: (8, 8, 10, 10)}
-SOFTMAX = {True: (2, 3, 1, 1), False: (6, 6, 4, 4)}
-GELU = {True: (2, 3, 1, 1), False: (4, 8, 2, 4)}
-SWIGLU = {True: (3, 5, 1, 1), False: (5, 10, 2, 4)}
 LOSS_BYTES = {True: 12, False: 48}
 LOSS_KERNELS = {True: 4, False: 20}
 CAST_BYTES = 6
@@ -68,104 +65,49 @@ FP8_WEIGHT_BYTES = 6
 ACCUMULATE_BYTES = 10
 
 
-@dataclass
-class Work:
-    """Memory-bound bytes and kernels of one micro-batch's forward and backward."""
-
-    bytes: float = 0.0
-    kernels: float = 0.0
-
-    def add(self, passes: tuple, width: float, tokens: float, A: int, forward_times: int = 1) -> None:
-        """One op: (forward passes, backward passes, forward kernels, backward kernels) over
-        `width` elements per token of `tokens`, its forward run `forward_times` times."""
-        f, b, kf, kb = passes
-        self.bytes += (f * forward_times + b) * width * tokens * A
-        self.kernels += kf * forward_times + kb
-
-    def __iadd__(self, other: Work) -> Work:
-        self.bytes += other.bytes
-        self.kernels += other.kernels
-        return self
-
-
-def layer_work(cfg: Config, layout: Layout, sw: Software, kind: str, recompute: str) -> Work:
-    """One layer of MLP kind `kind` for one micro-batch on one rank."""
+def layer_work(cfg: Config, layout: Layout, sw: Software, spec: LayerSpec, recompute: str) -> Work:
+    """One layer of kinds `spec` for one micro-batch on one rank: the norm and the residual add of
+    each half, what its mixer and MLP add (their specs' `work`), their GEMMs' kernels and fp8
+    casts, and the tp collectives' kernels."""
     m = cfg.model
-    t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
-    e = layout.micro_batch * local_tokens(cfg, layout)
-    A = act_bytes(cfg)
+    mb = replace(micro(cfg, layout), recompute=recompute)
+    e, A, u, h = mb.e, mb.A, mb.u, m.hidden_size
     selective = sw.selective if recompute == "selective" else None
     # the forward again: every op under full recompute and torchtitan's per-op policy, the norms and
     # activations under Megatron's elementwise modules, the attention core under "core"
     full = 2 if recompute == "full" or selective == "op" else 1
-    norm_act = 2 if full == 2 or selective == "elementwise" else 1
-    core = 2 if recompute == "full" or selective == "core" else 1
+    times = Passes(
+        full=full,
+        norm_act=2 if full == 2 or selective == "elementwise" else 1,
+        core=2 if recompute == "full" or selective == "core" else 1,
+    )
     gemm_again = 1.0 if recompute == "full" else 0.5 if selective == "op" else 0.0  # every other matmul
-    h, H, G = m.hidden_size, m.num_attention_heads, m.query_groups
-    if m.attention_kind == "mla":
-        qk, v = m.mla.qk_head_dim, m.mla.v_head_dim
-        q_width, kv_width, out_width = H * qk / t, H * (qk + v) / t, H * v / t
-    else:
-        K = m.head_dim
-        q_width, kv_width, out_width = H * K / t, 2 * G * K / t, H * K / t
-    w = Work()
-    w.add(NORM[sw.fused_norm], h, e / u, A, norm_act)
-    w.add(NORM[sw.fused_norm], h, e / u, A, norm_act)
-    if m.attention_kind == "mla":  # the latents' norms, on the rank's own tokens
-        latent = m.mla.kv_lora_rank + (m.mla.q_lora_rank or 0)
-        w.add(NORM[sw.fused_norm], latent, e / u, A, norm_act)
-    if m.qk_norm:
-        w.add(NORM[sw.fused_norm], q_width + kv_width / 2, e, A, norm_act)
+    parts = []
+    if spec.mixer is not None:
+        parts.append(kinds.mixer(spec.mixer).work(m, mb, sw, times))
+    if spec.mlp is not None:
+        parts.append(kinds.mlp(spec.mlp).work(m, mb, sw, times))
     residual = (3, 3, 1, 1)
     if m.add_bias or m.hidden_dropout > 0:
         residual = (3.5, 3.5, 1, 1) if sw.fused_residual else (7, 6, 3, 2)
-    w.add(residual, h, e / u, A, full)
-    w.add(residual, h, e / u, A, full)
-    w.add((2, 2, 1, 1), out_width, e, A, full)
-    if m.position_embedding == "rope":
-        rope_width = (
-            q_width + kv_width / 2 if m.attention_kind != "mla" else (H / t + 1) * m.mla.qk_rope_head_dim
-        )
-        w.add(ROPE[sw.fused_rope], rope_width, e, A, full)
-    if sw.flash_attention:
-        w.add((1, 2, 1, 3), q_width + kv_width + out_width, e, A, core)
-    else:
-        scores = H / t * cfg.data.seq_length
-        w.add(SOFTMAX[sw.fused_softmax], scores, e, A, core)
-        if m.attention_dropout > 0:
-            w.add((2.5, 2.5, 1, 1), scores, e, A, core)
-        w.kernels += 2 * core + 4  # the batched GEMMs QKᵀ and PV, and their backward
-    gated = m.activation == "swiglu"
-    act = SWIGLU[sw.fused_activation] if gated else GELU[sw.fused_activation]
-    if not gated and m.add_bias and not sw.fused_activation:
-        act = (act[0] + 2, act[1], act[2] + 1, act[3])
-    gemms = 4 + (1 if gated else 0)  # qkv, out, the MLP's (mlm's gate and up are two)
-    if kind == "moe":
-        moe = m.moe
-        k = moe.router_topk
-        w.add((2, 2, 4, 4), moe.num_experts, e / u, A, full)  # router softmax, top-k, aux
-        w.add((4, 4, 4, 4), k * h, e / u, A, full)  # permute and unpermute the copies
-        w.add(act, m.expert_ffn_size, e / u * k, A, norm_act)
-        shared = moe.shared_expert_ffn_hidden_size or 0
-        # (hidden width, rows) of its fp8 GEMMs: the routed copies' where the software runs them in fp8
-        mlps = [(m.expert_ffn_size, e / u * k)] if sw.fp8_experts else []
-        if shared:
-            w.add(act, shared / t, e, A, norm_act)
-            mlps.append((shared / t, e))
-        gemms = 2 + 1 + (3 if shared else 0) + (3 if gated else 2)  # grouped experts: one GEMM per matrix
-    else:
-        w.add(act, m.ffn_size / t, e, A, norm_act)
-        mlps = [(m.ffn_size / t, e)]
+    w = Work()
+    for _ in parts:
+        w.add(NORM[sw.fused_norm], h, e / u, A, times.norm_act)
+    for _ in parts:
+        w.add(residual, h, e / u, A, full)
+    for part in parts:
+        w += part.work
+    gemms = sum(part.gemms for part in parts)
     w.kernels += gemms * (1 + gemm_again + 2)
     if cfg.train.fp8:  # each GEMM's input cast forward (amax, scale) and its output gradient backward
         # the casts are elementwise ops: again where every elementwise op is (full, op)
-        w.add((FP8_PASSES, 0, gemms, 0), h + out_width, e, A, full)  # qkv's and out's inputs
-        w.add((0, FP8_PASSES, 0, gemms), q_width + kv_width + h, e, A)
-        for width, rows in mlps:  # each MLP's up (and gate) and down, on the rows it computes
-            w.add((FP8_PASSES, 0, 0, 0), h + width, rows, A, full)
-            w.add((0, FP8_PASSES, 0, 0), width * (2 if gated else 1) + h, rows, A)
-    if t > 1:
-        w.kernels += 4 + (2 if recompute == "full" else 0)  # the tp collectives
+        w.kernels += gemms * full + gemms
+        for part in parts:
+            for forward, backward, rows in part.fp8:
+                w.add((FP8_PASSES, 0, 0, 0), forward, rows, A, full)
+                w.add((0, FP8_PASSES, 0, 0), backward, rows, A)
+    if layout.tp > 1:  # the tp collectives: a pair per half, the forward's again under full recompute
+        w.kernels += len(parts) * (2 + (1 if recompute == "full" else 0))
     return w
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mlm.config import TrainConfig
-from mlm.model.moe.layer import MoE
+from mlm.model.kinds.moe.module import MoE
 
 COUNTS = ("nonfinite", "spikes", "skipped", "rollbacks")
 """The fault counts of the log (`faults.NAME`): non-finite steps, loss spikes, steps run without an

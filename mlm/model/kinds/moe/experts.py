@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.lean import autocast_dtype
-from mlm.model.layers import gelu, swiglu
+from mlm.model.ops import gelu, swiglu
 
 IMPLS = ("grouped_mm", "bmm", "loop")
 

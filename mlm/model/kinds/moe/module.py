@@ -22,9 +22,9 @@ from torch import nn
 
 from mlm.config import ModelConfig
 from mlm.model.aux_loss import recomputing
-from mlm.model.layers import MLP, register_mlp
-from mlm.model.moe import router as R
-from mlm.model.moe.experts import GroupedExperts
+from mlm.model.kinds.dense.module import MLP
+from mlm.model.kinds.moe import router as R
+from mlm.model.kinds.moe.experts import GroupedExperts
 
 
 class LocalDispatcher:
@@ -58,7 +58,6 @@ class Router(nn.Module):
         )
 
 
-@register_mlp("moe")
 class MoE(nn.Module):
     # Router and experts are replicated over tp (under sequence parallelism each tp rank routes
     # its own shard, and their gradients are summed over tp, as every such parameter's are);
@@ -137,6 +136,13 @@ class MoE(nn.Module):
             aux = R.z_loss(logits_NE, m.z_loss_coeff, group)
             out = self.aux_losses.attach(out, aux, f"z_loss.{self.layer}", partial)
         return out
+
+    def inactive_parameters(self) -> int:
+        """Parameters one token's forward skips: the (E − k)/E share of the routed experts (the
+        shared experts and the router count in full)."""
+        E, k = self.options.num_experts, self.options.router_topk
+        routed = sum(p.numel() for p in self.experts.parameters())  # E whole experts
+        return routed // E * (E - k)
 
     def take_load(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(tokens per expert [E], dropped pairs) counted since the last call; None if none."""

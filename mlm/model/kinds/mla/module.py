@@ -1,4 +1,4 @@
-"""Multi-Latent Attention, the attention kind "mla" (DeepSeek-V2/V3; Megatron's MLASelfAttention).
+"""Multi-Latent Attention, the mixer kind "mla" (DeepSeek-V2/V3; Megatron's MLASelfAttention).
 
 Keys and values come up from one small latent per token; queries from their own latent (or
 straight from the hidden state without `q_lora_rank`); each head's query and key split into a
@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from mlm.config import ModelConfig
-from mlm.model.layers import AttentionCore, RMSNorm, register_attention
+from mlm.model.attention import AttentionCore
+from mlm.model.kinds.norms.module import RMSNorm
 from mlm.model.rope import apply_rope, apply_rope_interleaved, yarn_mscale
 
 
@@ -48,7 +49,6 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-@register_attention("mla")
 class MultiLatentAttention(nn.Module):
     tp_plan = {
         "enter_hidden": "enter",

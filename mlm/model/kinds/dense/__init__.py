@@ -1,0 +1,1 @@
+"""The MLP kind "dense": SwiGLU or GeLU (`spec.py`, `module.py`)."""

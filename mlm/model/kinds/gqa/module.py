@@ -1,0 +1,63 @@
+"""The "gqa" mixer: multi-head attention with grouped key/value heads (MHA when G = H, MQA when
+G = 1), RoPE, and Qwen3's per-head q/k norms when model.qk_norm.
+
+Shape legend: B batch, T sequence, D hidden, H attention heads, G key/value groups, K head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlm.config import ModelConfig
+from mlm.model.attention import AttentionCore
+from mlm.model.kinds.norms.module import RMSNorm
+from mlm.model.layers import TP_INPUT
+from mlm.model.rope import apply_rope
+
+
+class Attention(nn.Module):
+    """Under a serving cache (`cache`) the keys and values of the new tokens go to the cache and
+    attention runs over what it holds (`cache.attend`); otherwise causal over T."""
+
+    tp_plan = {
+        TP_INPUT: "enter",
+        "q": "column",
+        "k": "column",
+        "v": "column",
+        "out": "row",
+        "q_norm": "head_shared",
+        "k_norm": "head_shared",
+    }
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+        self.layer, self.head_dim = layer, cfg.head_dim
+        K, H, G = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
+        qkv_bias = cfg.add_bias or cfg.qkv_bias
+        self.q = nn.Linear(cfg.hidden_size, H * K, bias=qkv_bias)
+        self.k = nn.Linear(cfg.hidden_size, G * K, bias=qkv_bias)
+        self.v = nn.Linear(cfg.hidden_size, G * K, bias=qkv_bias)
+        self.out = nn.Linear(H * K, cfg.hidden_size, bias=cfg.add_bias)
+        # Qwen3: RMSNorm over each head's query and key (weights [K], shared by the heads)
+        self.q_norm = RMSNorm(cfg, K) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg, K) if cfg.qk_norm else None
+        self.core = AttentionCore(cfg)
+        self.kernels = "torch"  # RoPE's; or "triton": set by GPT.set_kernels
+
+    def forward(self, x_BTD: torch.Tensor, rope=None, cache=None, documents_BT=None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        K = self.head_dim
+        q_BTHK = self.q(x_BTD).view(B, T, -1, K)
+        k_BTGK = self.k(x_BTD).view(B, T, -1, K)
+        v_BTGK = self.v(x_BTD).view(B, T, -1, K)
+        if self.q_norm is not None:
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
+        if rope is not None:
+            q_BTHK = apply_rope(q_BTHK, *rope, kernels=self.kernels)
+            k_BTGK = apply_rope(k_BTGK, *rope, kernels=self.kernels)
+        if cache is None:
+            o_BTHK = self.core(q_BTHK, k_BTGK, v_BTGK, documents_BT)
+        else:
+            o_BTHK = cache.attend(self.layer, q_BTHK, k_BTGK, v_BTGK)
+        return self.out(o_BTHK.reshape(B, T, -1))

@@ -1,0 +1,1 @@
+"""The mixer kind "mla": DeepSeek's multi-latent attention (`spec.py`, `module.py`)."""
