@@ -112,9 +112,9 @@ from dataclasses import dataclass, field, replace
 from kernels.linear_cross_entropy import chunk_tokens
 from mlm.config import Config, ModelConfig
 from mlm.counts import ParameterCounts
+from mlm.layout import Layout
 from mlm.parallel.buckets import bucket_layout
 from mlm.parallel.schedules import peak_in_flight, stage_layer_counts
-from mlm.plan.layout import Layout
 
 _AUTOCAST = ("bf16", "fp16")
 

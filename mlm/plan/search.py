@@ -28,9 +28,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from mlm.errors import MlmError
+from mlm.layout import Layout
 from mlm.parallel.mesh import Mesh, check_context_parallel, check_tensor_parallel
 from mlm.parallel.schedules import check_pipeline, stage_layer_counts
-from mlm.plan.layout import Job, Layout
+from mlm.plan.job import Job
 from mlm.plan.memory import MemoryReport, Stage, memory, rank_stage, report_ranks
 from mlm.plan.timing import Timing, step_time
 

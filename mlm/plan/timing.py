@@ -91,8 +91,9 @@ from dataclasses import dataclass, replace
 
 from mlm.config import Config
 from mlm.flops import attention_flops, eh_proj_flops, logits_flops, mlp_flops
+from mlm.layout import Layout
 from mlm.parallel.schedules import bubble_fraction
-from mlm.plan.layout import Job, Layout
+from mlm.plan.job import Job
 from mlm.plan.memory import Stage, act_bytes, buffer_bytes, kv_elems, local_tokens, param_bytes
 from mlm.plan.work import Work, embedding_work, layer_work, loss_work, parameter_work
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlm.config import Config
-from mlm.plan.layout import Layout
+from mlm.layout import Layout
 from mlm.plan.memory import act_bytes, casts_weights, local_tokens
 from mlm.plan.software import Software
 
