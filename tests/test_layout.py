@@ -1,7 +1,9 @@
 """`mlm.layout`: one `Layout` and its text. Every layout the planner's search generates (dense,
 MoE with ep, DeepSeek-V3 with cp, ep and uneven stage splits) prints to text that parses back to
 it, as does any layout at all (hypothesis); bad text names the term and the valid ones; a run
-config converts to a layout and back; the mesh is built from one; a plan file holds its text."""
+config converts to a layout and back; the mesh is built from one; a plan file holds its text;
+and `mlm plan --layout`, `mlm parity --layouts`, `mlm train --dry-run --layout` and
+`mlm convert --layout` read the same text."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from mlm.parallel.mesh import Mesh
 from mlm.plan.hardware import load_hardware
 from mlm.plan.job import make_job
 from mlm.plan.search import _divisors, _family_layouts, context_parallel_sizes
+
+from test_bad_input import assert_error, mlm
 
 
 def _generated(job):
@@ -208,3 +212,48 @@ def test_a_plan_file_holds_its_layout_text(tmp_path):
     spec["mesh"]["tp"] = 2 * best.layout.tp  # edited by hand: the tables and the text disagree
     with pytest.raises(MlmError, match=f"the plan's \\[mesh\\] layout = '{best.layout}' disagrees"):
         layout(spec)
+
+
+TINY = ["--set", "preset=tiny-llama", "--set", "train.global_batch_size=8"]
+
+
+def test_the_commands_read_the_same_text(tmp_path):
+    """A layout as `mlm plan` prints it is read by plan --layout, parity --layouts, train --dry-run
+    --layout and convert --layout; bad text is the same one-line error (exit 2) in each."""
+    text = "tp2pp2dp2spzero1mb1rcselgb8"
+    r = mlm("plan", "--preset", "tiny-llama", "--gpus", "8", "--global-batch", "8", "--layout", text)
+    assert r.returncode == 0, r.stderr
+    assert f"--layout {text}" in " ".join(r.stdout.split())  # the layout it explains prints as given
+    r = mlm("train", "--dry-run", *TINY, "--layout", text)
+    assert r.returncode == 0, r.stderr
+    out = " ".join((r.stdout + r.stderr).split())
+    assert (
+        f"layout {text} " in out
+        and "mesh tp=2 pp=2 dp=2 cp=1 (world 8); micro-batch 1, global batch 8" in out
+    )
+    assert_error(
+        mlm("train", "--dry-run", *TINY, "--layout", text, "--world-size", "16"), "= 8 ≠ world size 16"
+    )
+    assert_error(
+        mlm("train", "--dry-run", *TINY, "--layout", text, "--plan", tmp_path / "p.toml"),
+        "both give the mesh and the batching; give one",
+    )
+    assert_error(
+        mlm("parity", *TINY, "--layouts", f"tp1,{text}", "--steps", "0"), "--steps 0: must be at least 1"
+    )
+    r = mlm("convert", tmp_path / "none", tmp_path / "out", "--layout", text)
+    assert_error(r, "checkpoint")  # the text is read; the missing checkpoint is the error
+    assert "note: --layout tp2pp2dp2spzero1mb1rcselgb8: a reshard applies its mesh, tp2pp2dp2;" in " ".join(
+        r.stderr.split()
+    )
+    assert_error(
+        mlm("convert", tmp_path / "none", tmp_path / "out", "--layout", "tp2", "--tp", "2"),
+        "mlm convert --layout tp2 with --tp: both give the target mesh",
+    )
+    for args in (
+        ["plan", "--preset", "tiny-llama", "--gpus", "8", "--layout", "tp2x"],
+        ["parity", *TINY, "--layouts", "tp1,tp2x"],
+        ["train", "--dry-run", *TINY, "--layout", "tp2x"],
+        ["convert", tmp_path / "none", tmp_path / "out", "--layout", "tp2x"],
+    ):
+        assert_error(mlm(*args), "layout 'tp2x': unknown term 'x'; use tp<N>")
