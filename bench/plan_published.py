@@ -33,12 +33,8 @@ def table(runs: list[dict]) -> str:
             skipped.append(run)
             continue
         p = predict(run)
-        lo = p.candidate.layout
-        mesh = f"tp{lo.tp} pp{lo.pp}" + (f" vpp{lo.vpp}" if lo.vpp > 1 else "") + f" dp{lo.dp}"
-        mesh += (f" cp{lo.cp}" if lo.cp > 1 else "") + (f" ep{lo.ep}" if lo.ep > 1 else "")
-        mesh += f" mb{lo.micro_batch} {lo.recompute}"
         lines.append(
-            f"| {run['id']} | {family(run)} | {run['gpus']} | {mesh} | {p.job.software.name} | {p.measured:,.0f} | "
+            f"| {run['id']} | {family(run)} | {run['gpus']} | {p.candidate.layout} | {p.job.software.name} | {p.measured:,.0f} | "
             f"{p.predicted:,.0f} | {p.ratio:.3f} |"
         )
     if skipped:

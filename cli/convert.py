@@ -1,6 +1,7 @@
 """`mlm convert`: reshard a checkpoint for another mesh; Hugging Face import and export; verified.
 
     mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--ep 4] [--dtype bf16] [--consolidate]   # another mesh
+    mlm convert CKPT OUT --layout tp2pp2dp4                  # the same, as a layout (docs/layout.md)
     mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
     mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...] [--weights-only]   # Megatron torch_dist / legacy → mlm
     mlm convert --from-dcp DIR OUT --set model.num_attention_heads=32 --set model.rope_base=500000 [--weights-only]   # torchtitan → mlm
@@ -77,6 +78,12 @@ def convert(
         help="Reshard a MoE checkpoint: target expert-parallel size, dividing the experts and dp × tp "
         "(default: the source's).",
     ),
+    layout: str | None = typer.Option(
+        None,
+        "--layout",
+        help="Reshard: the target mesh as one text (docs/layout.md), e.g. tp2pp2dp4, instead of "
+        "--tp/--pp/--vpp/--dp/--ep: sizes it leaves out are 1, dp the source's.",
+    ),
     consolidate: bool = typer.Option(
         False, "--consolidate", help="Reshard: write every tensor as one chunk."
     ),
@@ -120,6 +127,7 @@ def convert(
         "--vpp": vpp is not None,
         "--dp": dp is not None,
         "--ep": ep is not None,
+        "--layout": layout is not None,
         "--consolidate": consolidate,
         "--dtype": dtype is not None,
         "--max-shard-size": max_shard_size != "5GB",
@@ -137,10 +145,19 @@ def convert(
     if mode == "reshard":
         if not any(given.values()):
             raise MlmError(
-                "mlm convert SRC OUT: say what to convert: --tp/--pp/--vpp/--dp/--ep/--consolidate/--dtype (reshard), "
+                "mlm convert SRC OUT: say what to convert: --layout or --tp/--pp/--vpp/--dp/--ep, "
+                "--consolidate, --dtype (reshard), "
                 "--from-hf or --to-hf (Hugging Face), --from-megatron or --to-megatron (Megatron-LM), or --from-dcp "
                 "(torchtitan)"
             )
+        if layout is not None:
+            sizes = [o for o in ("--tp", "--pp", "--vpp", "--dp", "--ep") if given[o]]
+            if sizes:
+                raise MlmError(
+                    f"mlm convert --layout {layout} with {', '.join(sizes)}: both give the target mesh; "
+                    "write the sizes in the layout (tp<N>, pp<N>, vpp<N>, dp<N>, ep<N>) or drop --layout"
+                )
+            tp, pp, vpp, dp, ep = _layout_sizes(layout)
         return _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress)
 
     from mlm.convert import hf, megatron, megatron_export, torchtitan
@@ -168,7 +185,7 @@ def convert(
 
 
 _OPTIONS = {
-    "reshard": {"--tp", "--pp", "--vpp", "--dp", "--ep", "--consolidate", "--dtype"},
+    "reshard": {"--tp", "--pp", "--vpp", "--dp", "--ep", "--layout", "--consolidate", "--dtype"},
     "--from-hf": set(),
     "--to-hf": {"--dtype", "--max-shard-size", "--tokenizer"},
     "--from-megatron": {"--set", "--weights-only"},
@@ -192,6 +209,24 @@ _VERIFIED = {
     "--to-megatron": "read back with mlm's Megatron reader: every tensor bitwise equal",
 }
 """What verification checked where it is not a logit comparison of both sides."""
+
+
+def _layout_sizes(text: str) -> tuple[int, int, int, int | None, int]:
+    """--layout TEXT → the reshard's tp, pp, vpp, dp (None: the source's) and ep; a note says when
+    the layout gives more (the run's choices: a checkpoint's tensors are the same under them)."""
+    from mlm.console import console
+    from mlm.layout import Layout
+
+    lo = Layout.parse(text)
+    target = Layout(lo.tp, lo.pp, lo.dp, None, None, lo.vpp, ep=lo.ep).mesh()
+    if str(lo) != str(target):
+        console.print(
+            f"[bold yellow]note:[/] --layout {text}: a reshard applies its mesh, {target}; the rest are "
+            "the run's choices, which change no tensor: give them to mlm train (--layout, --plan or --set)",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return lo.tp, lo.pp, lo.vpp, lo.dp, lo.ep
 
 
 def _with_progress(run, progress: bool):
@@ -251,6 +286,7 @@ def _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress
     from mlm.checkpoint import read_manifest, resolve_checkpoint
     from mlm.console import console
     from mlm.convert.reshard import reshard
+    from mlm.layout import Layout
 
     manifest = read_manifest(resolve_checkpoint(src))
     parallel = manifest["config"]["parallel"]
@@ -277,12 +313,12 @@ def _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress
             verify=verify,
             progress=show,
         )
-    ep_given, ep = ep is not None, read_manifest(resolve_checkpoint(out))["mesh"]["ep"]
+    ep = read_manifest(resolve_checkpoint(out))["mesh"]["ep"]
     seconds = time.perf_counter() - start
     nbytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    target = Layout(tp, pp, dp, None, None, vpp, ep=ep).mesh()
     line = (
-        f"[bold green]resharded[/] {src} → {out} for tp={tp} pp={pp}"
-        f"{f' vpp={vpp}' if vpp > 1 else ''} dp={dp}{f' ep={ep}' if ep_given or ep > 1 else ''}"
+        f"[bold green]resharded[/] {src} → {out} for {target}"
         f"{' (consolidated)' if consolidate else ''}: {nbytes / 1e9:.3g} GB in {seconds:.1f} s "
         f"({nbytes / 1e9 / max(seconds, 1e-9):.3g} GB/s)"
     )

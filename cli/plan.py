@@ -5,7 +5,7 @@ mlm plan --preset llama3-70b --gpus 512 --explain --png plan.png
 mlm plan --preset mixtral-8x7b --gpus 64 --global-batch 512 --ep 8
 mlm plan --preset llama3-8b --gpus 64 --seq-length 131072 --global-batch 64 --cp 8
 mlm plan --preset llama3-70b --gpus 512 --max-tp 4 --recompute none,selective --micro-batch 1
-mlm plan --preset llama3-70b --gpus 512 --layout tp8pp4vpp2cp2p2pzero1mb1rcsel -o plan.toml
+mlm plan --preset llama3-70b --gpus 512 --layout tp8pp4vpp2cp2p2pspzero1mb1rcsel -o plan.toml
 mlm plan --config run.toml --gpus 8 --calibrate runs/x/metrics.jsonl --save-profile mine.toml
 mlm plan --preset llama3-70b --gpus 512 --software megatron-core   # predicted for Megatron-core's kernels
 
@@ -23,9 +23,8 @@ from typing import Annotated
 import typer
 
 LAYOUT_HELP = (
-    "Explain one layout instead of searching: tp<N> pp<N> vpp<N> dp<N> cp<N> ep<N> sp zero1 p2p ag "
-    "(as mlm parity --layouts) and mb<N>, rcnone|rcsel|rcfull, e.g. tp8pp4vpp2cp2mb1rcsel; missing "
-    "sizes are 1 but dp (what --gpus leaves), sp is on with tp > 1, and the choices not given "
+    "Explain one layout instead of searching, in the text of docs/layout.md, e.g. tp8pp4vpp2cp2mb1rcsel; "
+    "missing sizes are 1 but dp (what --gpus leaves), sp is on with tp > 1, and the choices not given "
     "(micro-batch, recompute, zero1, p2p/ag) are the fastest that fit."
 )
 
@@ -95,9 +94,10 @@ def plan(
     sharding; predict memory and speed."""
     from mlm.console import console, make_console
     from mlm.errors import MlmError
+    from mlm.layout import Layout
     from mlm.plan import report
     from mlm.plan.hardware import hardware_toml, load_hardware
-    from mlm.plan.layout import make_job
+    from mlm.plan.job import make_job
     from mlm.plan.search import RECOMPUTE, Constraints
     from mlm.plan.search import plan as search
     from mlm.plan.software import load_software
@@ -108,6 +108,9 @@ def plan(
     if optimizer not in ("auto", "adam", "distributed"):
         raise MlmError(f"--optimizer {optimizer!r}: must be auto, adam or distributed")
     sets = ([f"preset={preset}"] if preset else []) + list(overrides)
+    given = Layout.parse(layout) if layout is not None else None
+    if given is not None and given.global_batch is not None and global_batch is None and tokens is None:
+        global_batch = given.global_batch
     job = make_job(
         config,
         sets,
@@ -155,7 +158,7 @@ def plan(
                 f"--layout {layout} with {', '.join(pinned)}: the layout gives the mesh and its choices; "
                 "write them in it (tp<N>, pp<N>, ep<N>, cp<N>, mb<N>, rcnone/rcsel/rcfull)"
             )
-        chosen, ranked = _explain_layout(job, layout, optimizer, out), None
+        chosen, ranked = _explain_layout(job, layout, given, optimizer, out), None
     else:
         result = search(job, optimizer, ep, cp, k)
         if not 1 <= pick <= len(result.ranked):
@@ -164,7 +167,7 @@ def plan(
         out.print(report.ranked_table(job, result, top))
         out.print(report.rejected_table(result))
         if explain:
-            out.print(report.explain(job, chosen, layout_arg(chosen.layout)))
+            out.print(report.explain(job, chosen))
     if png:
         report.save_memory_png(job, ranked or [chosen], str(png), top)
         console.print(f"wrote {png}")
@@ -181,58 +184,37 @@ def plan(
             console.print(f"wrote {output}: mlm train --config RUN.toml --plan {output}")
 
 
-def layout_arg(lo) -> str:
-    """A plan's layout as `--layout` reads it back to the same plan ('tp4pp8dp4cp4p2pspzero1mb1rcnone';
-    `--optimizer adam` appended where a replicated optimizer was chosen over dp × cp ranks)."""
-    from mlm.train.parity.layouts import layout_text
-
-    text = layout_text(
-        lo.tp,
-        lo.pp,
-        lo.vpp,
-        lo.dp,
-        lo.cp,
-        lo.ep,
-        lo.sequence_parallel,
-        lo.distributed_optimizer,
-        lo.cp_comm_type,
-        lo.micro_batch,
-        lo.recompute,
-    )
-    return text + (" --optimizer adam" if lo.dp_cp > 1 and not lo.distributed_optimizer else "")
-
-
-def _explain_layout(job, text: str, optimizer: str, out):
-    """Print `--layout TEXT`'s explanation and what was chosen for it; its candidate if it fits,
-    else exit 1 after its memory breakdown (an invalid mesh is the rule's MlmError: exit 2)."""
+def _explain_layout(job, text: str, given, optimizer: str, out):
+    """Print the explanation of `--layout TEXT` (parsed: `given`) and what was chosen for it; its
+    candidate if it fits, else exit 1 after its memory breakdown (an invalid mesh is the rule's
+    MlmError: exit 2)."""
     from mlm.console import console
     from mlm.plan import report
-    from mlm.plan.search import explain_layout, why_not
-    from mlm.train.parity.layouts import parse_terms
+    from mlm.plan.pinned import complete
+    from mlm.plan.search import why_not
 
-    terms = parse_terms(text, planner=True)
-    c, result = explain_layout(job, terms, optimizer)
-    lo, given = c.layout, terms.sizes.keys() | terms.flags
-    chosen = [f"dp {lo.dp} (from --gpus {job.gpus})"] if "dp" not in given else []
-    if lo.tp > 1 and "sp" not in given:
+    c, result = complete(job, given, optimizer)
+    lo = c.layout
+    chosen = [f"dp {lo.dp} (from --gpus {job.gpus})"] if given.dp is None else []
+    if lo.tp > 1 and given.sequence_parallel is None:
         chosen.append("sequence parallelism on (tp > 1)")
-    if terms.micro_batch is None:
+    if given.micro_batch is None:
         chosen.append(f"micro-batch {lo.micro_batch}")
-    if terms.recompute is None:
+    if given.recompute is None:
         chosen.append(f"recompute {lo.recompute}")
-    if "zero1" not in given and optimizer == "auto" and lo.dp_cp > 1:
+    if given.distributed_optimizer is None and optimizer == "auto" and lo.dp_cp > 1:
         chosen.append(f"{'distributed' if lo.distributed_optimizer else 'replicated'} optimizer")
-    if lo.cp > 1 and terms.cp_comm_type is None:
+    if lo.cp > 1 and given.cp_comm_type is None:
         chosen.append(f"{lo.cp_comm_type} attention")
     of = f"{len(result.ranked)} that fit" if c.fits else f"none of {result.evaluated} fits; the least memory"
     out.print(report.model_line(job), highlight=False)
     out.print(
-        f"--layout {terms.name} on {job.gpus} × {job.hardware.name}: {result.evaluated} layouts of this "
+        f"--layout {text} on {job.gpus} × {job.hardware.name}: {result.evaluated} layouts of this "
         f"mesh evaluated, {of}" + (f"; chosen: {', '.join(chosen)}" if chosen else ""),
         highlight=False,
     )
-    out.print(report.explain(job, c, layout_arg(lo)))
+    out.print(report.explain(job, c))
     if not c.fits:
-        console.print(f"[bold red]does not fit:[/] --layout {terms.name} {why_not(c)}", highlight=False)
+        console.print(f"[bold red]does not fit:[/] --layout {text} {why_not(c)}", highlight=False)
         raise typer.Exit(1)
     return c

@@ -1,8 +1,15 @@
-"""`mlm train`: train from a run config (TOML) plus `--set` overrides."""
+"""`mlm train`: train from a run config (TOML) plus `--set` overrides.
+
+    mlm train --config run.toml [--plan plan.toml | --layout tp2pp2dp2spmb2] [--set k=v ...]
+    mlm train --config run.toml --layout tp2pp4vpp2dp2 --dry-run [--png schedule.png]
+
+The items apply in order: the config, the plan or the layout (docs/layout.md), then `--set`.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -20,7 +27,10 @@ def train(
         False, "--dry-run", help="Check the mesh, model and batch; show stages and the pipeline schedule."
     ),
     world_size: int | None = typer.Option(
-        None, "--world-size", help="--dry-run: ranks to check for (default: WORLD_SIZE, else tp × pp × cp)."
+        None,
+        "--world-size",
+        help="--dry-run: ranks to check for (default: WORLD_SIZE, else the --layout's tp × pp × dp × cp, "
+        "else tp × pp × cp).",
     ),
     png: Path | None = typer.Option(None, "--png", help="--dry-run: also draw the pipeline schedule here."),
     plan: Path | None = typer.Option(
@@ -28,6 +38,14 @@ def train(
         "--plan",
         help="Plan file from `mlm plan -o` (mesh, batching, recompute); --set applies after it.",
     ),
+    layout: Annotated[
+        str | None,
+        typer.Option(
+            "--layout",
+            help="The mesh and its choices as one text (docs/layout.md), e.g. tp2pp2dp2sp; what it "
+            "leaves out is the config's; --set applies after it.",
+        ),
+    ] = None,
 ) -> None:
     """Train a model on datasets from `mlm data build`; checkpoints, metrics.jsonl, TensorBoard."""
     from mlm.train.watchdog import Watchdog
@@ -36,7 +54,7 @@ def train(
     # printed once, by rank 0, and stops every rank (mlm/train/watchdog.py)
     watchdog = Watchdog.for_job()
     try:
-        _train(watchdog, config, overrides, load, auto_resume, dry_run, world_size, png, plan)
+        _train(watchdog, config, overrides, load, auto_resume, dry_run, world_size, png, plan, layout)
     except typer.Exit:  # preempted (the trainer has said so on rank 0)
         watchdog.finish()
         raise
@@ -47,12 +65,20 @@ def train(
     watchdog.finish()
 
 
-def _train(watchdog, config, overrides, load, auto_resume, dry_run, world_size, png, plan) -> None:
+def _train(watchdog, config, overrides, load, auto_resume, dry_run, world_size, png, plan, layout) -> None:
     import os
 
     from mlm.config import load_config
+    from mlm.errors import MlmError
+    from mlm.layout import Layout
 
     planned: list[str] = []
+    given = Layout.parse(layout) if layout is not None else None
+    if given is not None and plan is not None:
+        raise MlmError(
+            f"--plan {plan} and --layout {layout} both give the mesh and the batching; give one "
+            "(--set applies after either)"
+        )
     if plan is not None:
         from mlm.planfile import read_plan, train_overrides, world_size_note
 
@@ -63,13 +89,20 @@ def _train(watchdog, config, overrides, load, auto_resume, dry_run, world_size, 
             from mlm.console import console
 
             console.print(f"[bold yellow]warning:[/] {plan}: {note}", highlight=False)
+    if given is not None:
+        planned = given.overrides()
     cfg = load_config(config, planned + list(overrides))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if dry_run:
+        p = cfg.parallel
+        ranks = given.gpus if given is not None and given.dp is not None else p.tp * p.pp * p.cp
+        world = world_size or int(os.environ.get("WORLD_SIZE", ranks))
+    if given is not None:
+        given.with_world(world)  # a dp it gives must be what the world size leaves
     if dry_run:
         from mlm.console import console
         from mlm.train.dry_run import dry_run as report
 
-        p = cfg.parallel
-        world = world_size or int(os.environ.get("WORLD_SIZE", p.tp * p.pp * p.cp))
         console.print(report(cfg, world, str(png) if png else None))
         return
     from mlm.train.trainer import PREEMPTED_EXIT_CODE, Preempted, Trainer, resume_path

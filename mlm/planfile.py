@@ -4,13 +4,15 @@
     version = 1
     [model]       preset, overrides (the `--set` items the plan was made with)
     [cluster]     gpus, gpus_per_node, hardware
-    [mesh]        tp, pp, vpp, dp, cp, ep, sequence_parallel, first_stage_layers, last_stage_layers,
-                  cp_comm_type (optional: plans from before context parallelism lack it)
+    [mesh]        layout (the text `mlm plan --layout` reads, docs/layout.md; optional: older plans
+                  lack it), tp, pp, vpp, dp, cp, ep, sequence_parallel, first_stage_layers,
+                  last_stage_layers, cp_comm_type (optional: plans from before context parallelism lack it)
     [batching]    micro_batch_size, global_batch_size, accumulation, seq_length
     [choices]     recompute, distributed_optimizer, precision
     [prediction]  step_time_s, tokens_per_s_per_gpu, mfu, and [prediction.memory_gb] by component
 
-`train_overrides` turns a plan into `--set` items for `mlm.config.load_config`, so that a run
+`layout` reads the plan's `mlm.layout.Layout` from these tables (refusing a `layout` text that
+says otherwise); `train_overrides` turns a plan into `--set` items for `mlm.config.load_config`, so that a run
 config plus a plan plus the user's own `--set` (applied last) make the run. The file is written
 under a temporary name and renamed into place; a reader refuses a version it does not know.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 from mlm.config import toml_value
 from mlm.errors import MlmError, check_version
 from mlm.fileio import atomic_write_text, read_toml
+from mlm.layout import Layout
 
 FORMAT = "mlm-plan"
 VERSION = 1
@@ -86,26 +89,40 @@ def read_plan(path: str | Path) -> dict:
     return plan
 
 
+def layout(plan: dict) -> Layout:
+    """The plan's layout; MlmError when its `layout` text and its tables disagree (an edited plan)."""
+    mesh, batch, choice = plan["mesh"], plan["batching"], plan["choices"]
+    lo = Layout(
+        mesh["tp"],
+        mesh["pp"],
+        mesh["dp"],
+        batch["micro_batch_size"],
+        batch["global_batch_size"],
+        mesh["vpp"],
+        mesh["sequence_parallel"],
+        choice["recompute"],
+        choice["distributed_optimizer"],
+        mesh.get("first_stage_layers"),
+        mesh.get("last_stage_layers"),
+        mesh["cp"],
+        mesh.get("ep", 1),
+        mesh.get("cp_comm_type"),  # None (the run config's) in plans from before context parallelism
+    )
+    if "layout" in mesh and Layout.parse(mesh["layout"]) != lo:
+        raise MlmError(
+            f"the plan's [mesh] layout = {mesh['layout']!r} disagrees with its tables ({lo}); "
+            "make it again with `mlm plan -o`, or edit both"
+        )
+    return lo
+
+
 def train_overrides(plan: dict) -> list[str]:
     """The `--set` items that give a run the plan's model, mesh, batching and choices."""
-    model, mesh, batch, choice = plan["model"], plan["mesh"], plan["batching"], plan["choices"]
+    model, batch, choice = plan["model"], plan["batching"], plan["choices"]
     sets = [f"preset={model['preset']}"] if model["preset"] else []
     sets += [s for s in model["overrides"] if s.split("=", 1)[0].strip().startswith("model.")]
-    sets += [
-        f"parallel.{k}={toml_value(mesh[k])}" for k in ("tp", "pp", "vpp", "cp", "ep", "sequence_parallel")
-    ]
-    if "cp_comm_type" in mesh:
-        sets.append(f"parallel.cp_comm_type={toml_value(mesh['cp_comm_type'])}")
-    for k in ("first_stage_layers", "last_stage_layers"):
-        sets.append(f"parallel.{k}={mesh[k] if mesh.get(k) is not None else 'none'}")
-    sets += [
-        f"train.micro_batch_size={batch['micro_batch_size']}",
-        f"train.global_batch_size={batch['global_batch_size']}",
-        f"data.seq_length={batch['seq_length']}",
-        f"model.recompute={toml_value(choice['recompute'])}",  # quoted: a bare none would unset it
-        f"parallel.distributed_optimizer={toml_value(choice['distributed_optimizer'])}",
-        f"train.precision={toml_value(choice['precision'])}",
-    ]
+    sets += layout(plan).overrides()
+    sets += [f"data.seq_length={batch['seq_length']}", f"train.precision={toml_value(choice['precision'])}"]
     if "param_dtype" in choice:  # plans written before train.param_dtype: fp32 parameters
         sets.append(f"train.param_dtype={toml_value(choice['param_dtype'])}")
     return sets
@@ -113,18 +130,17 @@ def train_overrides(plan: dict) -> list[str]:
 
 def world_size_note(plan: dict, world_size: int) -> str | None:
     """A warning when the run's world size differs from the plan's GPU count, else None."""
-    gpus, mesh = plan["cluster"]["gpus"], plan["mesh"]
+    gpus, lo = plan["cluster"]["gpus"], layout(plan)
     if world_size == gpus:
         return None
-    inner = mesh["tp"] * mesh["pp"] * mesh["cp"]
+    inner = lo.tp * lo.pp * lo.cp
     dp = f"dp={world_size // inner}" if world_size % inner == 0 else "no whole dp (the run will stop)"
-    ep = mesh.get("ep", 1)
-    stage = world_size // mesh["pp"]  # the dp × cp × tp ranks ep folds over
-    if world_size % inner == 0 and stage % ep:
-        dp += f", but ep={ep} does not divide dp × cp × tp = {stage} (the run will stop)"
-    keep = f"tp={mesh['tp']} pp={mesh['pp']} cp={mesh['cp']}" + (f" ep={ep}" if ep > 1 else "")
+    stage = world_size // lo.pp  # the dp × cp × tp ranks ep folds over
+    if world_size % inner == 0 and stage % lo.ep:
+        dp += f", but ep={lo.ep} does not divide dp × cp × tp = {stage} (the run will stop)"
+    keep = f"tp={lo.tp} pp={lo.pp} cp={lo.cp}" + (f" ep={lo.ep}" if lo.ep > 1 else "")
     return (
-        f"the plan was made for {gpus} GPUs (dp={mesh['dp']}) but this run has {world_size} ranks: "
+        f"the plan was made for {gpus} GPUs (dp={lo.dp}) but this run has {world_size} ranks: "
         f"keeping {keep}, {dp}; its memory and speed "
         "predictions do not apply"
     )

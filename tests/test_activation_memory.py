@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mlm.config import load_config
+from mlm.layout import Layout
 from mlm.model.gpt import build_model
-from mlm.plan.layout import Layout
 from mlm.plan.memory import layer_activation_bytes
 
 S, B, H = 64, 2, 128  # tokens, micro-batch, hidden

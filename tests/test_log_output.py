@@ -87,13 +87,12 @@ def test_plan_table_headers_and_cells_in_full(tmp_path):
         "tok/s/GPU",
         "MFU",
     ]
-    rows = [line for line in lines if re.match(r"│ +\d+ │ tp\d pp\d dp\d+ +│", line)]
+    rows = [line for line in lines if re.match(r"│ +\d+ │ (tp\d)?(pp\d)?dp\d+ +│", line)]
     assert len(rows) == 10 and all(row.rstrip().endswith("% │") for row in rows), text  # one line a plan
     # a rejected family's reason and the --explain headline, each whole on one line
     assert any("every pipeline stage needs at least one layer" in line for line in lines), text
     assert any(
-        line.startswith("tp1 pp1 dp8, micro-batch") and line.endswith("8 × h100-80g, software mlm")
-        for line in lines
+        line.startswith("dp8, micro-batch") and line.endswith("8 × h100-80g, software mlm") for line in lines
     ), text
 
 

@@ -19,25 +19,24 @@ from typer.testing import CliRunner
 from cli.main import app
 from mlm.config import load_config
 from mlm.errors import MlmError
+from mlm.layout import Layout
 from mlm.train import parity
-from mlm.train.parity import (
-    TOLERANCES,
-    Layout,
-    Measured,
-    ParityResult,
-    compare,
-    parse_layout,
-    parse_layouts,
-    resolve,
-    runner,
-)
+from mlm.train.parity import TOLERANCES, Measured, ParityResult, compare, parse_layouts, resolve, runner
 
 from conftest import tiny_sets
 
 
+def _layout(text: str) -> Layout:
+    """One `--layouts` entry as parity reads it."""
+    [lay] = parse_layouts(text)
+    return lay
+
+
 def test_layouts_parse_to_the_parallel_config():
-    lay = parse_layout("tp2pp2vpp2dp2sp")
-    assert (lay.tp, lay.pp, lay.vpp, lay.dp, lay.sp, lay.zero1, lay.world) == (2, 2, 2, 2, True, False, 8)
+    lay = _layout("tp2pp2vpp2dp2sp")
+    assert (lay.tp, lay.pp, lay.vpp, lay.dp, lay.sequence_parallel) == (2, 2, 2, 2, True)
+    assert runner.world(lay) == 8
+    assert lay.distributed_optimizer is None  # not given: the config's
     cfg = load_config(None, lay.overrides()).parallel
     assert (cfg.tp, cfg.pp, cfg.vpp, cfg.sequence_parallel, cfg.distributed_optimizer) == (
         2,
@@ -46,25 +45,28 @@ def test_layouts_parse_to_the_parallel_config():
         True,
         False,
     )
-    assert parse_layout("dp2zero1") == Layout("dp2zero1", dp=2, zero1=True)
-    assert parse_layout("pp2").pp == 2 and parse_layout("vpp2").vpp == 2  # vpp without pp: the config says no
-    assert [lay.name for lay in parse_layouts("tp1,tp2, dp2")] == ["tp1", "tp2", "dp2"]
-    assert parse_layout("tp1") == Layout("tp1")  # every size 1: one process
+    assert _layout("dp2zero1") == Layout.parse("zero1dp2") and _layout("dp2zero1").distributed_optimizer
+    assert _layout("pp2").pp == 2 and _layout("vpp2").vpp == 2  # vpp without pp: the config says no
+    assert [str(lay) for lay in parse_layouts("tp1,tp2, dp2")] == ["tp1", "tp2", "dp2"]
+    assert runner.world(_layout("tp1")) == 1  # every size 1: one process
     # ep folds over the stage's dp × tp ranks: without dp<N>, the fewest it folds over
-    assert parse_layout("ep2") == Layout("ep2", dp=2, ep=2) and parse_layout("ep2").world == 2
-    assert parse_layout("tp2spep2") == Layout("tp2spep2", tp=2, ep=2, sp=True)  # ep over the tp ranks
-    assert (parse_layout("tp2ep4").dp, parse_layout("ep2dp4").dp) == (2, 4)
-    assert load_config(None, parse_layout("ep2").overrides()).parallel.ep == 2
+    assert (_layout("ep2").ep, runner.world(_layout("ep2"))) == (2, 2)
+    assert runner.world(_layout("tp2spep2")) == 2  # ep over the tp ranks
+    assert (runner.world(_layout("tp2ep4")), runner.world(_layout("ep2dp4"))) == (4, 4)
+    assert load_config(None, _layout("ep2").overrides()).parallel.ep == 2
     # cp adds ranks; p2p / ag choose its attention, no term leaves the config's
-    assert parse_layout("cp2") == Layout("cp2", cp=2) and parse_layout("tp2cp2sp").world == 4
-    assert parse_layout("cp2ag") == Layout("cp2ag", cp=2, cp_comm_type="all_gather")
-    assert parse_layout("cp2p2p").cp_comm_type == "p2p" and parse_layout("cp2pp2p2p").pp == 2
-    assert parse_layout("cp2ep2") == Layout("cp2ep2", cp=2, ep=2)  # ep folds over the cp ranks
-    assert (parse_layout("ep4cp2").dp, parse_layout("ep4cp2").world) == (2, 4)
-    cfg = load_config(None, parse_layout("cp2ag").overrides()).parallel
+    assert runner.world(_layout("cp2")) == 2 and runner.world(_layout("tp2cp2sp")) == 4
+    assert _layout("cp2").cp_comm_type is None and _layout("cp2ag").cp_comm_type == "all_gather"
+    assert _layout("cp2p2p").cp_comm_type == "p2p" and _layout("cp2pp2p2p").pp == 2
+    assert runner.world(_layout("cp2ep2")) == 2  # ep folds over the cp ranks
+    assert (_layout("ep4cp2").dp, runner.world(_layout("ep4cp2"))) == (None, 4)
+    cfg = load_config(None, _layout("cp2ag").overrides()).parallel
     assert (cfg.cp, cfg.cp_comm_type) == (2, "all_gather")
-    cfg = load_config(None, [*parse_layout("cp2").overrides(), 'parallel.cp_comm_type="all_gather"'])
+    cfg = load_config(None, [*_layout("cp2").overrides(), 'parallel.cp_comm_type="all_gather"'])
     assert cfg.parallel.cp_comm_type == "all_gather"
+    # the micro-batch and recompute terms set the config's too
+    cfg = load_config(None, _layout("tp2mb1rcfull").overrides())
+    assert (cfg.train.micro_batch_size, cfg.model.recompute) == (1, "full")
 
 
 @pytest.mark.parametrize(
@@ -93,6 +95,9 @@ def test_bad_layouts_are_named(text, message):
     assert message in str(e.value)
 
 
+ONE, TP2, DP2 = (Layout.parse(t).with_world(w) for t, w in (("tp1", 1), ("tp2", 2), ("dp2", 2)))
+
+
 def _weights(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
@@ -104,9 +109,9 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
 def test_a_loss_one_percent_off_fails_and_the_report_says_where(capsys):
     tol = TOLERANCES["fp32"]
     ref = Measured([8.0, 7.5, 7.0], 6.5, _weights(0))
-    same = compare(Layout("tp1"), ref, ref, tol)
-    near = compare(Layout("tp2", tp=2), Measured([8.0, 7.5 * (1 + 1e-7), 7.0], 6.5, _weights(0)), ref, tol)
-    off = compare(Layout("dp2", dp=2), Measured([8.0, 7.5 * 1.01, 7.0], 6.5, _weights(0)), ref, tol)
+    same = compare("tp1", ONE, ref, ref, tol)
+    near = compare("tp2", TP2, Measured([8.0, 7.5 * (1 + 1e-7), 7.0], 6.5, _weights(0)), ref, tol)
+    off = compare("dp2", DP2, Measured([8.0, 7.5 * 1.01, 7.0], 6.5, _weights(0)), ref, tol)
     assert same.passed and near.passed and not off.passed
     assert off.max_loss_rel == pytest.approx(0.01) and off.worst_step == 2 and off.eval_rel == 0.0
     result = ParityResult("fp32", tol, 3, [same, near, off])
@@ -121,28 +126,28 @@ def test_an_eval_loss_off_fails_where_the_training_losses_agree(capsys):
     tol = TOLERANCES["fp32"]
     assert tol.eval_rel == 1e-6
     ref = Measured([8.0, 7.5], 6.5, _weights(0))
-    near = compare(Layout("tp2", tp=2), Measured([8.0, 7.5], 6.5 * (1 + 5e-7), _weights(0)), ref, tol)
-    off = compare(Layout("dp2", dp=2), Measured([8.0, 7.5], 6.5 * (1 + 1e-5), _weights(0)), ref, tol)
+    near = compare("tp2", TP2, Measured([8.0, 7.5], 6.5 * (1 + 5e-7), _weights(0)), ref, tol)
+    off = compare("dp2", DP2, Measured([8.0, 7.5], 6.5 * (1 + 1e-5), _weights(0)), ref, tol)
     assert near.passed and not off.passed and off.max_loss_rel == 0.0
     assert off.eval_rel == pytest.approx(1e-5) and off.to_json()["eval_loss"] == pytest.approx(6.500065)
-    parity.render(ParityResult("fp32", tol, 2, [compare(Layout("tp1"), ref, ref, tol), near, off]))
+    parity.render(ParityResult("fp32", tol, 2, [compare("tp1", ONE, ref, ref, tol), near, off]))
     out = " ".join(capsys.readouterr().out.split())
     assert "|Δeval|/eval" in out and "1.00e-05" in out and "FAIL: dp2;" in out
     assert "|Δeval|/eval ≤ 1e-06 after the last" in out
     # without a validation split neither side has an eval loss: nothing to compare, "-" in the table
     bare = Measured([8.0, 7.5], None, _weights(0))
-    r = compare(Layout("tp2", tp=2), bare, bare, tol)
+    r = compare("tp2", TP2, bare, bare, tol)
     assert r.passed and r.eval_rel is None
     with pytest.raises(MlmError, match="logged no eval loss, the reference one"):
-        compare(Layout("tp2", tp=2), bare, ref, tol)
+        compare("tp2", TP2, bare, ref, tol)
 
 
 def test_the_command_exits_1_when_a_layout_fails(monkeypatch):
     tol, w = TOLERANCES["fp32"], _weights(0)
     ref = Measured([8.0], 7.9, w)
     results = [
-        compare(Layout("tp1"), ref, ref, tol),
-        compare(Layout("tp2", tp=2), Measured([8.1], 7.9, w), ref, tol),
+        compare("tp1", ONE, ref, ref, tol),
+        compare("tp2", TP2, Measured([8.1], 7.9, w), ref, tol),
     ]
     monkeypatch.setattr(parity, "run_parity", lambda *a: ParityResult("fp32", tol, 1, results, out="x"))
     r = CliRunner().invoke(app, ["parity", "--layouts", "tp1,tp2", "--steps", "1"])
@@ -154,11 +159,11 @@ def test_a_weight_tensor_off_fails_and_is_named():
     ref_w = _weights(0)
     moved = {**ref_w, "layers.0.mlp.up.weight": ref_w["layers.0.mlp.up.weight"] * (1 + 1e-3)}
     ref = Measured([8.0], 7.9, ref_w)
-    r = compare(Layout("tp2", tp=2), Measured([8.0], 7.9, moved), ref, tol)
+    r = compare("tp2", TP2, Measured([8.0], 7.9, moved), ref, tol)
     assert not r.passed and r.worst_tensor == "layers.0.mlp.up.weight"
     assert r.max_weight_rel == pytest.approx(1e-3, rel=1e-4) and r.weight_rel["embed.weight"] == 0.0
     with pytest.raises(MlmError, match="logged 2 steps, the reference 1"):
-        compare(Layout("tp2", tp=2), Measured([8.0, 7.0], 7.9, ref_w), ref, tol)
+        compare("tp2", TP2, Measured([8.0, 7.0], 7.9, ref_w), ref, tol)
 
 
 def _sets(tmp_path, data, **extra) -> list[str]:
@@ -265,7 +270,7 @@ def test_cp2_of_either_attention_matches_one_process(tmp_path, tiny_data):
     got = [(x["name"], x["world_size"], x["cp"], x["cp_comm_type"]) for x in report["layouts"]]
     # no term: the config's attention (p2p by default), named in the report
     assert report["passed"] and got == [
-        ("tp1", 1, 1, None),
+        ("tp1", 1, 1, "p2p"),
         ("cp2", 2, 2, "p2p"),
         ("cp2ag", 2, 2, "all_gather"),
     ]
@@ -313,7 +318,7 @@ def test_a_context_parallel_layout_that_cannot_run_is_refused(tmp_path, tiny_dat
             "layout 'ep2': model.moe.num_experts=3 is not divisible by parallel.ep=2",
         ),
         ({}, "tp1,tp2ep2", "layout 'tp2ep2': parallel.ep=2 with tp=2: the tp ranks are expert-parallel"),
-        ({}, "tp1,ep2dp3", "layout 'ep2dp3': ep(2) must divide dp(3) × cp(1) × tp(1) = 3"),
+        ({}, "tp1,ep2dp3", "layout 'dp3ep2': ep(2) must divide dp(3) × cp(1) × tp(1) = 3"),
     ],
 )
 def test_an_expert_parallel_layout_that_cannot_run_is_refused(tmp_path, tiny_data, moe, layouts, message):

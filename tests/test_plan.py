@@ -19,10 +19,11 @@ import torch
 
 from mlm.config import load_config
 from mlm.errors import MlmError
+from mlm.layout import Layout
 from mlm.model.mtp import MTPTargets
 from mlm.parallel.context import zigzag_indices
 from mlm.plan.hardware import load_hardware
-from mlm.plan.layout import Job, Layout, make_job
+from mlm.plan.job import Job, make_job
 from mlm.plan.memory import (
     korthikanti_layer_bytes,
     micro_batch_activation_bytes,
@@ -662,7 +663,7 @@ def test_search_chooses_ep_for_qwen3_moe(tmp_path, capsys):
     check_layout(job, lo)
     assert lo.ep > 1 and 128 % lo.ep == 0 and (lo.dp * lo.cp * lo.tp) % lo.ep == 0
     assert {c.layout.ep for c in result.ranked} > {1, lo.ep}  # several sizes were tried and fit
-    assert f" ep{lo.ep}" in lo.short()
+    assert f"ep{lo.ep}" in str(lo)
     # MFU counts the active parameters' FLOPs: the same step at the dense count would be ~9× more
     assert 0.1 < best.timing.mfu < 0.75
     from rich.console import Console
@@ -841,7 +842,7 @@ def test_search_picks_cp_where_cp1_does_not_fit(tmp_path, capsys):
     chunks, local = 2 * lo.cp, 131072 // lo.cp
     assert f"context parallel: each 131072-token sequence in {chunks} chunks of {131072 // chunks}" in out
     assert f"holds chunks r and {chunks - 1}−r ({local} tokens)" in out
-    assert "cp exchange (exposed)" in out and f"cp{lo.cp} {lo.cp_comm_type}" in out
+    assert "cp exchange (exposed)" in out and f"{lo.mesh()} sp," in out and f"--layout {lo}" in out
     # the plan file carries cp and the attention implementation into the run's config
     path = tmp_path / "cp.toml"
     write_plan(path, plan_dict(job, best, "llama3-70b", []))
@@ -856,8 +857,9 @@ def test_search_picks_cp_where_cp1_does_not_fit(tmp_path, capsys):
     from mlm.train.dry_run import dry_run
 
     dry_run(cfg, 128)  # mlm train accepts the mesh
-    # a plan written before cp_comm_type existed still reads (the run keeps its config's)
-    path.write_text(path.read_text().replace(f'cp_comm_type = "{lo.cp_comm_type}"\n', ""))
+    # a plan written before cp_comm_type (and the layout text) existed still reads (the run keeps its config's)
+    old = path.read_text().replace(f'cp_comm_type = "{lo.cp_comm_type}"\n', "")
+    path.write_text(old.replace(f'layout = "{lo}"\n', ""))
     assert not any(s.startswith("parallel.cp_comm_type") for s in train_overrides(read_plan(path)))
     pinned = plan(job, cp=4).ranked
     assert pinned and {c.layout.cp for c in pinned} == {4}

@@ -11,13 +11,13 @@ import tomllib
 import pytest
 from rich.console import Console
 
-from cli.plan import layout_arg
 from mlm.errors import MlmError
+from mlm.layout import Layout
 from mlm.plan import report
 from mlm.plan.hardware import load_hardware
-from mlm.plan.layout import make_job
-from mlm.plan.search import Constraints, explain_layout, plan, search, why_not
-from mlm.train.parity.layouts import parse_layout, parse_terms
+from mlm.plan.job import make_job
+from mlm.plan.pinned import complete
+from mlm.plan.search import Constraints, plan, search, why_not
 
 from test_bad_input import assert_error, mlm
 
@@ -38,17 +38,14 @@ def result(job):
 
 
 def _explained(job, text: str):
-    words = text.split()  # 'tp..rcnone' or 'tp..rcnone --optimizer adam'
-    return explain_layout(job, parse_terms(words[0], planner=True), words[-1] if len(words) > 1 else "auto")[
-        0
-    ]
+    return complete(job, Layout.parse(text))[0]
 
 
 def test_layout_of_each_top_plan_reads_back_to_it(job, result):
     """Each of the search's 10 best, written as --layout, is the same candidate (uneven stage
     splits, vpp and all_gather among them); with the choices left out its mesh gives the best."""
     for c in result.ranked[:10]:
-        back = _explained(job, layout_arg(c.layout))
+        back = _explained(job, str(c.layout))
         assert back.layout == c.layout
         assert back.memory.components == c.memory.components and back.timing == c.timing
     best = result.ranked[0].layout
@@ -63,8 +60,8 @@ def test_layout_prints_what_the_search_reports(job, result, tmp_path):
     """Acceptance: `--layout` of the best plan prints its step time, tokens/s, MFU and every memory
     component as the search's `--explain` does, and writes the same plan file."""
     best = result.ranked[0]
-    arg = layout_arg(best.layout).split()
-    r = mlm("plan", *EXAMPLE, "--layout", *arg, "-o", tmp_path / "layout.toml")
+    arg = str(best.layout)
+    r = mlm("plan", *EXAMPLE, "--layout", arg, "-o", tmp_path / "layout.toml")
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stdout.split())
     tm, mem = best.timing, best.memory
@@ -73,7 +70,7 @@ def test_layout_prints_what_the_search_reports(job, result, tmp_path):
     for k, v in mem.components.items():
         assert re.search(rf"{re.escape(k)}\s+│\s+{v / GB:.2f} │", r.stdout), k
     assert re.search(rf"total\s+│\s+{mem.total / GB:.2f} of 80 │", r.stdout)
-    assert f"--layout {arg[0]}" in out and "0 that fit" not in out
+    assert f"--layout {arg}" in out and "0 that fit" not in out
 
     searched = mlm("plan", *EXAMPLE, "--top", "1", "-o", "-")
     assert searched.returncode == 0, searched.stderr
@@ -123,7 +120,7 @@ def test_layout_says_what_it_chose():
 )
 def test_invalid_layout_is_the_rules_error(job, text, fragments):
     with pytest.raises(MlmError) as e:
-        explain_layout(job, parse_terms(text, planner=True), "adam" if "zero1" in text else "auto")
+        complete(job, Layout.parse(text), "adam" if "zero1" in text else "auto")
     for f in fragments:
         assert f in str(e.value)
 
@@ -146,12 +143,9 @@ def test_invalid_layout_exits_2_does_not_fit_exits_1(job, tmp_path):
     assert not (tmp_path / "p.toml").exists()
 
 
-def test_parity_refuses_the_planner_terms():
-    for text, term in (("tp2mb1", "'mb1'"), ("tp2rcfull", "'rcfull'")):
-        with pytest.raises(MlmError, match=f"{term} is a term of `mlm plan --layout`"):
-            parse_layout(text)
-    assert parse_terms("tp2mb4rcsel", planner=True).recompute == "selective"
-    assert parse_terms("tp2mb4rcsel", planner=True).micro_batch == 4
+def test_micro_batch_and_recompute_terms():
+    assert Layout.parse("tp2mb4rcsel").recompute == "selective"
+    assert Layout.parse("tp2mb4rcsel").micro_batch == 4
 
 
 @pytest.mark.parametrize(
@@ -224,11 +218,11 @@ def test_constraint_options_on_the_command_line():
         "20",
     )
     assert r.returncode == 0, r.stderr
-    rows = [line.split("│")[1:-1] for line in r.stdout.splitlines() if re.match(r"│ +\d+ │ tp", line)]
+    rows = [line.split("│")[1:-1] for line in r.stdout.splitlines() if re.match(r"│ +\d+ │ [a-z]", line)]
     assert len(rows) == 20
     for row in rows:
         cells = [c.strip() for c in row]
-        assert int(cells[1].split()[0][2:]) <= 4 and cells[3] == "1" and cells[5] in ("none", "selective")
+        assert Layout.parse(cells[1]).tp <= 4 and cells[3] == "1" and cells[5] in ("none", "selective")
     assert_error(mlm("plan", *EXAMPLE, "--recompute", "none,some"), "--recompute 'none,some'")
 
 
@@ -241,7 +235,7 @@ def _cells(job, result, top):
             v for k, v in mem.items() if k not in ("weights", "gradients", "optimizer", "activations")
         )
         rows.append(
-            [str(i), report._mesh(lo), "on" if lo.sequence_parallel else "off", str(lo.micro_batch)]
+            [str(i), str(lo.mesh()), "on" if lo.sequence_parallel else "off", str(lo.micro_batch)]
             + [str(lo.num_micro), lo.recompute, "yes" if lo.distributed_optimizer else "no"]
             + [f"{mem[k] / GB:.1f}" for k in ("weights", "gradients", "optimizer", "activations")]
             + [f"{other / GB:.1f}", f"{c.memory.total / GB:.1f}", f"{c.timing.step_s:.2f}"]
@@ -277,7 +271,7 @@ def test_file_output_is_whole_at_columns_60(job, result, tmp_path):
         report.RANKED_COLUMNS
     )
     rows = [
-        [c.strip() for c in line.strip("│").split("│")] for line in lines if re.match(r"│ +\d+ │ tp", line)
+        [c.strip() for c in line.strip("│").split("│")] for line in lines if re.match(r"│ +\d+ │ [a-z]", line)
     ]
     assert rows == _cells(job, result, 10)
     for why in result.rejected.values():
@@ -292,7 +286,7 @@ def test_narrow_terminal_stacks_every_table(job, result):
     con = Console(file=buf, width=60, force_terminal=True, color_system=None)
     con.print(report.ranked_table(job, result, 10))
     con.print(report.rejected_table(result))
-    con.print(report.explain(job, result.ranked[0], layout_arg(result.ranked[0].layout)))
+    con.print(report.explain(job, result.ranked[0]))
     text = buf.getvalue()
     assert "…" not in text
     assert not re.search(r"┃ +(#|tp) ┃", text) and "┃ component " in text  # stacked; what fits stays a table

@@ -14,9 +14,10 @@ import pytest
 from mlm.config import load_config
 from mlm.flops import eh_proj_flops, flops_per_token, mixer_flops
 from mlm.hardware import PROFILES
+from mlm.layout import Layout
 from mlm.model import parameter_counts
 from mlm.plan.hardware import load_hardware
-from mlm.plan.layout import Layout, make_job
+from mlm.plan.job import make_job
 from mlm.plan.memory import parameter_counts as planned_counts
 from mlm.plan.memory import rank_stage
 from mlm.plan.report import model_line

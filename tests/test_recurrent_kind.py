@@ -246,7 +246,7 @@ def test_the_planner_counts_the_kind_from_its_spec(tmp_path, tiny_data):
     assert flops_per_token(m, S) == 2 * (recurrence + mlp) + 2 * (dense + moe) + logits
 
     # what one recurrent layer saves (fp32, one rank), counted as tests/test_activation_memory.py counts
-    from mlm.plan.layout import Layout
+    from mlm.layout import Layout
 
     layout = Layout(1, 1, 1, 2, 2)
     planned = sum(memory.layer_activation_bytes(cfg, layout, m.layer_specs()[0]).values())
@@ -268,7 +268,8 @@ def test_the_planner_counts_the_kind_from_its_spec(tmp_path, tiny_data):
 
 def test_mlm_plan_evaluates_a_layout_of_the_hybrid(tmp_path, tiny_data):
     from mlm.hardware import PROFILES
-    from mlm.plan.layout import Job, Layout
+    from mlm.layout import Layout
+    from mlm.plan.job import Job
     from mlm.plan.search import check_layout, evaluate
 
     cfg = _config(tiny_data, tmp_path, **{"train.precision": "bf16"})

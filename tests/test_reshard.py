@@ -151,10 +151,19 @@ def test_cli(trained, tmp_path):
     assert r.returncode == 0, r.stderr
     assert (
         "resharded" in r.stderr
-        and "for tp=2 pp=2" in r.stderr
+        and "for tp2pp2" in r.stderr
         and "checksums and logits verified: max |diff| 0" in r.stderr
     )
     assert read_manifest(resolve_checkpoint(tmp_path / "tp2pp2"))["mesh"]["tp"] == 2
+    # the same mesh as a layout; its run choices change no tensor: a note names them
+    r = mlm("convert", tmp_path / "tp2pp2", tmp_path / "back", "--layout", "dp1spmb2rcfull", "--no-verify")
+    assert r.returncode == 0, r.stderr
+    err = " ".join(r.stderr.split())
+    assert (
+        "for dp1:" in err
+        and "note: --layout dp1spmb2rcfull: a reshard applies its mesh, dp1; the rest" in err
+    )
+    assert read_manifest(resolve_checkpoint(tmp_path / "back"))["mesh"]["tp"] == 1
     r = mlm("convert", ckpt, tmp_path / "nothing")
     assert r.returncode == 2 and "say what to convert" in r.stderr and not (tmp_path / "nothing").exists()
     r = mlm("convert", ckpt, tmp_path / "x", "--to-hf", "--tp", "2")

@@ -5,7 +5,9 @@ group is `tp` consecutive ranks (one node's NVLink domain). Built on
 `torch.distributed.device_mesh` with dims ("pp", "dp", "cp", "tp"); expert parallelism is
 folded over each pipeline stage's dp × cp × tp ranks for MoE layers (Megatron's parallel
 folding, expert tensor parallelism 1). One process without torch.distributed is the mesh of
-size 1 (`Mesh.single()`), whose groups are None and whose collectives are no-ops.
+size 1 (`Mesh.single()`), whose groups are None and whose collectives are no-ops. A mesh is
+built from a `mlm.layout.Layout` (a `ParallelConfig` is read as one): `build` with every process
+group, `of` one rank's coordinates alone (checks and dry runs).
 Importing this module does not import torch, so that `mlm plan` can check meshes with
 `shape_for` and `check_tensor_parallel` in well under a second.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from mlm.config import ModelConfig, ParallelConfig
 from mlm.errors import MlmError
+from mlm.layout import Layout
 
 DIMS = ("pp", "dp", "cp", "tp")
 
@@ -67,48 +70,52 @@ class Mesh:
     def single(cls) -> Mesh:
         return cls(world_size=1, rank=0)
 
+    @classmethod
+    def of(cls, layout: Layout, rank: int = 0) -> Mesh:
+        """Rank `rank`'s coordinates on a complete `layout` (Megatron's order, tp fastest), without
+        process groups: what checks and dry runs need."""
+        tp, cp, dp = layout.tp, layout.cp, layout.dp
+        coords = {
+            "tp": rank % tp,
+            "cp": rank // tp % cp,
+            "dp": rank // (tp * cp) % dp,
+            "pp": rank // (tp * cp * dp),
+        }
+        sizes = {d: getattr(layout, d) for d in ("tp", "pp", "dp", "cp", "ep")}
+        return cls(world_size=layout.gpus, rank=rank, **sizes, **{f"{d}_rank": coords[d] for d in DIMS})
+
     @staticmethod
     def shape_for(cfg: ParallelConfig, world_size: int) -> dict[str, int]:
-        """{"pp", "dp", "cp", "tp"} sizes, dp inferred; errors show the product."""
-        inner = cfg.tp * cfg.pp * cfg.cp
-        if world_size % inner:
-            raise MlmError(
-                f"tp({cfg.tp}) × pp({cfg.pp}) × cp({cfg.cp}) = {inner} does not divide world size {world_size}; "
-                "choose sizes whose product divides the number of processes"
-            )
-        dp = world_size // inner
-        stage = dp * cfg.cp * cfg.tp
-        if stage % cfg.ep:
-            raise MlmError(
-                f"ep({cfg.ep}) must divide dp({dp}) × cp({cfg.cp}) × tp({cfg.tp}) = {stage}, the ranks of a "
-                "pipeline stage that experts are spread over; choose an ep that divides it"
-            )
-        return {"pp": cfg.pp, "dp": dp, "cp": cfg.cp, "tp": cfg.tp}
+        """{"pp", "dp", "cp", "tp"} sizes, dp inferred; errors show the product (`Layout.with_world`)."""
+        lo = Layout.from_parallel(cfg, world_size)
+        return {d: getattr(lo, d) for d in DIMS}
 
     @classmethod
-    def build(cls, cfg: ParallelConfig, device_type: str = "cpu", gloo_group: bool = False) -> Mesh:
-        """The mesh of the initialised default process group (or `single()` without one), with
-        every process group; `gloo_group`: also the all-ranks gloo group (for background
-        checkpoint saves; one more rendezvous over every rank at start-up, so only when asked)."""
+    def build(
+        cls, layout: Layout | ParallelConfig, device_type: str = "cpu", gloo_group: bool = False
+    ) -> Mesh:
+        """The mesh of `layout` (a ParallelConfig: `Layout.from_parallel`) on the initialised
+        default process group (or `single()` without one), with every process group; a dp the
+        layout leaves open is what the world size leaves. `gloo_group`: also the all-ranks gloo
+        group (for background checkpoint saves; one more rendezvous over every rank at start-up,
+        so only when asked)."""
         import torch.distributed as dist  # here, so that the planner can use shape_for without torch
 
-        if not dist.is_available() or not dist.is_initialized():
-            cls.shape_for(cfg, 1)
+        distributed = dist.is_available() and dist.is_initialized()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+        layout = (
+            Layout.from_parallel(layout, world)
+            if isinstance(layout, ParallelConfig)
+            else layout.with_world(world)
+        )
+        if not distributed:
             return cls.single()
         from torch.distributed.device_mesh import init_device_mesh
 
-        world, rank = dist.get_world_size(), dist.get_rank()
-        shape = cls.shape_for(cfg, world)
-        dm = init_device_mesh(device_type, tuple(shape[d] for d in DIMS), mesh_dim_names=DIMS)
-        coords = {d: dm.get_local_rank(d) for d in DIMS}
-        mesh = cls(
-            world_size=world,
-            rank=rank,
-            ep=cfg.ep,
-            device_mesh=dm,
-            **shape,
-            **{f"{d}_rank": coords[d] for d in DIMS},
-        )
+        dm = init_device_mesh(device_type, tuple(getattr(layout, d) for d in DIMS), mesh_dim_names=DIMS)
+        mesh = cls.of(layout, rank)
+        mesh.device_mesh = dm
+        assert all(dm.get_local_rank(d) == getattr(mesh, f"{d}_rank") for d in DIMS), "Megatron's rank order"
         # Every other group, created here on every rank in the same order (new_group is collective).
         if gloo_group:
             mesh.extra_groups["gloo"] = dist.new_group(backend="gloo")

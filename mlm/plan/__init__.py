@@ -3,7 +3,7 @@ sharding for a model on N GPUs from a memory and time model (torch-free: it plan
 512 GPUs in about a second).
 
     hardware.py   a profile by name (the datasheet table in mlm.hardware) or a custom TOML
-    layout.py     the inputs (Job) and one candidate (Layout)
+    job.py        the inputs (Job); a candidate is an `mlm.layout.Layout`
     memory.py     per-GPU memory by component, counting what mlm allocates
     timing.py     step time by term: compute, tp, ep all-to-all, cp exchange, p2p, bubble, dp,
                   optimizer

@@ -25,7 +25,8 @@ from pathlib import Path
 from mlm.config import load_config
 from mlm.errors import MlmError
 from mlm.hardware import Hardware
-from mlm.plan.layout import Job, Layout
+from mlm.layout import Layout
+from mlm.plan.job import Job
 from mlm.plan.search import check_layout, evaluate
 from mlm.plan.software import Software
 
@@ -71,28 +72,10 @@ def load_run(
             f"{config} not found: --calibrate needs the config.toml mlm train writes beside metrics.jsonl"
         )
     cfg = load_config(config)
-    p, t = cfg.parallel, cfg.train
-    inner = p.tp * p.pp * p.cp
-    if gpus % inner:
-        raise MlmError(
-            f"{config}: tp × pp × cp = {inner} does not divide --gpus {gpus} (the run's world size)"
-        )
-    layout = Layout(
-        p.tp,
-        p.pp,
-        gpus // inner,
-        t.micro_batch_size,
-        t.global_batch_size,
-        p.vpp,
-        p.sequence_parallel,
-        cfg.model.recompute,
-        p.distributed_optimizer,
-        p.first_stage_layers,
-        p.last_stage_layers,
-        cp=p.cp,
-        ep=p.ep,
-        cp_comm_type=p.cp_comm_type,
-    )
+    try:
+        layout = Layout.from_config(cfg, gpus)
+    except MlmError as e:
+        raise MlmError(f"{config} on --gpus {gpus} (the run's world size): {e}") from None
     job = Job(cfg, gpus, gpus_per_node, hw, software)
     check_layout(job, layout)
     c = evaluate(job, layout)

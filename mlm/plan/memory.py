@@ -112,11 +112,11 @@ from dataclasses import dataclass, field, replace
 from kernels.linear_cross_entropy import chunk_tokens
 from mlm.config import Config, LayerSpec, ModelConfig
 from mlm.counts import ParameterCounts
+from mlm.layout import Layout
 from mlm.model import kinds
 from mlm.model.kinds.spec import Micro, Param
 from mlm.parallel.buckets import bucket_layout
 from mlm.parallel.schedules import peak_in_flight, stage_layer_counts
-from mlm.plan.layout import Layout
 
 _AUTOCAST = ("bf16", "fp16")
 

@@ -29,7 +29,8 @@ from mlm.errors import MlmError
 from mlm.flops import logits_flops, part_flops
 from mlm.hardware import PROFILES as HARDWARE
 from mlm.hardware import profile_name
-from mlm.plan.layout import Job, Layout
+from mlm.layout import Layout
+from mlm.plan.job import Job
 from mlm.plan.search import Candidate, check_layout, evaluate, stage_split
 from mlm.plan.software import PROFILES as SOFTWARE
 from mlm.plan.software import software_from_dict

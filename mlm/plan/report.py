@@ -15,9 +15,10 @@ from rich.table import Table
 from rich.text import Text
 
 from mlm.console import LOG_WIDTH, human
+from mlm.layout import Layout
 from mlm.model import kinds
 from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
-from mlm.plan.layout import Job, Layout
+from mlm.plan.job import Job
 from mlm.plan.memory import (
     act_bytes,
     cp_buffer_bytes,
@@ -95,17 +96,6 @@ class Grid:
             yield self.stacked(options.max_width)
 
 
-def _mesh(lo: Layout) -> str:
-    s = f"tp{lo.tp} pp{lo.pp}" + (f" vpp{lo.vpp}" if lo.vpp > 1 else "") + f" dp{lo.dp}"
-    if lo.cp > 1:
-        s += f" cp{lo.cp} {lo.cp_comm_type}"
-    if lo.ep > 1:
-        s += f" ep{lo.ep}"
-    if lo.first_stage_layers is not None:
-        s += f" (first/last stage {lo.first_stage_layers}/{lo.last_stage_layers} layers)"
-    return s
-
-
 def model_line(job: Job) -> str:
     """'model: total 671.03G, active 37.55G (+ MTP 11.61G, 688.10M active) parameters, 61 layers
     + 1 MTP depth, 291.85 GFLOP per token at seq 4096' (the counts from the planner's parameters)."""
@@ -151,7 +141,7 @@ def ranked_table(job: Job, result: SearchResult, top: int) -> Grid:
         )
         t.add_row(
             str(i),
-            _mesh(lo),
+            str(lo.mesh()),
             "on" if lo.sequence_parallel else "off",
             str(lo.micro_batch),
             str(lo.num_micro),
@@ -174,20 +164,19 @@ def rejected_table(result: SearchResult) -> Grid:
     return t
 
 
-def explain(job: Job, c: Candidate, layout_arg: str | None = None) -> Group:
-    """Every term of one layout's memory and time, with the equations' inputs; `layout_arg`: the
-    layout as `mlm plan --layout` reads it, shown in the heading."""
+def explain(job: Job, c: Candidate) -> Group:
+    """Every term of one layout's memory and time, with the equations' inputs; the heading ends
+    with the layout as `mlm plan --layout` reads it back."""
     cfg, lo, mem, tm = job.cfg, c.layout, c.memory, c.timing
     m = cfg.model
     head = Text(
-        f"{_mesh(lo)}{' sp' if lo.sequence_parallel else ''}, micro-batch {lo.micro_batch} × "
+        f"{lo.mesh()}{' sp' if lo.sequence_parallel else ''}, micro-batch {lo.micro_batch} × "
         f"{lo.num_micro} per step per dp rank (global {lo.global_batch}, seq {cfg.data.seq_length}), "
         f"{lo.recompute} recompute, {'distributed' if lo.distributed_optimizer else 'replicated'} "
         f"optimizer, {cfg.train.precision}; {job.gpus} × {job.hardware.name}, software {job.software.name}",
         style="bold",
     )
-    if layout_arg:
-        head.append(f"\n--layout {layout_arg}", style="bold")
+    head.append(f"\n--layout {lo}", style="bold")
     if lo.ep > 1:
         moe = m.moe
         head.append(
@@ -292,7 +281,7 @@ def calibration_table(before: list, after: list, c: float, b: float) -> Grid:
     for r0, r1 in zip(before, after, strict=True):
         t.add_row(
             str(r0.path),
-            _mesh(r0.layout),
+            str(r0.layout.mesh()),
             f"{r0.measured_s + r0.fixed_s:.4g}",
             f"{r0.compute_s + r0.comm_s + r0.fixed_s:.4g}",
             f"{r1.compute_s + r1.comm_s + r1.fixed_s:.4g}",
@@ -311,6 +300,7 @@ def plan_dict(job: Job, c: Candidate, preset: str, overrides: list[str]) -> dict
         "model": {"preset": preset, "overrides": list(overrides)},
         "cluster": {"gpus": job.gpus, "gpus_per_node": job.gpus_per_node, "hardware": job.hardware.name},
         "mesh": {
+            "layout": str(lo),
             "tp": lo.tp,
             "pp": lo.pp,
             "vpp": lo.vpp,
@@ -366,7 +356,7 @@ def save_memory_png(job: Job, ranked: list[Candidate], path: str, top: int) -> N
             ax.bar(range(len(shown)), vals, bottom=bottoms, label=k)
             bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
         ax.axhline(job.hardware.hbm_bytes / GB, color="red", linestyle="--", label="HBM")
-        labels = [f"#{i + 1}\n{_mesh(c.layout)}" for i, c in enumerate(shown)]
+        labels = [f"#{i + 1}\n{c.layout.mesh()}" for i, c in enumerate(shown)]
         ax.set_xticks(range(len(shown)), labels, fontsize=7)
         ax.set_ylabel("GB per GPU")
         ax.set_title(f"memory per GPU, {job.gpus} × {job.hardware.name}")

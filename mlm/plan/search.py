@@ -29,10 +29,11 @@ from dataclasses import dataclass, field, replace
 
 from mlm.config import check_context_parallel_kinds
 from mlm.errors import MlmError
+from mlm.layout import Layout
 from mlm.model import kinds
 from mlm.parallel.mesh import Mesh, check_context_parallel, check_tensor_parallel
 from mlm.parallel.schedules import check_pipeline, stage_layer_counts
-from mlm.plan.layout import Job, Layout
+from mlm.plan.job import Job
 from mlm.plan.memory import MemoryReport, Stage, memory, rank_stage, report_ranks
 from mlm.plan.timing import Timing, step_time
 
@@ -442,29 +443,28 @@ def plan(
     )
 
 
-def explain_layout(job: Job, terms, optimizer: str = "auto") -> tuple[Candidate, SearchResult]:
-    """The layout `terms` describe (a parsed `mlm plan --layout`: `sizes` {"tp": 8, ...}, `flags`
-    {"zero1", ...}, `micro_batch`, `recompute`, `cp_comm_type`, None where not given): missing
-    sizes are 1 but dp, which is what --gpus leaves; sequence parallelism is on with tp > 1; the
-    choices not given (micro-batch, recompute, optimizer sharding, cp attention) are the fastest
-    that fit, from the search restricted to the mesh. Returns that candidate, or where none fits
-    the one needing the least memory, and the restricted search; MlmError (the rule's own
-    message) when the mesh is invalid."""
-    sizes, L, gb = terms.sizes, job.cfg.model.num_layers, job.global_batch
-    tp, pp, vpp, cp, ep = (sizes.get(d, 1) for d in ("tp", "pp", "vpp", "cp", "ep"))
-    if "zero1" in terms.flags:
+def explain_layout(job: Job, lo: Layout, optimizer: str = "auto") -> tuple[Candidate, SearchResult]:
+    """The layout `lo` (a parsed `mlm plan --layout`, its open fields None): dp open is what
+    --gpus leaves; sequence parallelism is on with tp > 1; the choices left open (micro-batch,
+    recompute, optimizer sharding, cp attention) are the fastest that fit, from the search
+    restricted to the mesh. Returns that candidate, or where none fits the one needing the least
+    memory, and the restricted search; MlmError (the rule's own message) when the mesh is invalid."""
+    L, gb = job.cfg.model.num_layers, job.global_batch
+    tp, pp, vpp, cp, ep = lo.tp, lo.pp, lo.vpp, lo.cp, lo.ep
+    if lo.distributed_optimizer:
         if optimizer == "adam":
             raise MlmError(
-                f"--layout {terms.name}: zero1 shards the optimizer, --optimizer adam replicates it; drop one"
+                f"--layout {lo}: zero1 shards the optimizer, --optimizer adam replicates it; drop one"
             )
         optimizer = "distributed"
     parallel = job.cfg.parallel.__class__(tp=tp, pp=pp, cp=cp, ep=ep)
-    dp = sizes["dp"] if "dp" in sizes else Mesh.shape_for(parallel, job.gpus)["dp"]
+    dp = lo.dp if lo.dp is not None else Mesh.shape_for(parallel, job.gpus)["dp"]
     first, last = stage_split(L, pp, vpp)
-    mb, rc = terms.micro_batch, terms.recompute
+    mb, rc = lo.micro_batch, lo.recompute
+    comm = lo.cp_comm_type if cp > 1 else None
     probe = Layout(tp, pp, dp, mb or 1, gb, vpp, tp > 1, rc or "full", False, first, last, cp, ep)
-    check_layout(job, replace(probe, cp_comm_type=terms.cp_comm_type or "p2p"))
-    k = Constraints(tp, pp, None, vpp, mb, (rc,) if rc else RECOMPUTE, terms.cp_comm_type)
+    check_layout(job, replace(probe, cp_comm_type=comm or "p2p"))
+    k = Constraints(tp, pp, None, vpp, mb, (rc,) if rc else RECOMPUTE, comm)
     result = search(job, optimizer, ep=ep, cp=cp, k=k)
     assert result.ranked or (tp, pp) in result.least, result.rejected  # a valid mesh has layouts
     return (result.ranked[0] if result.ranked else result.least[(tp, pp)]), result

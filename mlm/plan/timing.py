@@ -91,9 +91,10 @@ from dataclasses import dataclass, replace
 
 from mlm.config import Config, LayerSpec
 from mlm.flops import eh_proj_flops, logits_flops, part_flops
+from mlm.layout import Layout
 from mlm.model import kinds
 from mlm.parallel.schedules import bubble_fraction
-from mlm.plan.layout import Job, Layout
+from mlm.plan.job import Job
 from mlm.plan.memory import Stage, act_bytes, buffer_bytes, local_tokens, micro, param_bytes
 from mlm.plan.work import Work, embedding_work, layer_work, loss_work, parameter_work
 

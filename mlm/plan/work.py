@@ -49,9 +49,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mlm.config import Config, LayerSpec
+from mlm.layout import Layout
 from mlm.model import kinds
 from mlm.model.kinds.spec import NORM, Passes, Work
-from mlm.plan.layout import Layout
 from mlm.plan.memory import act_bytes, casts_weights, local_tokens, micro
 from mlm.plan.software import Software
 

@@ -1,5 +1,6 @@
-"""`mlm train --dry-run`: check a run's mesh against its model and batch, and show the pipeline
-(and, under context parallelism, how each sequence is split).
+"""`mlm train --dry-run`: check a run's mesh against its model and batch, and show its layout
+(the text `--layout` reads, docs/layout.md), the pipeline (and, under context parallelism, how each
+sequence is split).
 
 Nothing is allocated and no data is read: the model is built on the meta device once per
 pipeline rank to count each stage's parameters, and the schedule is simulated (one forward
@@ -14,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mlm.config import Config
+from mlm.layout import Layout
 from mlm.model.gpt import GPT
 from mlm.parallel.context import check_context_parallel
 from mlm.parallel.expert import check_expert_parallel
@@ -54,16 +56,17 @@ def context_parallel_line(cfg: Config, dp: int) -> str:
 def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
     """Validate `cfg` on `world_size` ranks (MlmError on the first problem); the report to print."""
     p, t = cfg.parallel, cfg.train
-    shape = Mesh.shape_for(p, world_size)
+    lo = Layout.from_config(cfg, world_size)
     padded = cfg.model.padded_vocab_size(p.tp)
     check_tensor_parallel(cfg.model, padded, p.tp)
     check_expert_parallel(cfg.model, p.ep, p.tp, p.sequence_parallel)
     check_context_parallel(cfg.data.seq_length, p.cp, p.tp if p.sequence_parallel else 1)
-    num_micro = micro_batches_per_step(t.global_batch_size, t.micro_batch_size, shape["dp"], p.pp, p.vpp)
+    num_micro = micro_batches_per_step(t.global_batch_size, t.micro_batch_size, lo.dp, p.pp, p.vpp)
     counts = stage_layer_counts(cfg.model.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
 
     mesh_line = Text(
-        f"mesh tp={p.tp} pp={p.pp}{f' vpp={p.vpp}' if p.vpp > 1 else ''} dp={shape['dp']} cp={p.cp}"
+        f"layout {lo}\n"
+        f"mesh tp={p.tp} pp={p.pp}{f' vpp={p.vpp}' if p.vpp > 1 else ''} dp={lo.dp} cp={p.cp}"
         f"{f' ({p.cp_comm_type})' if p.cp > 1 else ''}{f' ep={p.ep}' if p.ep > 1 else ''} "
         f"(world {world_size}); micro-batch {t.micro_batch_size}, global batch {t.global_batch_size}, "
         f"{num_micro} micro-batches per step per dp rank; layers per virtual stage {counts}"
@@ -74,7 +77,7 @@ def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
     for r in range(p.pp):
         with torch.device("meta"):
             model = GPT(cfg.model, padded_vocab=padded)
-        split_for_pipeline(model, Mesh(world_size=p.pp, rank=r, pp=p.pp, pp_rank=r), p)
+        split_for_pipeline(model, Mesh.of(lo, r * lo.gpus // lo.pp), p)
         why = "tied" if cfg.model.tie_embeddings else "MTP"  # what the last stage's copy is for
         mtp = f" + MTP {len(model.mtp)}" if model.mtp is not None else ""
         stages.add_row(
@@ -86,7 +89,7 @@ def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
         )
     parts = [mesh_line]
     if p.cp > 1:
-        parts.append(Text(context_parallel_line(cfg, shape["dp"])))
+        parts.append(Text(context_parallel_line(cfg, lo.dp)))
     parts += [stages, Text(describe_schedule(p.pp, num_micro, p.vpp))]
     if p.pp > 1:
         tl = timeline(p.pp, num_micro, p.vpp)

@@ -10,27 +10,24 @@ tolerance that depends on `train.precision`. See docs/parity.md.
     result = run_parity("run.toml", [], parse_layouts("tp1,tp2,dp2"), steps=5, out="runs/parity")
     render(result)              # the report; result.passed is False when a layout is out of tolerance
 
-The package, one responsibility a module: `layouts` (the `tp2pp2dp2` grammar), `tolerances` (the
-bounds per precision), `results` (the comparison and its verdict), `runner` (seed checkpoint,
-torchrun per layout) and `report` (the tables).
+A layout is an `mlm.layout.Layout` in its text form (`tp2pp2dp2sp`, docs/layout.md). The package,
+one responsibility a module: `tolerances` (the bounds per precision), `results` (the comparison and
+its verdict), `runner` (the layouts checked, seed checkpoint, torchrun per layout) and `report`
+(the tables).
 """
 
-from mlm.train.parity.layouts import TERMS_HELP, Layout, parse_layout, parse_layouts
 from mlm.train.parity.report import render
 from mlm.train.parity.results import LayoutResult, Measured, ParityResult, compare
-from mlm.train.parity.runner import resolve, run_parity, train_command
+from mlm.train.parity.runner import parse_layouts, resolve, run_parity, train_command
 from mlm.train.parity.tolerances import TOLERANCES, Tolerance
 
 __all__ = [
-    "TERMS_HELP",
     "TOLERANCES",
-    "Layout",
     "LayoutResult",
     "Measured",
     "ParityResult",
     "Tolerance",
     "compare",
-    "parse_layout",
     "parse_layouts",
     "render",
     "resolve",

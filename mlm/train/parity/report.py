@@ -17,7 +17,7 @@ def render(result: ParityResult, console=None) -> None:
     from mlm.console import make_console
 
     console = console or make_console(stderr=False)  # stdout; unwrapped in a file
-    tol, ref = result.tolerance, result.layouts[0].layout.name
+    tol, ref = result.tolerance, result.layouts[0].name
     summary = Table(title=f"mlm parity: {result.steps} steps, {result.precision}, against {ref}")
     # |Δloss|/loss and ‖Δw‖/‖w‖: the largest over the steps and the tensors
     for name in ("layout", "world", "|Δloss|/loss", "|Δeval|/eval", "‖Δw‖/‖w‖"):
@@ -26,8 +26,8 @@ def render(result: ParityResult, console=None) -> None:
     summary.add_column("result", no_wrap=True)
     for i, r in enumerate(result.layouts):
         summary.add_row(
-            r.layout.name,
-            str(r.layout.world),
+            r.name,
+            str(r.layout.gpus),
             f"{r.max_loss_rel:.2e}",
             "-" if r.eval_rel is None else f"{r.eval_rel:.2e}",
             f"{r.max_weight_rel:.2e}",
@@ -35,7 +35,7 @@ def render(result: ParityResult, console=None) -> None:
             "ref" if i == 0 else "[green]PASS[/]" if r.passed else "[red]FAIL[/]",
         )
     steps = Table(title=f"per step: {ref} loss, |Δloss|/loss of the others")
-    for name in ("step", f"{ref} loss", *(r.layout.name for r in result.layouts[1:])):
+    for name in ("step", f"{ref} loss", *(r.name for r in result.layouts[1:])):
         steps.add_column(name, justify="right")
     for i in range(result.steps):
         cells = [f"{result.layouts[0].losses[i]:.6f}"]
@@ -53,6 +53,6 @@ def render(result: ParityResult, console=None) -> None:
     )
     for w in result.warnings:
         console.print(f"[bold yellow]warning:[/] {w}", highlight=False)
-    failed = [r.layout.name for r in result.layouts if not r.passed]
+    failed = [r.name for r in result.layouts if not r.passed]
     verdict = f"[red]FAIL[/]: {', '.join(failed)}" if failed else "[green]PASS[/]"
     console.print(f"{verdict}; details in {Path(result.out) / 'parity.json'}", highlight=False)

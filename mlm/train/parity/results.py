@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from mlm.errors import MlmError
-from mlm.train.parity.layouts import Layout
+from mlm.layout import Layout
 from mlm.train.parity.tolerances import Tolerance
 
 
@@ -31,7 +31,10 @@ class Measured:
 
 @dataclass
 class LayoutResult:
+    name: str
+    """The layout as given (its canonical text: `tp2`, `cp2ag`)."""
     layout: Layout
+    """As it ran: complete, the choices it left open taken from the run config."""
     losses: list[float]
     loss_rel: list[float]
     """|loss − loss_ref| / |loss_ref| per step."""
@@ -64,8 +67,9 @@ class LayoutResult:
 
     def to_json(self) -> dict:
         return {
+            "name": self.name,
             **dataclasses.asdict(self.layout),
-            "world_size": self.layout.world,
+            "world_size": self.layout.gpus,
             "passed": self.passed,
             "losses": self.losses,
             "loss_rel": self.loss_rel,
@@ -83,25 +87,24 @@ class LayoutResult:
         }
 
 
-def compare(layout: Layout, got: Measured, ref: Measured, tol: Tolerance) -> LayoutResult:
-    """Per-step relative loss differences, the relative eval-loss difference and per-tensor relative
-    weight differences against the reference; passed when every one is within `tol`."""
+def compare(name: str, layout: Layout, got: Measured, ref: Measured, tol: Tolerance) -> LayoutResult:
+    """Layout `name` (as it ran: `layout`) against the reference: per-step relative loss
+    differences, the relative eval-loss difference and per-tensor relative weight differences;
+    passed when every one is within `tol`."""
     import torch
 
     if len(got.losses) != len(ref.losses):
         raise MlmError(
-            f"layout {layout.name!r} logged {len(got.losses)} steps, the reference {len(ref.losses)}; "
+            f"layout {name!r} logged {len(got.losses)} steps, the reference {len(ref.losses)}; "
             "see its run_dir/metrics.jsonl"
         )
     if (got.eval_loss is None) != (ref.eval_loss is None):
         raise MlmError(
-            f"layout {layout.name!r} logged {'no' if got.eval_loss is None else 'an'} eval loss, the "
+            f"layout {name!r} logged {'no' if got.eval_loss is None else 'an'} eval loss, the "
             f"reference {'none' if ref.eval_loss is None else 'one'}; see its run_dir/metrics.jsonl"
         )
     if missing := sorted(ref.weights.keys() ^ got.weights.keys()):
-        raise MlmError(
-            f"layout {layout.name!r}: tensors {', '.join(missing[:5])} are not in both checkpoints"
-        )
+        raise MlmError(f"layout {name!r}: tensors {', '.join(missing[:5])} are not in both checkpoints")
     loss_rel = [_rel(a, b) for a, b in zip(got.losses, ref.losses, strict=True)]
     eval_rel = None if ref.eval_loss is None else _rel(got.eval_loss, ref.eval_loss)
     weight_rel = {}
@@ -113,7 +116,7 @@ def compare(layout: Layout, got: Measured, ref: Measured, tol: Tolerance) -> Lay
     ok = all(r <= tol.loss_rel for r in loss_rel) and all(r <= tol.weight_rel for r in weight_rel.values())
     ok = ok and (eval_rel is None or eval_rel <= tol.eval_rel)
     ok = ok and all(math.isfinite(x) for x in [*got.losses, *loss_rel, *evals, *weight_rel.values()])
-    return LayoutResult(layout, list(got.losses), loss_rel, got.eval_loss, eval_rel, weight_rel, ok)
+    return LayoutResult(name, layout, list(got.losses), loss_rel, got.eval_loss, eval_rel, weight_rel, ok)
 
 
 def _rel(a: float, b: float) -> float:
@@ -140,7 +143,7 @@ class ParityResult:
             "precision": self.precision,
             "tolerance": dataclasses.asdict(self.tolerance),
             "steps": self.steps,
-            "reference": self.layouts[0].layout.name if self.layouts else None,
+            "reference": self.layouts[0].name if self.layouts else None,
             "warnings": self.warnings,
             "out": self.out,
             "layouts": [r.to_json() for r in self.layouts],

@@ -1,5 +1,10 @@
 """The runner of `mlm parity`: one seed checkpoint, then `mlm train` under torchrun per layout.
 
+`parse_layouts` reads `--layouts` (`mlm.layout` texts, comma-separated). A layout runs on the ranks
+it names, tp × pp × dp × cp: where it gives no dp, dp is 1, or with ep<N> the fewest ranks ep folds
+over (ep / gcd(ep, tp × cp): `ep2` is dp 2, `tp2ep2` and `cp2ep2` dp 1). What it leaves open
+(micro-batch, recompute, sp, ...) is the run config's.
+
 `run_parity` resolves the run config with the parity settings forced, checks every layout before
 anything runs, writes the step-0 seed checkpoint once in this process, trains each layout from it
 (its log, metrics and final checkpoint under OUT/LAYOUT/) with one evaluation after the last step,
@@ -22,9 +27,28 @@ from mlm.config import Config, load_config, to_toml, toml_value
 from mlm.datasets.gpt import parse_split
 from mlm.errors import MlmError
 from mlm.fileio import atomic_write_text
-from mlm.train.parity.layouts import Layout
+from mlm.layout import Layout
 from mlm.train.parity.results import LayoutResult, Measured, ParityResult, compare
 from mlm.train.parity.tolerances import TOLERANCES
+
+
+def parse_layouts(text: str) -> list[Layout]:
+    """'tp1,tp2,dp2' → the layouts in order (the first is the reference); MlmError naming an empty,
+    invalid or repeated one."""
+    parts = text.split(",")
+    if not all(p.strip() for p in parts):
+        raise MlmError(f"empty layout in --layouts {text!r}; separate layouts by one comma, e.g. tp1,tp2,dp2")
+    layouts = [Layout.parse(p) for p in parts]
+    names = [str(lay) for lay in layouts]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise MlmError(f"--layouts lists {', '.join(dupes)} more than once")
+    return layouts
+
+
+def world(layout: Layout) -> int:
+    """The ranks `layout` runs on (see the module docstring)."""
+    dp = layout.dp if layout.dp is not None else layout.ep // math.gcd(layout.ep, layout.tp * layout.cp)
+    return layout.tp * layout.pp * dp * layout.cp
 
 
 def resolve(config: str | Path | None, overrides: list[str], steps: int, out: Path) -> Config:
@@ -57,8 +81,9 @@ def _has_validation(cfg: Config) -> bool:
     return parse_split(cfg.data.split)[1] > 0
 
 
-def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
-    """Everything that would make a layout's run fail at start, before anything is run or written.
+def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> list[Layout]:
+    """Every layout as it will run (complete, from the config it resolves to); MlmError on
+    anything that would make its run fail at start, before anything is run or written.
     `resolve_with(overrides)` is the resolved config with more `--set` items."""
     from mlm.parallel import Mesh
     from mlm.parallel.expert import check_expert_parallel
@@ -67,11 +92,13 @@ def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
 
     device = pick_device(cfg.train.device)
     pad = cfg.model.padded_vocab_size(1)
+    runs: list[Layout] = []
     for lay in layouts:
+        name = str(lay)
         try:
             lcfg = resolve_with(lay.overrides())
-            shape = Mesh.shape_for(lcfg.parallel, lay.world)
-            mesh = Mesh(world_size=lay.world, rank=0, ep=lcfg.parallel.ep, **shape)
+            run = Layout.from_config(lcfg, world(lay))
+            mesh = Mesh.of(run)
             check_supported(mesh, lcfg)
             check_expert_parallel(lcfg.model, mesh.ep, mesh.tp, lcfg.parallel.sequence_parallel)
             if mesh.cp > 1 and lcfg.model.attention_dropout > 0:  # apply_context_parallel's rule
@@ -80,7 +107,7 @@ def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
                     "attention dropout is not built under context parallelism; set it to 0"
                 )
         except MlmError as e:
-            raise MlmError(f"layout {lay.name!r}: {e}") from None
+            raise MlmError(f"layout {name!r}: {e}") from None
         if lcfg.model.padded_vocab_size(lay.tp) != pad:
             m, tps = cfg.model.make_vocab_size_divisible_by, {1, *(x.tp for x in layouts)}
             divisors = [d for d in range(m, 0, -1) if m % d == 0]  # the nicer suggestions first
@@ -89,18 +116,26 @@ def _check_layouts(cfg: Config, layouts: list[Layout], resolve_with) -> None:
             fits = [d for d in divisors + others if len({math.ceil(v / (d * t)) * d * t for t in tps}) == 1]
             hint = f"--set model.make_vocab_size_divisible_by={fits[0]}" if fits else "another vocab size"
             raise MlmError(
-                f"layout {lay.name!r}: the vocabulary pads to {lcfg.model.padded_vocab_size(lay.tp)} rows at "
+                f"layout {name!r}: the vocabulary pads to {lcfg.model.padded_vocab_size(lay.tp)} rows at "
                 f"tp={lay.tp} but to {pad} in the one-process seed checkpoint, so the seed cannot load; "
                 f"use {hint} so that every layout pads to the same size"
+            )
+        if runs and run.global_batch != runs[0].global_batch:
+            raise MlmError(
+                f"layout {name!r} trains a global batch of {run.global_batch}, the reference "
+                f"{str(layouts[0])!r} {runs[0].global_batch}: parity compares one run on several layouts; "
+                "give every layout the same gb<N>, or none (the config's train.global_batch_size)"
             )
         if device.type == "cuda":
             import torch
 
-            if lay.world > torch.cuda.device_count():
+            if run.gpus > torch.cuda.device_count():
                 raise MlmError(
-                    f"layout {lay.name!r} needs {lay.world} GPUs (one per rank); "
+                    f"layout {name!r} needs {run.gpus} GPUs (one per rank); "
                     f"{torch.cuda.device_count()} are visible"
                 )
+        runs.append(run)
+    return runs
 
 
 def _write_seed(cfg: Config, out: Path) -> Path:
@@ -130,7 +165,7 @@ def _write_seed(cfg: Config, out: Path) -> Path:
 
 
 def train_command(layout: Layout, resolved: Path, seed: Path, run_dir: Path, ckpt: Path) -> list[str]:
-    """`mlm train` under torchrun for one layout, from the seed checkpoint."""
+    """`mlm train` under torchrun for one complete layout, from the seed checkpoint."""
     sets = [
         *layout.overrides(),
         f"run_dir={toml_value(str(run_dir))}",
@@ -141,7 +176,7 @@ def train_command(layout: Layout, resolved: Path, seed: Path, run_dir: Path, ckp
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc-per-node={layout.world}",
+        f"--nproc-per-node={layout.gpus}",
         "--local-addr=127.0.0.1",  # the workers meet on loopback, whatever the host name resolves to
         "-m",
         "cli.main",
@@ -176,16 +211,16 @@ def _records(run_dir: Path, split: str) -> list[dict]:
     return [r for r in map(json.loads, filter(None, lines)) if r.get("split") == split]
 
 
-def _measured(layout: Layout, run_dir: Path, ckpt: Path, log: Path, steps: int, evaluated: bool) -> Measured:
+def _measured(name: str, run_dir: Path, ckpt: Path, log: Path, steps: int, evaluated: bool) -> Measured:
     """A finished layout's losses, eval loss (after step K, where `evaluated`) and final weights."""
     losses = [float(r["loss"]) for r in _records(run_dir, "train")]
     if len(losses) != steps:
-        raise MlmError(f"layout {layout.name!r} logged {len(losses)} of {steps} steps; see {log}")
+        raise MlmError(f"layout {name!r} logged {len(losses)} of {steps} steps; see {log}")
     eval_loss = None
     if evaluated:
         last = [float(r["loss"]) for r in _records(run_dir, "valid") if r.get("step") == steps]
         if not last:
-            raise MlmError(f"layout {layout.name!r} logged no eval loss at step {steps}; see {log}")
+            raise MlmError(f"layout {name!r} logged no eval loss at step {steps}; see {log}")
         eval_loss = last[-1]
     return Measured(losses, eval_loss, _weights(ckpt))
 
@@ -196,11 +231,13 @@ def _tail(log: Path, n: int = 30) -> str:
     return "\n".join([*errors[:3], *(["..."] if errors else []), *lines[-n:]])
 
 
-def _run_layout(layout: Layout, cmd: list[str], log: Path, run_dir: Path, steps: int, progress) -> float:
-    task = progress.add_task(f"{layout.name} (world {layout.world})", total=steps)
+def _run_layout(
+    name: str, ranks: int, cmd: list[str], log: Path, run_dir: Path, steps: int, progress
+) -> float:
+    task = progress.add_task(f"{name} (world {ranks})", total=steps)
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=_env(layout.world), stdin=subprocess.DEVNULL, stdout=f, stderr=f)
+        proc = subprocess.Popen(cmd, env=_env(ranks), stdin=subprocess.DEVNULL, stdout=f, stderr=f)
         try:
             while proc.poll() is None:
                 progress.update(task, completed=len(_records(run_dir, "train")))
@@ -216,7 +253,7 @@ def _run_layout(layout: Layout, cmd: list[str], log: Path, run_dir: Path, steps:
     progress.update(task, completed=len(_records(run_dir, "train")))
     if proc.returncode != 0:
         raise MlmError(
-            f"layout {layout.name!r}: `mlm train` under torchrun exited with code {proc.returncode}; "
+            f"layout {name!r}: `mlm train` under torchrun exited with code {proc.returncode}; "
             f"last lines of {log}:\n{_tail(log)}"
         )
     return time.perf_counter() - t0
@@ -277,14 +314,8 @@ def run_parity(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MlmError(f"{shown} already exists and is not empty; pass a new --out DIR")
     cfg = resolve(config, overrides, steps, out)
-    # a cp layout without p2p / ag runs the config's attention: name it in the report
-    layouts = [
-        dataclasses.replace(lay, cp_comm_type=cfg.parallel.cp_comm_type)
-        if lay.cp > 1 and lay.cp_comm_type is None
-        else lay
-        for lay in layouts
-    ]
-    _check_layouts(cfg, layouts, lambda sets: resolve(config, [*overrides, *sets], steps, out))
+    names = [str(lay) for lay in layouts]
+    runs = _check_layouts(cfg, layouts, lambda sets: resolve(config, [*overrides, *sets], steps, out))
     tol = TOLERANCES[cfg.train.precision]
     out.mkdir(parents=True, exist_ok=True)
     resolved = out / "config.toml"
@@ -295,29 +326,28 @@ def run_parity(
 
     console.print(
         f"[bold]mlm parity[/] {len(layouts)} layouts × {steps} steps, {cfg.train.precision}, "
-        f"reference {layouts[0].name}; writing {shown}",
+        f"reference {names[0]}; writing {shown}",
         highlight=False,
     )
     seed = _write_seed(cfg, shown).absolute()  # the folder as the user named it, in the "saved" line
     results: list[LayoutResult] = []
     ref: Measured | None = None
     with _progress() as progress:
-        for lay in layouts:
-            d = out / lay.name
+        for name, lay in zip(names, runs, strict=True):
+            d = out / name
             d.mkdir()
             run_dir, ckpt, log = d / "run", d / "ckpt", d / "train.log"
-            seconds = _run_layout(
-                lay, train_command(lay, resolved, seed, run_dir, ckpt), log, run_dir, steps, progress
-            )
-            got = _measured(lay, run_dir, ckpt, log, steps, evaluated=bool(cfg.train.eval_interval))
+            cmd = train_command(lay, resolved, seed, run_dir, ckpt)
+            seconds = _run_layout(name, lay.gpus, cmd, log, run_dir, steps, progress)
+            got = _measured(name, run_dir, ckpt, log, steps, evaluated=bool(cfg.train.eval_interval))
             ref = ref or got
-            r = compare(lay, got, ref, tol)
+            r = compare(name, lay, got, ref, tol)
             r.seconds, r.run_dir, r.checkpoint, r.log = seconds, str(run_dir), str(ckpt), str(log)
             results.append(r)
             verdict = "reference" if len(results) == 1 else "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
             eval_text = "" if got.eval_loss is None else f", eval loss {got.eval_loss:.6f}"
             progress.console.print(
-                f"{lay.name}: {steps} steps in {seconds:.1f} s, final loss {got.losses[-1]:.6f}{eval_text}, "
+                f"{name}: {steps} steps in {seconds:.1f} s, final loss {got.losses[-1]:.6f}{eval_text}, "
                 f"{verdict}",
                 highlight=False,
             )

@@ -1,5 +1,5 @@
-"""What the planner chooses (a `Layout`: mesh, micro-batch, recompute, optimizer sharding) and
-what it is given (a `Job`: the run config, the cluster)."""
+"""What the planner is given (a `Job`: the run config, the cluster, the software); what it chooses
+is a `mlm.layout.Layout`."""
 
 from __future__ import annotations
 
@@ -46,55 +46,6 @@ class Job:
     def flops_per_token(self) -> float:
         """Model training FLOPs per token (`mlm.flops`), computed once per job."""
         return flops_per_token(self.cfg.model, self.seq)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One candidate: the mesh and the per-rank choices that go with it. cp splits each sequence
-    over cp ranks (`cp_comm_type`: how attention reaches the other ranks' keys and values, as
-    parallel.cp_comm_type); gradients are reduced over dp × cp (`dp_cp`). ep folds over each
-    pipeline stage's dp × cp × tp ranks (`edp` = dp·cp·tp / ep hold the same experts)."""
-
-    tp: int
-    pp: int
-    dp: int
-    micro_batch: int
-    global_batch: int
-    vpp: int = 1
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    distributed_optimizer: bool = False
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-    cp: int = 1
-    ep: int = 1
-    cp_comm_type: str = "p2p"
-    """p2p (a ring of key/value exchanges) or all_gather; meaningless at cp = 1."""
-
-    @property
-    def num_micro(self) -> int:
-        """Micro-batches per step per data-parallel rank."""
-        return self.global_batch // (self.micro_batch * self.dp)
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
-
-    @property
-    def dp_cp(self) -> int:
-        """The ranks that reduce the dense gradients (and shard them under the distributed
-        optimizer): cp ranks hold other tokens of the same sequences, so they act as dp."""
-        return self.dp * self.cp
-
-    @property
-    def edp(self) -> int:
-        """Expert-data-parallel size: the ranks of a stage holding the same experts."""
-        return self.dp * self.cp * self.tp // self.ep
-
-    def short(self) -> str:
-        s = f"tp{self.tp} pp{self.pp}" + (f"×{self.vpp}" if self.vpp > 1 else "") + f" dp{self.dp}"
-        s += f" cp{self.cp} {self.cp_comm_type}" if self.cp > 1 else ""
-        return s + (f" ep{self.ep}" if self.ep > 1 else "") + (" sp" if self.sequence_parallel else "")
 
 
 def make_job(
