@@ -43,10 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from linear_cross_entropy import _rss  # noqa: E402  (bench/linear_cross_entropy.py: the resident-set reader)
 
 from kernels.layernorm import layer_norm_reference  # noqa: E402
-from kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 from kernels.rmsnorm import rms_norm_reference  # noqa: E402
 from kernels.rope import rope_reference  # noqa: E402
 from kernels.swiglu import gelu_reference, swiglu_reference  # noqa: E402
+from mlm.parallel.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KERNELS = ("rmsnorm", "layernorm", "swiglu", "gelu", "rope", "linear_cross_entropy")

@@ -1,5 +1,5 @@
 """Peak memory and time of the loss, forward + backward: plain (logits, then cross-entropy) against
-the chunked linear + cross-entropy (`kernels.linear_cross_entropy`), at vocabulary 128,256.
+the chunked linear + cross-entropy (`mlm.parallel.cross_entropy`), at vocabulary 128,256.
 
     .venv/bin/python bench/linear_cross_entropy.py                      # CPU: ~30 s on 2 cores
     .venv/bin/python bench/linear_cross_entropy.py --runs plain:512,fused:32768 --json
@@ -25,7 +25,7 @@ import torch
 # the repository first: this folder's bench/kernels.py would otherwise shadow the kernels package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
+from mlm.parallel.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 
 PATHS = {"plain": linear_cross_entropy_reference, "fused": linear_cross_entropy}
 

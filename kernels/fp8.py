@@ -16,14 +16,12 @@ operands with fp32 accumulation and one rounding to `out_dtype`:
     was written): it is kept small, on the same quantised operands and scales as the emulation.
   - elsewhere (CPU): the emulation, dequantise to fp32, matmul in fp32, round to `out_dtype`.
     Same numbers as fp8 tensor cores up to the fp32 summation order.
-`check_fp8_device` refuses a CUDA device below sm 8.9 (no fp8 tensor cores there).
+`mlm.parallel.fp8.check_fp8_device` refuses a CUDA device below sm 8.9 (no fp8 tensor cores there).
 """
 
 from __future__ import annotations
 
 import torch
-
-from mlm.errors import MlmError
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 """Format name → torch dtype."""
@@ -61,19 +59,6 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q · (1/scale) in fp32, then cast to `dtype`."""
     return (q.float() * scale.float().reciprocal()).to(dtype)
-
-
-def check_fp8_device(device: torch.device, capability: tuple[int, int] | None = None) -> None:
-    """Raise `MlmError` where fp8 cannot run: a CUDA device below compute capability 8.9
-    (`capability`: the device's, or given, e.g. by a test). CPU always runs (emulated)."""
-    if device.type != "cuda":
-        return
-    cap = tuple(capability) if capability is not None else torch.cuda.get_device_capability(device)
-    if cap < MIN_CAPABILITY:
-        raise MlmError(
-            f"train.fp8 needs fp8 tensor cores (CUDA compute capability ≥ 8.9: Ada, Hopper, Blackwell); "
-            f"{device} has {cap[0]}.{cap[1]}; set train.fp8='' (bf16) or train on an sm_89+ GPU"
-        )
 
 
 def uses_scaled_mm(device: torch.device) -> bool:

@@ -67,9 +67,7 @@ def compile_layers(model: GPT) -> list[str]:
       GPU dynamo captures the launches of the compiled kernels itself.
     """
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    if os.environ.get("TRITON_INTERPRET") == "1" and any(
-        getattr(m, "kernels", "torch") == "triton" for m in model.modules()
-    ):
+    if os.environ.get("TRITON_INTERPRET") == "1" and model.ops.kernels == "triton":
         from triton.runtime.interpreter import InterpretedFunction
 
         if not hasattr(InterpretedFunction.run, "_torchdynamo_disable"):

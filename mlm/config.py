@@ -268,7 +268,7 @@ class ModelConfig:
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full (each layer)."""
     fused_cross_entropy: bool = False
-    """Compute the loss with the chunked linear + cross-entropy (Liger/Megatron style, kernels.linear_cross_entropy), never holding the [tokens, vocab] logits."""
+    """Compute the loss with the chunked linear + cross-entropy (Liger/Megatron style, mlm.parallel.cross_entropy), never holding the [tokens, vocab] logits."""
     layer_pattern: str = ""
     """Every layer's kinds as Megatron's hybrid layer pattern: * gqa, + mla, - dense, E moe (and the symbols registered kinds add); a mixer and the MLP after it are one layer; /X per MTP depth. Empty: from the four fields below."""
     attention_kind: str = "gqa"

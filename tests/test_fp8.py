@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.fp8 import FP8_MAX, check_fp8_device, dequantize, quantize, scale_from_amax
+from kernels.fp8 import FP8_MAX, dequantize, quantize, scale_from_amax
 from mlm.config import TrainConfig, load_config
 from mlm.errors import MlmError
-from mlm.parallel.fp8 import apply_fp8, fp8_linears
+from mlm.parallel.fp8 import apply_fp8, check_fp8_device, fp8_linears
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.tensor import OpLinear
 from mlm.train.trainer import Trainer

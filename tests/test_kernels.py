@@ -300,13 +300,15 @@ def test_gpt_with_triton_kernels_matches_torch(arch):
     for kernels in ("torch", "triton"):
         model = build_model(cfg, DEVICE, seed=3)
         assert model.set_kernels(kernels, DEVICE) == kernels
-        # every norm (per-head and latent ones too) and every experts' activation follows the choice
+        # every norm (per-head and latent ones too) and every experts' activation follows the choice:
+        # they share the model's one Ops
         sites = [
             m
             for m in model.modules()
             if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm, GroupedExperts))
         ]
-        assert sites and all(m.kernels == kernels for m in sites), sites
+        assert sites and all(m.ops is model.ops for m in sites), sites
+        assert model.ops.kernels == kernels
         logits = model(tokens)
         logits.float().square().mean().backward()
         results[kernels] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}

@@ -40,7 +40,7 @@ class SquaredReLU(nn.Module):
 
     tp_plan = {TP_INPUT: "enter", "up": "column", "down": "row"}
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, ops=None):
         super().__init__()
         self.up = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=False)
         self.down = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=False)

@@ -1,4 +1,4 @@
-"""The chunked linear + cross-entropy (`kernels.linear_cross_entropy`) against the plain path.
+"""The chunked linear + cross-entropy (`mlm.parallel.cross_entropy`) against the plain path.
 
 1. one process: loss and the gradients of the hidden states and the weight equal the plain
    path's (logits, then fp32 cross-entropy) within 1e-5 relative in fp32, over odd shapes (tokens
@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.linear_cross_entropy import chunk_tokens, linear_cross_entropy, linear_cross_entropy_reference
 from mlm.config import ModelConfig, ParallelConfig
 from mlm.errors import MlmError
 from mlm.model.gpt import build_model
 from mlm.model.mtp import MTPTargets
 from mlm.parallel import Mesh
+from mlm.parallel.cross_entropy import chunk_tokens, linear_cross_entropy, linear_cross_entropy_reference
 from mlm.parallel.tensor import copy_to_tp, gather_from_sp
 
 from distributed import run_ranks

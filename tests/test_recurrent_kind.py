@@ -23,10 +23,10 @@ from torch import nn
 
 from mlm.config import load_config
 from mlm.errors import MlmError
-from mlm.model import ops
 from mlm.model.kinds import register
 from mlm.model.kinds.spec import Flops, MixerSpec, Param, PartWork, StateCache
 from mlm.model.layers import TP_INPUT
+from mlm.model.ops import Ops
 
 from distributed import run_ranks
 from test_parallel_training import _assert_matches, _sets, _train_rank, reference_run
@@ -73,8 +73,9 @@ class GatedConvRecurrence(nn.Module):
         "out": "row",
     }
 
-    def __init__(self, cfg, layer: int = 0):
+    def __init__(self, cfg, layer: int = 0, ops=None):
         super().__init__()
+        self.ops = ops or Ops()
         D = cfg.hidden_size
         self.layer = layer
         self.in_x = nn.Linear(D, WIDTH, bias=False)
@@ -82,7 +83,6 @@ class GatedConvRecurrence(nn.Module):
         self.conv = nn.Parameter(torch.empty(WIDTH, TAPS))
         self.decay = nn.Parameter(torch.empty(WIDTH))
         self.out = nn.Linear(WIDTH, D, bias=False)
-        self.kernels = "torch"
 
     def forward(self, x_BTD, rope=None, cache=None, documents_BT=None):
         u_BTW, g_BTW = self.in_x(x_BTD), self.in_g(x_BTD)
@@ -93,7 +93,7 @@ class GatedConvRecurrence(nn.Module):
             h_BTW = ConvScan.apply(u_BTW, self.conv, a_W)
         else:  # each packed document from zeros
             h_BTW = torch.cat([self._documents(u, d, a_W) for u, d in zip(u_BTW, documents_BT, strict=True)])
-        return self.out(ops.swiglu(g_BTW, h_BTW, self.kernels))
+        return self.out(self.ops.swiglu(g_BTW, h_BTW))
 
     def _documents(self, u_TW, documents_T, a_W):
         starts = [

@@ -18,6 +18,7 @@ from mlm.config import MLAConfig, ModelConfig, ParallelConfig
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT, build_model
 from mlm.parallel import Mesh
+from mlm.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads, parallelize
 from mlm.parallel.placement import placements
 from mlm.parallel.recompute import apply_recompute
@@ -29,7 +30,6 @@ from mlm.parallel.tensor import (
     VocabParallelEmbedding,
     gather_from_tp,
     scatter_to_tp,
-    vocab_parallel_cross_entropy,
 )
 
 from distributed import run_ranks

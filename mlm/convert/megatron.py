@@ -627,9 +627,9 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
 def _defaults_note(cfg: ModelConfig, given: list[str]) -> str:
     """What the logits depend on that neither the shapes nor --set gave (no args in common.pt)."""
     fields = ["rope_base", "norm_eps", "activation", "max_position_embeddings"]
-    if cfg.mlp_kind == "moe":
+    if "moe" in cfg.mlp_kinds():
         fields += ["moe.router_topk", "moe.router_score_function", "moe.router_pre_softmax"]
-    if cfg.attention_kind == "mla":  # Megatron's MLA default is YaRN; without args mlm has none
+    if "mla" in cfg.mixer_kinds():  # Megatron's MLA default is YaRN; without args mlm has none
         fields += ["rope_scaling_factor", "rope_scaling_type"]
     taken = [f for f in fields if not any(s.startswith(f"model.{f}=") for s in given)]
     values = ", ".join(f"{f}={toml_value(_field(cfg, f))}" for f in taken)

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from mlm.checkpoint import read_group
 from mlm.checkpoint.manager import iter_dir_name
 from mlm.checkpoint.store import dtype_name
-from mlm.config import Config, ModelConfig, config_from_dict
+from mlm.config import Config, ModelConfig, config_from_dict, describe_layers
 from mlm.convert.common import Progress, Report, noop
 from mlm.convert.megatron import _LAYER, _MLA_SUBS, _MTP, _TOP, _fc1_axis, _fuse_qkv, _mlm_tensors
 from mlm.convert.megatron_dcp import MegatronCheckpoint
@@ -89,7 +89,7 @@ def _export_layer(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(Megatron sub-key, `_LAYER` name) to write for `cfg`'s attention kind: the first of the names
     that read one mlm tensor."""
     out, claimed = [], set()
-    skipped = _GQA_ONLY if cfg.attention_kind == "mla" else _MLA_SUBS  # MLA's linear_q_proj is linear_qkv's q
+    skipped = _GQA_ONLY if "mla" in cfg.mixer_kinds() else _MLA_SUBS  # MLA's linear_q_proj is linear_qkv's q
     for sub, name in _LAYER.items():
         parts = tuple(_parts(sub, name))
         if parts not in claimed and sub not in skipped:
@@ -101,11 +101,17 @@ def _export_layer(cfg: ModelConfig) -> list[tuple[str, str]]:
 def _unsupported(cfg: ModelConfig) -> list[str]:
     """What of `cfg` a Megatron GPTModel with this name table cannot hold, each naming the field."""
     out = []
-    if cfg.attention_kind == "mla":
-        out += _mla_unsupported(cfg)
-    elif cfg.attention_kind != "gqa":
+    specs = cfg.layer_specs()
+    if len(cfg.mixer_kinds()) > 1 or any(s.mixer is None or s.mlp is None for s in specs):
         out.append(
-            f"model.attention_kind={cfg.attention_kind}: the export writes GPTModel's linear_qkv attention only "
+            f"layers {describe_layers(specs)}: GPTModel's layers are attention and an MLP, one attention "
+            "kind throughout (a hybrid pattern is Megatron's HybridModel, not written yet)"
+        )
+    if "mla" in cfg.mixer_kinds():
+        out += _mla_unsupported(cfg)
+    elif cfg.mixer_kinds() != ("gqa",):
+        out.append(
+            f"mixers {', '.join(cfg.mixer_kinds())}: the export writes GPTModel's linear_qkv attention only "
             "(Megatron's multi-latent attention has other module names)"
         )
     if cfg.qk_norm and cfg.normalization != "rmsnorm":
@@ -113,7 +119,7 @@ def _unsupported(cfg: ModelConfig) -> list[str]:
             "model.qk_norm with normalization=layernorm: mlm's q/k norms are RMSNorm, Megatron's q/k_layernorm "
             "follow --normalization (LayerNorm)"
         )
-    if cfg.rope_scaling_factor is not None and cfg.attention_kind != "mla":
+    if cfg.rope_scaling_factor is not None and "mla" not in cfg.mixer_kinds():
         llama3 = (
             cfg.rope_low_freq_factor,
             cfg.rope_high_freq_factor,
@@ -294,7 +300,7 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
         mtp_num_layers=cfg.mtp_num_layers or None,
         mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
     )
-    if cfg.attention_kind == "mla":
+    if "mla" in cfg.mixer_kinds():
         args.update(_mla_args(cfg))
     if any(spec.mlp == "moe" for spec in cfg.layer_specs()):
         moe = cfg.moe
@@ -493,7 +499,7 @@ def export_megatron(
             "defaults differ from this model's)"
         )
     yarn = (cfg.rope_original_max_position_embeddings, cfg.rope_yarn_beta_fast, cfg.rope_yarn_beta_slow)
-    if cfg.attention_kind == "mla" and cfg.rope_scaling_factor is not None and yarn != (4096, 32.0, 1.0):
+    if "mla" in cfg.mixer_kinds() and cfg.rope_scaling_factor is not None and yarn != (4096, 32.0, 1.0):
         notes.append(
             f"YaRN's original positions {yarn[0]}, beta_fast {yarn[1]}, beta_slow {yarn[2]} have no Megatron-LM "
             "argument (it uses MLATransformerConfig's 4096, 32, 1): set original_max_position_embeddings, "

@@ -34,8 +34,8 @@ from mlm.config import config_from_dict
 from mlm.convert.common import TOLERANCE, Progress, noop
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
+from mlm.model.contract import declaring, submodule
 from mlm.model.gpt import GPT, VOCAB_ROWS
-from mlm.model.kinds.moe.experts import GroupedExperts
 from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dims
 from mlm.parallel.pipeline import stage_layer_counts
 from mlm.parallel.schedules import micro_batches_per_step
@@ -53,10 +53,10 @@ def split_dims(cfg, consolidate: bool, tp: int = 1, ep: int = 1) -> dict[str, Sp
     with torch.device("meta"):
         model = GPT(cfg)
     dims: dict[str, Split] = {k: None if d is None else (d, tp) for k, d in tp_split_dims(model).items()}
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            for local, _ in module.named_parameters():
-                dims[f"{name}.{local}"] = (0, ep)
+    for name, module, plan in declaring(model, "ep_plan"):
+        for path, style in plan.items():
+            if style == "experts" and submodule(module, path) is not None:
+                dims[f"{name}.{path}.weight"] = (0, ep)
     return {k: None for k in dims} if consolidate else dims
 
 

@@ -275,7 +275,7 @@ def _numerics(cfg: ModelConfig) -> dict[str, object]:
     )
     d.update(head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
     d["layers"] = describe_layers(cfg.layer_specs())
-    if cfg.attention_kind == "mla":
+    if "mla" in cfg.mixer_kinds():
         d.update({f"mla.{k}": v for k, v in vars(cfg.mla).items()})
     d["mtp_num_layers"] = cfg.mtp_num_layers
     if any(s.mlp == "moe" for s in cfg.layer_specs()):

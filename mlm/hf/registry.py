@@ -58,7 +58,7 @@ def arch_of(cfg: ModelConfig, source: str = "") -> str:
     else mixtral; otherwise llama."""
     if _ALIASES.get(source, source) in ADAPTERS:
         return _ALIASES.get(source, source)
-    if cfg.attention_kind == "mla":
+    if "mla" in cfg.mixer_kinds():
         return "deepseek_v3"
     if cfg.position_embedding == "learned":
         return "gpt2"

@@ -1,16 +1,14 @@
 """The attention core behind one switch: torch SDPA everywhere; flash-attn and Transformer
 Engine on CUDA when importable. `auto` picks flash-attn, then TE, then SDPA (which itself
-uses flash/cuDNN kernels on recent GPUs). `AttentionCore` is the module the attention kinds
-(gqa, mla) call it through, and what context parallelism and selective recompute hook into."""
+uses flash/cuDNN kernels on recent GPUs). The attention kinds call it through `AttentionCore`
+(`mlm.model.attention_core`), chosen by the model's `Ops`."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from mlm.errors import MlmError
 
@@ -108,30 +106,3 @@ def _te_attention(heads: int, groups: int, head_dim: int, dropout: float, scale:
         softmax_scale=scale,
     )
     return lambda q, k, v: core(q, k, v).view(q.shape)
-
-
-class AttentionCore(nn.Module):
-    """softmax(q kᵀ · scale) v (scale 1/√K unless given), causal, over [B, T, heads, K] (no
-    parameters): the part selective recompute recomputes. `rng_region` is where attention dropout
-    draws its randomness: tensor parallelism sets it to `TensorParallelRNG.fork`, so tp ranks
-    (holding other heads) drop differently."""
-
-    selective_recompute = True
-    tp_plan = {"rng_region": "tp_rng"}
-
-    def __init__(self, cfg, scale: float | None = None):
-        super().__init__()
-        self.dropout = cfg.attention_dropout
-        self.scale = scale  # softmax scale; None: 1/√K
-        self.backend = "sdpa"
-        self.rng_region = contextlib.nullcontext
-        self.context = None  # context parallelism: attention over the cp ranks' tokens (mlm.parallel.context)
-
-    def forward(self, q_BTHK, k_BTGK, v_BTGK, documents_BT=None):
-        if self.context is not None:
-            return self.context(q_BTHK, k_BTGK, v_BTGK, documents_BT=documents_BT, scale=self.scale)
-        if documents_BT is not None:  # packed documents: causal within each one
-            return document_attention(q_BTHK, k_BTGK, v_BTGK, documents_BT, self.scale)
-        dropping = self.training and self.dropout > 0
-        with self.rng_region(q_BTHK.device) if dropping else contextlib.nullcontext():
-            return attention(q_BTHK, k_BTGK, v_BTGK, self.backend, self.dropout, self.training, self.scale)

@@ -10,7 +10,6 @@ K head dim, F ffn hidden, V (padded) vocabulary.
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -19,15 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear_cross_entropy import cross_entropy, linear_cross_entropy
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
-from mlm.model.attention import AttentionCore, resolve_backend
+from mlm.model.attention import resolve_backend
 from mlm.model.aux_loss import AuxLosses
+from mlm.model.contract import declaring
 from mlm.model.layers import Block, make_norm, to_residual
 from mlm.model.mtp import MTPLayer, MTPTargets
-from mlm.model.ops import resolve_kernels
+from mlm.model.ops import Ops, resolve_kernels
 from mlm.model.rope import inv_frequencies, rope_tables
+from mlm.parallel.cross_entropy import cross_entropy, linear_cross_entropy
 
 # Parameters whose rows are the vocabulary, padded to a multiple of make_vocab_size_divisible_by × tp
 # (the padding rows are zeros and stay zero in training).
@@ -75,6 +75,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab: int | None = None):
         super().__init__()
         self.cfg = cfg
+        self.ops = ops = Ops()  # the implementation switch every module shares (`mlm.model.ops`)
         V = self.padded_vocab = padded_vocab or cfg.padded_vocab_size()
         self.embed = nn.Embedding(V, cfg.hidden_size)
         self.pos_embed = (
@@ -88,13 +89,13 @@ class GPT(nn.Module):
         self.enter_layers: nn.Module = nn.Identity()
         self.enter_output: nn.Module = nn.Identity()
         specs = cfg.layer_specs()
-        self.layers = nn.ModuleDict({str(i): Block(cfg, spec, i) for i, spec in enumerate(specs)})
-        self.final_norm = make_norm(cfg)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, spec, i, ops) for i, spec in enumerate(specs)})
+        self.final_norm = make_norm(cfg, ops=ops)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, V, bias=False)
         # multi-token prediction depths (on the last pipeline stage, with an embedding copy there)
         self.mtp = (
             nn.ModuleDict(
-                {str(d): MTPLayer(cfg, specs[-1], cfg.num_layers + d) for d in range(cfg.mtp_num_layers)}
+                {str(d): MTPLayer(cfg, specs[-1], cfg.num_layers + d, ops) for d in range(cfg.mtp_num_layers)}
             )
             if cfg.mtp_num_layers
             else None
@@ -106,11 +107,10 @@ class GPT(nn.Module):
         # (model.fused_cross_entropy: the [B, T, V] logits are never held); vocabulary-parallel under tp
         self.linear_cross_entropy = linear_cross_entropy
         # auxiliary losses the modules attach (e.g. MoE balancing), shared with every module
-        # that has an `aux_losses` attribute
+        # that declares `aux_losses` (`mlm.model.contract`)
         self.aux_losses = AuxLosses()
-        for module in self.modules():
-            if module is not self and hasattr(module, "aux_losses"):
-                module.aux_losses = self.aux_losses
+        for _, module, _ in declaring(self, "aux_losses"):
+            module.aux_losses = self.aux_losses
         self.chunks = [Chunk(list(self.layers))]
         # Hidden states between chunks are [B, T / sequence_shards, D] (tp under sequence parallelism).
         self.sequence_shards = 1
@@ -118,25 +118,16 @@ class GPT(nn.Module):
         self._rope = cfg.position_embedding == "rope" and cfg.rope_dim is not None
 
     def set_attention_backend(self, requested: str, device: torch.device) -> str:
-        backend = resolve_backend(requested, device)
-        for module in self.modules():
-            if isinstance(module, AttentionCore):
-                module.backend = backend
-        return backend
+        """Run every attention core with `model.attention_backend`'s choice on `device`
+        (`resolve_backend`, in the model's `Ops`); returns it."""
+        self.ops.attention_backend = resolve_backend(requested, device)
+        return self.ops.attention_backend
 
     def set_kernels(self, requested: str, device: torch.device) -> str:
-        """Run every norm (the layers', Qwen3's per-head q/k norms, MLA's latent norms, the MTP
-        depths', the final norm), every MLP activation (dense, shared and routed experts) and RoPE
-        with `model.kernels`' choice on `device` (`resolve_kernels`); returns it. MLA's `rotate`
-        (apply_rope or its interleaved layout) is re-bound with the choice."""
-        kernels = resolve_kernels(requested, device)
-        for module in self.modules():
-            if hasattr(module, "kernels"):
-                module.kernels = kernels
-            if hasattr(module, "rotate"):
-                rotate = getattr(module.rotate, "func", module.rotate)  # unwrap an earlier choice
-                module.rotate = functools.partial(rotate, kernels=kernels)
-        return kernels
+        """Run every norm, MLP activation and RoPE with `model.kernels`' choice on `device`
+        (`resolve_kernels`, in the model's `Ops`, which every module shares); returns it."""
+        self.ops.kernels = resolve_kernels(requested, device)
+        return self.ops.kernels
 
     # ------------------------------------------------------------------ pipeline stages
 
@@ -302,7 +293,7 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Cross-entropy of the output layer on normed hidden states: the mean, or with
         `weights_BT` the weighted sum; from the logits, or with model.fused_cross_entropy chunked
-        over the tokens without ever holding them (`kernels.linear_cross_entropy`)."""
+        over the tokens without ever holding them (`mlm.parallel.cross_entropy`)."""
         V = self.cfg.vocab_size
         if self.cfg.fused_cross_entropy:
             return self.linear_cross_entropy(

@@ -31,6 +31,7 @@ from torch import nn
 from kernels.lean import autocast_dtype
 from mlm.config import LayerSpec, ModelConfig
 from mlm.model import kinds
+from mlm.model.ops import Ops
 
 TP_INPUT = "(input)"
 """`tp_plan` key for the module's first positional input."""
@@ -44,9 +45,9 @@ def to_residual(x: torch.Tensor, fp32_residual: bool) -> torch.Tensor:
     return x.to(autocast_dtype(x) or x.dtype)
 
 
-def make_norm(cfg: ModelConfig, kind: str | None = None) -> nn.Module:
+def make_norm(cfg: ModelConfig, kind: str | None = None, ops: Ops | None = None) -> nn.Module:
     """A norm of `kind` (default model.normalization) over the hidden state."""
-    return kinds.norm(kind or cfg.normalization).module_class()(cfg)
+    return kinds.norm(kind or cfg.normalization).module_class()(cfg, None, ops)
 
 
 class Block(nn.Module):
@@ -57,14 +58,14 @@ class Block(nn.Module):
 
     tp_plan = {"attn_norm": "replicated", "mlp_norm": "replicated"}
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, layer: int = 0, ops: Ops | None = None):
         super().__init__()
         self.spec = spec
         has_mixer, has_mlp = spec.mixer is not None, spec.mlp is not None
-        self.attn_norm = make_norm(cfg, spec.norm) if has_mixer else None
-        self.attn = kinds.mixer(spec.mixer).module_class()(cfg, layer) if has_mixer else None
-        self.mlp_norm = make_norm(cfg, spec.norm) if has_mlp else None
-        self.mlp = kinds.mlp(spec.mlp).module_class()(cfg, layer) if has_mlp else None
+        self.attn_norm = make_norm(cfg, spec.norm, ops) if has_mixer else None
+        self.attn = kinds.mixer(spec.mixer).module_class()(cfg, layer, ops) if has_mixer else None
+        self.mlp_norm = make_norm(cfg, spec.norm, ops) if has_mlp else None
+        self.mlp = kinds.mlp(spec.mlp).module_class()(cfg, layer, ops) if has_mlp else None
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x_BTD, rope=None, cache=None, documents_BT=None):

@@ -27,6 +27,7 @@ from torch import nn
 
 from mlm.config import LayerSpec, ModelConfig
 from mlm.model.layers import Block, make_norm, to_residual
+from mlm.model.ops import Ops
 
 
 class MTPLayer(nn.Module):
@@ -39,14 +40,14 @@ class MTPLayer(nn.Module):
         "final_norm": "replicated",
     }
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, layer: int):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, layer: int, ops: Ops | None = None):
         super().__init__()
         D = cfg.hidden_size
-        self.enorm = make_norm(cfg)
-        self.hnorm = make_norm(cfg)
+        self.enorm = make_norm(cfg, ops=ops)
+        self.hnorm = make_norm(cfg, ops=ops)
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
-        self.layer = Block(cfg, spec, layer)
-        self.final_norm = make_norm(cfg)
+        self.layer = Block(cfg, spec, layer, ops)
+        self.final_norm = make_norm(cfg, ops=ops)
         self.fp32_residual = cfg.fp32_residual_connection
 
     def forward(self, e_BTD, h_BTD, rope=None, documents_BT=None) -> torch.Tensor:

@@ -1,7 +1,14 @@
-"""The ops the layer kinds compute with, each in two implementations: torch (`kernels.lean`:
-autograd Functions that save only what their backward needs) and Triton (the top-level `kernels`
-package), chosen by `model.kernels` (`resolve_kernels`). A module holds the choice in its
-`kernels` attribute ("torch" or "triton", set by `GPT.set_kernels`) and passes it here."""
+"""The ops the layer kinds compute with, behind one switch: `Ops`, one instance per model, shared
+by every module (each holds it as `self.ops`), chosen once at build time (`GPT.set_kernels`,
+`GPT.set_attention_backend`):
+
+    kernels             norms, SwiGLU / GeLU, RoPE: torch (`kernels.lean`: autograd Functions
+                        that save only what their backward needs) or triton (the top-level
+                        `kernels` package), from model.kernels (`resolve_kernels`)
+    attention_backend   the attention core: sdpa, flash or te (`mlm.model.attention`), from
+                        model.attention_backend
+
+The module functions below take the choice as an argument, for code that holds no model."""
 
 from __future__ import annotations
 
@@ -12,7 +19,40 @@ import torch.nn.functional as F
 
 from kernels import lean
 from mlm.errors import MlmError
-from mlm.model.attention import _importable
+from mlm.model.attention import _importable, attention
+from mlm.model.rope import apply_rope, apply_rope_interleaved
+
+
+class Ops:
+    """The implementation switch of one model (see the module doc)."""
+
+    def __init__(self, kernels: str = "torch", attention_backend: str = "sdpa"):
+        self.kernels = kernels
+        self.attention_backend = attention_backend
+
+    def __repr__(self) -> str:
+        return f"Ops(kernels={self.kernels!r}, attention_backend={self.attention_backend!r})"
+
+    def rms_norm(self, x, weight, eps: float):
+        return rms_norm(x, weight, eps, self.kernels)
+
+    def layer_norm(self, x, weight, bias, eps: float):
+        return layer_norm(x, weight, bias, eps, self.kernels)
+
+    def swiglu(self, a, b):
+        return swiglu(a, b, self.kernels)
+
+    def gelu(self, a, approximate: str):
+        return gelu(a, approximate, self.kernels)
+
+    def rope(self, x, cos, sin, interleaved: bool = False):
+        """RoPE on the rotate-half layout, or on adjacent pairs (`interleaved`: DeepSeek's)."""
+        rotate = apply_rope_interleaved if interleaved else apply_rope
+        return rotate(x, cos, sin, kernels=self.kernels)
+
+    def attention(self, q, k, v, dropout: float, training: bool, scale: float | None = None):
+        """Causal attention through the chosen backend (`mlm.model.attention.attention`)."""
+        return attention(q, k, v, self.attention_backend, dropout, training, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: str = "torch") -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlm.errors import MlmError
-from mlm.model.attention import AttentionCore
+from mlm.model.contract import declaring
 from mlm.parallel.mesh import Mesh, check_context_parallel  # noqa: F401  (the rule, torch-free)
 from mlm.parallel.ring_attention import ring_attention
 
@@ -73,8 +73,8 @@ def allgather_attention(
 
 
 def apply_context_parallel(model: nn.Module, mesh: Mesh, comm_type: str, sequence_parallel: bool) -> None:
-    """Make every attention core of `model` attend over the whole sequence held across `mesh`'s
-    cp ranks (`comm_type` "all_gather" or "p2p", Megatron's cp_comm_type), and point modules that
+    """Make every module declaring `cp_attention` (the attention cores, `mlm.model.contract`) of
+    `model` attend over the whole sequence held across `mesh`'s cp ranks (`comm_type` "all_gather" or "p2p", Megatron's cp_comm_type), and point modules that
     reduce statistics over a sequence's shards (MoE balancing) at the ranks holding its other
     parts (cp, × tp under sequence parallelism). A no-op at cp = 1."""
     if mesh.cp == 1:
@@ -91,10 +91,10 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, comm_type: str, sequenc
     shards = mesh.sequence_group(sequence_parallel)
     if getattr(model, "aux_losses", None) is not None:  # shares of a loss whose gradients cp averages
         model.aux_losses.partial_factor = float(mesh.cp)
-    for module in model.modules():
-        if isinstance(module, AttentionCore):
-            module.context = attend
-        for attr, style in getattr(type(module), "tp_plan", {}).items():
+    for _, module, attr in declaring(model, "cp_attention"):
+        setattr(module, attr, attend)
+    for _, module, plan in declaring(model, "tp_plan"):
+        for attr, style in plan.items():
             if style == "sp_group":
                 setattr(module, attr, shards)
 
@@ -103,11 +103,11 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, comm_type: str, sequenc
 def whole_sequences(model: nn.Module):
     """Attention over the local tokens only, for a forward in which every rank holds whole
     sequences (sampling a prompt during training under cp)."""
-    cores = [(m, m.context) for m in model.modules() if isinstance(m, AttentionCore)]
-    for m, _ in cores:
-        m.context = None
+    cores = [(m, attr, getattr(m, attr)) for _, m, attr in declaring(model, "cp_attention")]
+    for m, attr, _ in cores:
+        setattr(m, attr, None)
     try:
         yield
     finally:
-        for m, context in cores:
-            m.context = context
+        for m, attr, context in cores:
+            setattr(m, attr, context)

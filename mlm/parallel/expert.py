@@ -34,8 +34,9 @@ from torch import nn
 from mlm.config import ModelConfig
 from mlm.errors import MlmError
 from mlm.model import kinds
+from mlm.model.contract import declaring, submodule
 from mlm.model.kinds.moe.experts import GroupedExperts
-from mlm.model.kinds.moe.module import MoE, combine
+from mlm.model.kinds.moe.module import combine
 from mlm.parallel.data_parallel import all_gather, reduce_scatter
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.placement import expert_sharded
@@ -170,53 +171,54 @@ def check_expert_parallel(cfg: ModelConfig, ep: int, tp: int, sequence_parallel:
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool, dispatcher: str) -> None:
-    """Give every MoE layer of `model` (on the meta device) its 1/ep of the experts, with their
-    placements, and the `dispatcher` ("alltoall" or "allgather") over `mesh`'s ep group. A no-op
-    at ep = 1. Checks run before any change."""
+    """Give every module of `model` (on the meta device) that declares an `ep_plan` (the MoE
+    layers, `mlm.model.contract`) its 1/ep of the experts, with their placements, and the
+    `dispatcher` ("alltoall" or "allgather") over `mesh`'s ep group. A no-op at ep = 1. Checks
+    run before any change."""
     if mesh.ep == 1:
         return
     check_expert_parallel(model.cfg, mesh.ep, mesh.tp, sequence_parallel)
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
     group = mesh.group("ep")
-    for moe in moes:
-        for w in (moe.experts.gate, moe.experts.up, moe.experts.down):
-            if w is None:
+    for _, module, plan in declaring(model, "ep_plan"):
+        for path, style in plan.items():
+            if style == "dispatcher":
+                exchange = (
+                    AllToAllDispatcher(group, mesh.ep)
+                    if dispatcher == "alltoall"
+                    else AllGatherDispatcher(group, mesh.ep, mesh.ep_rank)
+                )
+                setattr(module, path, exchange)
                 continue
-            full = tuple(w.weight.shape)
-            place = expert_sharded(mesh, full)
+            w = submodule(module, path)
+            if w is None:  # not built in this configuration (a plain MLP's gate)
+                continue
+            place = expert_sharded(mesh, tuple(w.weight.shape))
             assert w.weight.device.type == "meta", "apply expert parallelism before materialising"
             w.weight = nn.Parameter(torch.empty(place.shape, device="meta", dtype=w.weight.dtype))
             w.__dict__.setdefault("placements", {})["weight"] = place
-        moe.dispatcher = (
-            AllToAllDispatcher(group, mesh.ep)
-            if dispatcher == "alltoall"
-            else AllGatherDispatcher(group, mesh.ep, mesh.ep_rank)
-        )
 
 
 @torch.no_grad()
-def expert_load_step(model: nn.Module, mesh: Mesh) -> dict[str, float]:
-    """Once per step, after backward: every MoE layer's tokens per expert of the step, summed over
-    the stage's ranks that routed different tokens (dp; cp; tp under sequence parallelism). Updates
-    the selection-only expert biases (aux-loss-free balancing, DeepSeek-V3 / Megatron:
-    bias += rate · sign(mean load − load)) and returns the load metrics per layer:
+def expert_load_step(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> dict[str, float]:
+    """Once per step, after backward: every expert-parallel layer's tokens per expert of the step
+    (`take_load`), summed over the stage's ranks that routed different tokens (dp; cp; tp under
+    sequence parallelism). Each layer then updates its routing state from it (`update_routing`:
+    the MoE layers' aux-loss-free expert bias) and the load metrics per layer are returned:
     `moe.load_max_mean.L` (the busiest expert's tokens over the mean: 1 is balanced) and
     `moe.dropped.L` (the share of token copies dropped over capacity). Collective over the stage."""
-    taken = [(m, m.take_load()) for m in model.modules() if isinstance(m, MoE)]
+    taken = [(m, m.take_load()) for _, m, _ in declaring(model, "ep_plan")]
     taken = [(m, t) for m, t in taken if t is not None]
     if not taken:
         return {}
     counts = torch.stack([torch.cat([load, dropped.view(1)]) for _, (load, dropped) in taken])
     # the ranks routing other tokens: dp, and those holding the sequences' other parts (tp under
-    # sequence parallelism, cp), which the layers reduce over themselves
-    shards = taken[0][0].sequence_group
-    for group in (mesh.dp_group, shards if shards is not None else mesh.group("cp")):
+    # sequence parallelism, cp)
+    for group in (mesh.dp_group, mesh.sequence_group(sequence_parallel)):
         if group is not None:
             dist.all_reduce(counts, group=group)
     loads, dropped = counts[:, :-1], counts[:, -1]
-    for (moe, _), load in zip(taken, loads, strict=True):
-        if moe.router.expert_bias is not None:
-            moe.router.expert_bias.add_(torch.sign(load.mean() - load) * moe.options.router_bias_update_rate)
+    for (module, _), load in zip(taken, loads, strict=True):
+        module.update_routing(load)
     ratio = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).tolist()
     share = (dropped / loads.sum(1).clamp(min=1)).tolist()  # one device sync for all layers
     out = {}

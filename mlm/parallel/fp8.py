@@ -56,19 +56,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.fp8 import amax, check_fp8_device, fp8_linear, quantize, scale_from_amax
+from kernels.fp8 import MIN_CAPABILITY, amax, fp8_linear, quantize, scale_from_amax
 from kernels.lean import autocast_dtype
 from mlm.checkpoint import ShardedTensor
 from mlm.config import TrainConfig
+from mlm.errors import MlmError
+from mlm.model.contract import declaring
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.placement import replicated
 from mlm.parallel.tensor import ColumnParallelLinear, OpLinear, RowParallelLinear
 
 INPUT, WEIGHT, GRAD = range(3)
-LAYERS = "layers."
-"""Only linears under this module name prefix (the transformer layers) run in fp8."""
-KEEP = ("shared_gate",)
-"""Linears inside the layers that stay in the compute dtype (attribute names)."""
 
 
 @dataclass(frozen=True)
@@ -214,13 +212,34 @@ class Fp8LinearOp:
         return f"Fp8LinearOp({self.state.names[self.index]})"
 
 
+def check_fp8_device(device: torch.device, capability: tuple[int, int] | None = None) -> None:
+    """Raise `MlmError` where fp8 cannot run: a CUDA device below compute capability 8.9
+    (`capability`: the device's, or given, e.g. by a test). CPU always runs (emulated)."""
+    if device.type != "cuda":
+        return
+    cap = tuple(capability) if capability is not None else torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        raise MlmError(
+            f"train.fp8 needs fp8 tensor cores (CUDA compute capability ≥ 8.9: Ada, Hopper, Blackwell); "
+            f"{device} has {cap[0]}.{cap[1]}; set train.fp8='' (bf16) or train on an sm_89+ GPU"
+        )
+
+
 def fp8_linears(model: nn.Module) -> list[str]:
-    """The names of the linears `apply_fp8` runs in fp8 (in module order)."""
-    kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    """The names of the linears `apply_fp8` runs in fp8 (in module order): every linear of the
+    model's layers (`model.layers`: not the embedding, the output layer or the MTP depths) but
+    those a module keeps in the compute dtype (its `fp8_exempt`, `mlm.model.contract`)."""
+    linear = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    exempt = {
+        id(getattr(m, attr))
+        for _, m, attrs in declaring(model.layers, "fp8_exempt")
+        for attr in attrs
+        if getattr(m, attr, None) is not None
+    }
     return [
         name
-        for name, m in model.named_modules()
-        if name.startswith(LAYERS) and isinstance(m, kinds) and name.rsplit(".", 1)[-1] not in KEEP
+        for name, m in model.layers.named_modules(prefix="layers")
+        if isinstance(m, linear) and id(m) not in exempt
     ]
 
 

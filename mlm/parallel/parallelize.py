@@ -37,10 +37,10 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from kernels.linear_cross_entropy import linear_cross_entropy
 from mlm.checkpoint import ShardedTensor
 from mlm.errors import MlmError
 from mlm.model.layers import TP_INPUT
+from mlm.parallel.cross_entropy import linear_cross_entropy, vocab_parallel_loss
 from mlm.parallel.mesh import Mesh, check_tensor_parallel
 from mlm.parallel.placement import Placement, placements, replicated, sharded
 from mlm.parallel.tensor import (
@@ -51,7 +51,6 @@ from mlm.parallel.tensor import (
     RowParallelLinear,
     TensorParallelRNG,
     VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
 )
 
 SHARDED = ("column", "row", "vocab")
@@ -189,7 +188,7 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
         elif style == "tp_rng":
             setattr(module, attr, rng.fork)
         elif style == "vocab_loss":
-            setattr(module, attr, functools.partial(_vocab_parallel_loss, mesh=mesh))
+            setattr(module, attr, functools.partial(vocab_parallel_loss, mesh=mesh))
         elif style == "vocab_linear_loss":
             setattr(module, attr, functools.partial(linear_cross_entropy, mesh=mesh))
         elif style == "full_sequence" and sequence_parallel and mesh.tp_rank > 0:
@@ -215,13 +214,6 @@ def _contribute_nothing(module: nn.Module, args: tuple, output: torch.Tensor) ->
     under sequence parallelism: rank 0's output alone joins the embedding's partial sums), still
     in the graph so that its parameters get a (zero) gradient to sum over tp."""
     return output * 0.0
-
-
-def _vocab_parallel_loss(
-    logits_BTv, labels_BT, vocab_size: int, weights_BT=None, *, mesh: Mesh
-) -> torch.Tensor:
-    loss_BT = vocab_parallel_cross_entropy(logits_BTv, labels_BT, mesh, vocab_size)
-    return loss_BT.mean() if weights_BT is None else (loss_BT * weights_BT).sum()
 
 
 def allreduce_sequence_parallel_grads(

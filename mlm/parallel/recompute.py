@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mlm.errors import MlmError
 from mlm.model.aux_loss import recompute_pass
+from mlm.model.contract import declaring
 
 MODES = ("none", "selective", "full")
 
@@ -60,7 +61,7 @@ def apply_recompute(model: nn.Module, mode: str, layers: list[str] | None = None
         targets = (
             [("", layer)]
             if mode == "full"
-            else [(n, m) for n, m in layer.named_modules() if getattr(type(m), "selective_recompute", False)]
+            else [(n, m) for n, m, on in declaring(layer, "selective_recompute") if on]
         )
         for name, module in targets:
             if "forward" in module.__dict__:

@@ -109,13 +109,13 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from kernels.linear_cross_entropy import chunk_tokens
 from mlm.config import Config, LayerSpec, ModelConfig
 from mlm.counts import ParameterCounts
 from mlm.layout import Layout
 from mlm.model import kinds
 from mlm.model.kinds.spec import Micro, Param
 from mlm.parallel.buckets import bucket_layout
+from mlm.parallel.cross_entropy import chunk_tokens
 from mlm.parallel.schedules import peak_in_flight, stage_layer_counts
 
 _AUTOCAST = ("bf16", "fp16")
@@ -434,7 +434,7 @@ def stage_extras(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
         out["final norm"] = _norm_bytes(cfg, e / u)
         out["output input"] = e * h * A
         V = m.padded_vocab_size(t)
-        if m.fused_cross_entropy:  # kernels.linear_cross_entropy: no input saved; the fp32
+        if m.fused_cross_entropy:  # mlm.parallel.cross_entropy: no input saved; the fp32
             # gradients of h and of the weight's shard, computed in forward, and the token scales
             out["output input"] = 0.0
             out["loss"] = e * h * 4 + V / t * h * 4 + e * 4

@@ -40,7 +40,6 @@ import torch.distributed as dist
 from torch import nn
 
 from mlm.config import TrainConfig
-from mlm.model.kinds.moe.module import MoE
 
 COUNTS = ("nonfinite", "spikes", "skipped", "rollbacks")
 """The fault counts of the log (`faults.NAME`): non-finite steps, loss spikes, steps run without an
@@ -130,12 +129,9 @@ class FaultMonitor:
 
 
 def expert_biases(model: nn.Module) -> list[torch.Tensor]:
-    """The MoE routers' expert biases (aux-loss-free balancing), which a step updates by its own rule."""
-    return [
-        m.router.expert_bias
-        for m in model.modules()
-        if isinstance(m, MoE) and m.router.expert_bias is not None
-    ]
+    """The parameters that never train but a step updates by its own rule (the MoE routers'
+    selection-only expert biases, aux-loss-free balancing): those without gradients."""
+    return [p for p in model.parameters() if not p.requires_grad]
 
 
 class StepStart:

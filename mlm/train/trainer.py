@@ -244,7 +244,9 @@ class Trainer(TrainerCheckpoints):
         self.pipeline.sync_tied_embedding(opt.all_grads.grad_of)
         opt.all_grads.finish()
         allreduce_sequence_parallel_grads(self.model, self.mesh, opt.placements, opt.all_grads.grad_of)
-        load = expert_load_step(self.model, self.mesh)  # and the aux-loss-free bias update
+        load = expert_load_step(
+            self.model, self.mesh, self.cfg.parallel.sequence_parallel
+        )  # and the aux-loss-free bias update
         # the logged values first: their collectives would queue behind the distributed
         # optimizer's parameter all-gathers, which step() leaves in flight for the next forward
         self._beat("loss and metrics")

@@ -9,26 +9,26 @@ import torch
 from torch import nn
 
 from mlm.config import ModelConfig
-from mlm.model import ops
 from mlm.model.layers import TP_INPUT
+from mlm.model.ops import Ops
 
 
 class MLP(nn.Module):
     tp_plan = {TP_INPUT: "enter", "gate": "column", "up": "column", "down": "row"}
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0, ffn_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, ops: Ops | None = None, ffn_size: int | None = None):
         super().__init__()
+        self.ops = ops or Ops()
         self.gated = cfg.activation == "swiglu"
         D, F_ = cfg.hidden_size, ffn_size or cfg.ffn_size
         self.gate = nn.Linear(D, F_, bias=cfg.add_bias) if self.gated else None
         self.up = nn.Linear(D, F_, bias=cfg.add_bias)
         self.down = nn.Linear(F_, D, bias=cfg.add_bias)
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
-        self.kernels = "torch"  # or "triton": set by GPT.set_kernels
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            h_BTF = ops.swiglu(self.gate(x_BTD), self.up(x_BTD), self.kernels)
+            h_BTF = self.ops.swiglu(self.gate(x_BTD), self.up(x_BTD))
         else:
-            h_BTF = ops.gelu(self.up(x_BTD), self.approximate, self.kernels)
+            h_BTF = self.ops.gelu(self.up(x_BTD), self.approximate)
         return self.down(h_BTF)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from mlm.config import ModelConfig
-from mlm.model.attention import AttentionCore
+from mlm.model.attention_core import AttentionCore
 from mlm.model.kinds.norms.module import RMSNorm
 from mlm.model.layers import TP_INPUT
-from mlm.model.rope import apply_rope
+from mlm.model.ops import Ops
 
 
 class Attention(nn.Module):
@@ -30,8 +30,9 @@ class Attention(nn.Module):
         "k_norm": "head_shared",
     }
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, ops: Ops | None = None):
         super().__init__()
+        self.ops = ops = ops or Ops()
         self.layer, self.head_dim = layer, cfg.head_dim
         K, H, G = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
         qkv_bias = cfg.add_bias or cfg.qkv_bias
@@ -40,10 +41,9 @@ class Attention(nn.Module):
         self.v = nn.Linear(cfg.hidden_size, G * K, bias=qkv_bias)
         self.out = nn.Linear(H * K, cfg.hidden_size, bias=cfg.add_bias)
         # Qwen3: RMSNorm over each head's query and key (weights [K], shared by the heads)
-        self.q_norm = RMSNorm(cfg, K) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg, K) if cfg.qk_norm else None
-        self.core = AttentionCore(cfg)
-        self.kernels = "torch"  # RoPE's; or "triton": set by GPT.set_kernels
+        self.q_norm = RMSNorm(cfg, K, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg, K, ops) if cfg.qk_norm else None
+        self.core = AttentionCore(cfg, ops=ops)
 
     def forward(self, x_BTD: torch.Tensor, rope=None, cache=None, documents_BT=None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -54,8 +54,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         if rope is not None:
-            q_BTHK = apply_rope(q_BTHK, *rope, kernels=self.kernels)
-            k_BTGK = apply_rope(k_BTGK, *rope, kernels=self.kernels)
+            q_BTHK = self.ops.rope(q_BTHK, *rope)
+            k_BTGK = self.ops.rope(k_BTGK, *rope)
         if cache is None:
             o_BTHK = self.core(q_BTHK, k_BTGK, v_BTGK, documents_BT)
         else:

@@ -32,9 +32,10 @@ import torch
 from torch import nn
 
 from mlm.config import ModelConfig
-from mlm.model.attention import AttentionCore
+from mlm.model.attention_core import AttentionCore
 from mlm.model.kinds.norms.module import RMSNorm
-from mlm.model.rope import apply_rope, apply_rope_interleaved, yarn_mscale
+from mlm.model.ops import Ops
+from mlm.model.rope import yarn_mscale
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
@@ -63,8 +64,9 @@ class MultiLatentAttention(nn.Module):
         "out": "row",
     }
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, ops: Ops | None = None):
         super().__init__()
+        self.ops = ops = ops or Ops()
         m = cfg.mla
         self.layer = layer
         self.nope, self.rope_dim, self.v_dim, self.latent = (
@@ -81,18 +83,18 @@ class MultiLatentAttention(nn.Module):
         else:
             self.q = None
             self.q_down = nn.Linear(D, m.q_lora_rank, bias=bias)
-            self.q_norm = RMSNorm(cfg, m.q_lora_rank)
+            self.q_norm = RMSNorm(cfg, m.q_lora_rank, ops)
             self.q_up = nn.Linear(m.q_lora_rank, H * QK, bias=False)
         self.kv_down = nn.Linear(D, m.kv_lora_rank + m.qk_rope_head_dim, bias=bias)
-        self.kv_norm = RMSNorm(cfg, m.kv_lora_rank)
+        self.kv_norm = RMSNorm(cfg, m.kv_lora_rank, ops)
         self.kv_up = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.out = nn.Linear(H * m.v_head_dim, D, bias=bias)
         # tensor parallelism's entries into the tp region (identity here): the hidden state for the
         # query projection (without a query latent), the latents for the up-projections
         self.enter_hidden: nn.Module | None = nn.Identity() if self.q is not None else None
         self.enter_latents: nn.Module = nn.Identity()
-        self.rotate = apply_rope_interleaved if m.rope_interleave else apply_rope
-        self.core = AttentionCore(cfg, scale=mla_softmax_scale(cfg))
+        self.interleaved = m.rope_interleave  # RoPE on adjacent pairs (DeepSeek's layout)
+        self.core = AttentionCore(cfg, scale=mla_softmax_scale(cfg), ops=ops)
 
     def projections(self, x_BTD: torch.Tensor):
         """(q_nope [B, T, H, N], q_rope [B, T, H, R], normed latent c [B, T, C], rope key [B, T, R]),
@@ -118,8 +120,8 @@ class MultiLatentAttention(nn.Module):
     def forward(self, x_BTD: torch.Tensor, rope=None, cache=None, documents_BT=None) -> torch.Tensor:
         qn_BTHN, qr_BTHR, c_BTC, kr_BTR = self.projections(x_BTD)
         B, T = c_BTC.shape[:2]  # the whole sequence under sequence parallelism
-        qr_BTHR = self.rotate(qr_BTHR, *rope)
-        kr_BT1R = self.rotate(kr_BTR[:, :, None], *rope)
+        qr_BTHR = self.ops.rope(qr_BTHR, *rope, interleaved=self.interleaved)
+        kr_BT1R = self.ops.rope(kr_BTR[:, :, None], *rope, interleaved=self.interleaved)
         if cache is not None:
             return self.out(self._absorbed(cache, qn_BTHN, qr_BTHR, c_BTC, kr_BT1R).reshape(B, T, -1))
         kv_BTHX = self.kv_up(c_BTC).view(B, T, -1, self.nope + self.v_dim)

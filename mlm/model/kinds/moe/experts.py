@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.lean import autocast_dtype
-from mlm.model.ops import gelu, swiglu
+from mlm.model.ops import Ops
 
 IMPLS = ("grouped_mm", "bmm", "loop")
 
@@ -42,22 +42,24 @@ class GroupedExperts(nn.Module):
     """E expert MLPs (SwiGLU: down(silu(gate x) · up x); else down(gelu(up x))) over grouped rows;
     the activation is the dense MLP's (`model.kernels` picks torch or Triton, saving its inputs only)."""
 
-    def __init__(self, experts: int, hidden: int, ffn: int, activation: str, impl: str = "auto"):
+    def __init__(
+        self, experts: int, hidden: int, ffn: int, activation: str, impl: str = "auto", ops: Ops | None = None
+    ):
         super().__init__()
+        self.ops = ops or Ops()
         self.gated = activation == "swiglu"
         self.approximate = "tanh" if activation == "gelu_tanh" else "none"
         self.gate = ExpertWeights(experts, ffn, hidden) if self.gated else None
         self.up = ExpertWeights(experts, ffn, hidden)
         self.down = ExpertWeights(experts, hidden, ffn)
         self.impl = impl
-        self.kernels = "torch"  # the activation's; or "triton": set by GPT.set_kernels
 
     @property
     def num_local(self) -> int:
         return self.up.weight.shape[0]
 
     def _act(self, gate, up):
-        return swiglu(gate, up, self.kernels) if self.gated else gelu(up, self.approximate, self.kernels)
+        return self.ops.swiglu(gate, up) if self.gated else self.ops.gelu(up, self.approximate)
 
     def forward(self, x_MD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         assert len(counts) == self.num_local and sum(counts) == x_MD.shape[0], (counts, x_MD.shape)

@@ -25,6 +25,7 @@ from mlm.model.aux_loss import recomputing
 from mlm.model.kinds.dense.module import MLP
 from mlm.model.kinds.moe import router as R
 from mlm.model.kinds.moe.experts import GroupedExperts
+from mlm.model.ops import Ops
 
 
 class LocalDispatcher:
@@ -64,17 +65,25 @@ class MoE(nn.Module):
     # expert parallelism shards the experts from outside (mlm.parallel.expert). The shared
     # experts are a dense MLP with its own tp plan.
     tp_plan = {"sequence_group": "sp_group"}
+    ep_plan = {
+        "experts.gate": "experts",
+        "experts.up": "experts",
+        "experts.down": "experts",
+        "dispatcher": "dispatcher",
+    }
+    fp8_exempt = ("shared_gate",)  # a [1, D] gate: nothing for fp8 to gain
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, ops: Ops | None = None):
         super().__init__()
+        ops = ops or Ops()
         m = self.options = cfg.moe
         self.layer = layer
         self.router = Router(cfg)
         self.experts = GroupedExperts(
-            m.num_experts, cfg.hidden_size, cfg.expert_ffn_size, cfg.activation, m.experts_impl
+            m.num_experts, cfg.hidden_size, cfg.expert_ffn_size, cfg.activation, m.experts_impl, ops
         )
         self.shared = (
-            MLP(cfg, layer, ffn_size=m.shared_expert_ffn_hidden_size)
+            MLP(cfg, layer, ops, ffn_size=m.shared_expert_ffn_hidden_size)
             if m.shared_expert_ffn_hidden_size
             else None
         )
@@ -143,6 +152,15 @@ class MoE(nn.Module):
         E, k = self.options.num_experts, self.options.router_topk
         routed = sum(p.numel() for p in self.experts.parameters())  # E whole experts
         return routed // E * (E - k)
+
+    @torch.no_grad()
+    def update_routing(self, load: torch.Tensor) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3, Megatron): the selection-only expert bias moves by
+        rate · sign(mean load − load), from the step's tokens per expert over the stage."""
+        if self.router.expert_bias is not None:
+            self.router.expert_bias.add_(
+                torch.sign(load.mean() - load) * self.options.router_bias_update_rate
+            )
 
     def take_load(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(tokens per expert [E], dropped pairs) counted since the last call; None if none."""

@@ -1,4 +1,13 @@
-"""Linear + cross-entropy fused over chunks of tokens, never holding the [tokens, vocabulary] logits.
+"""The losses over the vocabulary, one home: the plain cross-entropy (`cross_entropy`), the
+vocabulary-parallel one over tp ranks' logit shards (`vocab_parallel_cross_entropy`, Megatron's),
+and linear + cross-entropy fused over chunks of tokens (`linear_cross_entropy`), never holding
+the [tokens, vocabulary] logits. `parallelize` swaps the model's loss for its vocabulary-parallel
+form (tp_plan styles "vocab_loss", "vocab_linear_loss").
+
+Vocabulary-parallel: the full vocabulary is never gathered; a max, then the target logit and the
+sum of exponentials are all-reduced over tp; padding columns count as −inf.
+
+Chunked:
 
     loss = CE(h · Wᵀ, labels)            # the mean over the tokens, or a weighted sum (MTP's)
 
@@ -13,8 +22,8 @@ plus the gradients themselves (measured ratio to the plain path: tests/test_line
 docs/train.md).
 
 Under tensor parallelism each rank holds V/tp rows of the weight; per chunk the max, the target
-logit and the sum of exponentials are all-reduced over tp (`mlm.parallel.tensor.vocab_parallel_softmax`,
-the same pieces as the vocab-parallel cross-entropy), rows at or past `vocab_size` (padding)
+logit and the sum of exponentials are all-reduced over tp (`vocab_parallel_softmax`, the same
+pieces as the vocab-parallel cross-entropy), rows at or past `vocab_size` (padding)
 count as −inf, and each rank's gradient of the hidden states is its vocabulary shard's share:
 the caller's entry into the tp region (`copy_to_tp`, or `gather_from_sp` under sequence
 parallelism) sums them in backward, as it does for the column-parallel output layer.
@@ -28,11 +37,102 @@ Shape legend: N tokens, C tokens of one chunk, D hidden, V (padded) vocabulary, 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mlm.errors import MlmError
 from mlm.parallel.mesh import Mesh
-from mlm.parallel.tensor import softmax_minus_onehot_, vocab_parallel_softmax
+
+# ---------------------------------------------------------------- the vocabulary-parallel loss
+
+
+def vocab_parallel_softmax(
+    logits_Nv: torch.Tensor, labels_N: torch.Tensor, vocab_size: int, group, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross-entropy over the vocabulary shards of the tp ranks in `group` (None: one process)
+    from this rank's logit columns [..., v] (`logits_Nv` is left unchanged): a max, then the target
+    logit and the sum of exponentials all-reduced; columns at or past `vocab_size` count as −inf.
+    Returns (loss [...] fp32, softmax [..., v] fp32 (a new tensor), whether each label lies on
+    this rank, its column here (0 where not)): what `softmax_minus_onehot_` turns into dloss/dlogits."""
+    v = logits_Nv.shape[-1]
+    start = rank * v
+    x_Nv = logits_Nv.float()
+    if start + v > vocab_size:  # Megatron's padding columns: never a prediction
+        pad_v = torch.arange(start, start + v, device=x_Nv.device) >= vocab_size
+        x_Nv = x_Nv.masked_fill(pad_v, float("-inf"))
+    max_N = x_Nv.amax(dim=-1)
+    if group is not None:
+        dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=group)
+    x_Nv = x_Nv - max_N.unsqueeze(-1)  # a new fp32 tensor, ours to change in place
+
+    inside_N = (labels_N >= start) & (labels_N < start + v)
+    local_N = (labels_N - start).masked_fill(~inside_N, 0)
+    target_N = x_Nv.gather(-1, local_N.unsqueeze(-1)).squeeze(-1).masked_fill(~inside_N, 0.0)
+    exp_Nv = x_Nv.exp_()
+    stats_2N = torch.stack([target_N, exp_Nv.sum(dim=-1)])  # one all-reduce for both sums
+    if group is not None:
+        dist.all_reduce(stats_2N, group=group)
+    target_N, sum_exp_N = stats_2N
+    loss_N = sum_exp_N.log() - target_N
+    return loss_N, exp_Nv.div_(sum_exp_N.unsqueeze(-1)), inside_N, local_N
+
+
+def softmax_minus_onehot_(
+    softmax_Nv: torch.Tensor, inside_N: torch.Tensor, local_N: torch.Tensor
+) -> torch.Tensor:
+    """dloss/dlogits on this rank's columns, softmax − onehot, written over `softmax_Nv`."""
+    return softmax_Nv.scatter_add_(-1, local_N.unsqueeze(-1), -inside_N.unsqueeze(-1).to(softmax_Nv.dtype))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_BTv, labels_BT, vocab_size: int, group, size: int, rank: int):
+        loss_BT, softmax_BTv, inside_BT, local_BT = vocab_parallel_softmax(
+            logits_BTv, labels_BT, vocab_size, group, rank
+        )
+        ctx.save_for_backward(softmax_BTv, inside_BT, local_BT)
+        ctx.dtype = logits_BTv.dtype
+        return loss_BT
+
+    @staticmethod
+    def backward(ctx, grad_BT):
+        # softmax − onehot on this rank's columns, written over the saved softmax (a second
+        # backward through the same graph is refused by autograd's version check).
+        grad_BTv = softmax_minus_onehot_(*ctx.saved_tensors)
+        grad_BTv.mul_(grad_BT.unsqueeze(-1))
+        return grad_BTv.to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_BTv: torch.Tensor, labels_BT: torch.Tensor, mesh: Mesh, vocab_size: int
+) -> torch.Tensor:
+    """Per-token cross-entropy [B, T] in fp32 from this rank's logit columns [B, T, V/tp].
+
+    The full vocabulary is never gathered: a max, then the target logit and the sum of
+    exponentials are all-reduced over tp. Columns at or past `vocab_size` (padding) count as
+    −inf, so the result equals `F.cross_entropy(full_logits[..., :vocab_size], labels)` of one
+    process. Labels must lie in [0, vocab_size); mask unwanted tokens on the returned loss."""
+    V = logits_BTv.shape[-1] * mesh.tp
+    if not 0 < vocab_size <= V:
+        raise MlmError(
+            f"vocab_size={vocab_size} must be within [1, {V}] (the padded vocabulary of the logits, "
+            f"{logits_BTv.shape[-1]} columns × tp={mesh.tp}); pass model.vocab_size"
+        )
+    group = mesh.tp_group if mesh.tp > 1 else None
+    assert mesh.tp == 1 or group is not None, f"tp={mesh.tp} needs the mesh's tp process group"
+    return _VocabParallelCrossEntropy.apply(logits_BTv, labels_BT, vocab_size, group, mesh.tp, mesh.tp_rank)
+
+
+def vocab_parallel_loss(
+    logits_BTv, labels_BT, vocab_size: int, weights_BT=None, *, mesh: Mesh
+) -> torch.Tensor:
+    """`vocab_parallel_cross_entropy`'s mean, or with `weights_BT` its weighted sum: what
+    `parallelize` puts in place of `cross_entropy` under tensor parallelism (style "vocab_loss")."""
+    loss_BT = vocab_parallel_cross_entropy(logits_BTv, labels_BT, mesh, vocab_size)
+    return loss_BT.mean() if weights_BT is None else (loss_BT * weights_BT).sum()
+
+
+# ---------------------------------------------------------------- chunked linear + cross-entropy
 
 # Bytes of one fp32 [chunk, v] buffer. A chunk holds about three of them at once (logits, their
 # fp32 softmax, the gradient in the compute dtype), so ≤ 0.75 GB in flight: at v = 128,256 a chunk
