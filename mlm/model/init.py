@@ -12,16 +12,18 @@ How a slice is drawn: a parameter's global tensor, seen as rows × columns (dim 
 dims flattened), is cut into blocks that depend only on its global shape (the vocabulary's: on
 its unpadded rows, so every tp's padding draws the same values): runs of `BLOCK // columns`
 whole rows (at most all of them), and rows longer than BLOCK in pieces of BLOCK columns. Block b
-is drawn whole from its own generator, seeded by (seed, parameter name, b).
+is drawn whole from its own generator, seeded by crc32("seed:name:b").
 A rank draws only the blocks that meet its slice, one at a time in fp32, and copies (casting to
 the parameter's dtype) the part it holds: the memory is its parameters plus one block (4 MiB).
-A slice along dim 0 (column-parallel and vocabulary-parallel weights, experts over ep, pipeline
-stages' own layers) draws only its own rows; a slice along dim 1 (row-parallel weights) draws
-every block of its rows and keeps its columns, tp times the draws of its own elements (at
-llama3-405b tp8 a rank draws ~3.8x its parameters; bench/init_memory.py).
+A slice along dim 0 (column-parallel and vocabulary-parallel weights, experts over ep) draws
+only its own rows; a slice along dim 1 (row-parallel weights) draws
+every block of its rows and keeps its columns, tp times the draws of its own elements (a
+llama3-405b layer at tp 8 draws 3.5 times its rank's parameters). Blocks are drawn on the CPU
+whatever the parameter's device, so every device starts from the same weights.
 
-torch's CPU generator keeps 32 bits of its seed, so among a model's ~10⁵–10⁶ blocks a few may share
-a stream (a repeated 1M-value run somewhere in 405B values): harmless for breaking symmetry.
+torch's CPU generator keeps 32 bits of its seed, so among the n ≈ 4 × 10⁵ blocks of a 405B model
+about n² / 2³³ ≈ 19 pairs share a stream: a repeated run of 1M values, harmless for breaking
+symmetry.
 """
 
 from __future__ import annotations
