@@ -104,7 +104,5 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, vocab_rows: t
             assert place is None or tuple(p.shape) == place.shape, f"{name}: {tuple(p.shape)}, {place}"
             s = out_std if name.endswith(OUTPUT_PROJECTIONS) else std
             rows = cfg.vocab_size if name in vocab_rows else None
-            if place is None:
-                draw_normal(p, tuple(p.shape), (0,) * p.ndim, s, seed, name, rows)
-            else:
-                draw_normal(p, place.global_shape, place.offset, s, seed, name, rows)
+            shape, offset = (place.global_shape, place.offset) if place else (tuple(p.shape), (0,) * p.ndim)
+            draw_normal(p, shape, offset, s, seed, name, rows)
