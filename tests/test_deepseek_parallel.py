@@ -96,8 +96,11 @@ def test_mla_without_a_query_latent_under_tp_matches_one_process(tmp_path, tiny_
 
 
 def test_mtp_with_tied_embeddings_under_pp_matches_one_process(tmp_path, tiny_data):
-    """Tied embeddings and MTP want the same last-stage copy: one copy, one gradient sum."""
-    tied = {**DEEPSEEK, "model.tie_embeddings": "true"}
+    """Tied embeddings and MTP want the same last-stage copy: one copy, one gradient sum. Adam's
+    eps 1e-3 for NO_QUERY_LATENT's reason: at 1e-4 three kv_down elements with ~1e-6 gradients
+    turned the embedding gradient's other summation order (two stages' copies) into weight
+    differences of 2e-4 relative after 3 steps, while the losses agree bit for bit."""
+    tied = {**DEEPSEEK, "model.tie_embeddings": "true", "optimizer.adam_eps": 1e-3}
     ref = reference_run(tmp_path / "ref", tiny_data, **tied)
     sets = _sets(tmp_path, tiny_data, "mesh", **tied, **{"parallel.pp": 2})
     _assert_matches(tmp_path, run_ranks(2, _train_rank, sets), *ref)

@@ -39,6 +39,7 @@ class SquaredReLU(nn.Module):
     hidden activations, which reaches the total loss through `aux_losses` on any stage."""
 
     tp_plan = {TP_INPUT: "enter", "up": "column", "down": "row"}
+    residual_projections = ("down",)
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, ops=None):
         super().__init__()

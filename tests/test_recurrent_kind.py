@@ -64,6 +64,7 @@ class ConvScan(torch.autograd.Function):
 
 
 class GatedConvRecurrence(nn.Module):
+    residual_projections = ("out",)
     tp_plan = {
         TP_INPUT: "enter",
         "in_x": "column",

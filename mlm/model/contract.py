@@ -18,6 +18,9 @@ them by declaring, with no edit to the reader. Class attributes unless said othe
                                           group); such a module counts each expert's tokens
                                           (`take_load()`) and updates its own routing state from
                                           the step's load (`update_routing(load)`)
+    residual_projections tuple[str, ...]  `mlm.model.init`: its linears (submodule paths) that project
+                                          into the residual stream: their weights are drawn with
+                                          init_std / √(2 · layers) (Megatron's scaled init)
     fp8_exempt           tuple[str, ...]  `mlm.parallel.fp8`: its linear children that stay in the
                                           compute dtype (every other linear of the layers runs in
                                           fp8 under train.fp8)

@@ -10,8 +10,6 @@ K head dim, F ffn hidden, V (padded) vocabulary.
 
 from __future__ import annotations
 
-import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +21,7 @@ from mlm.errors import MlmError
 from mlm.model.attention import resolve_backend
 from mlm.model.aux_loss import AuxLosses
 from mlm.model.contract import declaring
+from mlm.model.init import init_parameters
 from mlm.model.layers import Block, make_norm, to_residual
 from mlm.model.mtp import MTPLayer, MTPTargets
 from mlm.model.ops import Ops, resolve_kernels
@@ -172,34 +171,10 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ weights
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Megatron's init: normal(0, σ); output projections σ / √(2 · layers); norms 1, biases 0.
-
-        A sharded parameter (one its module describes in `placements`, as the parallel layers do)
-        gets its slice of the full tensor drawn from the same stream, and the vocabulary's padding
-        rows (whose number depends on tp) are zeros drawn from no stream, so every mesh starts
-        from the same weights as one process. Each parameter draws from its own stream, seeded by
-        `seed` and its name, so a pipeline stage gets its layers' weights too."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
-        for module_name, module in self.named_modules():
-            described = getattr(module, "placements", {})
-            for local, p in module.named_parameters(recurse=False):
-                name = f"{module_name}.{local}" if module_name else local
-                if p.ndim == 1 and name.endswith(("norm.weight", "bias")):  # norm weights and biases
-                    p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
-                    continue
-                # one stream per parameter name: a pipeline stage holding some layers draws what
-                # one process draws for them
-                gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-                s = out_std if name.endswith(("attn.out.weight", "down.weight")) else std
-                place = described.get(local)
-                shape = place.global_shape if place else p.shape
-                full = torch.zeros(shape, dtype=torch.float32)
-                rows = self.cfg.vocab_size if name in VOCAB_ROWS else shape[0]
-                full[:rows].normal_(0.0, s, generator=gen)
-                p.copy_(place.slice_of(full) if place else full)
+        """Megatron's init, each rank drawing only its own slices (`placements`) so that every
+        mesh starts from the weights of one process (`mlm.model.init`)."""
+        init_parameters(self, seed, self.cfg, VOCAB_ROWS)
 
     # ------------------------------------------------------------------ forward
 

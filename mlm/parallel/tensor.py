@@ -20,8 +20,9 @@ sequence dim is 1 (Megatron's is 0); collectives run on dim-0-contiguous buffers
     reduce_scatter_to_sp  reduce-scatter T     all-gather T
 
 Every layer describes its parameters in `placements` (`mlm.parallel.placement`): global
-shape, this rank's slice, the ranks holding the same slice; so `GPT.init_weights` draws the full
-tensor and keeps this rank's slice, and checkpoints store it in its global layout.
+shape, this rank's slice, the ranks holding the same slice; so `GPT.init_weights` draws only
+this rank's slice of the one-process init (`mlm.model.init`), and checkpoints store it in its
+global layout.
 
 Shape legend: B batch, T sequence (t: this rank's T / tp), D hidden, v this rank's vocabulary shard.
 """

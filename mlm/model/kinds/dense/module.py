@@ -15,6 +15,7 @@ from mlm.model.ops import Ops
 
 class MLP(nn.Module):
     tp_plan = {TP_INPUT: "enter", "gate": "column", "up": "column", "down": "row"}
+    residual_projections = ("down",)
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, ops: Ops | None = None, ffn_size: int | None = None):
         super().__init__()

@@ -20,6 +20,7 @@ class Attention(nn.Module):
     """Under a serving cache (`cache`) the keys and values of the new tokens go to the cache and
     attention runs over what it holds (`cache.attend`); otherwise causal over T."""
 
+    residual_projections = ("out",)
     tp_plan = {
         TP_INPUT: "enter",
         "q": "column",

@@ -51,6 +51,7 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MultiLatentAttention(nn.Module):
+    residual_projections = ("out",)
     tp_plan = {
         "enter_hidden": "enter",
         "enter_latents": "enter",

@@ -71,7 +71,10 @@ class MoE(nn.Module):
         "experts.down": "experts",
         "dispatcher": "dispatcher",
     }
-    fp8_exempt = ("shared_gate",)  # a [1, D] gate: nothing for fp8 to gain
+    fp8_exempt = ("shared_gate",)
+    residual_projections = (
+        "experts.down",
+    )  # the shared experts are an MLP, which declares its own  # a [1, D] gate: nothing for fp8 to gain
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, ops: Ops | None = None):
         super().__init__()
