@@ -9,7 +9,7 @@ its first stage (the embedding, whose full fp32 tensor is 8.4 GB) and a middle o
 parameters); deepseek-v3 at the layout `mlm plan --preset deepseek-v3 --gpus 2048 --seq-length
 4096 --global-batch 15360` picks (docs/plan.md): tp 2 × pp 16 (3 / 4 × 14 / 2) × dp 64, ep 8, SP,
 the stage with the most parameters. Each is one rank without torch.distributed (a `Mesh` holding
-its coordinates: building and initialising read nothing else), built by `build_sharded` in
+its coordinates: building and initialising read nothing else), built by `build_rank_model` in
 `--dtype` and initialised, in a fresh subprocess: peak resident set (VmHWM, reset through
 /proc/self/clear_refs) above the resident set before the build.
 
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlm.build import build_sharded  # noqa: E402
+from mlm.build import build_rank_model  # noqa: E402
 from mlm.config import load_config  # noqa: E402
 from mlm.model.gpt import VOCAB_ROWS  # noqa: E402
 from mlm.parallel.mesh import Mesh  # noqa: E402
@@ -78,7 +78,9 @@ def pick_ranks(name: str, dtype: torch.dtype) -> dict[str, int]:
     cfg, dp = case_config(name)
     sizes = []
     for r in range(cfg.parallel.pp):
-        model = build_sharded(cfg.model, cfg.parallel, rank_mesh(cfg, dp, r), torch.device("meta"), dtype)
+        model = build_rank_model(
+            cfg.model, cfg.parallel, rank_mesh(cfg, dp, r), torch.device("meta"), dtype=dtype
+        )
         sizes.append(sum(p.numel() for p in model.parameters()))
     return {"first": 0, "most": max(range(len(sizes)), key=sizes.__getitem__)}
 
@@ -140,7 +142,7 @@ def child(name: str, pp_rank: int, method: str, dtype: torch.dtype) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     t = time.perf_counter()
-    model = build_sharded(cfg.model, cfg.parallel, mesh, torch.device("cpu"), dtype)
+    model = build_rank_model(cfg.model, cfg.parallel, mesh, torch.device("cpu"), dtype=dtype)
     if method == "per-shard":
         model.init_weights(SEED)
     else:
@@ -193,7 +195,7 @@ def main() -> None:
         ranks = pick_ranks(name, dtype)
         for which in CASES[name][2]:
             r = ranks[which]
-            meta = build_sharded(cfg.model, p, rank_mesh(cfg, dp, r), torch.device("meta"), dtype)
+            meta = build_rank_model(cfg.model, p, rank_mesh(cfg, dp, r), torch.device("meta"), dtype=dtype)
             params = sum(q.numel() * q.element_size() for q in meta.parameters())
             counted = full_tensor_peak(meta)
             print(f"{name} at {layout}, pp rank {r} ({which}): {params / 1e9:.2f} GB of parameters")

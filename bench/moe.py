@@ -144,7 +144,7 @@ def _dispatch_rank(rank: int, world: int, port: int, args, queue) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from mlm.build import build_sharded
+    from mlm.build import build_rank_model
     from mlm.config import ParallelConfig
     from mlm.parallel.mesh import Mesh
 
@@ -154,8 +154,7 @@ def _dispatch_rank(rank: int, world: int, port: int, args, queue) -> None:
         cfg = moe_config(args, dispatcher)
         parallel = ParallelConfig(ep=world)
         mesh = Mesh.build(parallel)
-        model = build_sharded(cfg, parallel, mesh, torch.device("cpu"))
-        model.init_weights(1234)
+        model = build_rank_model(cfg, parallel, mesh, torch.device("cpu"), seed=1234)
         moe = model.layers["0"].mlp.train()
         x = torch.randn(1, args.tokens // world, args.hidden, generator=torch.Generator().manual_seed(rank))
         x.requires_grad_()

@@ -10,7 +10,7 @@ on CPU or CUDA, optionally with the layers compiled (train.compile), with MFU.
         --dtype bf16 --compile --set model.kernels=triton --no-hf
 
 In one process: builds the preset's model the way `mlm train` does on one process
-(`mlm.train.trainer.build_parallel_model`: recompute as `model.recompute` says, initialised
+(`mlm.build.build_rank_model`: recompute as `model.recompute` says, initialised
 weights), sets the attention backend and `model.kernels`, and with `--compile` (or `--set
 train.compile=true`) compiles each layer (`mlm.build.compile_layers`); `--vs-eager` times the same
 model uncompiled beside it (the compile speed-up). `--set` takes any config override, as `mlm train
@@ -47,16 +47,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlm.build import compile_layers  # noqa: E402
+from mlm.build import build_rank_model  # noqa: E402
 from mlm.config import load_config  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.flops import flops_per_token  # noqa: E402
 from mlm.hf import mlm_to_hf  # noqa: E402
 from mlm.parallel import Mesh  # noqa: E402
-from mlm.parallel.fp8 import apply_fp8  # noqa: E402
 from mlm.train.metrics import peak_flops  # noqa: E402
 from mlm.train.optimizer import TrainOptimizer  # noqa: E402
-from mlm.train.trainer import build_parallel_model  # noqa: E402
 
 # GPU names (torch.cuda.get_device_name) → the hardware profile of their MFU peak
 GPU_PROFILES = (
@@ -77,13 +75,10 @@ def build_mlm(preset: str, seq: int, device: torch.device, sets: list[str], seed
     if cfg.model.position_embedding != "rope":
         raise MlmError(f"--preset {preset}: this benchmark compares Llama models; pick a llama preset")
     mesh = Mesh.build(cfg.parallel)
-    model = build_parallel_model(cfg, mesh, device).train()
-    fp8 = apply_fp8(model, cfg.train, mesh, device)
-    model.set_attention_backend(cfg.model.attention_backend, device)
-    model.set_kernels(cfg.model.kernels, device)
-    if cfg.train.compile:
-        compile_layers(model)
-    return model, cfg, (TrainOptimizer(model, cfg, mesh, device), fp8)
+    model = build_rank_model(
+        cfg.model, cfg.parallel, mesh, device, seed=cfg.train.seed, train=cfg.train
+    ).train()
+    return model, cfg, (TrainOptimizer(model, cfg, mesh, device), model.fp8)
 
 
 def build_hf(mlm, cfg, device: torch.device):

@@ -1,16 +1,28 @@
-"""This rank's part of the model: the plain GPT built on meta, then everything applied from
-outside in a fixed order (torchtitan's `parallelize`):
+"""This rank's model, built one way for training, evaluation, serving, `mlm generate`, dry runs
+and benches (`build_rank_model`), in one order:
 
-    1. cut to this rank's pipeline stage        mlm.parallel.pipeline.split_for_pipeline
-    2. tensor / sequence parallelism             mlm.parallel.parallelize (each module's tp_plan)
-    3. expert parallelism (MoE layers)           mlm.parallel.expert
-       context parallelism (attention)           mlm.parallel.context
-    4. activation recompute, per layer           mlm.parallel.recompute
-    5. materialise: only the local shards take memory
+    1. the plain GPT on the meta device      nothing is allocated before the rank's shapes are known
+    2. cut to this rank's pipeline stage     the layers it drops are never parallelized or allocated
+    3. tensor / sequence parallelism         each module's tp_plan (`mlm.parallel.parallelize`):
+                                             the layers the next steps see are the sharded ones
+    4. expert parallelism                    its ep_plan (`mlm.parallel.expert`): needs tp's
+                                             sequence split, and shards the experts still on meta
+    5. context parallelism                   its cp_attention (`mlm.parallel.context`); it also
+                                             overrides the sp_group tp set, so it comes after tp
+    6. activation recompute                  wraps each layer's forward (`mlm.parallel.recompute`):
+                                             a checkpointed forward reruns whatever the layer runs,
+                                             the parallel layers' collectives included
+    7. materialise                           only the local shards take memory (`to_empty`), then
+                                             each rank draws its own slices (`init_weights`) or the
+                                             caller loads a checkpoint; train.param_dtype's cast
+    8. fp8                                   the layers' linears, once parallel and initialised (its
+                                             scaling state lives on the device)
+    9. ops                                   the kernels and attention backend (`Ops`): one choice
+                                             every module shares, made once the modules exist
+   10. compile                               last (`compile_layers`): it traces what all of the
+                                             above made, as torchtitan compiles after parallelize
 
-Used by training (then `init_weights`) and by serving (then `load_checkpoint` of `model_shards`).
-Training then picks the kernels (`GPT.set_kernels`) and, with train.compile, compiles each layer
-(`compile_layers`), last, as torchtitan does.
+(torchtitan's `parallelize` order; Megatron builds the parallel layers into the model instead.)
 """
 
 from __future__ import annotations
@@ -20,24 +32,35 @@ import os
 import torch
 from torch import nn
 
-from mlm.config import ModelConfig, ParallelConfig
+from mlm.config import ModelConfig, ParallelConfig, TrainConfig
 from mlm.model import GPT
 from mlm.parallel.context import apply_context_parallel
 from mlm.parallel.expert import apply_expert_parallel
+from mlm.parallel.fp8 import apply_fp8
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import parallelize
 from mlm.parallel.pipeline import split_for_pipeline
 from mlm.parallel.recompute import apply_recompute
+from mlm.units import DTYPES
 
 
-def build_sharded(
+def build_rank_model(
     cfg: ModelConfig,
     parallel: ParallelConfig,
     mesh: Mesh,
     device: torch.device,
+    *,
     dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+    train: TrainConfig | None = None,
 ) -> GPT:
-    """This rank's part of the plain GPT, allocated on `device` in `dtype` but not initialised."""
+    """This rank's part of the model (see the module doc for the order and why).
+
+    `device` "meta": shapes only (dry runs, the planner's checks, benches); else allocated there
+    in `dtype`. `seed`: initialise (each rank its own slices of one process's init); None: leave
+    the weights empty for the caller to load. `train`: training's choices (train.fp8, then
+    train.param_dtype's cast of the initialised weights, train.compile); its fp8 state is
+    `model.fp8` (None without fp8)."""
     with torch.device("meta"):
         model = GPT(cfg, padded_vocab=cfg.padded_vocab_size(mesh.tp)).to(dtype)
     split_for_pipeline(model, mesh, parallel)
@@ -45,7 +68,20 @@ def build_sharded(
     apply_expert_parallel(model, mesh, parallel.sequence_parallel, cfg.moe.token_dispatcher)
     apply_context_parallel(model, mesh, parallel.cp_comm_type, parallel.sequence_parallel)
     apply_recompute(model, cfg.recompute)
-    return model.to_empty(device=device)
+    model.fp8 = None
+    if device.type == "meta":  # shapes only: nothing to materialise, run or compile
+        return model
+    model.to_empty(device=device)
+    if seed is not None:
+        model.init_weights(seed)
+    if train is not None and train.param_dtype != "fp32":  # the init rounded; fp32 main weights
+        cast_trainable(model, DTYPES[train.param_dtype])
+    model.fp8 = apply_fp8(model, train, mesh, device) if train is not None else None
+    model.set_attention_backend(cfg.attention_backend, device)
+    model.set_kernels(cfg.kernels, device)
+    if train is not None and train.compile:
+        compile_layers(model)
+    return model
 
 
 def compile_layers(model: GPT) -> list[str]:

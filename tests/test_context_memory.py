@@ -44,7 +44,7 @@ BOUNDS = {2: 0.55, 4: 0.3}
 def _saved_bytes(rank: int, world: int, comm: str) -> dict[str, int]:
     """{"all": bytes the forward saves, "layers": those saved by the transformer layers (and
     the embedding)} on this cp rank."""
-    from mlm.build import build_sharded
+    from mlm.build import build_rank_model
     from mlm.config import ParallelConfig, load_config
     from mlm.parallel.context import zigzag_indices
     from mlm.parallel.mesh import Mesh
@@ -54,8 +54,7 @@ def _saved_bytes(rank: int, world: int, comm: str) -> dict[str, int]:
     cfg = load_config(None, sets).model
     parallel = ParallelConfig(cp=world, cp_comm_type=comm)
     mesh = Mesh.build(parallel)
-    model = build_sharded(cfg, parallel, mesh, torch.device("cpu"))
-    model.init_weights(1234)
+    model = build_rank_model(cfg, parallel, mesh, torch.device("cpu"), seed=1234)
     model.train()
     tokens = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=torch.Generator().manual_seed(0))
     positions = zigzag_indices(T, world, mesh.cp_rank)

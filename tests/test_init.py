@@ -3,7 +3,7 @@ weights are the same under every layout as in one process, bit for bit.
 
 1. A slice drawn alone equals that slice of the whole tensor: odd shapes, offsets along dim 0
    and dim 1, rows longer than a block, 1-d and 3-d tensors, bf16 parameters, vocabulary padding.
-2. The tiny presets built by the real path (`build_sharded` + `init_weights`) on 2 gloo ranks at
+2. The tiny presets built by the real path (`build_rank_model`, which initialises with `init_weights`) on 2 gloo ranks at
    tp2, pp2, pp2 × vpp2, dp2, cp2 and ep2, their slices put together by placement, equal the
    one-process model's weights (`torch.equal`; padded vocabulary rows zero).
 3. Initialising a rank allocates nothing larger than one block: no full tensor of a sharded
@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mlm.model.init as init
-from mlm.build import build_sharded
+from mlm.build import build_rank_model
 from mlm.config import load_config
 from mlm.model.init import draw_normal
 from mlm.parallel.mesh import Mesh
@@ -114,7 +114,7 @@ LAYOUTS = {
 def _build(sets, mesh=None):
     cfg = load_config(None, list(sets))
     mesh = mesh or Mesh.build(cfg.parallel)
-    model = build_sharded(cfg.model, cfg.parallel, mesh, torch.device("cpu"))
+    model = build_rank_model(cfg.model, cfg.parallel, mesh, torch.device("cpu"))
     model.init_weights(SEED)
     return cfg, mesh, model
 
@@ -183,7 +183,7 @@ def test_a_rank_allocates_one_block_at_a_time(monkeypatch):
     mesh = Mesh(world_size=4, rank=3, tp=2, dp=2, ep=2, tp_rank=1, dp_rank=1)
     sets = (*DEEPSEEK, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2")
     cfg = load_config(None, list(sets))
-    model = build_sharded(cfg.model, cfg.parallel, mesh, torch.device("cpu"))
+    model = build_rank_model(cfg.model, cfg.parallel, mesh, torch.device("cpu"))
     monkeypatch.setattr(init, "BLOCK", 1024)
     with _Allocations() as allocations:
         model.init_weights(SEED)

@@ -158,14 +158,16 @@ def _overlap_rank(rank, world, sets, overlap):
     """3 steps of random tokens on dp2 with the distributed optimizer: the losses, the final
     parameters, and what was in flight when (after step(), at the first layer's forward, after
     the forward)."""
+    from mlm.build import build_rank_model
     from mlm.parallel import Mesh
     from mlm.parallel.pipeline import Pipeline
     from mlm.train.optimizer import TrainOptimizer
-    from mlm.train.trainer import build_parallel_model
 
     cfg = load_config(None, sets)
     mesh = Mesh.build(cfg.parallel)
-    model = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    model = build_rank_model(
+        cfg.model, cfg.parallel, mesh, torch.device("cpu"), seed=cfg.train.seed, train=cfg.train
+    )
     opt = TrainOptimizer(model, cfg, mesh, torch.device("cpu"))
     (dist_opt,) = opt.dists
     dist_opt.overlap = overlap
@@ -229,14 +231,16 @@ def _lazy_moe_rank(rank, world, sets, overlap):
     optimizer, the gathers lazy: the losses and the final parameters."""
     from unittest import mock
 
+    from mlm.build import build_rank_model
     from mlm.parallel import Mesh
     from mlm.parallel.pipeline import Pipeline
     from mlm.train.optimizer import TrainOptimizer
-    from mlm.train.trainer import build_parallel_model
 
     cfg = load_config(None, sets)
     mesh = Mesh.build(cfg.parallel)
-    model = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    model = build_rank_model(
+        cfg.model, cfg.parallel, mesh, torch.device("cpu"), seed=cfg.train.seed, train=cfg.train
+    )
     opt = TrainOptimizer(model, cfg, mesh, torch.device("cpu"))
     for d in opt.dists:
         d.overlap = overlap

@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mlm.build import build_rank_model
 from mlm.config import ParallelConfig, load_config
 from mlm.errors import MlmError
 from mlm.parallel import Mesh
 from mlm.parallel.pipeline import Pipeline, rank_chunks, stage_layer_counts
 from mlm.parallel.schedules import bubble_fraction, check_pipeline, forward_only, schedule
 from mlm.train.dry_run import dry_run
-from mlm.train.trainer import build_parallel_model
 
 from conftest import tiny_sets
 from distributed import run_ranks
@@ -100,7 +100,9 @@ def test_forward_only_runs_each_micro_batch_through_every_chunk():
 def _recorded_order(rank, world, sets, num_micro):
     cfg = load_config(None, sets)
     mesh = Mesh.build(cfg.parallel)
-    model = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    model = build_rank_model(
+        cfg.model, cfg.parallel, mesh, torch.device("cpu"), seed=cfg.train.seed, train=cfg.train
+    )
     pipe = Pipeline(model, mesh, cfg.parallel.vpp)
     gen = torch.Generator().manual_seed(0)
     micro = [torch.randint(0, 100, (1, 9), generator=gen) for _ in range(num_micro)]

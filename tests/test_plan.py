@@ -198,12 +198,12 @@ def _storages(tensors) -> int:
 def _measure(cfg, mesh, autocast=None) -> dict:
     """Build as the trainer does, run one step, count model state; then the bytes one micro-batch's
     forward (every chunk of this rank, with the loss; under `autocast` if given) saves for backward."""
+    from mlm.build import build_rank_model
     from mlm.parallel.pipeline import Pipeline
     from mlm.train.optimizer import TrainOptimizer
-    from mlm.train.trainer import build_parallel_model
 
     device = torch.device("cpu")
-    model = build_parallel_model(cfg, mesh, device)
+    model = build_rank_model(cfg.model, cfg.parallel, mesh, device, seed=cfg.train.seed, train=cfg.train)
     opt = TrainOptimizer(model, cfg, mesh, device)
     pipe = Pipeline(model, mesh, cfg.parallel.vpp)
     b, s, n = (

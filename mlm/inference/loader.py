@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mlm.build import build_sharded
+from mlm.build import build_rank_model
 from mlm.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
 from mlm.checkpoint.manager import tokenizer_path
 from mlm.config import ModelConfig, ParallelConfig, config_from_dict
@@ -43,12 +43,16 @@ def model_config(ckpt: str | os.PathLike) -> ModelConfig:
 
 
 def serving_config(cfg: ModelConfig) -> ModelConfig:
-    """The model as served: MoE layers dropless (no capacity factor, no padding to capacity), and
-    without the multi-token prediction depths, which only training uses (their tensors stay
-    in the checkpoint, unread)."""
+    """The model as served: MoE layers dropless (no capacity factor, no padding to capacity),
+    without the multi-token prediction depths, which only training uses (their tensors stay in
+    the checkpoint, unread), and with the fastest kernels and attention backend of the serving
+    device (training chose them for its own)."""
     return dataclasses.replace(
         cfg,
         mtp_num_layers=0,
+        layer_pattern=cfg.layer_pattern.split("/")[0],
+        kernels="auto",
+        attention_backend="auto",
         moe=dataclasses.replace(cfg.moe, capacity_factor=None, pad_to_capacity=False),
     )
 
@@ -69,8 +73,8 @@ def load_model(
     cfg = serving_config(config_from_dict(manifest["config"]).model)
     mesh = mesh or Mesh.single()
     assert mesh.ep == 1, f"serving keeps every expert whole on each rank; got a mesh with ep={mesh.ep}"
-    model = build_sharded(
-        cfg, ParallelConfig(tp=mesh.tp), mesh, pick_device(device, "--device"), DTYPES[dtype]
+    model = build_rank_model(
+        cfg, ParallelConfig(tp=mesh.tp), mesh, pick_device(device, "--device"), dtype=DTYPES[dtype]
     )
     shards = model_shards(model, mesh)
     # every stored tensor must be the model's, except the MTP depths', which serving leaves out

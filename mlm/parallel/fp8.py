@@ -1,8 +1,8 @@
 """FP8 training of the transformer layers' linear layers, applied from outside (`apply_fp8`), with
 per-tensor scaling by Transformer Engine's delayed recipe or by current scaling.
 
-    model = build_sharded(...); model.init_weights(seed)
-    fp8 = apply_fp8(model, cfg.train, mesh, device)   # None when train.fp8 is ""
+    model = build_rank_model(..., seed=seed, train=cfg.train)   # mlm.build: calls apply_fp8
+    fp8 = model.fp8                                              # None when train.fp8 is ""
     ... forward / backward of every micro-batch of a step ...
     fp8.finish_step()                                 # after the step's backward, before the next step
 

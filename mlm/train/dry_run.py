@@ -14,14 +14,14 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from mlm.build import build_rank_model
 from mlm.config import Config
 from mlm.layout import Layout
-from mlm.model.gpt import GPT
 from mlm.parallel.context import check_context_parallel
 from mlm.parallel.expert import check_expert_parallel
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import check_tensor_parallel
-from mlm.parallel.pipeline import split_for_pipeline, stage_layer_counts
+from mlm.parallel.pipeline import stage_layer_counts
 from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
 from mlm.parallel.schedules import micro_batches_per_step
 
@@ -30,8 +30,8 @@ def _layer_range(keys: list[str]) -> str:
     return f"{keys[0]}–{keys[-1]}" if len(keys) > 1 else keys[0]
 
 
-def _params(n: int, tp: int) -> str:
-    return f"{n / 1e6:,.1f}M" + (f" (≈ {n / tp / 1e6:,.1f}M per tp rank)" if tp > 1 else "")
+def _params(n: int) -> str:
+    return f"{n / 1e6:,.1f}M"
 
 
 def context_parallel_line(cfg: Config, dp: int) -> str:
@@ -72,12 +72,10 @@ def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
         f"{num_micro} micro-batches per step per dp rank; layers per virtual stage {counts}"
     )
     stages = Table(title="pipeline stages", title_justify="left")
-    for col in ("rank", "chunks: layers", "embedding", "output", "parameters"):
-        stages.add_column(col, justify="right" if col == "parameters" else "left")
+    for col in ("rank", "chunks: layers", "embedding", "output", "parameters per rank"):
+        stages.add_column(col, justify="right" if col.startswith("parameters") else "left")
     for r in range(p.pp):
-        with torch.device("meta"):
-            model = GPT(cfg.model, padded_vocab=padded)
-        split_for_pipeline(model, Mesh.of(lo, r * lo.gpus // lo.pp), p)
+        model = build_rank_model(cfg.model, p, Mesh.of(lo, r * lo.gpus // lo.pp), torch.device("meta"))
         why = "tied" if cfg.model.tie_embeddings else "MTP"  # what the last stage's copy is for
         mtp = f" + MTP {len(model.mtp)}" if model.mtp is not None else ""
         stages.add_row(
@@ -85,7 +83,7 @@ def dry_run(cfg: Config, world_size: int, png: str | None = None) -> Group:
             ", ".join(_layer_range(c.layers) for c in model.chunks),
             "yes" if any(c.first for c in model.chunks) else (f"copy ({why})" if model.embed else ""),
             f"yes{mtp}" if any(c.last for c in model.chunks) else "",
-            _params(sum(q.numel() for q in model.parameters()), p.tp),
+            _params(sum(q.numel() for q in model.parameters())),
         )
     parts = [mesh_line]
     if p.cp > 1:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mlm.build import build_sharded, cast_trainable, compile_layers
+from mlm.build import build_rank_model
 from mlm.checkpoint import read_manifest, resolve_checkpoint
 from mlm.config import Config, to_toml
 from mlm.console import console
@@ -35,11 +35,10 @@ from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.sampler import PretrainingSampler
 from mlm.errors import MlmError
 from mlm.model import flops_per_token, parameter_counts
-from mlm.model.gpt import GPT
+from mlm.model.contract import declaring
 from mlm.parallel import Mesh
 from mlm.parallel.context import check_context_parallel
 from mlm.parallel.expert import expert_load_step
-from mlm.parallel.fp8 import apply_fp8
 from mlm.parallel.launch import detect, init_distributed, pick_device
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads
 from mlm.parallel.pipeline import Pipeline
@@ -81,16 +80,6 @@ def check_supported(mesh: Mesh, cfg: Config) -> None:
     micro_batches_per_step(t.global_batch_size, t.micro_batch_size, mesh.dp, mesh.pp, cfg.parallel.vpp)
 
 
-def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> GPT:
-    """Meta → this rank's pipeline stage → parallelize → recompute → materialise (`build_sharded`)
-    → init (every rank gets its slice of one process's init) → train.param_dtype."""
-    model = build_sharded(cfg.model, cfg.parallel, mesh, device)
-    model.init_weights(cfg.train.seed)
-    if cfg.train.param_dtype != "fp32":  # the fp32 init rounded; the optimizer keeps fp32 main weights
-        cast_trainable(model, DTYPES[cfg.train.param_dtype])
-    return model
-
-
 class Trainer(TrainerCheckpoints):
     """`mlm train` on this rank: builds the mesh, this rank's model and optimizer, the data and the
     pipeline executor, then runs steps, evaluations, samples and checkpoints (see `train`)."""
@@ -118,18 +107,15 @@ class Trainer(TrainerCheckpoints):
             t.train_iters if t.train_iters is not None else math.ceil(t.train_tokens / tokens_per_step)
         )
         self._seed_everything(t.seed)
-        self.model = build_parallel_model(cfg, self.mesh, self.device)
-        self.fp8 = apply_fp8(self.model, t, self.mesh, self.device)  # None unless train.fp8
-        self.attention_backend = self.model.set_attention_backend(cfg.model.attention_backend, self.device)
-        self.kernels = self.model.set_kernels(cfg.model.kernels, self.device)
-        if t.compile:  # last: after parallelism, recompute and the kernel choice
-            compile_layers(self.model)
+        self.model = build_rank_model(cfg.model, cfg.parallel, self.mesh, self.device, seed=t.seed, train=t)
+        self.fp8 = self.model.fp8  # None unless train.fp8
+        self.attention_backend, self.kernels = self.model.ops.attention_backend, self.model.ops.kernels
         self.optimizer = TrainOptimizer(self.model, cfg, self.mesh, self.device)
         self.pipeline = Pipeline(self.model, self.mesh, cfg.parallel.vpp)
         self.work_clock = WorkClock(self.device, enabled=t.straggler_window > 0)  # own work: stragglers.py
         self.pipeline.work_clock = self.work_clock
         # whether any stage has modules with auxiliary losses (then every step gathers them)
-        has_aux = any(hasattr(m, "aux_losses") for m in self.model.modules() if m is not self.model)
+        has_aux = bool(declaring(self.model, "aux_losses"))
         self.has_aux = bool(self._max_over_ranks(has_aux))
         self.scaler = LossScaler(t.initial_loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
         self.iteration = 0
