@@ -36,6 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from linear_cross_entropy import _rss  # noqa: E402  (bench/linear_cross_entropy.py: the resident-set reader)
+
 from mlm.build import build_rank_model  # noqa: E402
 from mlm.config import load_config  # noqa: E402
 from mlm.model.gpt import VOCAB_ROWS  # noqa: E402
@@ -124,14 +126,6 @@ def full_tensor_peak(model) -> int:
                 previous = full
             written += p.numel() * p.element_size()
     return max(peak, written)
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def child(name: str, pp_rank: int, method: str, dtype: torch.dtype) -> dict:
