@@ -58,9 +58,13 @@ def build_rank_model(
 
     `device` "meta": shapes only (dry runs, the planner's checks, benches); else allocated there
     in `dtype`. `seed`: initialise (each rank its own slices of one process's init); None: leave
-    the weights empty for the caller to load. `train`: training's choices (train.fp8, then
-    train.param_dtype's cast of the initialised weights, train.compile); its fp8 state is
-    `model.fp8` (None without fp8)."""
+    the weights empty for the caller to load. `train`: training's choices (train.param_dtype,
+    train.fp8, train.compile); its fp8 state is `model.fp8` (None without fp8). Parameters in
+    train.param_dtype are built in it: the init draws in fp32 and rounds each block as it copies
+    it (the fp32 init rounded, without ever holding it), and the frozen ones (the MoE routers'
+    expert bias, updated by its own rule) stay fp32."""
+    if train is not None and train.param_dtype != "fp32":
+        dtype = DTYPES[train.param_dtype]
     with torch.device("meta"):
         model = GPT(cfg, padded_vocab=cfg.padded_vocab_size(mesh.tp)).to(dtype)
     split_for_pipeline(model, mesh, parallel)
@@ -74,8 +78,7 @@ def build_rank_model(
     model.to_empty(device=device)
     if seed is not None:
         model.init_weights(seed)
-    if train is not None and train.param_dtype != "fp32":  # the init rounded; fp32 main weights
-        cast_trainable(model, DTYPES[train.param_dtype])
+    keep_frozen_fp32(model)
     model.fp8 = apply_fp8(model, train, mesh, device) if train is not None else None
     model.set_attention_backend(cfg.attention_backend, device)
     model.set_kernels(cfg.kernels, device)
@@ -119,10 +122,9 @@ def compile_layers(model: GPT) -> list[str]:
 
 
 @torch.no_grad()
-def cast_trainable(model: nn.Module, dtype: torch.dtype) -> None:
-    """Trainable parameters to `dtype` in place (train.param_dtype: after the fp32 init, so the
-    weights are that init rounded); frozen ones (the MoE router's expert bias, updated by its own
-    rule) and buffers stay as they are."""
+def keep_frozen_fp32(model: nn.Module) -> None:
+    """The parameters that never train (the MoE router's selection-only expert bias, updated by its
+    own rule in fp32) back to fp32 in place, whatever the others' dtype."""
     for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.to(dtype)
+        if not p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
