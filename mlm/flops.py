@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mlm.config import LayerSpec, ModelConfig
 from mlm.model import kinds
+from mlm.model.kinds.mtp.spec import eh_proj_flops
 from mlm.model.kinds.spec import Flops
 
 
@@ -42,11 +43,6 @@ def layer_flops(cfg: ModelConfig, seq_length: int) -> list[float]:
 def logits_flops(cfg: ModelConfig) -> float:
     """Training FLOPs per token of the output layer: 6·D·V (V the padded vocabulary)."""
     return 6 * cfg.hidden_size * cfg.padded_vocab_size()
-
-
-def eh_proj_flops(cfg: ModelConfig) -> float:
-    """Training FLOPs per token of one MTP depth's eh_proj ([D, 2D]): 6·2·D²."""
-    return 6 * 2 * cfg.hidden_size**2
 
 
 def mtp_depth_flops(cfg: ModelConfig, seq_length: int) -> float:

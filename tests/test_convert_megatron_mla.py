@@ -29,7 +29,7 @@ from mlm.convert.megatron import _args_overrides, import_megatron
 from mlm.convert.megatron_export import export_megatron
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
-from mlm.model.mtp import MTPTargets
+from mlm.model.kinds.mtp.module import MTPTargets
 
 from distributed import run_ranks  # noqa: E402
 from megatron_ref import (  # noqa: E402

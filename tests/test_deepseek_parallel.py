@@ -23,7 +23,7 @@ from mlm.errors import MlmError
 from mlm.export.trtllm_config import architecture
 from mlm.hf import config_to_hf
 from mlm.model import build_model
-from mlm.model.mtp import MTPTargets
+from mlm.model.kinds.mtp.module import MTPTargets
 from mlm.parallel.context import zigzag_indices
 from mlm.parallel.mesh import check_tensor_parallel
 

@@ -26,7 +26,7 @@ import torch
 from mlm.config import ModelConfig, ParallelConfig
 from mlm.errors import MlmError
 from mlm.model.gpt import build_model
-from mlm.model.mtp import MTPTargets
+from mlm.model.kinds.mtp.module import MTPTargets
 from mlm.parallel import Mesh
 from mlm.parallel.cross_entropy import chunk_tokens, linear_cross_entropy, linear_cross_entropy_reference
 from mlm.parallel.tensor import copy_to_tp, gather_from_sp

@@ -20,7 +20,7 @@ import torch
 from mlm.config import load_config
 from mlm.errors import MlmError
 from mlm.layout import Layout
-from mlm.model.mtp import MTPTargets
+from mlm.model.kinds.mtp.module import MTPTargets
 from mlm.parallel.context import zigzag_indices
 from mlm.plan.hardware import load_hardware
 from mlm.plan.job import Job, make_job

@@ -22,8 +22,8 @@ from mlm.model.attention import resolve_backend
 from mlm.model.aux_loss import AuxLosses
 from mlm.model.contract import declaring
 from mlm.model.init import init_parameters
+from mlm.model.kinds.mtp.module import MTPLayer, MTPTargets
 from mlm.model.layers import Block, make_norm, to_residual
-from mlm.model.mtp import MTPLayer, MTPTargets
 from mlm.model.ops import Ops, resolve_kernels
 from mlm.model.rope import inv_frequencies, rope_tables
 from mlm.parallel.cross_entropy import cross_entropy, linear_cross_entropy
@@ -291,7 +291,7 @@ class GPT(nn.Module):
         """The loss of every MTP depth [D] from the main model's last hidden states `h_BTD` (before
         the final norm): depth k joins the normed hidden state of the depth before with the
         embedding of the token k ahead, runs its layer, and predicts the token k + 1 ahead with the
-        shared output layer (`mlm.model.mtp`)."""
+        shared output layer (`mlm.model.kinds.mtp.module`)."""
         T = h_BTD.shape[1] * self.sequence_shards
         rope = self.rope(T, h_BTD.device, positions)
         h_BTD = self.final_norm(h_BTD)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from mlm.config import ParallelConfig
 from mlm.errors import MlmError
 from mlm.model import Chunk
-from mlm.model.mtp import MTPTargets
+from mlm.model.kinds.mtp.module import MTPTargets
 from mlm.parallel.context import whole_sequences, zigzag_indices
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.schedules import Action, forward_only, schedule, stage_layer_counts

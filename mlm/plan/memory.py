@@ -113,6 +113,7 @@ from mlm.config import Config, LayerSpec, ModelConfig
 from mlm.counts import ParameterCounts
 from mlm.layout import Layout
 from mlm.model import kinds
+from mlm.model.kinds.mtp.spec import own_params as mtp_params
 from mlm.model.kinds.spec import Micro, Param
 from mlm.parallel.buckets import bucket_layout
 from mlm.parallel.cross_entropy import chunk_tokens
@@ -154,16 +155,12 @@ def _layer_params(cfg: ModelConfig, i: int | str, tp: int, ep: int, spec: LayerS
 
 
 def _mtp_params(cfg: ModelConfig, tp: int, ep: int, spec: LayerSpec) -> list[Param]:
-    """The MTP depths (`mlm.model.mtp`, on the last stage): enorm, hnorm, eh_proj [D, 2D] (all
+    """The MTP depths (`mlm.model.kinds.mtp.module`, on the last stage): enorm, hnorm, eh_proj [D, 2D] (all
     replicated over tp), a layer of the last layer's kinds, a final norm."""
-    h, out = cfg.hidden_size, []
-    norm = kinds.norm(cfg.normalization)
+    out = []
     for d in range(cfg.mtp_num_layers):
-        p = f"mtp.{d}"
-        out += norm.params(cfg, f"{p}.enorm") + norm.params(cfg, f"{p}.hnorm")
-        out.append(Param(f"{p}.eh_proj.weight", h * 2 * h, linear=True))
-        out += _layer_params(cfg, f"{p}.layer", tp, ep, spec)
-        out += norm.params(cfg, f"{p}.final_norm")
+        before, after = mtp_params(cfg, f"mtp.{d}")
+        out += before + _layer_params(cfg, f"mtp.{d}.layer", tp, ep, spec) + after
     return out
 
 

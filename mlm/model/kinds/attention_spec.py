@@ -7,6 +7,7 @@ as the core sees them, the output) and its per-head dims (`head_dims`).
 
 from __future__ import annotations
 
+from mlm.config import _check
 from mlm.model.kinds.spec import SOFTMAX, Micro, MixerSpec, Work
 
 
@@ -23,6 +24,15 @@ class AttentionSpec(MixerSpec):
 
     def core_side(self, m) -> float:
         return self.head_dims(m)[0]
+
+    def check_parallel(self, m, tp, ep, sequence_parallel):
+        """Each tp rank holds whole attention heads."""
+        H = m.num_attention_heads
+        _check(
+            H % tp == 0,
+            f"model.num_attention_heads={H} is not divisible by parallel.tp={tp}: each tp rank "
+            f"holds whole attention heads; choose a tp that divides {H}",
+        )
 
     def attention_saved(self, m, mb: Micro) -> dict[str, float]:
         """The core's logsumexp b·(H/t)·s·4 (SDPA and flash keep no s × s matrix; selective

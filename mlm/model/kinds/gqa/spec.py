@@ -33,12 +33,8 @@ class GQASpec(AttentionSpec):
         )
 
     def check_parallel(self, m, tp, ep, sequence_parallel):
-        H, G = m.num_attention_heads, m.query_groups
-        _check(
-            H % tp == 0,
-            f"model.num_attention_heads={H} is not divisible by parallel.tp={tp}: each tp rank "
-            f"holds whole attention heads; choose a tp that divides {H}",
-        )
+        super().check_parallel(m, tp, ep, sequence_parallel)
+        G = m.query_groups
         _check(
             G % tp == 0,
             f"model.num_query_groups={G} is not divisible by parallel.tp={tp}: each tp rank holds "

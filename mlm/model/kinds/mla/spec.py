@@ -39,14 +39,6 @@ class MLASpec(AttentionSpec):
             "unset them",
         )
 
-    def check_parallel(self, m, tp, ep, sequence_parallel):
-        H = m.num_attention_heads
-        _check(
-            H % tp == 0,
-            f"model.num_attention_heads={H} is not divisible by parallel.tp={tp}: each tp rank "
-            f"holds whole attention heads; choose a tp that divides {H}",
-        )
-
     def rope_dim(self, m):
         return m.mla.qk_rope_head_dim
 
