@@ -33,10 +33,9 @@ def _choice(section: str, name: str, value, choices) -> None:
     _check(value in choices, f"{section}.{name}={value!r}: must be one of {', '.join(map(str, choices))}")
 
 
-@dataclass(frozen=True)
-class LayerSpec:
+class LayerSpec(typing.NamedTuple):
     """The kinds of one layer (`mlm.model.kinds`): its mixer and its MLP (either may be None: a
-    layer with one half only) and its norm."""
+    layer with one half only) and its norm. A tuple: the planner keys its tables by it."""
 
     mixer: str | None
     mlp: str | None
@@ -382,13 +381,27 @@ class ModelConfig:
             "model's RoPE tables are one size, so layers with RoPE must agree",
         )
 
+    def _layers(self) -> _Layers:
+        """The layers' kinds, computed once per distinct set of the fields that choose them (the
+        planner asks thousands of times per search)."""
+        freq = self.mlp_kind_freq
+        return _layers(
+            self.layer_pattern,
+            self.attention_kind,
+            self.mlp_kind,
+            tuple(freq) if isinstance(freq, list) else freq,
+            self.first_k_dense,
+            self.num_layers,
+            self.normalization,
+        )
+
     def mixer_kinds(self) -> tuple[str, ...]:
         """The mixer kinds the layers use, in order of first use."""
-        return tuple(dict.fromkeys(s.mixer for s in self.layer_specs() if s.mixer is not None))
+        return self._layers().mixers
 
     def mlp_kinds(self) -> tuple[str, ...]:
         """The MLP kinds the layers use, in order of first use."""
-        return tuple(dict.fromkeys(s.mlp for s in self.layer_specs() if s.mlp is not None))
+        return self._layers().mlps
 
     @property
     def query_groups(self) -> int:
@@ -410,20 +423,7 @@ class ModelConfig:
     def layer_specs(self) -> list[LayerSpec]:
         """The kinds of every layer: from layer_pattern, else from attention_kind, mlp_kind,
         mlp_kind_freq, first_k_dense; and normalization (names only: `mlm.model.kinds` builds them)."""
-        if self.layer_pattern:
-            from mlm.model.kinds.pattern import parse
-
-            layers, _ = parse(self.layer_pattern)
-            return [LayerSpec(a, b, self.normalization) for a, b in layers]
-        freq = self.mlp_kind_freq
-        chosen = [
-            i >= self.first_k_dense and (freq[i] == 1 if isinstance(freq, list) else i % freq == 0)
-            for i in range(self.num_layers)
-        ]
-        return [
-            LayerSpec(self.attention_kind, self.mlp_kind if c else "dense", self.normalization)
-            for c in chosen
-        ]
+        return list(self._layers().specs)
 
     def pattern(self) -> str:
         """The layers as a layer pattern (`model.layer_pattern` reads it back to the same layers)."""
@@ -758,6 +758,30 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class _Layers:
+    specs: tuple[LayerSpec, ...]
+    mixers: tuple[str, ...]
+    mlps: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _layers(pattern, attention_kind, mlp_kind, freq, first_k_dense, num_layers, norm) -> _Layers:
+    """`ModelConfig.layer_specs` of these fields, with the mixer and MLP kinds in order of first use."""
+    if pattern:
+        from mlm.model.kinds.pattern import parse
+
+        specs = tuple(LayerSpec(a, b, norm) for a, b in parse(pattern)[0])
+    else:
+        chosen = [
+            i >= first_k_dense and (freq[i] == 1 if isinstance(freq, tuple) else i % freq == 0)
+            for i in range(num_layers)
+        ]
+        specs = tuple(LayerSpec(attention_kind, mlp_kind if c else "dense", norm) for c in chosen)
+    mixers = tuple(dict.fromkeys(s.mixer for s in specs if s.mixer is not None))
+    return _Layers(specs, mixers, tuple(dict.fromkeys(s.mlp for s in specs if s.mlp is not None)))
 
 
 def check_context_parallel_kinds(m: ModelConfig, cp: int) -> None:

@@ -67,6 +67,9 @@ def registered(role: str) -> dict[str, KindSpec]:
 
 def lookup(role: str, name: str) -> KindSpec:
     """The spec of kind `name` in `role`; MlmError listing the registered ones."""
+    spec = _REGISTRY[role].get(name) if _found else None
+    if spec is not None:  # the planner asks this many thousand times per search
+        return spec
     kinds = registered(role)
     if name not in kinds:
         raise MlmError(
