@@ -47,3 +47,13 @@ bench: setup
     {{bin}}/python bench/serve.py
     {{bin}}/python bench/moe.py
     {{bin}}/python bench/context_parallel.py
+
+# Every CUDA path against its reference and the headline GPU figures in one report
+# (bench/gpu_check.py; no setup: a GPU image runs it with its own python3). `--dry-run`: the same
+# sections on CPU with tiny shapes (the test suite runs it).
+gpu-check *ARGS:
+    bash bench/gpu_check.sh {{ARGS}}
+
+# The wheels gpu-check installs on a GPU image that lacks them, into .gpu-wheels/ (size printed).
+gpu-wheels *ARGS:
+    bash bench/gpu_wheels.sh {{ARGS}}

@@ -9,9 +9,13 @@ backward tokens/s and memory, at Llama-ish sizes (Llama-3-8B: hidden 4096, ffn 1
 Columns per kernel: `eager` (the torch reference, `kernels.*_reference`), `compile`
 (torch.compile of the same reference) and `mlm` (what `model.kernels=triton` runs: the Triton
 kernel; for linear + cross-entropy the chunked torch implementation `linear_cross_entropy`,
-which runs on any device). Triton kernels run only with `--device cuda`: on CPU they would run
-under the Triton interpreter, which is a correctness tool, not a speed measurement, so the
-column says why it is empty.
+which runs on any device) and `liger` (Liger-Kernel's Triton kernel of the same form, where it is
+installed and has one: rmsnorm, layernorm, swiglu, fused linear + cross-entropy). Triton kernels
+run only with `--device cuda`: on CPU they would run under the Triton interpreter, which is a
+correctness tool, not a speed measurement, so the row says why it is skipped. Each row gives its
+speed against eager and against compile, and for the bandwidth-bound kernels the bytes a fused
+forward + backward must move at the least (`min_bytes`) per second, with `--bandwidth` as a share
+of the GPU's memory bandwidth.
 
 Time: the median of `--steps` forward + backward calls after `--warmup` (the compile's first
 call is among the warm-up and reported apart). tokens/s = batch × seq / median.
@@ -178,6 +182,129 @@ def run(fn, inputs, extra, device: torch.device, steps: int, warmup: int) -> dic
     }
 
 
+def _liger(name: str, D: int):
+    """Liger-Kernel's function for a kernel, taking the same arguments as the reference, or why
+    there is none (not installed; no kernel of that shape)."""
+    try:
+        from liger_kernel.transformers import functional as lf
+    except ImportError as e:
+        return f"liger-kernel not installed ({e.name})"
+    if name == "rmsnorm":
+        return lambda x, w, eps: lf.liger_rms_norm(x, w, eps)
+    if name == "layernorm":
+        return lf.liger_layer_norm
+    if name == "swiglu":
+        return lf.liger_swiglu
+    if name == "linear_cross_entropy":
+        return lambda h, w, labels, vocab: lf.liger_fused_linear_cross_entropy(
+            h.reshape(-1, D), w, labels.reshape(-1)
+        )
+    return (
+        "no Liger kernel of this form (gelu: Liger has gelu·mul only; rope: Liger rotates q and k together)"
+    )
+
+
+def min_bytes(name: str, N: int, D: int, F: int, B: int, S: int, H: int, element: int) -> int | None:
+    """Bytes a fused forward + backward must move at the least (each input, output and gradient
+    once; weights and tables ignored), for the bandwidth-bound kernels; None for the GEMM-bound
+    linear + cross-entropy. rmsnorm / layernorm: x, y, dy, x, dx = 5·N·D; swiglu: a, b, y, dy, a, b,
+    da, db = 8·N·F; gelu: x, y, dy, x, dx = 5·N·F; rope: x, y, dy, dx = 4·B·S·D."""
+    per = {
+        "rmsnorm": 5 * N * D,
+        "layernorm": 5 * N * D,
+        "swiglu": 8 * N * F,
+        "gelu": 5 * N * F,
+        "rope": 4 * B * S * D,
+    }
+    return per[name] * element if name in per else None
+
+
+def measure(
+    device: str = "cuda" if torch.cuda.is_available() else "cpu",
+    dtype: str | None = None,
+    batch: int = 1,
+    seq: int = 4096,
+    hidden: int = 4096,
+    ffn: int = 14336,
+    heads: int = 32,
+    vocab: int = 128256,
+    kernels: tuple[str, ...] = KERNELS,
+    steps: int = 10,
+    warmup: int = 2,
+    bandwidth: float | None = None,
+    log=print,
+) -> list[dict]:
+    """Every (kernel, implementation) row of the table (see the module doc), printed through `log`;
+    `bandwidth` (bytes/s, the GPU's datasheet figure) adds each row's share of it."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but torch sees no CUDA device; run with --device cpu")
+    if dev.type == "cpu":
+        _glibc_threshold(32 * 2**20)
+    dtype = dtype or ("bf16" if dev.type == "cuda" else "fp32")
+    torch_dtype = DTYPES[dtype]
+    args = argparse.Namespace(batch=batch, seq=seq, hidden=hidden, ffn=ffn, heads=heads, vocab=vocab)
+    N = batch * seq
+    where = (
+        torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    )
+    log(
+        f"{N} tokens (batch {batch} x seq {seq}), hidden {hidden}, ffn {ffn}, {heads} heads, vocab {vocab}, "
+        f"{dtype}; {where}; torch {torch.__version__}; forward + backward, median of {steps}"
+    )
+    if dev.type != "cuda":
+        log(
+            "mlm and liger columns: Triton kernels skipped on CPU (they would run under the Triton interpreter, "
+            "a correctness tool, not a speed measurement); linear_cross_entropy's is chunked torch and runs"
+        )
+    mem = "peak MiB (max_memory_allocated)" if dev.type == "cuda" else "peak MiB (resident set)"
+    bw = f"{'GB/s':>9}{'of peak':>9}" if bandwidth else f"{'GB/s':>9}"
+    log(
+        f"{'kernel':<22}{'impl':<9}{'tokens/s':>14}{'vs eager':>10}{'vs compile':>11}{bw}{'first call s':>14}{'saved MiB':>11}  {mem}"
+    )
+    rows = []
+    for name in kernels:
+        inputs, extra, reference, mlm = make_case(name, args, dev, torch_dtype)
+        impls = {"eager": reference, "compile": torch.compile(reference, dynamic=False)}
+        skipped = {}
+        if mlm is None and dev.type == "cuda":
+            mlm = _triton(name)
+        if mlm is not None:
+            impls["mlm"] = mlm
+        else:
+            skipped["mlm"] = "Triton kernel, CPU"
+        liger = _liger(name, hidden) if dev.type == "cuda" else "Triton kernel, CPU"
+        if callable(liger):
+            impls["liger"] = liger
+        else:
+            skipped["liger"] = liger
+        moved = min_bytes(name, N, hidden, ffn, batch, seq, heads, torch_dtype.itemsize)
+        tps_of = {}
+        for impl, fn in impls.items():
+            torch._dynamo.reset()
+            r = run(fn, inputs, extra, dev, steps, warmup)
+            tps = tps_of[impl] = N / r["median"]
+            row = {"kernel": name, "impl": impl, "tokens_per_s": tps, "vs_eager": tps / tps_of["eager"]}
+            row |= {"vs_compile": tps / tps_of["compile"] if "compile" in tps_of else None}
+            row |= {"bytes_per_s": moved / r["median"] if moved else None, "first_s": r["first"]}
+            row |= {"saved_bytes": r["saved"], "peak_bytes": r["peak"]}
+            row["of_bandwidth"] = row["bytes_per_s"] / bandwidth if bandwidth and moved else None
+            rows.append(row)
+            gbs = f"{row['bytes_per_s'] / 1e9:>9.0f}" if moved else f"{'-':>9}"
+            if bandwidth:
+                gbs += f"{row['of_bandwidth']:>8.0%} " if moved else f"{'-':>9}"
+            vs_compile = f"{row['vs_compile']:>10.2f}x" if row["vs_compile"] else f"{'':>11}"
+            log(
+                f"{name:<22}{impl:<9}{tps:>14,.0f}{row['vs_eager']:>9.2f}x{vs_compile}{gbs}{r['first']:>14.2f}"
+                f"{r['saved'] / 2**20:>11.1f}  {r['peak'] / 2**20:.1f}"
+            )
+        for impl, why in skipped.items():
+            rows.append({"kernel": name, "impl": impl, "skipped": why})
+            log(f"{name:<22}{impl:<9}skipped: {why}")
+        del inputs, extra
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -193,54 +320,11 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     ap.add_argument("--steps", type=int, default=10, help="timed calls per column")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls per column (the first compiles)")
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda, but torch sees no CUDA device; run with --device cpu")
-    if device.type == "cpu":
-        _glibc_threshold(32 * 2**20)
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    N = args.batch * args.seq
-    where = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"cpu, {torch.get_num_threads()} threads"
+    ap.add_argument(
+        "--bandwidth", type=float, default=None, help="memory bandwidth in bytes/s: adds each row's share"
     )
-    print(
-        f"{N} tokens (batch {args.batch} x seq {args.seq}), hidden {args.hidden}, ffn {args.ffn}, "
-        f"{args.heads} heads, vocab {args.vocab}, {args.dtype or str(dtype).removeprefix('torch.')}; "
-        f"{where}; torch {torch.__version__}; forward + backward, median of {args.steps}"
-    )
-    if device.type != "cuda":
-        print(
-            "mlm column: Triton kernels skipped on CPU (they would run under the Triton interpreter, "
-            "a correctness tool, not a speed measurement); linear_cross_entropy's is chunked torch and runs"
-        )
-    mem = "peak MiB (max_memory_allocated)" if device.type == "cuda" else "peak MiB (resident set)"
-    print(
-        f"{'kernel':<22}{'impl':<9}{'tokens/s':>14}{'vs eager':>10}{'first call s':>14}{'saved MiB':>11}  {mem}"
-    )
-    for name in args.kernels:
-        inputs, extra, reference, mlm = make_case(name, args, device, dtype)
-        impls = {"eager": reference, "compile": torch.compile(reference, dynamic=False)}
-        if mlm is None and device.type == "cuda":
-            mlm = _triton(name)
-        if mlm is not None:
-            impls["mlm"] = mlm
-        eager = None
-        for impl, fn in impls.items():
-            torch._dynamo.reset()
-            r = run(fn, inputs, extra, device, args.steps, args.warmup)
-            tps = N / r["median"]
-            eager = eager or tps
-            print(
-                f"{name:<22}{impl:<9}{tps:>14,.0f}{tps / eager:>9.2f}x{r['first']:>14.2f}"
-                f"{r['saved'] / 2**20:>11.1f}  {r['peak'] / 2**20:.1f}",
-                flush=True,
-            )
-        if "mlm" not in impls:
-            print(f"{name:<22}{'mlm':<9}{'skipped: Triton kernel, CPU':>14}")
-        del inputs, extra
+    a = ap.parse_args()
+    measure(**{k: (tuple(v) if k == "kernels" else v) for k, v in vars(a).items()})
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ first token and inter-token latency of 32 streaming HTTP clients against `mlm se
     .venv/bin/python bench/serve.py [--shape tiny|smollm2-135m] [--requests 16] [--new-tokens 48]
                                     [--repeat 1] [--threads N] [--device cpu|cuda] [--dtype fp32|bf16]
                                     [--http-clients 32] [--http-requests 64] [--skip-generate]
+                                    [--cuda-graphs]
 
 Shapes (random weights, seed 0; a LlamaForCausalLM, and mlm's GPT with the same weights through
 `mlm.hf.load_hf_into`):
@@ -25,6 +26,8 @@ descheduled thread, which costs a batch-1 decode step far more than a batched on
   server runs it);
 - HF padded batch: one `generate` of all requests, left-padded with `attention_mask` and
   `pad_token_id` (a static-batch server at its best: every request arrives at once).
+`--cuda-graphs` (CUDA) adds mlm's engine with `EngineConfig(cuda_graphs=True)` (decode steps replayed
+from captured graphs) as a fourth way, and whether it gives the same tokens as without.
 Prints output tokens/s of each, the ratios mlm / one-at-a-time (target >= 8 on smollm2-135m) and
 mlm / padded batch (target >= 1.5 on smollm2-135m), and how many requests gave the same tokens. HF
 can give a padded sequence slightly different logits than the same sequence alone (other matmul
@@ -115,8 +118,9 @@ def make_prompts(n: int, vocab: int) -> list[list[int]]:
     return [[(31 * i + 7 * j) % vocab for j in range(8 + (i * 37) % 121)] for i in range(n)]
 
 
-def run_mlm(model, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
-    engine = Engine(model, None, EngineConfig(max_seqs=len(prompts), max_tokens_per_step=2048))
+def run_mlm(model, prompts, new_tokens: int, graphs: bool = False) -> tuple[float, list[list[int]]]:
+    config = EngineConfig(max_seqs=len(prompts), max_tokens_per_step=2048, cuda_graphs=graphs)
+    engine = Engine(model, None, config)
     start = time.perf_counter()
     results = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     sync()
@@ -176,29 +180,52 @@ def same(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b, strict=True))
 
 
-def generate_bench(a, hf, ours) -> None:
+def generate_bench(a, hf, ours, log=print) -> dict:
+    """The three ways (and mlm with CUDA graphs under `a.cuda_graphs`): tokens/s, ratios, agreement."""
     prompts = make_prompts(a.requests, hf.config.vocab_size)
-    run_mlm(ours, prompts[:2], 4)  # warm-up, each side
-    run_hf(hf, prompts[:2], 4, a.device)
-    run_hf_padded(hf, prompts[:2], 4, a.device)
-    t_mlm, out_mlm = best(a.repeat, lambda: run_mlm(ours, prompts, a.new_tokens))
-    t_one, out_one = best(a.repeat, lambda: run_hf(hf, prompts, a.new_tokens, a.device))
-    t_pad, out_pad = best(a.repeat, lambda: run_hf_padded(hf, prompts, a.new_tokens, a.device))
+    ways = {"mlm": lambda p, n: run_mlm(ours, p, n)}
+    if a.cuda_graphs:
+        ways["mlm_cuda_graphs"] = lambda p, n: run_mlm(ours, p, n, graphs=True)
+    ways["hf_one_at_a_time"] = lambda p, n: run_hf(hf, p, n, a.device)
+    ways["hf_padded"] = lambda p, n: run_hf_padded(hf, p, n, a.device)
+    for way in ways.values():  # warm-up, each side
+        way(prompts[:2], 4)
+    seconds, out = {}, {}
+    for name, way in ways.items():
+        seconds[name], out[name] = best(a.repeat, lambda way=way: way(prompts, a.new_tokens))
     n, r = a.requests * a.new_tokens, a.requests
     lens = [len(p) for p in prompts]
-    print(
+    log(
         f"{a.requests} requests, prompts {min(lens)}-{max(lens)} tokens, {a.new_tokens} new tokens each; "
         f"best of {a.repeat} timed run(s) after a warm-up"
     )
-    print(f"mlm engine, {r} concurrent:   {n / t_mlm:9.1f} tokens/s ({t_mlm:.2f} s)")
-    print(f"HF generate, one at a time:  {n / t_one:9.1f} tokens/s ({t_one:.2f} s)")
-    print(f"HF generate, padded batch:   {n / t_pad:9.1f} tokens/s ({t_pad:.2f} s)")
+    labels = {
+        "mlm": f"mlm engine, {r} concurrent:",
+        "mlm_cuda_graphs": "mlm engine, CUDA graphs:",
+        "hf_one_at_a_time": "HF generate, one at a time:",
+        "hf_padded": "HF generate, padded batch:",
+    }
+    for name, t in seconds.items():
+        log(f"{labels[name]:<29}{n / t:9.1f} tokens/s ({t:.2f} s)")
+    result = {"tokens_per_s": {name: n / t for name, t in seconds.items()}, "requests": r}
     target = " (target >= {} on smollm2-135m)"
-    print(f"ratio mlm / one at a time:   {t_one / t_mlm:.2f}x" + target.format(8))
-    print(f"ratio mlm / padded batch:    {t_pad / t_mlm:.2f}x" + target.format(1.5))
-    print(f"same greedy tokens, mlm vs HF one at a time:     {same(out_mlm, out_one)}/{r} requests")
-    print(f"same greedy tokens, mlm vs HF padded batch:      {same(out_mlm, out_pad)}/{r} requests")
-    print(f"same greedy tokens, HF one at a time vs padded:  {same(out_one, out_pad)}/{r} requests")
+    for name in [k for k in ("mlm", "mlm_cuda_graphs") if k in seconds]:
+        one, pad = seconds["hf_one_at_a_time"] / seconds[name], seconds["hf_padded"] / seconds[name]
+        result[f"{name}_vs_hf_one_at_a_time"], result[f"{name}_vs_hf_padded"] = one, pad
+        suffix = "" if name == "mlm" else " (CUDA graphs)"
+        log(f"ratio mlm / one at a time{suffix}:   {one:.2f}x" + target.format(8))
+        log(f"ratio mlm / padded batch{suffix}:    {pad:.2f}x" + target.format(1.5))
+    agree = {
+        "mlm vs HF one at a time": same(out["mlm"], out["hf_one_at_a_time"]),
+        "mlm vs HF padded batch": same(out["mlm"], out["hf_padded"]),
+        "HF one at a time vs padded": same(out["hf_one_at_a_time"], out["hf_padded"]),
+    }
+    if a.cuda_graphs:
+        agree["mlm CUDA graphs vs mlm"] = same(out["mlm_cuda_graphs"], out["mlm"])
+    for what, k in agree.items():
+        log(f"{'same greedy tokens, ' + what + ':':<49}{k}/{r} requests")
+    result["same_tokens"] = agree
+    return result
 
 
 # ---------------------------------------------------------------------- HTTP
@@ -326,6 +353,9 @@ def main() -> None:
     ap.add_argument("--http-clients", type=int, default=0, help="streaming HTTP clients; 0: no HTTP part")
     ap.add_argument("--http-requests", type=int, default=64, help="requests the HTTP clients send in all")
     ap.add_argument("--skip-generate", action="store_true", help="only the HTTP part")
+    ap.add_argument(
+        "--cuda-graphs", action="store_true", help="also mlm's engine with CUDA graphs (cuda only)"
+    )
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -51,19 +51,11 @@ from mlm.build import build_rank_model  # noqa: E402
 from mlm.config import load_config  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.flops import flops_per_token  # noqa: E402
+from mlm.hardware import profile_of_gpu  # noqa: E402
 from mlm.hf import mlm_to_hf  # noqa: E402
 from mlm.parallel import Mesh  # noqa: E402
 from mlm.train.metrics import peak_flops  # noqa: E402
 from mlm.train.optimizer import TrainOptimizer  # noqa: E402
-
-# GPU names (torch.cuda.get_device_name) → the hardware profile of their MFU peak
-GPU_PROFILES = (
-    ("H200", "h200"),
-    ("H100", "h100-80g"),
-    ("B200", "b200"),
-    ("A100-SXM4-40GB", "a100-40g"),
-    ("A100", "a100-80g"),
-)
 
 
 def build_mlm(preset: str, seq: int, device: torch.device, sets: list[str], seed: int = 1234):
@@ -74,7 +66,7 @@ def build_mlm(preset: str, seq: int, device: torch.device, sets: list[str], seed
     cfg = load_config(overrides=[f"preset={preset}", f"data.seq_length={seq}", f"train.seed={seed}", *sets])
     if cfg.model.position_embedding != "rope":
         raise MlmError(f"--preset {preset}: this benchmark compares Llama models; pick a llama preset")
-    mesh = Mesh.build(cfg.parallel)
+    mesh = Mesh.build(cfg.parallel, device.type)
     model = build_rank_model(
         cfg.model, cfg.parallel, mesh, device, seed=cfg.train.seed, train=cfg.train
     ).train()
@@ -126,15 +118,135 @@ def make_step(loss_fn, autocast, opt):
 
 
 def hardware_of(device: torch.device, given: str | None) -> str:
+    """The MFU peak's profile: `given`, cpu on CPU, else the GPU's by its name."""
     if given or device.type == "cpu":
         return given or "cpu"
     name = torch.cuda.get_device_name(device)
-    for key, profile in GPU_PROFILES:
-        if key in name:
-            return profile
-    raise MlmError(
-        f"no hardware profile for {name!r}: pass --hardware (a100-40g, a100-80g, h100-80g, h200, b200)"
+    profile = profile_of_gpu(name)
+    if profile is None:
+        raise MlmError(
+            f"no hardware profile for {name!r}: pass --hardware (a100-40g, a100-80g, h100-80g, h200, b200)"
+        )
+    return profile
+
+
+def measure(
+    preset: str = "tiny-llama",
+    batch: int = 8,
+    seq: int = 256,
+    steps: int = 20,
+    warmup: int = 2,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    compile: bool = False,
+    sets: tuple[str, ...] = (),
+    hf: bool | None = None,
+    vs_eager: bool = False,
+    hardware: str | None = None,
+    log=print,
+) -> dict:
+    """Time the models (see the module doc); prints as it goes through `log`, returns the figures:
+    per model tokens/s, median and min step seconds, MFU, first loss, peak memory (CUDA)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MlmError("--device cuda, but torch sees no CUDA device; run with --device cpu")
+    with_hf = hf if hf is not None else dev.type == "cpu"
+
+    torch.manual_seed(0)
+    sets = [f"train.precision={dtype}", *sets, *(["train.compile=true"] if compile else [])]
+    mlm, cfg, state = build_mlm(preset, seq, dev, sets)
+    if dtype == "bf16":
+        autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16)  # noqa: E731
+    else:
+        autocast = contextlib.nullcontext
+    V = cfg.model.vocab_size
+    # each with its own trainer's optimizer: mlm's (TrainOptimizer: fused AdamW, Megatron's
+    # no-decay groups, fp32 main weights under train.param_dtype=bf16) and the torch.optim.AdamW a
+    # transformers training loop uses
+    step_fns = {"mlm": mlm_step(mlm, cfg, state, autocast)}
+    if vs_eager:
+        if not cfg.train.compile:
+            raise MlmError("--vs-eager compares the compiled layers with eager ones: add --compile")
+        eager, _, eager_state = build_mlm(preset, seq, dev, [*sets, "train.compile=false"])
+        step_fns["eager"] = mlm_step(eager, cfg, eager_state, autocast)
+    if with_hf:
+        hf_model = build_hf(mlm, cfg, dev)
+
+        def hf_loss(x, y):
+            logits_BTV = hf_model(input_ids=x, use_cache=False).logits
+            return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y.flatten())
+
+        step_fns["HF"] = make_step(
+            hf_loss, autocast, torch.optim.AdamW(hf_model.parameters(), lr=3e-4, weight_decay=0.1)
+        )
+    tokens = torch.randint(0, V, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    x_BT, y_BT = tokens[:, :-1].contiguous().to(dev), tokens[:, 1:].contiguous().to(dev)
+    cuda = dev.type == "cuda"
+    hardware = hardware_of(dev, hardware)
+    where = f"{torch.cuda.get_device_name(dev)}" if cuda else f"{torch.get_num_threads()} threads"
+    params = sum(p.numel() for p in mlm.parameters())
+    log(
+        f"preset {preset}: {params / 1e6:.2f} M parameters, "
+        f"batch {batch} x seq {seq}, {dtype}, {dev.type} ({where}), torch {torch.__version__}; "
+        f"compile {cfg.train.compile}, kernels {cfg.model.kernels}, recompute {cfg.model.recompute}, "
+        f"parameters {cfg.train.param_dtype}" + (f"; --set {' '.join(sets[1:])}" if sets[1:] else "")
     )
+    times: dict[str, list[float]] = {name: [] for name in step_fns}
+    first: dict[str, tuple[float, float]] = {}
+    peak_mem: dict[str, int] = dict.fromkeys(step_fns, 0)
+    order = list(step_fns)
+    for i in range(warmup + steps):
+        for name in order if i % 2 == 0 else order[::-1]:
+            if cuda:
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            t0 = time.perf_counter()
+            loss = step_fns[name](x_BT, y_BT)  # .item() waits for the device
+            dt = time.perf_counter() - t0
+            if cuda:
+                peak_mem[name] = max(peak_mem[name], torch.cuda.max_memory_allocated(dev))
+            first.setdefault(name, (loss, dt))
+            if i >= warmup:
+                times[name].append(dt)
+    log(
+        "first step: "
+        + ", ".join(f"{name} loss {loss:.6f} in {dt:.1f} s" for name, (loss, dt) in first.items())
+        + (" (same weights and batch)" if len(step_fns) > 1 else "")
+    )
+    # tokens/s from the median step: this runs on shared 2-core VMs where a neighbour's burst can
+    # stall single steps by 3-8x (measured), which would swamp a mean over 10 steps.
+    peak = peak_flops(hardware)
+    flops_per_step = flops_per_token(cfg.model, seq) * batch * seq
+    out: dict = {"preset": preset, "parameters": params, "batch": batch, "seq": seq, "dtype": dtype}
+    out |= {"hardware": hardware, "peak_flops": peak, "kernels": cfg.model.kernels}
+    out |= {"compile": cfg.train.compile, "param_dtype": cfg.train.param_dtype, "models": {}}
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        tps = batch * seq / median
+        mfu = flops_per_step / median / peak
+        out["models"][name] = {
+            "tokens_per_s": tps,
+            "median_s": median,
+            "min_s": min(ts),
+            "mfu": mfu,
+            "first_loss": first[name][0],
+            **({"peak_memory_bytes": peak_mem[name]} if cuda else {}),
+        }
+        mean = batch * seq * len(ts) / sum(ts)
+        log(
+            f"{name:>4}: {tps:8,.0f} tokens/s  (median of {len(ts)} steps {median * 1e3:6.1f} ms, "
+            f"min {min(ts) * 1e3:6.1f} ms; mean {mean:,.0f} tokens/s); MFU {mfu:.1%} of {hardware} "
+            f"({peak / 1e12:.1f} TFLOP/s{' bf16' if hardware != 'cpu' else ' measured fp32 matmul'})"
+            + (f"; peak memory {peak_mem[name] / 2**30:.2f} GiB" if cuda else "")
+        )
+    models = out["models"]
+    if vs_eager:
+        out["compiled_vs_eager"] = models["mlm"]["tokens_per_s"] / models["eager"]["tokens_per_s"]
+        log(f"ratio compiled / eager: {out['compiled_vs_eager']:.3f}")
+    if with_hf:
+        out["mlm_vs_hf"] = models["mlm"]["tokens_per_s"] / models["HF"]["tokens_per_s"]
+        log(f"ratio mlm / HF: {out['mlm_vs_hf']:.3f}  (target >= 1.0)")
+    return out
 
 
 def main() -> None:
@@ -161,91 +273,11 @@ def main() -> None:
     ap.add_argument(
         "--hardware", default=None, help="MFU peak profile; default: from the GPU's name, cpu on CPU"
     )
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise MlmError("--device cuda, but torch sees no CUDA device; run with --device cpu")
-    with_hf = args.hf if args.hf is not None else device.type == "cpu"
-
-    torch.manual_seed(0)
-    sets = [f"train.precision={args.dtype}", *args.set, *(["train.compile=true"] if args.compile else [])]
-    mlm, cfg, state = build_mlm(args.preset, args.seq, device, sets)
-    if args.dtype == "bf16":
-        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
-    else:
-        autocast = contextlib.nullcontext
-    V = cfg.model.vocab_size
-    # each with its own trainer's optimizer: mlm's (TrainOptimizer: fused AdamW, Megatron's
-    # no-decay groups, fp32 main weights under train.param_dtype=bf16) and the torch.optim.AdamW a
-    # transformers training loop uses
-    steps = {"mlm": mlm_step(mlm, cfg, state, autocast)}
-    if args.vs_eager:
-        if not cfg.train.compile:
-            raise MlmError("--vs-eager compares the compiled layers with eager ones: add --compile")
-        eager, _, eager_state = build_mlm(args.preset, args.seq, device, [*sets, "train.compile=false"])
-        steps["eager"] = mlm_step(eager, cfg, eager_state, autocast)
-    if with_hf:
-        hf = build_hf(mlm, cfg, device)
-
-        def hf_loss(x, y):
-            logits_BTV = hf(input_ids=x, use_cache=False).logits
-            return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y.flatten())
-
-        steps["HF"] = make_step(
-            hf_loss, autocast, torch.optim.AdamW(hf.parameters(), lr=3e-4, weight_decay=0.1)
-        )
-    tokens = torch.randint(0, V, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
-    x_BT, y_BT = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
-    cuda = device.type == "cuda"
-    hardware = hardware_of(device, args.hardware)
-    where = f"{torch.cuda.get_device_name(device)}" if cuda else f"{torch.get_num_threads()} threads"
-    print(
-        f"preset {args.preset}: {sum(p.numel() for p in mlm.parameters()) / 1e6:.2f} M parameters, "
-        f"batch {args.batch} x seq {args.seq}, {args.dtype}, {device.type} ({where}), torch {torch.__version__}; "
-        f"compile {cfg.train.compile}, kernels {cfg.model.kernels}, recompute {cfg.model.recompute}"
-        + (f"; --set {' '.join(args.set)}" if args.set else "")
+    a = ap.parse_args()
+    measure(
+        **{k: v for k, v in vars(a).items() if k != "set"},
+        sets=tuple(a.set),
     )
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    first: dict[str, tuple[float, float]] = {}
-    peak_mem: dict[str, int] = dict.fromkeys(steps, 0)
-    order = list(steps)
-    for i in range(args.warmup + args.steps):
-        for name in order if i % 2 == 0 else order[::-1]:
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            loss = steps[name](x_BT, y_BT)  # .item() waits for the device
-            dt = time.perf_counter() - t0
-            if cuda:
-                peak_mem[name] = max(peak_mem[name], torch.cuda.max_memory_allocated(device))
-            first.setdefault(name, (loss, dt))
-            if i >= args.warmup:
-                times[name].append(dt)
-    print(
-        "first step: "
-        + ", ".join(f"{name} loss {loss:.6f} in {dt:.1f} s" for name, (loss, dt) in first.items())
-        + (" (same weights and batch)" if len(steps) > 1 else "")
-    )
-    # tokens/s from the median step: this runs on shared 2-core VMs where a neighbour's burst can
-    # stall single steps by 3-8x (measured), which would swamp a mean over 10 steps.
-    peak = peak_flops(hardware)
-    flops_per_step = flops_per_token(cfg.model, args.seq) * args.batch * args.seq
-    tps = {}
-    for name, ts in times.items():
-        tps[name] = args.batch * args.seq / statistics.median(ts)
-        mean = args.batch * args.seq * len(ts) / sum(ts)
-        mfu = flops_per_step / statistics.median(ts) / peak
-        print(
-            f"{name:>4}: {tps[name]:8,.0f} tokens/s  (median of {len(ts)} steps {statistics.median(ts) * 1e3:6.1f} ms, "
-            f"min {min(ts) * 1e3:6.1f} ms; mean {mean:,.0f} tokens/s); MFU {mfu:.1%} of {hardware} "
-            f"({peak / 1e12:.1f} TFLOP/s{' bf16' if hardware != 'cpu' else ' measured fp32 matmul'})"
-            + (f"; peak memory {peak_mem[name] / 2**30:.2f} GiB" if cuda else "")
-        )
-    if args.vs_eager:
-        print(f"ratio compiled / eager: {tps['mlm'] / tps['eager']:.3f}")
-    if with_hf:
-        print(f"ratio mlm / HF: {tps['mlm'] / tps['HF']:.3f}  (target >= 1.0)")
 
 
 if __name__ == "__main__":

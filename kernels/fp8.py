@@ -14,7 +14,8 @@ operands with fp32 accumulation and one rounding to `out_dtype`:
   - CUDA, sm ≥ 8.9: `torch._scaled_mm(a_q, b_qᵀ, scale_a=1/a_scale, scale_b=1/b_scale)` (what
     torchao's Float8Linear calls). This path has never run on a GPU (none was available while it
     was written): it is kept small, on the same quantised operands and scales as the emulation.
-  - elsewhere (CPU): the emulation, dequantise to fp32, matmul in fp32, round to `out_dtype`.
+  - elsewhere (CPU; and on CUDA for a GEMM whose inner or output width is not a multiple of 16,
+    which `_scaled_mm` refuses): the emulation, dequantise to fp32, matmul in fp32, round to `out_dtype`.
     Same numbers as fp8 tensor cores up to the fp32 summation order.
 `mlm.parallel.fp8.check_fp8_device` refuses a CUDA device below sm 8.9 (no fp8 tensor cores there).
 """
@@ -79,7 +80,10 @@ def fp8_linear(
 ) -> torch.Tensor:
     """a · bᵀ of the dequantised operands: a_q [M, K], b_q [N, K] (fp8) → [M, N] in `out_dtype`,
     accumulated in fp32 and rounded once."""
-    if uses_scaled_mm(a_q.device):  # never run: no GPU where this was written
+    # _scaled_mm wants the inner and output widths in multiples of 16 (cuBLASLt's fp8 layouts):
+    # other shapes (a token count or a projection width that is not) take the emulation
+    aligned = a_q.shape[1] % 16 == 0 and b_q.shape[0] % 16 == 0
+    if aligned and uses_scaled_mm(a_q.device):  # never run: no GPU where this was written
         return torch._scaled_mm(
             a_q.contiguous(),
             _column_major(b_q.t()),

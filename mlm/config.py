@@ -260,8 +260,8 @@ class ModelConfig:
     """Std of the normal init; output projections use init_std / sqrt(2 × num_layers)."""
     attention_backend: str = "auto"
     """auto, sdpa, flash (flash-attn) or te (Transformer Engine); auto picks the fastest available."""
-    kernels: str = "torch"
-    """Norms, MLP activations and RoPE: torch, triton (the `kernels` package) or auto (triton on CUDA when importable)."""
+    kernels: str = "auto"
+    """Norms, MLP activations and RoPE: torch, triton (the `kernels` package) or auto (triton on CUDA when importable, else torch)."""
     fp32_residual_connection: bool = False
     """Keep the residual stream (the layers' inputs and adds) in fp32 under bf16/fp16 autocast; by default it is in the autocast dtype (Megatron's name and default)."""
     recompute: str = "none"
@@ -556,6 +556,15 @@ class ParallelConfig:
         _check(self.bucket_size_mb > 0, f"parallel.bucket_size_mb={self.bucket_size_mb}: must be positive")
 
 
+def _cuda_visible() -> bool:
+    """Whether torch sees a CUDA device (False without torch: the planner runs without it)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 @dataclass
 class TrainConfig:
     """The loop: batch sizes, length, precision, evaluation."""
@@ -570,8 +579,8 @@ class TrainConfig:
     """Tokens to train on (steps = tokens / (global batch × seq length)); replaces train_iters."""
     precision: str = "fp32"
     """fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling)."""
-    param_dtype: str = "fp32"
-    """fp32, or train.precision's bf16/fp16: low-precision parameters, fp32 main weights and gradients."""
+    param_dtype: str = "auto"
+    """auto (bf16 when training in bf16 on CUDA without an fp32 residual stream, else fp32), fp32, or train.precision's bf16/fp16: low-precision parameters, fp32 main weights."""
     initial_loss_scale: float = 2.0**16
     """fp16: starting loss scale."""
     loss_scale_window: int = 1000
@@ -653,7 +662,7 @@ class TrainConfig:
             "e.g. 900",
         )
         _check(
-            self.param_dtype in ("fp32", self.precision),
+            self.param_dtype in ("auto", "fp32", self.precision),
             f"train.param_dtype={self.param_dtype}: must be fp32 or the compute dtype "
             f"train.precision={self.precision}; set --set train.param_dtype=fp32 or "
             f"--set train.precision={self.param_dtype}",
@@ -732,6 +741,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
+        t = self.train
+        if t.param_dtype == "auto":  # Megatron's bf16 parameters with fp32 main weights where they pay
+            on_cuda = t.device.startswith("cuda") or (t.device == "auto" and _cuda_visible())
+            bf16 = t.precision == "bf16" and on_cuda and not self.model.fp32_residual_connection
+            self.train = dataclasses.replace(t, param_dtype="bf16" if bf16 else "fp32")
         _check(
             self.data.seq_length <= self.model.max_position_embeddings,
             f"data.seq_length={self.data.seq_length} exceeds "

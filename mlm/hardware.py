@@ -152,3 +152,18 @@ bf16 peak as its profile, so old configs keep their MFU)."""
 def profile_name(name: str) -> str:
     """A profile name from a name or an old alias: 'h100' → 'h100-80g'; other names unchanged."""
     return ALIASES.get(name, name)
+
+
+GPU_NAMES = (
+    ("H200", "h200"),
+    ("H100", "h100-80g"),
+    ("B200", "b200"),
+    ("A100-SXM4-40GB", "a100-40g"),
+    ("A100", "a100-80g"),
+)
+"""Parts of the names CUDA reports (`torch.cuda.get_device_name`) and their profiles, first match wins."""
+
+
+def profile_of_gpu(device_name: str) -> str | None:
+    """The profile of a GPU by the name CUDA reports ('NVIDIA H200' → 'h200'), or None."""
+    return next((profile for part, profile in GPU_NAMES if part in device_name), None)

@@ -376,3 +376,23 @@ def test_fp8_refused_where_it_cannot_run():
     check_fp8_device(cuda, capability=(8, 9))  # Ada
     check_fp8_device(cuda, capability=(9, 0))  # Hopper
     check_fp8_device(torch.device("cpu"))  # emulated
+
+
+def test_unaligned_gemm_takes_the_emulation_where_scaled_mm_would_refuse(monkeypatch):
+    """`torch._scaled_mm` (CUDA) refuses inner or output widths that are not multiples of 16: such a
+    GEMM (here inner 20, output 24) takes the emulation even where `_scaled_mm` is in use, and an
+    aligned one still calls `_scaled_mm` (stood in for by a fake that records the call)."""
+    import kernels.fp8 as k
+
+    calls = []
+    monkeypatch.setattr(k, "uses_scaled_mm", lambda device: True)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: calls.append(a[0].shape) or torch.zeros(()))
+    g = torch.Generator().manual_seed(0)
+    s = torch.tensor(4.0)
+    aq, bq = (quantize(torch.randn(*shape, generator=g), s, "e4m3") for shape in ((8, 20), (24, 20)))
+    sa = sb = s
+    emulated = (dequantize(aq, sa) @ dequantize(bq, sb).t()).to(torch.bfloat16)
+    assert torch.equal(k.fp8_linear(aq, sa, bq, sb, torch.bfloat16), emulated) and not calls
+    aq, bq = (quantize(torch.randn(*shape, generator=g), s, "e4m3") for shape in ((8, 32), (16, 32)))
+    k.fp8_linear(aq, sa, bq, sb, torch.bfloat16)
+    assert calls == [torch.Size([8, 32])]

@@ -74,6 +74,7 @@ def test_fused_kernels_and_weight_casts_move_only_memory_bound_work():
         "model.hidden_size=1024",
         "model.num_attention_heads=16",
         "model.max_position_embeddings=2048",
+        'train.param_dtype="fp32"',  # autocast's per-micro-batch weight casts, which no_casts drops
     ]
     lo = Layout(1, 1, 8, 1, 64)
     plain, fused = (evaluate(_job(PROFILES[n], llama), lo).timing for n in ("mlm", "mlm-triton"))
@@ -151,7 +152,8 @@ def test_custom_software_profile(tmp_path):
         load_software(str(path))
     with pytest.raises(MlmError, match="not a known profile"):
         load_software("megatron-1999")
-    assert load_software("auto", _job(PROFILES["mlm"]).cfg).name == "mlm"
+    assert load_software("auto", _job(PROFILES["mlm"]).cfg).name == "mlm-triton"  # model.kernels auto
+    assert load_software("auto", _job(PROFILES["mlm"], [*GPT, 'model.kernels="torch"']).cfg).name == "mlm"
 
 
 @pytest.mark.parametrize("comm", ["p2p", "all_gather"])
@@ -291,7 +293,15 @@ def test_weight_casts_only_where_autocast_casts_fp32_weights(sets, precision):
     ).cfg
     assert parameter_work(cfg, sw, 1000, "none") == 1000 * 10
     autocast = make_job(
-        None, ["preset=llama3-8b"], 8, 8, load_hardware("h100-80g"), 2048, 64, None, "bf16"
+        None,
+        ["preset=llama3-8b", 'train.param_dtype="fp32"'],
+        8,
+        8,
+        load_hardware("h100-80g"),
+        2048,
+        64,
+        None,
+        "bf16",
     ).cfg
     assert parameter_work(autocast, sw, 1000, "none") == 1000 * (12 + 10)
 

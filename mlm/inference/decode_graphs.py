@@ -108,6 +108,8 @@ class DecodeGraphs:
                 log.warning("CUDA graphs off: the decode step could not be captured (%s)", self.failed)
                 return self._forward(b)[:B]
         b.graph.replay()
+        # a view of the graph's output buffer: the next replay overwrites it (Engine.step samples
+        # from it first; any other caller that keeps logits across steps clones them)
         return b.logits_BV[:B]
 
     def _new_bucket(self, batch: int, width: int) -> _Bucket:

@@ -72,7 +72,8 @@ def make_job(
         )
     if global_batch is not None and tokens is not None:
         raise MlmError("give --global-batch or --tokens, not both")
-    sets = list(overrides) + [f"train.precision={precision}"]
+    # a plan is for GPUs: train.param_dtype=auto resolves as on CUDA (bf16 parameters in bf16)
+    sets = ["train.device=cuda", *overrides, f"train.precision={precision}"]
     if seq_length is not None:
         sets.append(f"data.seq_length={seq_length}")
     cfg = load_config(config, sets)
