@@ -136,6 +136,43 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
         ),
         {"seq_length": 4096},
     ),
+    # Dense Qwen (tests/test_presets_moe.py counts them): Qwen3-8B 8,190,735,360 parameters
+    # (q/k norms, head_dim 128, untied), Qwen2.5-7B 7,615,616,512 (q/k/v biases, untied)
+    "qwen3-8b": (
+        "HF Qwen/Qwen3-8B config.json",
+        dict(
+            _SWIGLU_ROPE,
+            num_layers=36,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_query_groups=8,
+            kv_channels=128,
+            ffn_hidden_size=12288,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            norm_eps=1e-6,
+            rope_base=1e6,
+            qk_norm=True,
+        ),
+        {"seq_length": 4096},
+    ),
+    "qwen2.5-7b": (
+        "HF Qwen/Qwen2.5-7B config.json",
+        dict(
+            _SWIGLU_ROPE,
+            num_layers=28,
+            hidden_size=3584,
+            num_attention_heads=28,
+            num_query_groups=4,
+            ffn_hidden_size=18944,
+            vocab_size=152064,
+            max_position_embeddings=131072,
+            norm_eps=1e-6,
+            rope_base=1e6,
+            qkv_bias=True,
+        ),
+        {"seq_length": 4096},
+    ),
     "qwen3-30b-a3b": (
         "HF Qwen/Qwen3-30B-A3B config.json",
         dict(

@@ -27,9 +27,11 @@ from mlm.errors import MlmError  # noqa: E402
 from mlm.units import parse_size  # noqa: E402
 
 from test_bad_input import ROOT, assert_error, mlm  # noqa: E402
-from test_hf_numerics import VOCAB, _randomize, gpt2, llama  # noqa: E402
+from test_hf_numerics import VOCAB, _randomize, gpt2, llama, qwen  # noqa: E402
 
 MODELS = {
+    "qwen2-tied": lambda: qwen(2, tie=True),
+    "qwen3": lambda: qwen(3, tie=False),
     "llama": lambda: llama(tie=False),
     "llama-tied": lambda: llama(tie=True),
     "gpt2": lambda: gpt2(tie=True),
@@ -84,6 +86,8 @@ def hf_state(path) -> dict[str, torch.Tensor]:
         ("gpt2", "sharded", "60KB"),
         ("gpt2-untied", "bin", "5GB"),
         ("gpt2", "bin-sharded", "5GB"),
+        ("qwen2-tied", "single", "5GB"),
+        ("qwen3", "sharded", "60KB"),
     ],
 )
 def test_round_trip_is_bitwise_and_verified(tmp_path, name, fmt, shard):
@@ -128,6 +132,31 @@ def test_round_trip_is_bitwise_and_verified(tmp_path, name, fmt, shard):
         ours, theirs = again.float()(input_ids=tokens).logits, ref(input_ids=tokens).logits
     torch.testing.assert_close(ours, theirs)
     assert not list(tmp_path.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("name", ["qwen2-tied", "qwen3"])
+def test_dense_qwen_export_generates_as_mlm_does(tmp_path, name):
+    """A dense Qwen2 / Qwen3 imported and exported again (its config written as qwen2 / qwen3 by
+    arch_of): the exported folder loads in transformers as Qwen2ForCausalLM / Qwen3ForCausalLM and
+    generates the greedy tokens of mlm's model of the same weights."""
+    from mlm.model.generate import greedy
+    from mlm.model.gpt import GPT
+
+    model = MODELS[name]()
+    save_hf(model, tmp_path / "hf", "single")
+    convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    convert.export_hf(tmp_path / "ckpt", tmp_path / "back")
+    cfg = load_config(tmp_path / "ckpt" / "config.toml")
+    assert adapters.arch_of(cfg.model) == model.config.model_type
+    ours = adapters.load_hf_into(GPT(cfg.model).eval(), model)  # the weights the checkpoint holds
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(again) is type(model)
+    prompt = [5, 17, 42, 7, 99, 3]
+    with torch.no_grad():
+        theirs = again.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    assert greedy(ours, prompt, 12) == theirs
 
 
 @pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])

@@ -82,7 +82,34 @@ def gpt2(tie: bool) -> torch.nn.Module:
     return model
 
 
+def qwen(version: int, tie: bool, seed: int = 3) -> torch.nn.Module:
+    """A tiny random dense Qwen2 (q/k/v biases) or Qwen3 (q/k norms, head_dim 32 ≠ hidden / heads)."""
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=tie,
+        attn_implementation="eager",
+    )
+    if version == 2:
+        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    else:
+        cfg, cls = transformers.Qwen3Config(**common, head_dim=32), transformers.Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).float().eval()
+    _randomize(model, seed)
+    return model
+
+
 MODELS = {
+    "qwen2-tied": lambda: qwen(2, tie=True),
+    "qwen3": lambda: qwen(3, tie=False),
     "llama": lambda: llama(tie=False),
     "llama-tied": lambda: llama(tie=True),
     "llama-head-dim": lambda: llama(tie=False, head_dim=32),  # head_dim ≠ hidden / heads (kv_channels)
@@ -199,6 +226,38 @@ def test_unsupported_llama_config(change, match):
     d.update(change)
     with pytest.raises(MlmError, match=match):
         config_from_hf(d)
+
+
+@pytest.mark.parametrize(
+    "version, change, match",
+    [
+        (
+            2,
+            {"use_sliding_window": True, "sliding_window": 64},
+            "sliding_window=64 < max_position_embeddings=128",
+        ),
+        (3, {"use_sliding_window": True, "sliding_window": 32}, "no sliding-window attention"),
+        (3, {"attention_bias": True}, "attention_bias=true"),
+        (2, {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
+def test_unsupported_qwen_config(version, change, match):
+    """Dense Qwen configs mlm cannot compute exactly are refused by name (a sliding window used and
+    shorter than the context, Qwen3's biases on the attention's four projections)."""
+    d = qwen(version, tie=False).config.to_dict()
+    d.update(change)
+    with pytest.raises(MlmError, match=match):
+        config_from_hf(d)
+    d.update(use_sliding_window=False)  # a window that is not used is no obstacle
+    if "sliding_window" in change:
+        assert config_from_hf(d).num_layers == 2
+
+
+def test_dense_qwen_export_refuses_what_its_config_cannot_say():
+    cfg = config_from_hf(qwen(3, tie=False).config.to_dict())
+    with pytest.raises(MlmError, match="as Hugging Face qwen2: model.qkv_bias=False"):
+        config_to_hf(cfg, "qwen2")
+    assert config_to_hf(cfg, "qwen3")["head_dim"] == 32
 
 
 def test_shape_mismatch_names_key_and_both_shapes():

@@ -28,6 +28,13 @@ def test_published_moe_parameter_counts():
     # a dense model's active count is its total
     llama = load_config(overrides=["preset=llama3-8b"]).model
     assert parameter_counts(llama) == ParameterCounts(8_030_261_248, 8_030_261_248)
+    # dense Qwen3-8B: per layer attention 2·4096·(4096 + 1024) = 41,943,040 + q/k norms 2 × 128,
+    # MLP 3 × 4096 × 12288 = 150,994,944, two norms: 192,946,432; × 36 + 2 × 151936 × 4096 + 4096
+    # = 8,190,735,360 ("8.2B"). Qwen2.5-7B: attention 2·3584·(3584 + 512) + q/k/v biases 4608 =
+    # 29,364,736, MLP 3 × 3584 × 18944 = 203,685,888, two norms: 233,057,792; × 28 + 2 × 152064 ×
+    # 3584 + 3584 = 7,615,616,512 ("7.61B"; 6.53B without the embeddings)
+    for preset, n in (("qwen3-8b", 8_190_735_360), ("qwen2.5-7b", 7_615_616_512)):
+        assert parameter_counts(load_config(overrides=[f"preset={preset}"]).model) == ParameterCounts(n, n)
     tiny = load_config(overrides=["preset=tiny-moe"]).model
     assert [s.mlp for s in tiny.layer_specs()] == ["dense", "moe", "moe", "moe"]
     c = parameter_counts(tiny)

@@ -1,10 +1,11 @@
 """Hugging Face ⇄ mlm: configs and state dicts of Llama (`LlamaForCausalLM`), Mistral
-(`MistralForCausalLM`, Llama's layout; full attention only), GPT-2 (`GPT2LMHeadModel`), the
+(`MistralForCausalLM`, Llama's layout; full attention only), Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`),
+Qwen3 (`Qwen3ForCausalLM`), GPT-2 (`GPT2LMHeadModel`), the
 mixtures of experts Mixtral (`MixtralForCausalLM`), Qwen2-MoE (`Qwen2MoeForCausalLM`) and
 Qwen3-MoE (`Qwen3MoeForCausalLM`), and DeepSeek-V3 (`DeepseekV3ForCausalLM`: multi-latent
 attention, DeepSeek's router, MTP depths in DeepSeek's checkpoint layout).
 
-One adapter per architecture (`llama`, `mistral`, `gpt2`, `mixtral`, `qwen2_moe`, `qwen3_moe`,
+One adapter per architecture (`llama`, `mistral`, `qwen2`, `qwen3`, `gpt2`, `mixtral`, `qwen2_moe`, `qwen3_moe`,
 `deepseek_v3`, on the base in `adapter`; `moe` holds what the MoE ones share), in the style
 of torchtitan's `state_dict_adapter.py` and litgpt's `convert_hf_checkpoint.py`: a map from
 Hugging Face key templates to mlm key templates (`templates`: `{layer}`, `{expert}` and `{depth}`
@@ -25,7 +26,9 @@ from mlm.hf.gpt2 import GPT2
 from mlm.hf.llama import LLAMA
 from mlm.hf.mistral import MISTRAL
 from mlm.hf.mixtral import MIXTRAL
+from mlm.hf.qwen2 import QWEN2
 from mlm.hf.qwen2_moe import QWEN2_MOE
+from mlm.hf.qwen3 import QWEN3
 from mlm.hf.qwen3_moe import QWEN3_MOE
 from mlm.hf.registry import ADAPTERS, adapter, arch_of, config_from_hf, config_to_hf
 from mlm.hf.templates import KeyMap, Rule, copied, stacked, transposed
@@ -37,7 +40,9 @@ __all__ = [
     "LLAMA",
     "MISTRAL",
     "MIXTRAL",
+    "QWEN2",
     "QWEN2_MOE",
+    "QWEN3",
     "QWEN3_MOE",
     "Adapter",
     "KeyMap",

@@ -12,15 +12,10 @@ from mlm.errors import MlmError
 from mlm.hf.llama import DENSE_MLP, LLAMA_RULES, llama_fields, llama_keys, llama_to_hf
 from mlm.hf.moe import ROUTER_RULES, MoEAdapter, sparse_layers, sparse_layers_to_hf
 from mlm.hf.qwen2_moe import QWEN_EXPERTS, qwen_window
+from mlm.hf.qwen3 import QK_NORMS
 from mlm.hf.templates import Target
 
-KEYS: dict[str, Target] = llama_keys(
-    {**DENSE_MLP, **QWEN_EXPERTS},
-    {
-        f"model.layers.{{layer}}.self_attn.{p}_norm.weight": f"layers.{{layer}}.attn.{p}_norm.weight"
-        for p in "qk"
-    },
-)
+KEYS: dict[str, Target] = llama_keys({**DENSE_MLP, **QWEN_EXPERTS}, QK_NORMS)
 
 
 class Qwen3MoeAdapter(MoEAdapter):

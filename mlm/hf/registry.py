@@ -11,11 +11,13 @@ from mlm.hf.gpt2 import GPT2
 from mlm.hf.llama import LLAMA
 from mlm.hf.mistral import MISTRAL
 from mlm.hf.mixtral import MIXTRAL
+from mlm.hf.qwen2 import QWEN2
 from mlm.hf.qwen2_moe import QWEN2_MOE
+from mlm.hf.qwen3 import QWEN3
 from mlm.hf.qwen3_moe import QWEN3_MOE
 
 ADAPTERS: dict[str, Adapter] = {
-    a.model_type: a for a in (LLAMA, GPT2, MISTRAL, MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3)
+    a.model_type: a for a in (LLAMA, GPT2, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3)
 }
 _ALIASES = {a.hf_class: a.model_type for a in ADAPTERS.values()}
 
@@ -55,7 +57,7 @@ def arch_of(cfg: ModelConfig, source: str = "") -> str:
     """The Hugging Face model_type a config converts to: `source` (the transformers class or
     model_type it was imported from) when supported; else multi-latent attention: deepseek_v3;
     learned positions: gpt2; MoE layers: qwen3_moe with q/k norms, qwen2_moe with shared experts,
-    else mixtral; otherwise llama."""
+    else mixtral; dense: qwen3 with q/k norms, qwen2 with q/k/v biases, otherwise llama."""
     if _ALIASES.get(source, source) in ADAPTERS:
         return _ALIASES.get(source, source)
     if "mla" in cfg.mixer_kinds():
@@ -66,4 +68,6 @@ def arch_of(cfg: ModelConfig, source: str = "") -> str:
         if cfg.qk_norm:
             return "qwen3_moe"
         return "qwen2_moe" if cfg.moe.shared_expert_ffn_hidden_size else "mixtral"
-    return "llama"
+    if cfg.qk_norm:
+        return "qwen3"
+    return "qwen2" if cfg.qkv_bias else "llama"
