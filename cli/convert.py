@@ -1,14 +1,15 @@
-"""`mlm convert`: reshard a checkpoint for another mesh; Hugging Face import and export; verified.
+"""`mlm convert`: reshard a checkpoint, or import one from another framework; verified.
 
-    mlm convert CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--ep 4] [--dtype bf16] [--consolidate]   # another mesh
-    mlm convert CKPT OUT --layout tp2pp2dp4                  # the same, as a layout (docs/layout.md)
-    mlm convert --from-hf HF_DIR OUT                       # HF model folder → mlm checkpoint
-    mlm convert --from-megatron DIR OUT [--set model.num_attention_heads=32 ...] [--weights-only]   # Megatron torch_dist / legacy → mlm
-    mlm convert --from-dcp DIR OUT --set model.num_attention_heads=32 --set model.rope_base=500000 [--weights-only]   # torchtitan → mlm
-    mlm convert CKPT --to-hf OUT [--dtype bf16] [--max-shard-size 5GB]   # mlm checkpoint → HF folder
-    mlm convert CKPT --to-megatron OUT                     # mlm checkpoint → Megatron torch_dist (weights)
+    mlm convert reshard CKPT OUT --tp 2 --pp 2 [--vpp 2] [--dp 4] [--ep 4] [--dtype bf16] [--consolidate]
+    mlm convert reshard CKPT OUT --layout tp2pp2dp4            # the same, as a layout (docs/layout.md)
+    mlm convert from-hf HF_DIR OUT                             # Hugging Face model folder → mlm
+    mlm convert from-megatron DIR OUT [--set KEY=VALUE ...] [--weights-only]     # Megatron-LM → mlm
+    mlm convert from-torchtitan DIR OUT --set model.num_attention_heads=32 --set model.rope_base=500000
+    mlm convert from-trtllm TRT_DIR OUT                        # TensorRT-LLM checkpoint → mlm
 
-See docs/convert.md.
+Exports are `mlm export hf | megatron | trtllm` (cli/export.py). The forms before these
+subcommands (`mlm convert --from-hf A B`, `mlm convert CKPT --to-hf OUT`, ...) stop with one line
+naming the new command (`old_form`). See docs/convert.md.
 """
 
 from __future__ import annotations
@@ -17,196 +18,196 @@ from pathlib import Path
 
 import typer
 
+app = typer.Typer(
+    help="Reshard mlm checkpoints, or import Hugging Face, Megatron-LM, torchtitan and TensorRT-LLM "
+    "checkpoints; every conversion verified before OUT appears.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 
-def convert(
-    src: Path = typer.Argument(
-        ...,
-        help="mlm checkpoint (DIR or DIR/iter_N), a Hugging Face model folder with --from-hf, or a "
-        "Megatron torch_dist checkpoint with --from-megatron, a torchtitan checkpoint with --from-dcp.",
-    ),
-    out: Path = typer.Argument(..., help="New output folder; must not exist."),
-    from_hf: bool = typer.Option(
-        False, "--from-hf", help="SRC is a Hugging Face folder; OUT an mlm checkpoint."
-    ),
-    from_megatron: bool = typer.Option(
-        False,
-        "--from-megatron",
-        help="SRC is a Megatron-core torch_dist or legacy (mp_rank_*) checkpoint (its save dir or "
-        "iter_NNNNNNN/); OUT an mlm checkpoint.",
-    ),
-    from_dcp: bool = typer.Option(
-        False,
-        "--from-dcp",
-        help="SRC is a torchtitan checkpoint (its checkpoint folder or step-N/, torch DCP); OUT an mlm checkpoint.",
-    ),
-    overrides: list[str] = typer.Option(
-        [],
-        "--set",
-        help="--from-megatron, --from-dcp: model.key=value (or preset=NAME; --from-dcp also data.seq_length=N) for what the checkpoint does not say.",
-    ),
-    weights_only: bool = typer.Option(
-        False,
-        "--weights-only",
-        help="--from-megatron, --from-dcp: leave out the optimizer state (mlm train then starts a new run from the weights).",
-    ),
-    to_hf: bool = typer.Option(
-        False, "--to-hf", help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Hugging Face folder."
-    ),
-    to_megatron: bool = typer.Option(
-        False,
-        "--to-megatron",
-        help="SRC is an mlm checkpoint (DIR or DIR/iter_N); OUT a Megatron-LM torch_dist save directory "
-        "(weights only).",
-    ),
-    tp: int | None = typer.Option(
-        None, "--tp", help="Reshard: target tensor-parallel size (default: the source's)."
-    ),
+SRC_CKPT = typer.Argument(..., help="mlm checkpoint (DIR or DIR/iter_N).")
+OUT = typer.Argument(..., help="New output folder; must not exist.")
+VERIFY = typer.Option(
+    True,
+    "--verify/--no-verify",
+    help="Check every checkpoint chunk's checksum as it is read, and compare the logits of both sides "
+    "before keeping OUT.",
+)
+PROGRESS = typer.Option(True, "--progress/--no-progress", help="Show a progress bar.")
+SETS = typer.Option(
+    [], "--set", help="model.key=value (or preset=NAME) for what the checkpoint does not say."
+)
+WEIGHTS_ONLY = typer.Option(
+    False,
+    "--weights-only",
+    help="Leave out the optimizer state (mlm train then starts a new run from the weights).",
+)
+
+
+@app.command("reshard")
+def reshard(
+    src: Path = SRC_CKPT,
+    out: Path = OUT,
+    tp: int | None = typer.Option(None, "--tp", help="Target tensor-parallel size (default: the source's)."),
     pp: int | None = typer.Option(
-        None, "--pp", help="Reshard: target pipeline-parallel size (default: the source's)."
+        None, "--pp", help="Target pipeline-parallel size (default: the source's)."
     ),
     vpp: int | None = typer.Option(
-        None, "--vpp", help="Reshard: target virtual pipeline size (default: the source's)."
+        None, "--vpp", help="Target virtual pipeline size (default: the source's)."
     ),
     dp: int | None = typer.Option(
-        None,
-        "--dp",
-        help="Reshard: target data-parallel size, checked against the batch (default: the source's).",
+        None, "--dp", help="Target data-parallel size, checked against the batch (default: the source's)."
     ),
     ep: int | None = typer.Option(
         None,
         "--ep",
-        help="Reshard a MoE checkpoint: target expert-parallel size, dividing the experts and dp × tp "
+        help="A MoE checkpoint's target expert-parallel size, dividing the experts and dp × tp "
         "(default: the source's).",
     ),
     layout: str | None = typer.Option(
         None,
         "--layout",
-        help="Reshard: the target mesh as one text (docs/layout.md), e.g. tp2pp2dp4, instead of "
+        help="The target mesh as one text (docs/layout.md), e.g. tp2pp2dp4, instead of "
         "--tp/--pp/--vpp/--dp/--ep: sizes it leaves out are 1, dp the source's.",
     ),
-    consolidate: bool = typer.Option(
-        False, "--consolidate", help="Reshard: write every tensor as one chunk."
-    ),
+    consolidate: bool = typer.Option(False, "--consolidate", help="Write every tensor as one chunk."),
     dtype: str | None = typer.Option(
-        None, "--dtype", help="Reshard and --to-hf: cast weights to bf16, fp16 or fp32 (default: as stored)."
+        None, "--dtype", help="Cast weights to bf16, fp16 or fp32 (default: as stored)."
     ),
-    max_shard_size: str = typer.Option(
-        "5GB", "--max-shard-size", help="--to-hf: largest safetensors file; e.g. 5GB, 500MB, 2GiB."
-    ),
-    tokenizer: Path | None = typer.Option(
-        None,
-        "--tokenizer",
-        help="--to-hf: copy the tokenizer files of this folder (default: the checkpoint's).",
-    ),
-    verify: bool = typer.Option(
-        True,
-        "--verify/--no-verify",
-        help="Check every checkpoint chunk's checksum as it is read, and compare the logits of both sides "
-        "before keeping OUT.",
-    ),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    verify: bool = VERIFY,
+    progress: bool = PROGRESS,
 ) -> None:
-    """Reshard a checkpoint for another mesh, import a Hugging Face, Megatron-LM or torchtitan
-    checkpoint, or export to Hugging Face or Megatron-LM; verified before OUT appears."""
+    """Rewrite an mlm checkpoint for another mesh (tp, pp, vpp, dp, ep), dtype or chunking."""
     from mlm.errors import MlmError
 
-    modes = {
-        "--from-hf": from_hf,
-        "--to-hf": to_hf,
-        "--from-megatron": from_megatron,
-        "--to-megatron": to_megatron,
-        "--from-dcp": from_dcp,
-    }
-    chosen = [m for m, on in modes.items() if on]
-    if len(chosen) > 1:
-        raise MlmError(f"mlm convert: pass at most one of {', '.join(modes)} (given: {' '.join(chosen)})")
-    mode = chosen[0] if chosen else "reshard"
-    given = {
-        "--tp": tp is not None,
-        "--pp": pp is not None,
-        "--vpp": vpp is not None,
-        "--dp": dp is not None,
-        "--ep": ep is not None,
-        "--layout": layout is not None,
-        "--consolidate": consolidate,
-        "--dtype": dtype is not None,
-        "--max-shard-size": max_shard_size != "5GB",
-        "--tokenizer": tokenizer is not None,
-        "--set": bool(overrides),
-        "--weights-only": weights_only,
-    }
-    bad = [o for o, on in given.items() if on and o not in _OPTIONS[mode]]
-    if bad:
-        where = "; ".join(
-            f"{o} applies to {' and '.join(m for m in _OPTIONS if o in _OPTIONS[m])}" for o in bad
+    sizes = [o for o, v in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--dp", dp), ("--ep", ep)) if v]
+    if layout is None and not sizes and not consolidate and dtype is None:
+        raise MlmError(
+            "mlm convert reshard SRC OUT: say what to change: --layout or --tp/--pp/--vpp/--dp/--ep, "
+            "--consolidate or --dtype"
         )
-        label = "SRC OUT (a reshard)" if mode == "reshard" else mode
-        raise MlmError(f"mlm convert {label}: leave out {', '.join(bad)} ({_WHAT[mode]}; {where})")
-    if mode == "reshard":
-        if not any(given.values()):
+    if layout is not None:
+        if sizes:
             raise MlmError(
-                "mlm convert SRC OUT: say what to convert: --layout or --tp/--pp/--vpp/--dp/--ep, "
-                "--consolidate, --dtype (reshard), "
-                "--from-hf or --to-hf (Hugging Face), --from-megatron or --to-megatron (Megatron-LM), or --from-dcp "
-                "(torchtitan)"
+                f"mlm convert reshard --layout {layout} with {', '.join(sizes)}: both give the target mesh; "
+                "write the sizes in the layout (tp<N>, pp<N>, vpp<N>, dp<N>, ep<N>) or drop --layout"
             )
-        if layout is not None:
-            sizes = [o for o in ("--tp", "--pp", "--vpp", "--dp", "--ep") if given[o]]
-            if sizes:
-                raise MlmError(
-                    f"mlm convert --layout {layout} with {', '.join(sizes)}: both give the target mesh; "
-                    "write the sizes in the layout (tp<N>, pp<N>, vpp<N>, dp<N>, ep<N>) or drop --layout"
-                )
-            tp, pp, vpp, dp, ep = _layout_sizes(layout)
-        return _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress)
+        tp, pp, vpp, dp, ep = _layout_sizes(layout)
+    _reshard(src, out, tp, pp, vpp, dp, ep, dtype, consolidate, verify, progress)
 
-    from mlm.convert import hf, megatron, megatron_export, torchtitan
 
-    run = {
-        "--from-hf": lambda show: hf.import_hf(src, out, verify=verify, progress=show),
-        "--to-hf": lambda show: hf.export_hf(
-            src,
-            out,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            tokenizer=tokenizer,
-            verify=verify,
-            progress=show,
-        ),
-        "--from-megatron": lambda show: megatron.import_megatron(
+@app.command("from-hf")
+def from_hf(
+    src: Path = typer.Argument(..., help="Hugging Face model folder (config.json and weights)."),
+    out: Path = OUT,
+    verify: bool = VERIFY,
+    progress: bool = PROGRESS,
+) -> None:
+    """Import a Hugging Face model folder as it is (reshard it afterwards with mlm convert reshard)."""
+    from mlm.convert import hf
+
+    report = _with_progress(lambda show: hf.import_hf(src, out, verify=verify, progress=show), progress)
+    _print_report(report)
+
+
+@app.command("from-megatron")
+def from_megatron(
+    src: Path = typer.Argument(
+        ..., help="Megatron-core torch_dist or legacy (mp_rank_*) checkpoint: its save dir or iter_NNNNNNN/."
+    ),
+    out: Path = OUT,
+    overrides: list[str] = SETS,
+    weights_only: bool = WEIGHTS_ONLY,
+    verify: bool = VERIFY,
+    progress: bool = PROGRESS,
+) -> None:
+    """Import a Megatron-LM checkpoint with its optimizer state and data position, as it is
+    (reshard it afterwards with mlm convert reshard)."""
+    from mlm.convert import megatron
+
+    def run(show):
+        return megatron.import_megatron(
             src, out, overrides, verify=verify, weights_only=weights_only, progress=show
-        ),
-        "--to-megatron": lambda show: megatron_export.export_megatron(src, out, verify=verify, progress=show),
-        "--from-dcp": lambda show: torchtitan.import_torchtitan(
+        )
+
+    _print_report(_with_progress(run, progress), _VERIFIED["megatron"])
+
+
+@app.command("from-torchtitan")
+def from_torchtitan(
+    src: Path = typer.Argument(..., help="torchtitan checkpoint folder or its step-N/ (torch DCP)."),
+    out: Path = OUT,
+    overrides: list[str] = typer.Option(
+        [],
+        "--set",
+        help="model.key=value (or preset=NAME), data.seq_length=N: what the checkpoint does not say "
+        "(the attention heads and the RoPE base at least).",
+    ),
+    weights_only: bool = WEIGHTS_ONLY,
+    verify: bool = VERIFY,
+    progress: bool = PROGRESS,
+) -> None:
+    """Import a torchtitan Llama checkpoint with its AdamW state and step, as it is (reshard it
+    afterwards with mlm convert reshard)."""
+    from mlm.convert import torchtitan
+
+    def run(show):
+        return torchtitan.import_torchtitan(
             src, out, overrides, verify=verify, weights_only=weights_only, progress=show
-        ),
-    }[mode]
-    _print_report(_with_progress(run, progress), mode)
+        )
+
+    _print_report(_with_progress(run, progress), _VERIFIED["torchtitan"])
 
 
-_OPTIONS = {
-    "reshard": {"--tp", "--pp", "--vpp", "--dp", "--ep", "--layout", "--consolidate", "--dtype"},
-    "--from-hf": set(),
-    "--to-hf": {"--dtype", "--max-shard-size", "--tokenizer"},
-    "--from-megatron": {"--set", "--weights-only"},
-    "--to-megatron": set(),
-    "--from-dcp": {"--set", "--weights-only"},
+@app.command("from-trtllm")
+def from_trtllm(
+    src: Path = typer.Argument(..., help="TensorRT-LLM checkpoint folder (config.json + rank*.safetensors)."),
+    out: Path = OUT,
+) -> None:
+    """Import a TensorRT-LLM checkpoint (one mlm exports: Llama or Mixtral layouts), read back bit for bit."""
+    from mlm.console import console, human
+    from mlm.export.trtllm_import import import_trtllm
+
+    r = import_trtllm(src, out)
+    console.print(
+        f"[bold green]imported[/] {r.architecture} {r.src} → {r.out}: {r.tensors} tensors, "
+        f"{human(r.bytes, 'B')} {r.dtype}, {r.seconds:.1f} s; read back bit for bit",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+OLD_FORMS = {
+    "--from-hf": "convert from-hf",
+    "--from-megatron": "convert from-megatron",
+    "--from-dcp": "convert from-torchtitan",
+    "--to-hf": "export hf",
+    "--to-megatron": "export megatron",
 }
-"""The options each mode takes (besides --verify and --progress)."""
+"""The mode flags of `mlm convert` before its subcommands, and the command each became."""
 
-_WHAT = {
-    "reshard": "a reshard rewrites an mlm checkpoint for another mesh",
-    "--from-hf": "--from-hf imports a Hugging Face model as it is; reshard the import afterwards with mlm convert OUT OUT2 --tp ...",
-    "--to-hf": "--to-hf exports the checkpoint's weights",
-    "--from-megatron": "--from-megatron imports a Megatron checkpoint as it is; reshard the import afterwards with mlm convert OUT OUT2 --tp ...",
-    "--to-megatron": "--to-megatron exports the checkpoint's weights as they are; Megatron reshards a torch_dist checkpoint when it loads it",
-    "--from-dcp": "--from-dcp imports a torchtitan checkpoint as it is; reshard the import afterwards with mlm convert OUT OUT2 --tp ...",
-}
+
+def old_form(argv: list[str]) -> str | None:
+    """The one-line message for a command line in a form from before the subcommands (`mlm convert
+    --from-hf A B`, `mlm convert CKPT --to-hf OUT`, `mlm convert CKPT OUT --tp 2`, `mlm export trtllm
+    --from-trtllm A B`), naming the command to run instead with the same arguments; else None."""
+    rest = " ".join(a for a in argv[2:] if a != "--from-trtllm")
+    if argv[:2] == ["export", "trtllm"] and "--from-trtllm" in argv:
+        return f"mlm export trtllm --from-trtllm is now: mlm convert from-trtllm {rest}"
+    if argv[:1] != ["convert"] or len(argv) < 2:
+        return None
+    for flag, verb in OLD_FORMS.items():
+        if flag in argv[1:]:
+            args = " ".join(a for a in argv[1:] if a != flag)
+            return f"mlm convert {flag} is now: mlm {verb} {args}"
+    if not argv[1].startswith("-") and argv[1] not in {c.name for c in app.registered_commands}:
+        return f"mlm convert SRC OUT (a reshard) is now: mlm convert reshard {' '.join(argv[1:])}"
+    return None
+
 
 _VERIFIED = {
-    "--from-megatron": "checksums verified, shapes match the config, mlm logits finite (not compared with Megatron's)",
-    "--from-dcp": "checksums verified, shapes match the config, mlm logits finite (not compared with torchtitan's)",
-    "--to-megatron": "read back with mlm's Megatron reader: every tensor bitwise equal",
+    "megatron": "checksums verified, shapes match the config, mlm logits finite (not compared with Megatron's)",
+    "torchtitan": "checksums verified, shapes match the config, mlm logits finite (not compared with torchtitan's)",
 }
 """What verification checked where it is not a logit comparison of both sides."""
 
@@ -253,7 +254,9 @@ def _with_progress(run, progress: bool):
         return run(show)
 
 
-def _print_report(report, mode: str) -> None:
+def _print_report(report, verified: str | None = None) -> None:
+    """One line for an import or export (`verified`: what verification checked, where it is not a
+    logit comparison of both sides), then its notes."""
     from mlm.console import console, human
 
     rate = report.bytes / 1e9 / max(report.seconds, 1e-9)
@@ -266,8 +269,8 @@ def _print_report(report, mode: str) -> None:
         line += f", tokenizer: {', '.join(report.tokenizer_files)}"
     if not report.verified:
         line += "; not verified (--no-verify)"
-    elif mode in _VERIFIED:
-        line += f"; {_VERIFIED[mode]}"
+    elif verified:
+        line += f"; {verified}"
     else:
         line += (
             f"; logits verified: max |diff| {report.max_abs_diff:.3g} ≤ {report.tolerance:.3g} "

@@ -1,10 +1,12 @@
-"""`mlm export trtllm`: TensorRT-LLM checkpoints from mlm checkpoints, checked; and back.
+"""`mlm export`: mlm checkpoints as Hugging Face, Megatron-LM and TensorRT-LLM checkpoints, checked.
 
-    mlm export trtllm CKPT OUT --tp 2 --pp 1 [--dtype bfloat16]   # mlm checkpoint → TRT-LLM folder
-    mlm export trtllm --check OUT                                # validate a TRT-LLM folder
-    mlm export trtllm --from-trtllm TRT_DIR OUT                  # TRT-LLM folder → mlm checkpoint
+    mlm export hf CKPT OUT [--dtype bf16] [--max-shard-size 5GB] [--tokenizer DIR]   # HF model folder
+    mlm export megatron CKPT OUT                                   # Megatron-core torch_dist (weights)
+    mlm export trtllm CKPT OUT --tp 2 --pp 1 [--dtype bfloat16]     # TensorRT-LLM folder
+    mlm export trtllm --check OUT                                  # validate a TensorRT-LLM folder
 
-See docs/export.md.
+The imports are `mlm convert from-hf | from-megatron | from-torchtitan | from-trtllm`. See
+docs/export.md and docs/convert.md.
 """
 
 from __future__ import annotations
@@ -13,18 +15,65 @@ from pathlib import Path
 
 import typer
 
+from cli.convert import OUT, PROGRESS, SRC_CKPT, VERIFY, _print_report, _with_progress
+
 app = typer.Typer(
-    help="Export checkpoints for deployment runtimes (TensorRT-LLM).",
+    help="Export mlm checkpoints to Hugging Face, Megatron-LM and TensorRT-LLM; verified before OUT appears.",
     no_args_is_help=True,
     rich_markup_mode=None,
 )
 
 
+@app.command("hf")
+def hf(
+    src: Path = SRC_CKPT,
+    out: Path = OUT,
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="Cast weights to bf16, fp16 or fp32 (default: as stored)."
+    ),
+    max_shard_size: str = typer.Option(
+        "5GB", "--max-shard-size", help="Largest safetensors file; e.g. 5GB, 500MB, 2GiB."
+    ),
+    tokenizer: Path | None = typer.Option(
+        None, "--tokenizer", help="Copy the tokenizer files of this folder (default: the checkpoint's)."
+    ),
+    verify: bool = VERIFY,
+    progress: bool = PROGRESS,
+) -> None:
+    """Write a Hugging Face model folder (config.json, safetensors, tokenizer), its logits checked
+    against the checkpoint's."""
+    from mlm.convert import hf as convert_hf
+
+    def run(show):
+        return convert_hf.export_hf(
+            src,
+            out,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            tokenizer=tokenizer,
+            verify=verify,
+            progress=show,
+        )
+
+    _print_report(_with_progress(run, progress))
+
+
+@app.command("megatron")
+def megatron(src: Path = SRC_CKPT, out: Path = OUT, verify: bool = VERIFY, progress: bool = PROGRESS) -> None:
+    """Write a Megatron-LM torch_dist save directory (the weights as they are; Megatron reshards a
+    torch_dist checkpoint when it loads it), read back with mlm's Megatron reader."""
+    from mlm.convert import megatron_export
+
+    def run(show):
+        return megatron_export.export_megatron(src, out, verify=verify, progress=show)
+
+    verified = "read back with mlm's Megatron reader: every tensor bitwise equal"
+    _print_report(_with_progress(run, progress), verified)
+
+
 @app.command("trtllm")
 def trtllm(
-    src: Path | None = typer.Argument(
-        None, help="mlm checkpoint (DIR or DIR/iter_N), or a TensorRT-LLM folder with --from-trtllm."
-    ),
+    src: Path | None = typer.Argument(None, help="mlm checkpoint (DIR or DIR/iter_N)."),
     out: Path | None = typer.Argument(None, help="New output folder; must not exist."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks of the engine."),
     pp: int = typer.Option(1, "--pp", help="Pipeline-parallel ranks of the engine."),
@@ -33,9 +82,6 @@ def trtllm(
     ),
     check: Path | None = typer.Option(
         None, "--check", help="Only validate this TensorRT-LLM folder (names, shapes, dtypes, config)."
-    ),
-    from_trtllm: bool = typer.Option(
-        False, "--from-trtllm", help="SRC is a TensorRT-LLM folder; OUT an mlm checkpoint."
     ),
     verify: bool = typer.Option(
         True,
@@ -49,8 +95,8 @@ def trtllm(
     from mlm.errors import MlmError
 
     if check is not None:
-        if src is not None or out is not None or from_trtllm:
-            raise MlmError("mlm export trtllm --check DIR takes no other path and no --from-trtllm")
+        if src is not None or out is not None:
+            raise MlmError("mlm export trtllm --check DIR takes no other path")
         from mlm.export.trtllm_check import check_trtllm
 
         problems = check_trtllm(check)
@@ -59,20 +105,7 @@ def trtllm(
         console.print(f"[bold green]ok[/] {check}: a valid TensorRT-LLM checkpoint", highlight=False)
         return
     if src is None or out is None:
-        raise MlmError("mlm export trtllm: pass CKPT OUT (or --check DIR, or --from-trtllm TRT_DIR OUT)")
-    if from_trtllm:
-        if (tp, pp, dtype) != (1, 1, None):
-            raise MlmError("--tp, --pp and --dtype apply to exports; --from-trtllm keeps the folder's dtype")
-        from mlm.export.trtllm_import import import_trtllm
-
-        r = import_trtllm(src, out)
-        console.print(
-            f"[bold green]imported[/] {r.architecture} {r.src} → {r.out}: {r.tensors} tensors, "
-            f"{human(r.bytes, 'B')} {r.dtype}, {r.seconds:.1f} s; read back bit for bit",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return
+        raise MlmError("mlm export trtllm: pass CKPT OUT (or --check DIR)")
     from mlm.export.trtllm import export_trtllm
 
     r = export_trtllm(src, out, tp=tp, pp=pp, dtype=dtype, verify=verify)

@@ -12,7 +12,8 @@ import typer
 
 import mlm
 from cli.config import app as config_app
-from cli.convert import convert
+from cli.convert import app as convert_app
+from cli.convert import old_form
 from cli.data import app as data_app
 from cli.export import app as export_app
 from cli.parity import parity
@@ -35,7 +36,7 @@ app.command("train")(train)
 app.command("slurm")(slurm)
 app.command("parity")(parity)
 app.add_typer(config_app, name="config")
-app.command("convert")(convert)
+app.add_typer(convert_app, name="convert")
 app.add_typer(export_app, name="export")
 app.command("serve")(serve)
 app.command("generate")(generate)
@@ -58,6 +59,8 @@ def _root(
 
 def main() -> None:
     try:
+        if message := old_form(sys.argv[1:]):
+            raise MlmError(message)
         app()
     except MlmError as e:
         from mlm.console import console

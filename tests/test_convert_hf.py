@@ -1,4 +1,4 @@
-"""`mlm convert --from-hf / --to-hf` against transformers itself.
+"""`mlm convert from-hf` and `mlm export hf` against transformers itself.
 
 Tiny random Llama (GQA, Llama-3.1 RoPE scaling, tied and untied) and GPT-2 models from
 tests/test_hf_numerics.py are saved with `save_pretrained` (single file, sharded) or as a
@@ -226,7 +226,7 @@ def test_verification_failure_removes_output(tmp_path, monkeypatch, capsys):
             yield key, t.t().contiguous() if key == "layers.1.attn.out.weight" else t
 
     monkeypatch.setattr(adapters, "iter_hf_to_mlm", broken)
-    r = cli(monkeypatch, capsys, "convert", "--from-hf", tmp_path / "hf", tmp_path / "ckpt")
+    r = cli(monkeypatch, capsys, "convert", "from-hf", tmp_path / "hf", tmp_path / "ckpt")
     assert_error(r, "verification failed", "above the float32 tolerance", "the output was removed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # neither OUT nor its temporary
     with pytest.raises(MlmError, match=r"verification failed: .* the output was removed"):
@@ -270,13 +270,13 @@ def cli(monkeypatch, capsys, *args) -> subprocess.CompletedProcess:
 
 def test_cli_round_trip(tmp_path, monkeypatch, capsys):
     save_hf(MODELS["llama-tied"](), tmp_path / "hf", "single")
-    r = mlm("convert", "--from-hf", tmp_path / "hf", tmp_path / "ckpt")
+    r = mlm("convert", "from-hf", tmp_path / "hf", tmp_path / "ckpt")
     assert r.returncode == 0, r.stderr
     assert "imported LlamaForCausalLM" in r.stderr and "logits verified: max |diff|" in r.stderr
     r = mlm(
-        "convert",
+        "export",
+        "hf",
         tmp_path / "ckpt",
-        "--to-hf",
         tmp_path / "back",
         "--dtype",
         "bf16",
@@ -286,19 +286,42 @@ def test_cli_round_trip(tmp_path, monkeypatch, capsys):
     assert r.returncode == 0, r.stderr
     assert "exported LlamaForCausalLM" in r.stderr and "bfloat16" in r.stderr and "GB/s" in r.stderr
     assert (tmp_path / "back" / hf_io.SAFETENSORS_INDEX).is_file()
-    run = lambda *args: cli(monkeypatch, capsys, "convert", *args)  # noqa: E731
-    assert_error(run(tmp_path / "ckpt", "--to-hf", tmp_path / "back"), "already exists", "rm -r")
-    assert_error(run(tmp_path / "hf", tmp_path / "x"), "say what to convert", "--from-hf or --to-hf")
-    assert_error(run(tmp_path / "hf", "--from-hf", "--to-hf", tmp_path / "x"), "at most one of --from-hf")
-    assert_error(run(tmp_path / "ckpt", "--to-hf", tmp_path / "x", "--dtype", "int8"), "fp32, bf16, fp16")
-    assert_error(run(tmp_path / "ckpt", "--to-hf", tmp_path / "x", "--max-shard-size", "5XB"), "5GB, 500MB")
+    run = lambda *args: cli(monkeypatch, capsys, "export", "hf", *args)  # noqa: E731
+    assert_error(run(tmp_path / "ckpt", tmp_path / "back"), "already exists", "rm -r")
+    assert_error(run(tmp_path / "ckpt", tmp_path / "x", "--dtype", "int8"), "fp32, bf16, fp16")
+    assert_error(run(tmp_path / "ckpt", tmp_path / "x", "--max-shard-size", "5XB"), "5GB, 500MB")
     assert not (tmp_path / "x").exists()
 
 
-def test_cli_help_lists_the_modes_without_importing_torch():
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (["convert", "--from-hf", "A", "B"], "mlm convert --from-hf is now: mlm convert from-hf A B"),
+        (["convert", "A", "--to-hf", "B", "--dtype", "bf16"], "is now: mlm export hf A B --dtype bf16"),
+        (["convert", "--from-megatron", "A", "B"], "is now: mlm convert from-megatron A B"),
+        (["convert", "--from-dcp", "A", "B"], "is now: mlm convert from-torchtitan A B"),
+        (["convert", "A", "--to-megatron", "B"], "is now: mlm export megatron A B"),
+        (["convert", "A", "B", "--tp", "2"], "(a reshard) is now: mlm convert reshard A B --tp 2"),
+        (["export", "trtllm", "--from-trtllm", "A", "B"], "is now: mlm convert from-trtllm A B"),
+    ],
+)
+def test_old_command_forms_name_the_new_command(monkeypatch, capsys, old, new):
+    """The forms from before the subcommands stop with one line (exit 2) naming the command to run."""
+    r = cli(monkeypatch, capsys, *old)
+    assert_error(r, new)
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cli_help_lists_the_subcommands_without_importing_torch():
     r = mlm("convert", "--help")
-    assert r.returncode == 0 and "--from-hf" in r.stdout and "--to-hf" in r.stdout
-    assert "--tp" in r.stdout and "--consolidate" in r.stdout  # resharding
+    commands = r.stdout.split("Commands:")[1].split()
+    assert r.returncode == 0 and {"reshard", "from-hf", "from-megatron", "from-torchtitan"} <= set(commands)
+    r = mlm("export", "--help")
+    assert r.returncode == 0 and {"hf", "megatron", "trtllm"} <= set(r.stdout.split("Commands:")[1].split())
+    r = mlm("convert", "reshard", "--help")  # each subcommand's own options only
+    assert "--tp" in r.stdout and "--consolidate" in r.stdout and "--weights-only" not in r.stdout
+    r = mlm("export", "hf", "--help")
+    assert "--max-shard-size" in r.stdout and "--tp" not in r.stdout
     code = "import sys\nfrom cli.main import app\ntry:\n    app(['convert', '--help'])\nexcept SystemExit:\n    pass\n"
     code += "print('torch' in sys.modules)\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout
@@ -309,13 +332,13 @@ def test_unknown_architecture(tmp_path, monkeypatch, capsys):
     (tmp_path / "hf").mkdir()
     config = {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "vocab_size": 10}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    r = cli(monkeypatch, capsys, "convert", "--from-hf", tmp_path / "hf", tmp_path / "out")
+    r = cli(monkeypatch, capsys, "convert", "from-hf", tmp_path / "hf", tmp_path / "out")
     assert_error(r, "'MambaForCausalLM'", "not supported", "LlamaForCausalLM", "GPT2LMHeadModel")
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_shard_and_missing_weights(tmp_path, monkeypatch, capsys):
-    run = lambda *args: cli(monkeypatch, capsys, "convert", "--from-hf", *args)  # noqa: E731
+    run = lambda *args: cli(monkeypatch, capsys, "convert", "from-hf", *args)  # noqa: E731
     save_hf(MODELS["gpt2"](), tmp_path / "hf", "sharded")
     shards = hf_io.weight_files(tmp_path / "hf")
     shards[1].unlink()
@@ -331,7 +354,7 @@ def test_missing_shard_and_missing_weights(tmp_path, monkeypatch, capsys):
 def test_out_exists(tmp_path, monkeypatch, capsys):
     save_hf(MODELS["gpt2"](), tmp_path / "hf", "single")
     (tmp_path / "out").mkdir()
-    r = cli(monkeypatch, capsys, "convert", "--from-hf", tmp_path / "hf", tmp_path / "out")
+    r = cli(monkeypatch, capsys, "convert", "from-hf", tmp_path / "hf", tmp_path / "out")
     assert_error(r, "already exists")
     assert list((tmp_path / "out").iterdir()) == []
 

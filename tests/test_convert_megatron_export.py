@@ -1,4 +1,4 @@
-"""`mlm convert CKPT --to-megatron OUT` against Megatron-core itself, and round trips.
+"""`mlm export megatron CKPT OUT` against Megatron-core itself, and round trips.
 
 With megatron-core (the `megatron` fixture; GPTModel runs in gloo rank processes,
 tests/megatron_ref.py): an mlm checkpoint of the reference's tiny Llama-like model (random init,
@@ -120,7 +120,7 @@ def test_gptmodel_save_round_trips(tmp_path, moe):
     run_ranks(1, save_reference, str(src), moe)
     sets = SETS + (["model.moe.token_dispatcher=allgather"] if moe else [])
     import_megatron(src, tmp_path / "mlm", sets)
-    r = mlm("convert", tmp_path / "mlm", "--to-megatron", tmp_path / "back")
+    r = mlm("export", "megatron", tmp_path / "mlm", tmp_path / "back")
     assert r.returncode == 0, r.stderr
     assert "read back with mlm's Megatron reader: every tensor bitwise equal" in " ".join(r.stderr.split())
     theirs, ours = dcp_entries(src), dcp_entries(tmp_path / "back" / "iter_0000000")
@@ -170,7 +170,7 @@ def test_export_reads_back_with_mlm(tmp_path, sets):
             n.startswith("model.activation=gelu_tanh: Megatron-core's GPTModel") for n in report.notes
         ) == ("model.activation=gelu_tanh" in sets)
     else:  # through the command line
-        r = mlm("convert", tmp_path / "mlm", "--to-megatron", tmp_path / "megatron")
+        r = mlm("export", "megatron", tmp_path / "mlm", tmp_path / "megatron")
         assert r.returncode == 0, r.stderr
         assert "weights only" in r.stderr
     it_dir = tmp_path / "megatron" / "iter_0000007"
@@ -213,13 +213,11 @@ def test_unsupported_is_refused(tmp_path):
 
 
 def test_cli_bad_input(tmp_path):
+    r = mlm("export", "megatron", tmp_path, tmp_path / "out", "--tp", "2")
+    assert r.returncode == 2 and "No such option: --tp" in r.stderr  # the weights as they are
     assert_error(
-        mlm("convert", tmp_path, "--to-megatron", tmp_path / "out", "--tp", "2"),
-        "--to-megatron exports the checkpoint's weights as they are",
-    )
-    assert_error(
-        mlm("convert", tmp_path / "missing", "--to-megatron", tmp_path / "out"),
+        mlm("export", "megatron", tmp_path / "missing", tmp_path / "out"),
         "no such checkpoint",
     )
     assert not (tmp_path / "out").exists()
-    assert "--to-megatron" in mlm("convert", "--help").stdout
+    assert "megatron" in mlm("export", "--help").stdout

@@ -1,4 +1,4 @@
-"""`mlm convert --from-megatron` on Megatron-LM's legacy per-rank checkpoints, and Megatron's
+"""`mlm convert from-megatron` on Megatron-LM's legacy per-rank checkpoints, and Megatron's
 pickled `args` read under mlm's allow-list (mlm/convert/megatron_legacy.py, megatron_pickle.py).
 
 megatron-core 0.16.1 builds the tiny GPTModel of tests/megatron_ref.py in gloo rank processes at
@@ -55,7 +55,7 @@ def test_legacy_import_matches_gptmodel(tmp_path, moe, tp, pp, ep):
     }
     assert ranks == expected[moe, tp, pp, ep]
     if (moe, tp) == (False, 2):  # through the command line
-        r = mlm("convert", "--from-megatron", save, tmp_path / "out")
+        r = mlm("convert", "from-megatron", save, tmp_path / "out")
         assert r.returncode == 0, r.stderr
         assert "imported Megatron-core GPTModel" in r.stderr and "21 tensors" in r.stderr, r.stderr
     else:

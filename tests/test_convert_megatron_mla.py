@@ -1,4 +1,4 @@
-"""`mlm convert --from-megatron` / `--to-megatron` with multi-latent attention, against Megatron-core.
+"""`mlm convert from-megatron` / `--to-megatron` with multi-latent attention, against Megatron-core.
 
 A tiny `GPTModel` with MLA (MLATransformerConfig: query latent 24 or none, kv latent 20, per head 12
 dims without RoPE + 8 with, values 10; YaRN 4× over 8 original positions; the local spec with the

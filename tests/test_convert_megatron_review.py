@@ -170,7 +170,7 @@ def test_to_megatron_on_a_megatron_dir_says_so(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     for src in (tmp_path, tmp_path / "iter_0000001"):
         with pytest.raises(
-            MlmError, match=r"a Megatron \(or torch DCP\) checkpoint, not an mlm one.*--from-megatron"
+            MlmError, match=r"a Megatron \(or torch DCP\) checkpoint, not an mlm one.*mlm convert from-megatron"
         ):
             export_megatron(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -249,7 +249,8 @@ def test_other_sharded_backend_names_the_way_forward(tmp_path):
 def test_from_megatron_on_a_torchtitan_dir_names_from_dcp(tmp_path):
     _write_dcp(tmp_path / "step-3", LLAMA)
     with pytest.raises(
-        MlmError, match=r"a torchtitan checkpoint .*not a Megatron one: import it with mlm convert --from-dcp"
+        MlmError,
+        match=r"a torchtitan checkpoint .*not a Megatron one: import it with mlm convert from-torchtitan",
     ):
         import_megatron(tmp_path / "step-3", tmp_path / "out", SETS)
 

@@ -445,7 +445,7 @@ def test_moe_variants_mixtral_cannot_hold_are_refused(model, moe, message):
         assert str(e.value).startswith("this MoE model has no TensorRT-LLM layout mlm exports: ")
         assert "MixtralForCausalLM (every layer MoE" in str(e.value)
     if "qk_norm" not in message:
-        assert str(e.value).endswith("export it to Hugging Face instead (mlm convert CKPT --to-hf OUT)")
+        assert str(e.value).endswith("export it to Hugging Face instead (mlm export hf CKPT OUT)")
 
 
 def test_cli_export_check_and_import_back(ckpts, tmp_path, monkeypatch, capsys):
@@ -462,9 +462,7 @@ def test_cli_export_check_and_import_back(ckpts, tmp_path, monkeypatch, capsys):
     assert "exported LlamaForCausalLM" in err and "read back bit for bit" in err and "bfloat16" in err
     code, out, err = mlm(monkeypatch, capsys, "export", "trtllm", "--check", tmp_path / "trt")
     assert code == 0 and "a valid TensorRT-LLM checkpoint" in err
-    code, out, err = mlm(
-        monkeypatch, capsys, "export", "trtllm", "--from-trtllm", tmp_path / "trt", tmp_path / "back"
-    )
+    code, out, err = mlm(monkeypatch, capsys, "convert", "from-trtllm", tmp_path / "trt", tmp_path / "back")
     assert code == 0 and "imported LlamaForCausalLM" in err and "bfloat16" in err, err
     back, manifest, _ = read_group(tmp_path / "back")
     assert manifest["source"]["architecture"] == "LlamaForCausalLM"

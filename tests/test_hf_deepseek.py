@@ -278,13 +278,13 @@ def test_cli_round_trip_with_mtp(tmp_path):
     hf_state, hf_config = mlm_to_hf({**main, **depth}, cfg, "deepseek_v3")
     assert all(torch.equal(hf_state[k], t) for k, t in src.items())
     write_hf(hf_state, hf_config, tmp_path / "hf")
-    r = mlm("convert", "--from-hf", tmp_path / "hf", tmp_path / "ckpt")
+    r = mlm("convert", "from-hf", tmp_path / "hf", tmp_path / "ckpt")
     assert r.returncode == 0, r.stderr
     assert "imported DeepseekV3ForCausalLM" in r.stderr and "logits verified: max |diff|" in r.stderr
     assert "note:" not in r.stderr
     toml = (tmp_path / "ckpt" / "config.toml").read_text()
     assert 'attention_kind = "mla"' in toml and "mtp_num_layers = 1" in toml
-    r = mlm("convert", tmp_path / "ckpt", "--to-hf", tmp_path / "back", "--max-shard-size", "100KB")
+    r = mlm("export", "hf", tmp_path / "ckpt", tmp_path / "back", "--max-shard-size", "100KB")
     assert r.returncode == 0, r.stderr
     assert "exported DeepseekV3ForCausalLM" in r.stderr and "logits verified" in r.stderr
     back = {}

@@ -210,12 +210,12 @@ def test_convert_round_trip_is_verified(tmp_path, name):
 def test_cli_round_trip(tmp_path):
     hf = MODELS["qwen2_moe-sparse"]()
     src = saved(hf, tmp_path / "hf")
-    r = mlm("convert", "--from-hf", tmp_path / "hf", tmp_path / "ckpt")
+    r = mlm("convert", "from-hf", tmp_path / "hf", tmp_path / "ckpt")
     assert r.returncode == 0, r.stderr
     assert "imported Qwen2MoeForCausalLM" in r.stderr and "logits verified: max |diff|" in r.stderr
     toml = (tmp_path / "ckpt" / "config.toml").read_text()
     assert 'mlp_kind = "moe"' in toml and "mlp_kind_freq = [0, 1, 0, 0]" in toml
-    r = mlm("convert", tmp_path / "ckpt", "--to-hf", tmp_path / "back", "--max-shard-size", "100KB")
+    r = mlm("export", "hf", tmp_path / "ckpt", tmp_path / "back", "--max-shard-size", "100KB")
     assert r.returncode == 0, r.stderr
     assert "exported Qwen2MoeForCausalLM" in r.stderr and "logits verified" in r.stderr
     back = {}

@@ -2,7 +2,7 @@
 
 Greedy output with continuous batching (requests of different lengths arriving at different
 steps) must equal each request run alone and the cache-less training forward, token for token,
-and transformers' `generate` on a tiny random Llama imported with `mlm convert --from-hf`; every
+and transformers' `generate` on a tiny random Llama imported with `mlm convert from-hf`; every
 sampling option must do what it says; no cache block may leak after a finish, a cancel or a failed
 step.
 """

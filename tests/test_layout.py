@@ -241,19 +241,19 @@ def test_the_commands_read_the_same_text(tmp_path):
     assert_error(
         mlm("parity", *TINY, "--layouts", f"tp1,{text}", "--steps", "0"), "--steps 0: must be at least 1"
     )
-    r = mlm("convert", tmp_path / "none", tmp_path / "out", "--layout", text)
+    r = mlm("convert", "reshard", tmp_path / "none", tmp_path / "out", "--layout", text)
     assert_error(r, "checkpoint")  # the text is read; the missing checkpoint is the error
     assert "note: --layout tp2pp2dp2spzero1mb1rcselgb8: a reshard applies its mesh, tp2pp2dp2;" in " ".join(
         r.stderr.split()
     )
     assert_error(
-        mlm("convert", tmp_path / "none", tmp_path / "out", "--layout", "tp2", "--tp", "2"),
-        "mlm convert --layout tp2 with --tp: both give the target mesh",
+        mlm("convert", "reshard", tmp_path / "none", tmp_path / "out", "--layout", "tp2", "--tp", "2"),
+        "mlm convert reshard --layout tp2 with --tp: both give the target mesh",
     )
     for args in (
         ["plan", "--preset", "tiny-llama", "--gpus", "8", "--layout", "tp2x"],
         ["parity", *TINY, "--layouts", "tp1,tp2x"],
         ["train", "--dry-run", *TINY, "--layout", "tp2x"],
-        ["convert", tmp_path / "none", tmp_path / "out", "--layout", "tp2x"],
+        ["convert", "reshard", tmp_path / "none", tmp_path / "out", "--layout", "tp2x"],
     ):
         assert_error(mlm(*args), "layout 'tp2x': unknown term 'x'; use tp<N>")

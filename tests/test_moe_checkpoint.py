@@ -113,7 +113,7 @@ def test_convert_to_ep1_pp1_resumes_in_one_process(source, tiny_data, tmp_path):
 def test_convert_to_ep4_resumes_on_4_ranks_and_loads_at_ep2_edp2(source, tiny_data, tmp_path):
     ckpt, straight, reference = source
     out = tmp_path / "ep4"
-    r = mlm("convert", ckpt, out, "--ep", "4", "--pp", "1", "--dp", "4", "--no-progress")
+    r = mlm("convert", "reshard", ckpt, out, "--ep", "4", "--pp", "1", "--dp", "4", "--no-progress")
     assert r.returncode == 0, r.stderr
     assert "for dp4ep4" in r.stderr and "logits verified: max |diff| 0" in r.stderr
     _check_layout(out, 4, 1, reference)
@@ -127,7 +127,7 @@ def test_convert_to_ep4_resumes_on_4_ranks_and_loads_at_ep2_edp2(source, tiny_da
 
 def test_an_ep_that_does_not_divide_the_experts_is_refused(source, tmp_path):
     ckpt, _, _ = source
-    r = mlm("convert", ckpt, tmp_path / "ep3", "--ep", "3")
+    r = mlm("convert", "reshard", ckpt, tmp_path / "ep3", "--ep", "3")
     assert r.returncode == 2
     assert (
         "--ep 3: model.moe.num_experts=4 is not divisible by ep=3" in r.stderr

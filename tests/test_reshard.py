@@ -147,7 +147,7 @@ def test_dp_checksums_and_a_full_disk(trained, tmp_path, monkeypatch):
 
 def test_cli(trained, tmp_path):
     ckpt, _ = trained
-    r = mlm("convert", ckpt, tmp_path / "tp2pp2", "--tp", "2", "--pp", "2")
+    r = mlm("convert", "reshard", ckpt, tmp_path / "tp2pp2", "--tp", "2", "--pp", "2")
     assert r.returncode == 0, r.stderr
     assert (
         "resharded" in r.stderr
@@ -156,7 +156,15 @@ def test_cli(trained, tmp_path):
     )
     assert read_manifest(resolve_checkpoint(tmp_path / "tp2pp2"))["mesh"]["tp"] == 2
     # the same mesh as a layout; its run choices change no tensor: a note names them
-    r = mlm("convert", tmp_path / "tp2pp2", tmp_path / "back", "--layout", "dp1spmb2rcfull", "--no-verify")
+    r = mlm(
+        "convert",
+        "reshard",
+        tmp_path / "tp2pp2",
+        tmp_path / "back",
+        "--layout",
+        "dp1spmb2rcfull",
+        "--no-verify",
+    )
     assert r.returncode == 0, r.stderr
     err = " ".join(r.stderr.split())
     assert (
@@ -164,7 +172,7 @@ def test_cli(trained, tmp_path):
         and "note: --layout dp1spmb2rcfull: a reshard applies its mesh, dp1; the rest" in err
     )
     assert read_manifest(resolve_checkpoint(tmp_path / "back"))["mesh"]["tp"] == 1
-    r = mlm("convert", ckpt, tmp_path / "nothing")
-    assert r.returncode == 2 and "say what to convert" in r.stderr and not (tmp_path / "nothing").exists()
-    r = mlm("convert", ckpt, tmp_path / "x", "--to-hf", "--tp", "2")
-    assert r.returncode == 2 and "mlm convert --to-hf: leave out --tp" in r.stderr
+    r = mlm("convert", "reshard", ckpt, tmp_path / "nothing")
+    assert r.returncode == 2 and "say what to change" in r.stderr and not (tmp_path / "nothing").exists()
+    r = mlm("convert", "reshard", ckpt, tmp_path / "x", "--weights-only")
+    assert r.returncode == 2 and "No such option: --weights-only" in r.stderr

@@ -1,4 +1,5 @@
-"""The convert stage (`mlm convert`): reshard checkpoints, Hugging Face import and export,
+"""The conversions behind `mlm convert` (reshard, from-hf, from-megatron, from-torchtitan) and `mlm
+export hf` / `mlm export megatron`: reshard checkpoints, Hugging Face import and export,
 Megatron-LM import and export, torchtitan import.
 
 `reshard` rewrites a checkpoint for another mesh; `hf_io` reads and writes Hugging Face model

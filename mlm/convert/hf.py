@@ -1,4 +1,4 @@
-"""`mlm convert --from-hf` / `--to-hf`: Hugging Face model folder ⇄ mlm checkpoint, verified.
+"""`mlm convert from-hf` / `mlm export hf`: Hugging Face model folder ⇄ mlm checkpoint, verified.
 
     import_hf("hf/llama", "ckpt/llama")               # → ckpt/llama/{latest, iter_0000000/, config.toml, tokenizer/}
     export_hf("ckpt/llama", "hf/llama-back", dtype="bf16", max_shard_size="5GB")

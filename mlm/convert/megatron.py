@@ -1,4 +1,4 @@
-"""`mlm convert --from-megatron DIR OUT`: a Megatron-core `torch_dist` checkpoint (or Megatron-LM's
+"""`mlm convert from-megatron DIR OUT`: a Megatron-core `torch_dist` checkpoint (or Megatron-LM's
 legacy per-rank layout, `--ckpt-format torch`: `mlm.convert.megatron_legacy`) → mlm checkpoint.
 
     import_megatron("megatron/save", "ckpt/from-megatron", ["model.num_attention_heads=32", ...])
@@ -203,7 +203,7 @@ def _known(ckpt: MegatronCheckpoint) -> None:
     if "tok_embeddings.weight" in ckpt.tensors:
         raise MlmError(
             f"{ckpt.path}: a torchtitan checkpoint (tok_embeddings.weight, layers.N.*), not a Megatron one: "
-            f"import it with mlm convert --from-dcp {ckpt.path} OUT"
+            f"import it with mlm convert from-torchtitan {ckpt.path} OUT"
         )
     for key in ckpt.tensors:
         if key in _TOP:
@@ -213,7 +213,7 @@ def _known(ckpt: MegatronCheckpoint) -> None:
         if _known_mtp(key):
             continue
         raise MlmError(
-            f"{ckpt.path}: Megatron module {key!r} is not supported by mlm convert --from-megatron (it reads "
+            f"{ckpt.path}: Megatron module {key!r} is not supported by mlm convert from-megatron (it reads "
             "GPTModel's embedding, self_attention (linear_qkv, linear_proj, q/k_layernorm, or multi-latent "
             "attention's linear_q*/kv* projections and latent norms), dense mlp, MoE router / experts / "
             "shared_experts, norms, output_layer and MTP depths; not other specs)"
@@ -326,18 +326,18 @@ def _args_overrides(common: dict) -> list[str]:
     for name, what in _REFUSED_ARGS.items():
         if args.get(name):
             raise MlmError(
-                f"Megatron args {name}={args[name]!r}: {what} is not imported by mlm convert --from-megatron"
+                f"Megatron args {name}={args[name]!r}: {what} is not imported by mlm convert from-megatron"
             )
     if args.get("window_size") not in (None, (-1, -1), [-1, -1]):
         raise MlmError(
             f"Megatron args window_size={args['window_size']!r}: sliding-window attention is not imported by "
-            "mlm convert --from-megatron (mlm attends to the whole causal context)"
+            "mlm convert from-megatron (mlm attends to the whole causal context)"
         )
     nope = args.get("no_rope_freq")
     if nope and (not isinstance(nope, list) or any(nope)):
         raise MlmError(
             f"Megatron args no_rope_freq={nope!r}: layers without RoPE are not imported by mlm convert "
-            "--from-megatron (mlm applies RoPE in every layer)"
+            "mlm convert from-megatron (mlm applies RoPE in every layer)"
         )
     if args.get("rotary_percent", 1.0) != 1.0:
         raise MlmError(
@@ -601,7 +601,7 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
     size is the embedding's rows unless the args or `model.vocab_size` say it."""
     bad = [s for s in overrides if not (s.startswith("model.") or s.startswith("preset="))]
     if bad:
-        raise MlmError(f"--set {bad[0]}: --from-megatron takes model.* fields (or preset=NAME) only")
+        raise MlmError(f"--set {bad[0]}: mlm convert from-megatron takes model.* fields (or preset=NAME) only")
     common = ckpt.common()
     rows = ckpt.shape("embedding.word_embeddings.weight")[0]
     given = _args_overrides(common) + list(overrides)

@@ -124,7 +124,7 @@ def iteration_dir(src: str | Path) -> Path:
     `release/` the tracker names."""
     src = Path(src)
     if not src.is_dir():
-        raise MlmError(f"--from-megatron {src}: not a directory; pass a Megatron checkpoint directory")
+        raise MlmError(f"mlm convert from-megatron {src}: not a directory; pass a Megatron checkpoint directory")
     tracker = src / "latest_checkpointed_iteration.txt"
     own = (src / ".metadata").exists() or any(src.glob("mp_rank_*"))
     if not own and tracker.exists():
@@ -147,12 +147,12 @@ def checkpoint_dir(src: str | Path) -> Path:
     src = iteration_dir(src)
     if (src / "manifest.json").exists() or (src / "latest").exists():
         raise MlmError(
-            f"--from-megatron {src}: an mlm checkpoint (it holds {'manifest.json' if (src / 'manifest.json').exists() else 'latest'}), "
-            "not a Megatron one: mlm train --load and mlm convert read it as it is; --to-megatron exports it"
+            f"mlm convert from-megatron {src}: an mlm checkpoint (it holds {'manifest.json' if (src / 'manifest.json').exists() else 'latest'}), "
+            "not a Megatron one: mlm train --load and mlm convert read it as it is; mlm export megatron exports it"
         )
     if not (src / ".metadata").exists():
         raise MlmError(
-            f"--from-megatron {src}: not a Megatron checkpoint: no torch_dist .metadata file, no legacy "
+            f"mlm convert from-megatron {src}: not a Megatron checkpoint: no torch_dist .metadata file, no legacy "
             "mp_rank_* folders (nor latest_checkpointed_iteration.txt) in it. Pass the save directory "
             "or one iter_NNNNNNN/ written with --ckpt-format torch_dist or torch"
         )

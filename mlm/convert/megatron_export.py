@@ -1,8 +1,8 @@
-"""`mlm convert CKPT --to-megatron OUT`: an mlm checkpoint → a Megatron-core `torch_dist` checkpoint.
+"""`mlm export megatron CKPT OUT`: an mlm checkpoint → a Megatron-core `torch_dist` checkpoint.
 
     export_megatron("ckpt/run", "megatron/save")   # → OUT/latest_checkpointed_iteration.txt, OUT/iter_NNNNNNN/
 
-The inverse of `mlm.convert.megatron` (`--from-megatron`), through the same name table (`_TOP`,
+The inverse of `mlm.convert.megatron` (`mlm convert from-megatron`), through the same name table (`_TOP`,
 `_LAYER`, read backwards: where two Megatron names map to one mlm tensor, the first — the name
 torch_dist gives both GPTModel specs — is written) and the same layouts: `linear_qkv` fused per
 query group, `linear_fc1` = [gate; up], a homogeneous stack's layers stacked on a leading axis under
@@ -17,7 +17,7 @@ empty `_extra_state` object for each linear layer (Megatron's load requires them
 (`torch_dist`), and `common.pt` = {`args`: a plain `argparse.Namespace` of builtins under Megatron-LM's
 argument names (the model, `padded_vocab_size`, `iteration`, `consumed_train_samples`,
 `no_save_optim` / `no_save_rng`), `iteration`, `checkpoint_version`: 3.0}, so Megatron-LM's
-`--use-checkpoint-args` and mlm's `--from-megatron` read the model back. Weights only: no optimizer
+`--use-checkpoint-args` and `mlm convert from-megatron` read the model back. Weights only: no optimizer
 state, scheduler or RNG states. Multi-latent attention is written as the local spec's
 MLASelfAttention (`--multi-latent-attention --qk-layernorm`: q_layernorm / kv_layernorm, and the
 layer norms under their own names input_layernorm / pre_mlp_layernorm, which that spec does not
@@ -248,7 +248,7 @@ def _one_or_list(values: list):
 
 def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: int) -> argparse.Namespace:
     """Megatron-LM's `args` for the run `config` (builtins only: mlm's reader and
-    `torch.load(weights_only=True)` read it), as `--use-checkpoint-args` and mlm's `--from-megatron`
+    `torch.load(weights_only=True)` read it), as `--use-checkpoint-args` and `mlm convert from-megatron`
     read them."""
     cfg = config.model
     rope = cfg.position_embedding == "rope"
@@ -461,8 +461,8 @@ def export_megatron(
     start = time.perf_counter()
     if (ckpt / ".metadata").exists() or (ckpt / "latest_checkpointed_iteration.txt").exists():
         raise MlmError(
-            f"{ckpt}: a Megatron (or torch DCP) checkpoint, not an mlm one; --to-megatron exports an mlm "
-            f"checkpoint. To read this one into mlm: mlm convert --from-megatron {ckpt} OUT"
+            f"{ckpt}: a Megatron (or torch DCP) checkpoint, not an mlm one; mlm export megatron exports an mlm "
+            f"checkpoint. To read this one into mlm: mlm convert from-megatron {ckpt} OUT"
         )
     progress("reading the checkpoint", 0, 0)
     state, manifest, it_dir = read_group(ckpt, verify=verify)
@@ -489,7 +489,7 @@ def export_megatron(
         notes.append(
             "model.activation=gelu_tanh: Megatron-core's GPTModel has no tanh-approximated GELU (Megatron-LM's "
             "--openai-gelu reaches its legacy models only), so Megatron computes exact GELU: its logits differ "
-            "from mlm's by the approximation, and --from-megatron reads the export back as activation=gelu"
+            "from mlm's by the approximation, and mlm convert from-megatron reads the export back as activation=gelu"
         )
     flags = unread_flags(args)
     if flags:

@@ -1,4 +1,4 @@
-"""The export stage (`mlm export trtllm`): mlm checkpoints → TensorRT-LLM checkpoints, and back.
+"""TensorRT-LLM checkpoints: `mlm export trtllm` writes them, `mlm convert from-trtllm` reads them back.
 
 `trtllm_names` is the name and per-rank layout map, `trtllm_config` writes and reads config.json,
 `trtllm` exports (staged, checked, verified), `trtllm_check` validates a folder against the

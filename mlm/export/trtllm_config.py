@@ -77,7 +77,7 @@ def architecture(cfg: ModelConfig) -> str:
         raise MlmError(
             "this model mixes dense and MoE layers (model.first_k_dense / model.mlp_kind_freq); "
             f"TensorRT-LLM's {MIXTRAL} layout that mlm writes has {_MIXTRAL_ROUTING}; export it to "
-            "Hugging Face instead (mlm convert CKPT --to-hf OUT)"
+            "Hugging Face instead (mlm export hf CKPT OUT)"
         )
     if kinds != [("gqa", "dense")]:
         raise MlmError(
@@ -121,7 +121,7 @@ def _mixtral(cfg: ModelConfig) -> str:
     if bad:
         raise MlmError(
             f"this MoE model has no TensorRT-LLM layout mlm exports: {'; '.join(bad)}; mlm writes "
-            f"{MIXTRAL} ({_MIXTRAL_ROUTING}); export it to Hugging Face instead (mlm convert CKPT --to-hf OUT)"
+            f"{MIXTRAL} ({_MIXTRAL_ROUTING}); export it to Hugging Face instead (mlm export hf CKPT OUT)"
         )
     return MIXTRAL
 

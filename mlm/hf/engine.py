@@ -331,7 +331,7 @@ def load_hf_into(model: GPT, hf_model_or_state: nn.Module | dict[str, torch.Tens
             if note:
                 fix = (
                     f"{note}; build the mlm model from config_from_hf(hf_model.config.to_dict()) with "
-                    "mtp_num_layers=0, or convert the checkpoint's files (mlm convert --from-hf), which "
+                    "mtp_num_layers=0, or convert the checkpoint's files (mlm convert from-hf), which "
                     "keep the MTP layers"
                 )
             raise MlmError(f"the Hugging Face model and the mlm model differ: {'; '.join(diff)} ({fix})")

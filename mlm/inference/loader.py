@@ -1,4 +1,4 @@
-"""A checkpoint (trained by `mlm train` or imported by `mlm convert --from-hf`) as a model ready
+"""A checkpoint (trained by `mlm train` or imported by `mlm convert from-hf`) as a model ready
 for inference (whole, or this rank's tensor-parallel shard of it), and its tokenizer.
 
 Mixture-of-experts checkpoints load like any other: the checkpoint keeps the experts on their

@@ -150,7 +150,7 @@ class TrainerCheckpoints:
             self.scaler.load_state_dict(manifest["loss_scaler"])
         per_stage = manifest.get("rng_per_stage")
         same_pipeline = per_stage is not None and len(per_stage) == self.mesh.pp
-        # rng null: a run imported by mlm convert --from-megatron; the generators stay as train.seed set them
+        # rng null: a run imported by mlm convert from-megatron; the generators stay as train.seed set them
         if same_pipeline or manifest.get("rng") is not None:
             rng_state_from_json(per_stage[self.mesh.pp_rank] if same_pipeline else manifest["rng"])
         self._print(f"[bold]resumed[/] {iter_dir} at step {self.iteration}", highlight=False)
