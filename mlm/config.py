@@ -24,13 +24,14 @@ from mlm.errors import MlmError
 from mlm.hardware import ALIASES, PROFILES, profile_name
 
 
-def _check(cond: bool, msg: str) -> None:
+def ensure(cond: bool, msg: str) -> None:
+    """MlmError(msg) unless `cond` (the configs' and the kinds' specs' validation)."""
     if not cond:
         raise MlmError(msg)
 
 
 def _choice(section: str, name: str, value, choices) -> None:
-    _check(value in choices, f"{section}.{name}={value!r}: must be one of {', '.join(map(str, choices))}")
+    ensure(value in choices, f"{section}.{name}={value!r}: must be one of {', '.join(map(str, choices))}")
 
 
 class LayerSpec(typing.NamedTuple):
@@ -104,17 +105,17 @@ class MoEConfig:
 
     def __post_init__(self):
         s = "model.moe"
-        _check(self.num_experts >= 0, f"{s}.num_experts={self.num_experts}: must be >= 0")
+        ensure(self.num_experts >= 0, f"{s}.num_experts={self.num_experts}: must be >= 0")
         for name in ("ffn_hidden_size", "shared_expert_ffn_hidden_size"):
             n = getattr(self, name)
-            _check(n is None or n > 0, f"{s}.{name}={n}: must be positive (or unset)")
-        _check(self.router_topk >= 1, f"{s}.router_topk={self.router_topk}: must be at least 1")
+            ensure(n is None or n > 0, f"{s}.{name}={n}: must be positive (or unset)")
+        ensure(self.router_topk >= 1, f"{s}.router_topk={self.router_topk}: must be at least 1")
         _choice(s, "router_score_function", self.router_score_function, ("softmax", "sigmoid"))
-        _check(
+        ensure(
             not (self.router_pre_softmax and self.router_score_function == "sigmoid"),
             f"{s}.router_pre_softmax=true needs router_score_function=softmax (a sigmoid has no 'before top-k')",
         )
-        _check(
+        ensure(
             not self.router_enable_expert_bias or self.router_score_function == "sigmoid",
             f"{s}.router_enable_expert_bias=true needs router_score_function=sigmoid (the bias selects "
             "among sigmoid scores, as in DeepSeek-V3 and Megatron)",
@@ -122,39 +123,39 @@ class MoEConfig:
         _choice(s, "token_drop_policy", self.token_drop_policy, ("probs", "position"))
         _choice(s, "token_dispatcher", self.token_dispatcher, ("alltoall", "allgather"))
         _choice(s, "experts_impl", self.experts_impl, ("auto", "grouped_mm", "bmm", "loop"))
-        _check(
+        ensure(
             self.capacity_factor is None or self.capacity_factor > 0,
             f"{s}.capacity_factor={self.capacity_factor}: must be positive (or unset for dropless)",
         )
-        _check(
+        ensure(
             not self.pad_to_capacity or self.capacity_factor is not None,
             f"{s}.pad_to_capacity=true needs {s}.capacity_factor (the capacity to pad to)",
         )
         for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "router_bias_update_rate"):
-            _check(getattr(self, name) >= 0, f"{s}.{name}={getattr(self, name)}: must be >= 0")
+            ensure(getattr(self, name) >= 0, f"{s}.{name}={getattr(self, name)}: must be >= 0")
         groups, group_topk = self.router_num_groups, self.router_group_topk
-        _check(
+        ensure(
             (groups is None) == (group_topk is None),
             f"{s}.router_num_groups={groups}, router_group_topk={group_topk}: set both (group-limited routing) or neither",
         )
         if not self.num_experts:
             return
         E, k = self.num_experts, self.router_topk
-        _check(
+        ensure(
             k <= E,
             f"{s}.router_topk={k} exceeds {s}.num_experts={E}: a token cannot go to more experts than exist",
         )
         if groups is not None:
-            _check(
+            ensure(
                 groups >= 1 and E % groups == 0,
                 f"{s}.router_num_groups={groups} does not divide {s}.num_experts={E}; choose a divisor of {E}",
             )
-            _check(
+            ensure(
                 1 <= group_topk <= groups,
                 f"{s}.router_group_topk={group_topk} exceeds {s}.router_num_groups={groups}: "
                 f"a token can use at most all {groups} groups",
             )
-            _check(
+            ensure(
                 k % group_topk == 0 and k // group_topk <= E // groups,
                 f"{s}.router_topk={k} over router_group_topk={group_topk} groups: k must be a multiple of "
                 f"group_topk with at most {E // groups} (experts per group) from each group",
@@ -183,12 +184,12 @@ class MLAConfig:
     def __post_init__(self):
         s = "model.mla"
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _check(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
-        _check(
+            ensure(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
+        ensure(
             self.q_lora_rank is None or self.q_lora_rank > 0,
             f"{s}.q_lora_rank={self.q_lora_rank}: must be positive (or unset: no query down-projection)",
         )
-        _check(
+        ensure(
             self.qk_rope_head_dim % 2 == 0,
             f"{s}.qk_rope_head_dim={self.qk_rope_head_dim}: RoPE rotates pairs of dims; make it even",
         )
@@ -300,33 +301,33 @@ class ModelConfig:
             "vocab_size",
             "max_position_embeddings",
         ):
-            _check(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
-        _check(
+            ensure(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
+        ensure(
             self.kv_channels is None or self.kv_channels > 0,
             f"model.kv_channels={self.kv_channels}: must be positive (or unset for hidden / heads)",
         )
         freq = self.mlp_kind_freq
         if isinstance(freq, list):
-            _check(
+            ensure(
                 len(freq) == self.num_layers and set(freq) <= {0, 1},
                 f"model.mlp_kind_freq={freq}: a list needs one 0 or 1 per layer ({self.num_layers} layers)",
             )
         else:
-            _check(freq >= 1, f"model.mlp_kind_freq={freq}: must be at least 1 (1: every layer)")
-        _check(
+            ensure(freq >= 1, f"model.mlp_kind_freq={freq}: must be at least 1 (1: every layer)")
+        ensure(
             0 <= self.first_k_dense <= self.num_layers,
             f"model.first_k_dense={self.first_k_dense}: must be within [0, num_layers={self.num_layers}]",
         )
         for name in ("mtp_num_layers", "mtp_loss_scaling_factor"):
-            _check(getattr(self, name) >= 0, f"model.{name}={getattr(self, name)}: must be >= 0 (0: no MTP)")
-        _check(
+            ensure(getattr(self, name) >= 0, f"model.{name}={getattr(self, name)}: must be >= 0 (0: no MTP)")
+        ensure(
             not self.mtp_num_layers or self.position_embedding == "rope",
             f"model.mtp_num_layers={self.mtp_num_layers} with position_embedding={self.position_embedding!r}: "
             "MTP depths are built for rotary positions (DeepSeek-V3's); set model.position_embedding=rope "
             "or model.mtp_num_layers=0",
         )
         _choice(s, "rope_scaling_type", self.rope_scaling_type, ("llama3", "yarn"))
-        _check(
+        ensure(
             self.rope_scaling_factor is None or self.rope_scaling_factor >= 1.0,
             f"model.rope_scaling_factor={self.rope_scaling_factor}: must be >= 1 (or unset)",
         )
@@ -336,7 +337,7 @@ class ModelConfig:
         _choice(s, "kernels", self.kernels, ("torch", "triton", "auto"))
         _choice(s, "recompute", self.recompute, ("none", "selective", "full"))
         for name in ("hidden_dropout", "attention_dropout"):
-            _check(0.0 <= getattr(self, name) < 1.0, f"{s}.{name}={getattr(self, name)}: must be in [0, 1)")
+            ensure(0.0 <= getattr(self, name) < 1.0, f"{s}.{name}={getattr(self, name)}: must be in [0, 1)")
         self._check_kinds()
 
     def _check_kinds(self) -> None:
@@ -348,19 +349,19 @@ class ModelConfig:
         if self.layer_pattern:
             fields = {"attention_kind": "gqa", "mlp_kind": "dense", "mlp_kind_freq": 1, "first_k_dense": 0}
             given = [f"model.{k}={getattr(self, k)!r}" for k, v in fields.items() if getattr(self, k) != v]
-            _check(
+            ensure(
                 not given,
                 f"model.layer_pattern={self.layer_pattern!r} with {', '.join(given)}: the pattern gives every "
                 "layer's kinds; unset the fields (they choose kinds only without a pattern)",
             )
             layers, mtp = parse(self.layer_pattern)
-            _check(
+            ensure(
                 len(layers) == self.num_layers,
                 f"model.layer_pattern={self.layer_pattern!r} has {len(layers)} layers (a mixer and the MLP "
                 f"after it are one layer) but model.num_layers={self.num_layers}; set model.num_layers="
                 f"{len(layers)}",
             )
-            _check(
+            ensure(
                 mtp == self.mtp_num_layers,
                 f"model.layer_pattern={self.layer_pattern!r} has {mtp} MTP depths ('/') but "
                 f"model.mtp_num_layers={self.mtp_num_layers}; make them agree",
@@ -375,7 +376,7 @@ class ModelConfig:
             if name is not None:
                 kinds.lookup(role, name).check(self)
         ropes = {kinds.mixer(k).rope_dim(self) for k in self.mixer_kinds()} - {None}
-        _check(
+        ensure(
             len(ropes) <= 1,
             f"model: the mixers {', '.join(self.mixer_kinds())} rotate {sorted(ropes)} dims per head; the "
             "model's RoPE tables are one size, so layers with RoPE must agree",
@@ -470,7 +471,7 @@ class DataConfig:
     """Attention stays within each document packed in a sequence (Megatron's --reset-attention-mask)."""
 
     def __post_init__(self):
-        _check(self.seq_length > 0, f"data.seq_length={self.seq_length}: must be positive")
+        ensure(self.seq_length > 0, f"data.seq_length={self.seq_length}: must be positive")
 
 
 @dataclass
@@ -504,11 +505,11 @@ class OptimizerConfig:
 
     def __post_init__(self):
         _choice("optimizer", "decay_style", self.decay_style, ("cosine", "linear", "constant", "wsd"))
-        _check(self.lr > 0, f"optimizer.lr={self.lr}: must be positive")
-        _check(
+        ensure(self.lr > 0, f"optimizer.lr={self.lr}: must be positive")
+        ensure(
             0 <= self.min_lr <= self.lr, f"optimizer.min_lr={self.min_lr}: must be within [0, lr={self.lr}]"
         )
-        _check(self.warmup_iters >= 0, f"optimizer.warmup_iters={self.warmup_iters}: must be >= 0")
+        ensure(self.warmup_iters >= 0, f"optimizer.warmup_iters={self.warmup_iters}: must be >= 0")
 
 
 @dataclass
@@ -542,18 +543,18 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("tp", "pp", "vpp", "cp", "ep"):
-            _check(getattr(self, name) >= 1, f"parallel.{name}={getattr(self, name)}: must be at least 1")
-        _check(
+            ensure(getattr(self, name) >= 1, f"parallel.{name}={getattr(self, name)}: must be at least 1")
+        ensure(
             self.vpp == 1 or self.pp > 1,
             f"parallel.vpp={self.vpp} needs pipeline parallelism: set parallel.pp >= 2 or parallel.vpp=1",
         )
         for name in ("first_stage_layers", "last_stage_layers"):
             n = getattr(self, name)
-            _check(n is None or n >= 1, f"parallel.{name}={n}: must be at least 1 (or unset)")
-            _check(n is None or self.pp > 1, f"parallel.{name}={n}: only meaningful with parallel.pp > 1")
+            ensure(n is None or n >= 1, f"parallel.{name}={n}: must be at least 1 (or unset)")
+            ensure(n is None or self.pp > 1, f"parallel.{name}={n}: only meaningful with parallel.pp > 1")
         _choice("parallel", "grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
         _choice("parallel", "cp_comm_type", self.cp_comm_type, ("p2p", "all_gather"))
-        _check(self.bucket_size_mb > 0, f"parallel.bucket_size_mb={self.bucket_size_mb}: must be positive")
+        ensure(self.bucket_size_mb > 0, f"parallel.bucket_size_mb={self.bucket_size_mb}: must be positive")
 
 
 def _cuda_visible() -> bool:
@@ -625,17 +626,17 @@ class TrainConfig:
         _choice("train", "fp8", self.fp8, ("", "e4m3", "hybrid"))
         _choice("train", "fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise"))
         _choice("train", "fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("max", "most_recent"))
-        _check(self.fp8_margin >= 0, f"train.fp8_margin={self.fp8_margin}: must be 0 or more")
-        _check(
+        ensure(self.fp8_margin >= 0, f"train.fp8_margin={self.fp8_margin}: must be 0 or more")
+        ensure(
             self.fp8_amax_history_len >= 1,
             f"train.fp8_amax_history_len={self.fp8_amax_history_len}: must be at least 1",
         )
-        _check(
+        ensure(
             not self.fp8 or self.precision == "bf16",
             f"train.fp8={self.fp8!r} with train.precision={self.precision!r}: fp8 runs inside bf16 "
             "(everything outside the fp8 linears, as in Megatron); set train.precision=bf16",
         )
-        _check(
+        ensure(
             not (self.fp8 and self.compile),
             f"train.fp8={self.fp8!r} with train.compile=true: the fp8 linears record amaxes into shared "
             "state during forward and backward, which torch.compile's compiled backward cannot replay; "
@@ -643,46 +644,46 @@ class TrainConfig:
         )
         _choice("train", "device", self.device, ("auto", "cpu", "cuda"))
         _choice("train", "fault_action", self.fault_action, ("skip", "rollback", "stop"))
-        _check(
+        ensure(
             0 <= self.loss_spike_zscore < math.inf,
             f"train.loss_spike_zscore={self.loss_spike_zscore}: must be 0 (off) or a positive number, e.g. 6",
         )
-        _check(
+        ensure(
             self.loss_spike_window >= 2,
             f"train.loss_spike_window={self.loss_spike_window}: must be at least 2 (a standard deviation needs two losses)",
         )
         bad = [s for s in self.skip_iterations if s < 1]
-        _check(
+        ensure(
             not bad,
             f"train.skip_iterations={self.skip_iterations}: steps count from 1 (as logged); remove {bad}",
         )
-        _check(
+        ensure(
             0 <= self.hang_timeout <= 1e9,  # + 300 s, the process group's timeout: a timedelta
             f"train.hang_timeout={self.hang_timeout}: must be 0 (off) or a number of seconds up to 1e9, "
             "e.g. 900",
         )
-        _check(
+        ensure(
             self.param_dtype in ("auto", "fp32", self.precision),
             f"train.param_dtype={self.param_dtype}: must be fp32 or the compute dtype "
             f"train.precision={self.precision}; set --set train.param_dtype=fp32 or "
             f"--set train.precision={self.param_dtype}",
         )
-        _check(
+        ensure(
             self.straggler_window >= 0,
             f"train.straggler_window={self.straggler_window}: must be 0 (off) or a number of steps",
         )
-        _check(
+        ensure(
             self.straggler_threshold > 1,
             f"train.straggler_threshold={self.straggler_threshold}: must be above 1 (a multiple of the "
             "median compute time per step, e.g. 1.2)",
         )
-        _check(self.micro_batch_size > 0, f"train.micro_batch_size={self.micro_batch_size}: must be positive")
-        _check(
+        ensure(self.micro_batch_size > 0, f"train.micro_batch_size={self.micro_batch_size}: must be positive")
+        ensure(
             self.global_batch_size % self.micro_batch_size == 0,
             f"train.global_batch_size={self.global_batch_size} is not divisible by "
             f"train.micro_batch_size={self.micro_batch_size}",
         )
-        _check(
+        ensure(
             (self.train_iters is None) != (self.train_tokens is None),
             "train.train_iters and train.train_tokens: give exactly one (set the other to none with --set)",
         )
@@ -746,17 +747,17 @@ class Config:
             on_cuda = t.device.startswith("cuda") or (t.device == "auto" and _cuda_visible())
             bf16 = t.precision == "bf16" and on_cuda and not self.model.fp32_residual_connection
             self.train = dataclasses.replace(t, param_dtype="bf16" if bf16 else "fp32")
-        _check(
+        ensure(
             self.data.seq_length <= self.model.max_position_embeddings,
             f"data.seq_length={self.data.seq_length} exceeds "
             f"model.max_position_embeddings={self.model.max_position_embeddings}",
         )
-        _check(
+        ensure(
             self.data.seq_length > self.model.mtp_num_layers,
             f"model.mtp_num_layers={self.model.mtp_num_layers} with data.seq_length={self.data.seq_length}: "
             "the deepest MTP depth would have no token to predict; use fewer depths or longer sequences",
         )
-        _check(
+        ensure(
             not (self.model.fp32_residual_connection and self.train.param_dtype != "fp32"),
             f"model.fp32_residual_connection=true with train.param_dtype={self.train.param_dtype!r}: the "
             "residual stream follows bf16/fp16 parameters (the embedding's output is in their dtype); "
@@ -764,7 +765,7 @@ class Config:
         )
         if self.parallel.cp > 1:
             check_context_parallel_kinds(self.model, self.parallel.cp)
-        _check(
+        ensure(
             self.train.fault_action != "rollback" or bool(self.checkpoint.save),
             "train.fault_action=rollback with checkpoint.save empty: a rollback reloads checkpoint.save's latest "
             "checkpoint; set --set checkpoint.save=DIR (and checkpoint.save_interval), or train.fault_action=skip",
@@ -803,7 +804,7 @@ def check_context_parallel_kinds(m: ModelConfig, cp: int) -> None:
     from mlm.model import kinds
 
     refused = [k for k in m.mixer_kinds() if not kinds.mixer(k).context_parallel]
-    _check(
+    ensure(
         not refused,
         f"parallel.cp={cp} with the mixer kind(s) {', '.join(refused)}: they are not built for context "
         "parallelism (each rank would need the state of the tokens before its own); set parallel.cp=1",

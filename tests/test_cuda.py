@@ -38,7 +38,7 @@ from mlm.inference.kv_cache import PagedKVCache, blocks_needed
 from mlm.inference.model_runner import ModelRunner, Segment
 from mlm.inference.sampling import SamplingParams
 from mlm.model import build_model
-from mlm.model.attention import _importable
+from mlm.model.attention import importable
 from mlm.model.attention_core import AttentionCore
 from mlm.model.ops import Ops
 from mlm.parallel.fp8 import apply_fp8
@@ -373,7 +373,7 @@ def test_flash_attn_and_te_backends_match_plain_attention(backend, groups):
     largest |value|, as SDPA's fused kernels. Only where the package imports (on CUDA)."""
     cuda_only(f"the {backend} backend")
     module = "flash_attn" if backend == "flash" else "transformer_engine"
-    if not _importable(module):
+    if not importable(module):
         pytest.skip(f"{module} is not installed (pip install -e .[gpu])")
     core = AttentionCore(ModelConfig(), ops=Ops("torch", backend))
     check_attention(core, "bf16", groups)

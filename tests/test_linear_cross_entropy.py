@@ -28,7 +28,8 @@ from mlm.errors import MlmError
 from mlm.model.gpt import build_model
 from mlm.model.kinds.mtp.module import MTPTargets
 from mlm.parallel import Mesh
-from mlm.parallel.cross_entropy import chunk_tokens, linear_cross_entropy, linear_cross_entropy_reference
+from mlm.parallel.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from mlm.parallel.loss_chunks import chunk_tokens
 from mlm.parallel.tensor import copy_to_tp, gather_from_sp
 
 from distributed import run_ranks

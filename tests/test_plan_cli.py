@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import re
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -19,7 +21,7 @@ from mlm.plan.job import make_job
 from mlm.plan.pinned import complete
 from mlm.plan.search import Constraints, plan, search, why_not
 
-from test_bad_input import assert_error, mlm
+from test_bad_input import ROOT, assert_error, mlm
 
 EXAMPLE = (
     "--preset llama3-70b --gpus 512 --gpus-per-node 8 --hardware h100-80g --seq-length 8192 --global-batch 1024"
@@ -302,3 +304,17 @@ def test_narrow_terminal_stacks_every_table(job, result):
     wide = Console(file=io.StringIO(), width=200, force_terminal=True, color_system=None)
     wide.print(report.ranked_table(job, result, 10))
     assert re.search(r"┃ +# ┃", wide.file.getvalue()) and "…" not in wide.file.getvalue()
+
+
+def test_plan_does_not_import_torch(tmp_path):
+    """`mlm plan` runs where torch is not installed (a login node): planning a model and writing
+    its plan imports no torch."""
+    code = (
+        "import sys\nfrom cli.main import app\n"
+        f"args = ['plan', '--preset', 'tiny-llama', '--gpus', '4', '--gpus-per-node', '4', '-o', {str(tmp_path / 'p.toml')!r}]\n"
+        "try:\n    app(args)\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert (tmp_path / "p.toml").is_file(), r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False", r.stdout

@@ -14,7 +14,7 @@ from mlm.errors import MlmError
 
 
 @functools.cache
-def _importable(name: str) -> bool:
+def importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
@@ -24,14 +24,14 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     """The backend that will run: `requested`, or the best available for `auto`."""
     cuda = device.type == "cuda"
     if requested == "auto":
-        if cuda and _importable("flash_attn"):
+        if cuda and importable("flash_attn"):
             return "flash"
-        if cuda and _importable("transformer_engine"):
+        if cuda and importable("transformer_engine"):
             return "te"
         return "sdpa"
     if requested in ("flash", "te"):
         module = "flash_attn" if requested == "flash" else "transformer_engine"
-        if not cuda or not _importable(module):
+        if not cuda or not importable(module):
             raise MlmError(
                 f"model.attention_backend={requested!r} needs CUDA and the {module} package "
                 f"(pip install -e .[gpu]); use 'auto' or 'sdpa' here"

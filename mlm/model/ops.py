@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kernels import lean
 from mlm.errors import MlmError
-from mlm.model.attention import _importable, attention
+from mlm.model.attention import attention, importable
 from mlm.model.rope import apply_rope, apply_rope_interleaved
 
 
@@ -96,9 +96,9 @@ def resolve_kernels(requested: str, device: torch.device) -> str:
     top-level `kernels` package); auto is triton on CUDA when triton imports, else torch. Triton
     off CUDA runs only under its interpreter (TRITON_INTERPRET=1, set before triton is imported)."""
     if requested == "auto":
-        return "triton" if device.type == "cuda" and _importable("triton") else "torch"
+        return "triton" if device.type == "cuda" and importable("triton") else "torch"
     if requested == "triton":
-        if not _importable("triton"):
+        if not importable("triton"):
             raise MlmError(
                 "model.kernels='triton' needs the triton package: pip install triton "
                 "(or pip install -e .[dev]), or use model.kernels=torch or auto"

@@ -116,7 +116,7 @@ from mlm.model import kinds
 from mlm.model.kinds.mtp.spec import own_params as mtp_params
 from mlm.model.kinds.spec import Micro, Param
 from mlm.parallel.buckets import bucket_layout
-from mlm.parallel.cross_entropy import chunk_tokens
+from mlm.parallel.loss_chunks import chunk_tokens
 from mlm.parallel.schedules import peak_in_flight, stage_layer_counts
 
 _AUTOCAST = ("bf16", "fp16")

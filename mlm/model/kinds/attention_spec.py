@@ -7,7 +7,7 @@ as the core sees them, the output) and its per-head dims (`head_dims`).
 
 from __future__ import annotations
 
-from mlm.config import _check
+from mlm.config import ensure
 from mlm.model.kinds.spec import SOFTMAX, Micro, MixerSpec, Work
 
 
@@ -28,7 +28,7 @@ class AttentionSpec(MixerSpec):
     def check_parallel(self, m, tp, ep, sequence_parallel):
         """Each tp rank holds whole attention heads."""
         H = m.num_attention_heads
-        _check(
+        ensure(
             H % tp == 0,
             f"model.num_attention_heads={H} is not divisible by parallel.tp={tp}: each tp rank "
             f"holds whole attention heads; choose a tp that divides {H}",

@@ -3,7 +3,7 @@ GPT-2), F wide, column-parallel gate/up and row-parallel down. Torch-free."""
 
 from __future__ import annotations
 
-from mlm.config import _check
+from mlm.config import ensure
 from mlm.model.kinds import register
 from mlm.model.kinds.spec import GELU, SWIGLU, Flops, MLPSpec, Param, PartWork
 
@@ -46,7 +46,7 @@ class DenseSpec(MLPSpec):
 
     def check_parallel(self, m, tp, ep, sequence_parallel):
         given = "" if m.ffn_hidden_size else " (unset: 4 × hidden_size)"
-        _check(
+        ensure(
             m.ffn_size % tp == 0,
             f"model.ffn_hidden_size={m.ffn_size}{given} is not divisible by parallel.tp={tp}; "
             f"choose a tp that divides it, or an ffn_hidden_size that is a multiple of {tp}",

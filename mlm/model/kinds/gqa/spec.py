@@ -3,7 +3,7 @@ G = 1), RoPE, optional q/k norms (Qwen3) and q/k/v biases (Qwen2). Torch-free.""
 
 from __future__ import annotations
 
-from mlm.config import _check
+from mlm.config import ensure
 from mlm.model.kinds import register
 from mlm.model.kinds.attention_spec import AttentionSpec
 from mlm.model.kinds.spec import NORM, ROPE, Flops, Param, PartWork, TokenCache
@@ -17,17 +17,17 @@ class GQASpec(AttentionSpec):
     summary = "attention: multi-head, grouped-query or multi-query, RoPE"
 
     def check(self, m):
-        _check(
+        ensure(
             m.num_attention_heads % m.query_groups == 0,
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
             f"model.num_query_groups={m.query_groups}",
         )
-        _check(
+        ensure(
             m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
             f"model.hidden_size={m.hidden_size} is not divisible by "
             f"model.num_attention_heads={m.num_attention_heads}; set model.kv_channels (the head dim)",
         )
-        _check(
+        ensure(
             m.head_dim % 2 == 0 or m.position_embedding != "rope",
             f"model head dim {m.head_dim}: RoPE needs an even head dim (set model.kv_channels)",
         )
@@ -35,7 +35,7 @@ class GQASpec(AttentionSpec):
     def check_parallel(self, m, tp, ep, sequence_parallel):
         super().check_parallel(m, tp, ep, sequence_parallel)
         G = m.query_groups
-        _check(
+        ensure(
             G % tp == 0,
             f"model.num_query_groups={G} is not divisible by parallel.tp={tp}: each tp rank holds "
             f"whole key/value groups; choose a tp that divides {G}, or more query groups",

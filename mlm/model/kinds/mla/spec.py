@@ -7,7 +7,7 @@ qk_nope_head_dim, E v_head_dim.
 
 from __future__ import annotations
 
-from mlm.config import _check
+from mlm.config import ensure
 from mlm.model.kinds import register
 from mlm.model.kinds.attention_spec import AttentionSpec
 from mlm.model.kinds.spec import NORM, ROPE, Flops, Param, PartWork, TokenCache
@@ -21,18 +21,18 @@ class MLASpec(AttentionSpec):
     summary = "multi-latent attention (DeepSeek), options in model.mla"
 
     def check(self, m):
-        _check(
+        ensure(
             m.query_groups == m.num_attention_heads,
             f"model.num_query_groups={m.num_query_groups} with attention_kind=mla: MLA gives every one of "
             f"the {m.num_attention_heads} heads its own key and value (from the shared latent); unset it",
         )
-        _check(
+        ensure(
             m.position_embedding == "rope",
             f"model.position_embedding={m.position_embedding!r} with attention_kind=mla: MLA's decoupled "
             "key part is rotary; set model.position_embedding=rope",
         )
         ignored = [f"{k}={getattr(m, k)}" for k in ("kv_channels", "qk_norm", "qkv_bias") if getattr(m, k)]
-        _check(
+        ensure(
             not ignored,
             f"model.{', model.'.join(ignored)} with attention_kind=mla: MLA's head dims are model.mla's "
             "(qk_nope_head_dim, qk_rope_head_dim, v_head_dim) and it has no q/k norms or q/k/v biases; "

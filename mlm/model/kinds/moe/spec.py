@@ -5,7 +5,7 @@ Torch-free."""
 
 from __future__ import annotations
 
-from mlm.config import _check
+from mlm.config import ensure
 from mlm.model.kinds import register
 from mlm.model.kinds.dense.spec import activation_passes, matrices, mlp_params
 from mlm.model.kinds.spec import Flops, MLPSpec, Param, PartWork
@@ -20,20 +20,20 @@ class MoESpec(MLPSpec):
     expert_parallel = True
 
     def check(self, m):
-        _check(
+        ensure(
             m.moe.num_experts >= 1,
             "model.mlp_kind=moe needs experts: set model.moe.num_experts (and model.moe.router_topk)",
         )
 
     def check_parallel(self, m, tp, ep, sequence_parallel):
         shared = m.moe.shared_expert_ffn_hidden_size
-        _check(
+        ensure(
             not shared or shared % tp == 0,
             f"model.moe.shared_expert_ffn_hidden_size={shared} is not divisible by parallel.tp={tp}: the "
             f"shared experts split over tp like a dense MLP; choose a tp that divides {shared}",
         )
         E = m.moe.num_experts
-        _check(
+        ensure(
             E % ep == 0,
             f"model.moe.num_experts={E} is not divisible by parallel.ep={ep}: each ep rank holds "
             f"E / ep whole experts; choose an ep that divides {E}",
