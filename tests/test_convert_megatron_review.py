@@ -170,7 +170,8 @@ def test_to_megatron_on_a_megatron_dir_says_so(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     for src in (tmp_path, tmp_path / "iter_0000001"):
         with pytest.raises(
-            MlmError, match=r"a Megatron \(or torch DCP\) checkpoint, not an mlm one.*mlm convert from-megatron"
+            MlmError,
+            match=r"a Megatron \(or torch DCP\) checkpoint, not an mlm one.*mlm convert from-megatron",
         ):
             export_megatron(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()

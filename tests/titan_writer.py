@@ -1,12 +1,13 @@
 """torchtitan's own trainer on CPU, writing the checkpoints tests/test_convert_torchtitan.py imports.
 
-    logits = run_ranks(2, train, out, corpus_jsonl, tokenizer_dir, 4, tokens)[0]
+    logits = run_ranks(2, train, out, corpus_jsonl, tokenizer_dir, 4, True, tokens)[0]
     # → out/checkpoint/step-3/ and step-6/ (model, AdamW state, lr_scheduler, train_state,
     #   dataloader), and rank 0's logits of torchtitan's model loaded back from step-6 on `tokens`
-    moments = hf_moments(out / "checkpoint" / "step-6", 4)   # AdamW's moments in HF's layout
+    moments = hf_moments(out / "checkpoint" / "step-6", 4, True)   # AdamW's moments, HF's layout
 
 `train` runs torchtitan 0.3.0's `Trainer` on its llama3 `debugmodel` (6 layers, width 256, 16
-heads, vocabulary 2048; `kv_heads` swaps in grouped-query attention with that many KV heads) for
+heads, vocabulary 2048; `kv_heads` swaps in grouped-query attention with that many KV heads, `tied`
+ties the output layer to the embedding, as torchtitan's Llama 3.2 1B and 3B do) for
 6 steps of 2 × 64 tokens per rank, fused AdamW, checkpointing every 3 steps with the optimizer.
 One rank uses torchtitan's default SPMD backend (`spmd_types`); more ranks shard the model with
 FSDP under `full_dtensor`, since `spmd_types` hands plain tensors to torch 2.13's `fully_shard`
@@ -40,19 +41,21 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy
 import torch
 
 STEPS, SEQ, BATCH = 6, 64, 2
 HEADS, THETA = 16, 500000.0  # the debugmodel's n_heads and rope theta
 
 
-def model_spec(kv_heads: int | None):
+def model_spec(kv_heads: int | None, tied: bool):
     """torchtitan's llama3 debugmodel spec; with `kv_heads`, its attention grouped into that many
-    KV heads (make_gqa_config, fused as the debugmodel's)."""
+    KV heads (make_gqa_config, fused as the debugmodel's); `tied`: enable_weight_tying."""
     from torchtitan.models import llama3
     from torchtitan.models.common.config_utils import make_gqa_config
 
     spec = llama3.model_registry("debugmodel")
+    spec.model.enable_weight_tying = tied
     if kv_heads is not None:
         for layer in spec.model.layers:
             a = layer.attention
@@ -133,16 +136,18 @@ def train(
     corpus_jsonl: Path,
     tokenizer_dir: Path,
     kv_heads: int | None,
+    tied: bool,
     tokens: torch.Tensor,
-) -> torch.Tensor | None:
+) -> numpy.ndarray | None:
     """One gloo rank of torchtitan's trainer (module docstring); rank 0 returns the logits of
-    torchtitan's model loaded from the last checkpoint on `tokens` (1, T)."""
+    torchtitan's model loaded from the last checkpoint on `tokens` (1, T), as a numpy array (a
+    tensor would travel as shared memory that dies with this process)."""
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     import torchtitan.models.llama3.config_registry as registry
 
     _cpu_patches()
     config = registry.llama3_debugmodel()
-    config.model_spec = model_spec(kv_heads)
+    config.model_spec = model_spec(kv_heads, tied)
     config.dump_folder = str(out)
     config.hf_assets_path = str(tokenizer_dir)
     config.dataloader.dataset = _register_dataset(corpus_jsonl)
@@ -157,11 +162,11 @@ def train(
     finally:
         trainer.close()
     if rank == 0:
-        return logits(out / "checkpoint" / f"step-{STEPS}", kv_heads, tokens)
+        return logits(out / "checkpoint" / f"step-{STEPS}", kv_heads, tied, tokens).numpy()
     return None
 
 
-def logits(step_dir: Path, kv_heads: int | None, tokens: torch.Tensor) -> torch.Tensor:
+def logits(step_dir: Path, kv_heads: int | None, tied: bool, tokens: torch.Tensor) -> torch.Tensor:
     """torchtitan's model on `tokens` (1, T), one document, with the weights of `step_dir`."""
     import torch.distributed.checkpoint as dcp
     from torch.nn.attention.flex_attention import flex_attention
@@ -170,7 +175,7 @@ def logits(step_dir: Path, kv_heads: int | None, tokens: torch.Tensor) -> torch.
 
     FlexAttention._compiled_flex_attn = flex_attention  # eager: torchtitan's own ROCm fallback
     with torch.device("meta"):
-        model = model_spec(kv_heads).model.build()
+        model = model_spec(kv_heads, tied).model.build()
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -184,7 +189,9 @@ def logits(step_dir: Path, kv_heads: int | None, tokens: torch.Tensor) -> torch.
         return model(tokens, positions=positions, attention_masks=masks)
 
 
-def hf_moments(step_dir: Path, kv_heads: int | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def hf_moments(
+    step_dir: Path, kv_heads: int | None, tied: bool
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{HF name: (exp_avg, exp_avg_sq)} of the checkpoint's AdamW state, each fused wqkv moment
     split by torchtitan's FusedQKVLinear._split_qkv_on_save and every moment renamed and permuted
     by its Llama3StateDictAdapter.to_hf, as torchtitan takes the weights to Hugging Face."""
@@ -202,7 +209,7 @@ def hf_moments(step_dir: Path, kv_heads: int | None) -> dict[str, tuple[torch.Te
     dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
     kv = kv_heads or HEADS
     fused = SimpleNamespace(head_dim=256 // HEADS, heads_per_kv=HEADS // kv, r_dim=HEADS // kv + 2)
-    adapter = Llama3StateDictAdapter(model_spec(kv_heads).model, None)
+    adapter = Llama3StateDictAdapter(model_spec(kv_heads, tied).model, None)
     out = {}
     for m in ("exp_avg", "exp_avg_sq"):
         moments = {

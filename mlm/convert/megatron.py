@@ -601,7 +601,9 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
     size is the embedding's rows unless the args or `model.vocab_size` say it."""
     bad = [s for s in overrides if not (s.startswith("model.") or s.startswith("preset="))]
     if bad:
-        raise MlmError(f"--set {bad[0]}: mlm convert from-megatron takes model.* fields (or preset=NAME) only")
+        raise MlmError(
+            f"--set {bad[0]}: mlm convert from-megatron takes model.* fields (or preset=NAME) only"
+        )
     common = ckpt.common()
     rows = ckpt.shape("embedding.word_embeddings.weight")[0]
     given = _args_overrides(common) + list(overrides)

@@ -124,7 +124,9 @@ def iteration_dir(src: str | Path) -> Path:
     `release/` the tracker names."""
     src = Path(src)
     if not src.is_dir():
-        raise MlmError(f"mlm convert from-megatron {src}: not a directory; pass a Megatron checkpoint directory")
+        raise MlmError(
+            f"mlm convert from-megatron {src}: not a directory; pass a Megatron checkpoint directory"
+        )
     tracker = src / "latest_checkpointed_iteration.txt"
     own = (src / ".metadata").exists() or any(src.glob("mp_rank_*"))
     if not own and tracker.exists():

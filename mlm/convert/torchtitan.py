@@ -1,20 +1,29 @@
-"""`mlm convert --from-dcp DIR OUT`: a torchtitan checkpoint of a Llama-3 model → mlm checkpoint.
+"""`mlm convert from-torchtitan DIR OUT`: a torchtitan checkpoint of a Llama-3 model → mlm checkpoint.
 
     import_torchtitan("outputs/checkpoint", "ckpt/from-titan", ["preset=llama3-8b"])
 
 torchtitan saves each checkpoint as a torch DCP directory `checkpoint/step-N/` (`.metadata`,
-`__R_T.distcp`; global tensors, so the source's parallelism does not matter). Its top level holds
-the model's parameters under their own names, `optimizer.state.<param>.{step,exp_avg,exp_avg_sq}`
-(`get_optimizer_state_dict(flatten_optimizer_state_dict=True)`), `optimizer.param_groups.*`,
-`lr_scheduler.*`, `train_state.{step,ntokens_seen}` and `dataloader.{world_size,dp_rank_<r>}` (the
-data-parallel size, each dp rank's state); a model-only save (`last_save_model_only`) holds the parameters alone. They
-are read with `mlm.convert.megatron_dcp`'s restricted reader (bytes entries as plain values only).
+`__R_T.distcp`; global tensors, so the source's parallelism, FSDP included, does not matter). Its
+top level holds the model's parameters under their own names, `optimizer.state.<param>.{step,exp_avg,
+exp_avg_sq}` and `optimizer.param_groups.<param>.*` (v0.3.0's `get_flat_optim_state_dict`; earlier,
+`get_optimizer_state_dict(flatten_optimizer_state_dict=True)`), `lr_scheduler.last_epoch` (with
+LambdaLR's other fields before v0.3.0), `train_state.{step,ntokens_seen}` (`step` alone in v0.1.0)
+and `dataloader.{world_size,dp_rank_<r>}` (the data-parallel size, each dp rank's state); a
+model-only save (`last_save_model_only`) holds the parameters alone. They are read with
+`mlm.convert.megatron_dcp`'s restricted reader (bytes entries as plain values only).
 
 Names (`_TOP`, `_LAYER`): torchtitan v0.2.2's Llama 3 (`attention.{wq,wk,wv,wo}`, `output`) and
 its later spelling (`attention.qkv_linear.{wq,wk,wv}`, `lm_head`); w1 is the gate, w3 the up and w2
-the down projection. torchtitan's RoPE rotates adjacent pairs (Meta's complex-number layout) and
-mlm's rotates halves, so the rows of wq and wk are permuted per head (the permute torchtitan's own
-Hugging Face adapter applies), and so are their Adam moments.
+the down projection. v0.3.0 fuses the projection by default (`FusedQKVLinear`): the model's state
+dict still splits it into wq / wk / wv (a state-dict hook), but AdamW's state is that of the real
+parameter `attention.qkv_linear.wqkv.weight`, whose rows run per KV group: the group's query heads,
+its key head, its value head. Its moments are split the way torchtitan splits the weight
+(`_split_qkv`); Adam's step is the fused entry's. A tied output layer (`enable_weight_tying`:
+v0.3.0's Llama 3.2 1B and 3B) is saved under both names and its optimizer state once, under
+tok_embeddings.weight: it is imported as mlm's `tie_embeddings` (`_tied`). torchtitan's RoPE
+rotates adjacent pairs (Meta's complex-number layout) and mlm's rotates halves, so the rows of wq
+and wk are permuted per head (the permute torchtitan's own Hugging Face adapter applies), and so
+are their Adam moments.
 
 The model config: layers, width, MLP width and vocabulary from the shapes; the attention heads
 and the RoPE base are not in the checkpoint and must be given (`--set model.num_attention_heads=N
@@ -25,11 +34,14 @@ Without a preset the norm epsilon and the RoPE scaling default to torchtitan's o
 Written: the weights (the model group) and, where the checkpoint has the optimizer's state, Adam's
 moments (the optim group) at iteration `train_state.step` with `optimizer_step` Adam's step count,
 so that `mlm train --load OUT` resumes there; `consumed_samples` is `ntokens_seen` in sequences
-when that is exact (below). torchtitan keeps no RNG state in the checkpoint: the manifest's is that
-of a fresh run seeded with `train.seed`. Where there is no optimizer state the checkpoint is
-iteration 0, weights only (a new run starts from them). Refused, naming the key: any other tensor
-(MoE, biases, q/k norms: other torchtitan models), other optimizers' state (e.g. AMSGrad's
-max_exp_avg_sq).
+when that is exact (below); the scheduler's `last_epoch` is recorded in the manifest's `source`
+(mlm's schedule follows the iteration). The param groups' hyperparameters (lr, betas, weight decay)
+are not imported: mlm's config sets them. torchtitan keeps no RNG state in the checkpoint: the
+manifest's is that of a fresh run seeded with `train.seed`. Where there is no optimizer state the
+checkpoint is iteration 0, weights only (a new run starts from them). Refused, naming the key: any
+other tensor (MoE, biases, q/k norms: other torchtitan models; a fused `wqkv.weight` in the model
+state), other optimizers' state (e.g. AMSGrad's max_exp_avg_sq), a moment whose shape is not its
+parameter's.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -75,6 +88,9 @@ _LAYER = {
 }
 """torchtitan sub-keys of `layers.N.` → mlm sub-keys of `layers.N.`."""
 
+_FUSED = re.compile(r"layers\.(\d+)\.attention\.qkv_linear\.wqkv\.weight")
+"""torchtitan v0.3.0's fused q/k/v parameter: in the optimizer state only (the model's is split)."""
+
 _STATES = ("optimizer.", "lr_scheduler.", "train_state.", "dataloader.")
 """Top-level entries that are torchtitan's training state, not parameters."""
 
@@ -94,7 +110,9 @@ def step_dir(src: str | Path) -> Path:
     folder, its highest `step-N/`."""
     src = Path(src)
     if not src.is_dir():
-        raise MlmError(f"--from-dcp {src}: not a directory; pass torchtitan's checkpoint folder or a step-N/")
+        raise MlmError(
+            f"from-torchtitan {src}: not a directory; pass torchtitan's checkpoint folder or a step-N/"
+        )
     if (src / ".metadata").exists():
         return src
     steps = [
@@ -104,8 +122,8 @@ def step_dir(src: str | Path) -> Path:
     ]
     if not steps:
         raise MlmError(
-            f"--from-dcp {src}: not a torch DCP checkpoint: no .metadata file in it, nor step-N/ folders "
-            "holding one. Pass torchtitan's checkpoint folder (--checkpoint.folder) or one of its step-N/"
+            f"from-torchtitan {src}: not a torch DCP checkpoint: no .metadata file in it, nor step-N/ "
+            "folders holding one. Pass torchtitan's checkpoint folder (--checkpoint.folder) or one of its step-N/"
         )
     return max(steps)[1]
 
@@ -128,7 +146,7 @@ def _weights(ckpt: MegatronCheckpoint) -> dict[str, str]:
         name = _mlm_name(key)
         if name is None or key in ckpt.bytes_keys:
             raise MlmError(
-                f"{ckpt.path}: torchtitan entry {key!r} is not read by mlm convert --from-dcp: it reads "
+                f"{ckpt.path}: torchtitan entry {key!r} is not read by mlm convert from-torchtitan: it reads "
                 "torchtitan's Llama 3 (tok_embeddings, layers.N.attention.{wq,wk,wv,wo} or "
                 "attention.qkv_linear.{wq,wk,wv}, feed_forward.{w1,w2,w3}, attention_norm, ffn_norm, norm, "
                 "output or lm_head) and its training state; not MoE, biases, q/k norms or other models"
@@ -176,29 +194,81 @@ def _check_complete(ckpt: MegatronCheckpoint, weights: dict[str, str]) -> None:
         )
 
 
+def _split_names(fused: str) -> list[str]:
+    """The model-state names of fused parameter `fused`'s q, k and v parts (v0.3.0's split hook)."""
+    return [fused.replace(".wqkv.", f".{w}.") for w in ("wq", "wk", "wv")]
+
+
+def _tied(ckpt: MegatronCheckpoint, weights: dict[str, str]) -> str | None:
+    """The output layer's key where it is the embedding (torchtitan's `enable_weight_tying`, its
+    Llama 3.2 1B and 3B), else None. The model's state dict holds the shared parameter under both
+    names and the optimizer's state once, under tok_embeddings.weight; tied iff the output layer
+    has no optimizer state of its own and its values are the embedding's (a model-only save of an
+    untied model costs the reading of both)."""
+    out = next((k for k, name in weights.items() if name == "output.weight"), None)
+    if out is None or f"optimizer.state.{out}.step" in ckpt.stored:
+        return None
+    if ckpt.shape(out) != ckpt.shape("tok_embeddings.weight"):
+        return None
+    return out if torch.equal(ckpt.read(out), ckpt.read("tok_embeddings.weight")) else None
+
+
 def _optimizer(ckpt: MegatronCheckpoint, weights: dict[str, str]) -> dict[str, dict[str, str]]:
     """{torchtitan parameter: {"step" / "exp_avg" / "exp_avg_sq": its DCP key}}, {} where the
-    checkpoint holds no optimizer state; MlmError for state that is not AdamW's or a parameter lacking it."""
+    checkpoint holds no optimizer state. A parameter is a key of `weights` or a fused
+    `layers.N.attention.qkv_linear.wqkv.weight`, whose state stands for its split wq, wk and wv.
+    MlmError for state that is not AdamW's, a parameter lacking it, or a moment of another shape."""
     found: dict[str, dict[str, str]] = {}
     for key in ckpt.stored:
         if not key.startswith("optimizer.state."):
             continue
         param, _, field = key.removeprefix("optimizer.state.").rpartition(".")
-        if param not in weights or field not in ("step", *MOMENTS):
+        known = param in weights or (
+            _FUSED.fullmatch(param) and all(k in weights for k in _split_names(param))
+        )
+        if not known or field not in ("step", *MOMENTS):
             raise MlmError(
                 f"{ckpt.path}: optimizer state {key!r} is not read: mlm imports AdamW's step, exp_avg and "
                 "exp_avg_sq of the model's parameters (not AMSGrad, other optimizers or other parameters); "
                 "import the weights only (--weights-only)"
             )
         found.setdefault(param, {})[field] = key
-    lacking = [p for p in weights if set(found.get(p, {})) != {"step", *MOMENTS}]
+    covered = {p: p for p in found if p in weights}
+    for fused in (p for p in found if p not in weights):
+        for part in _split_names(fused):
+            if part in covered:
+                raise MlmError(
+                    f"{ckpt.path}: the optimizer state holds both {fused} and its part {part}; "
+                    "import the weights only (--weights-only)"
+                )
+            covered[part] = fused
+    lacking = [p for p in weights if set(found.get(covered.get(p, p), {})) != {"step", *MOMENTS}]
     if found and lacking:
         raise MlmError(
             f"{ckpt.path}: the optimizer state lacks step, exp_avg or exp_avg_sq of {lacking[0]} (a frozen "
             "parameter?); mlm's AdamW steps every parameter, so it cannot resume from this state: import "
             "the weights only (--weights-only)"
         )
+    for param, fields in found.items():
+        parts = [param] if param in weights else _split_names(param)
+        shapes = [ckpt.shape(p) for p in parts]
+        want = torch.Size([sum(s[0] for s in shapes), *shapes[0][1:]])
+        for m in MOMENTS:
+            if ckpt.shape(fields[m]) != want:
+                raise MlmError(
+                    f"{ckpt.path}: {fields[m]} has shape {list(ckpt.shape(fields[m]))} but "
+                    f"{' + '.join(parts)} {'have' if len(parts) > 1 else 'has'} {list(want)}; import the "
+                    "weights only (--weights-only)"
+                )
     return found
+
+
+def _split_qkv(t: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
+    """torchtitan's fused wqkv rows → [q, k, v] rows, as its FusedQKVLinear._split_qkv_on_save splits
+    the weight: (KV groups, the group's query heads + its key head + its value head, head dim)."""
+    groups, per = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups
+    w = t.reshape(groups, per + 2, cfg.head_dim, *t.shape[1:])
+    return [p.reshape(-1, *t.shape[1:]) for p in (w[:, :per], w[:, per], w[:, per + 1])]
 
 
 def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -224,7 +294,9 @@ def model_config(
     notes for the report). The heads and RoPE base must be given; query groups and head dim follow."""
     bad = [s for s in overrides if not s.startswith(("model.", "preset=", "data.seq_length="))]
     if bad:
-        raise MlmError(f"--set {bad[0]}: --from-dcp takes model.* fields, data.seq_length or preset=NAME")
+        raise MlmError(
+            f"--set {bad[0]}: from-torchtitan takes model.* fields, data.seq_length or preset=NAME"
+        )
     key = {name: k for k, name in weights.items()}
     shape = {name: ckpt.shape(k) for k, name in weights.items()}
     rows, hidden = shape["embed.weight"]
@@ -316,7 +388,7 @@ def _position(ckpt: MegatronCheckpoint, optim: dict, config: Config) -> tuple[di
         for k in (
             "train_state.step",
             "train_state.ntokens_seen",
-            "lr_scheduler.lr_scheduler_0.last_epoch",
+            "lr_scheduler.last_epoch",
             "dataloader.world_size",
         )
         if k in ckpt.bytes_keys
@@ -370,6 +442,25 @@ def _position(ckpt: MegatronCheckpoint, optim: dict, config: Config) -> tuple[di
     return {"iteration": iteration, **position}, source, notes
 
 
+def _tensors(
+    ckpt: MegatronCheckpoint, weights: dict[str, str], optim: dict[str, dict[str, str]], cfg: ModelConfig
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(group, mlm key, tensor in mlm's layout), one tensor read at a time: the weights, then Adam's
+    moments (a fused wqkv's split into its wq, wk and wv parts first)."""
+    for key, name in weights.items():
+        yield "model", name, _layout(name, ckpt.read(key), cfg)
+    for param, fields in optim.items():
+        for m in MOMENTS:
+            t = ckpt.read(fields[m])
+            parts = (
+                [(param, t)]
+                if param in weights
+                else zip(_split_names(param), _split_qkv(t, cfg), strict=True)
+            )
+            for part, moment in parts:
+                yield "optim", moment_key(m, weights[part]), _layout(weights[part], moment, cfg)
+
+
 def import_torchtitan(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -387,7 +478,11 @@ def import_torchtitan(
     start = time.perf_counter()
     ckpt = MegatronCheckpoint(step_dir(src))
     weights = _weights(ckpt)
+    tied = _tied(ckpt, weights)
+    weights = {k: name for k, name in weights.items() if k != tied}
     config, notes = model_config(ckpt, weights, list(overrides))
+    if tied:
+        notes.append(f"{tied} is tok_embeddings.weight (tied): imported with model.tie_embeddings=true")
     cfg = config.model
     _check_shapes(ckpt, weights, cfg)
     optim = {} if weights_only else _optimizer(ckpt, weights)
@@ -402,8 +497,6 @@ def import_torchtitan(
     iteration = position.pop("iteration", 0)
     keys = [*weights, *[f[m] for f in optim.values() for m in MOMENTS]]
     total = sum(math.prod(ckpt.shape(k)) * ckpt.stored[k].properties.dtype.itemsize for k in keys)
-    items = [("model", k, name) for k, name in weights.items()]
-    items += [("optim", f[m], moment_key(m, weights[p])) for p, f in optim.items() for m in MOMENTS]
     report = Report("import", src, out, "torchtitan Llama 3", notes=notes)
     with staged_dir(out) as tmp:
         extra = {
@@ -411,7 +504,7 @@ def import_torchtitan(
             **position,
             "source": {"torchtitan_dir": str(ckpt.path.resolve()), **source},
         }
-        tensors = ((group, name, _layout(name, ckpt.read(key), cfg)) for group, key, name in items)
+        tensors = _tensors(ckpt, weights, optim, cfg)
         groups = ["model", "optim"] if optim else ["model"]
         write_import(tmp, iteration, tensors, extra, groups, config, report, progress, total)
         if verify:
