@@ -42,21 +42,22 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1.0 + noise if name.endswith(_GAINS) else noise)
 
 
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    attn_implementation="eager",
+)
+"""The shape of the tiny Llama-family models (GQA: 4 heads over 2 key-value heads)."""
+
+
 def llama(tie: bool, seed: int = 1, **config) -> torch.nn.Module:
     """A tiny random LlamaForCausalLM (GQA, llama3 RoPE scaling); `config` overrides fields."""
-    defaults = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=dict(LLAMA3_ROPE),
-        attn_implementation="eager",
-    )
+    defaults = dict(TINY, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=dict(LLAMA3_ROPE))
     cfg = transformers.LlamaConfig(**{**defaults, **config, "tie_word_embeddings": tie})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).float().eval()
@@ -84,19 +85,7 @@ def gpt2(tie: bool) -> torch.nn.Module:
 
 def qwen(version: int, tie: bool, seed: int = 3) -> torch.nn.Module:
     """A tiny random dense Qwen2 (q/k/v biases) or Qwen3 (q/k norms, head_dim 32 ≠ hidden / heads)."""
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=tie,
-        attn_implementation="eager",
-    )
+    common = dict(TINY, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=tie)
     if version == 2:
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
     else:

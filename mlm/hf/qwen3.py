@@ -22,18 +22,24 @@ QK_NORMS: dict[str, Target] = {
 KEYS: dict[str, Target] = llama_keys(DENSE_MLP, QK_NORMS)
 
 
+def check_qwen3_attention(a: Adapter, c: dict) -> None:
+    """MlmError for what Qwen3's (dense and MoE) attention has and mlm does not: biases on its four
+    projections, a sliding window used and shorter than the context."""
+    if c.get("attention_bias"):
+        raise MlmError(
+            "Hugging Face config attention_bias=true: mlm has biases on q, k, v (qkv_bias) or on "
+            "every linear layer (add_bias), not on the attention's four; only attention_bias=false converts"
+        )
+    qwen_window(c, a.get(c, "max_position_embeddings"))
+
+
 class Qwen3Adapter(Adapter):
     model_type = "qwen3"
     hf_class = "Qwen3ForCausalLM"
     from_hf = KEYS
 
     def config_from_hf(self, c: dict) -> ModelConfig:
-        if c.get("attention_bias"):
-            raise MlmError(
-                "Hugging Face config attention_bias=true: mlm has biases on q, k, v (qkv_bias) or on "
-                "every linear layer (add_bias), not on the attention's four; only attention_bias=false converts"
-            )
-        qwen_window(c, self.get(c, "max_position_embeddings"))
+        check_qwen3_attention(self, c)
         return ModelConfig(**llama_fields(self, c), qk_norm=True)
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:

@@ -8,11 +8,10 @@ router. Field mapping: `mlm.hf.moe`.
 from __future__ import annotations
 
 from mlm.config import ModelConfig, MoEConfig
-from mlm.errors import MlmError
 from mlm.hf.llama import DENSE_MLP, LLAMA_RULES, llama_fields, llama_keys, llama_to_hf
 from mlm.hf.moe import ROUTER_RULES, MoEAdapter, sparse_layers, sparse_layers_to_hf
-from mlm.hf.qwen2_moe import QWEN_EXPERTS, qwen_window
-from mlm.hf.qwen3 import QK_NORMS
+from mlm.hf.qwen2_moe import QWEN_EXPERTS
+from mlm.hf.qwen3 import QK_NORMS, check_qwen3_attention
 from mlm.hf.templates import Target
 
 KEYS: dict[str, Target] = llama_keys({**DENSE_MLP, **QWEN_EXPERTS}, QK_NORMS)
@@ -24,12 +23,7 @@ class Qwen3MoeAdapter(MoEAdapter):
     from_hf = KEYS
 
     def config_from_hf(self, c: dict) -> ModelConfig:
-        if c.get("attention_bias"):
-            raise MlmError(
-                "Hugging Face config attention_bias=true: mlm has biases on q, k, v (qkv_bias) or on "
-                "every linear layer (add_bias), not on the attention's four; only attention_bias=false converts"
-            )
-        qwen_window(c, self.get(c, "max_position_embeddings"))
+        check_qwen3_attention(self, c)
         moe = MoEConfig(
             **self.router(c, renormalise=bool(c.get("norm_topk_prob", False))),
             ffn_hidden_size=self.get(c, "moe_intermediate_size"),
