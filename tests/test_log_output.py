@@ -92,7 +92,8 @@ def test_plan_table_headers_and_cells_in_full(tmp_path):
     # a rejected family's reason and the --explain headline, each whole on one line
     assert any("every pipeline stage needs at least one layer" in line for line in lines), text
     assert any(
-        line.startswith("dp8, micro-batch") and line.endswith("8 × h100-80g, software mlm") for line in lines
+        line.startswith("dp8, micro-batch") and line.endswith("8 × h100-80g, software mlm-triton")
+        for line in lines
     ), text
 
 
