@@ -27,7 +27,7 @@ from mlm.errors import MlmError  # noqa: E402
 from mlm.units import parse_size  # noqa: E402
 
 from test_bad_input import ROOT, assert_error, mlm  # noqa: E402
-from test_hf_numerics import VOCAB, _randomize, gpt2, llama, qwen  # noqa: E402
+from test_hf_numerics import TINY, VOCAB, _randomize, gpt2, llama, qwen  # noqa: E402
 
 MODELS = {
     "qwen2-tied": lambda: qwen(2, tie=True),
@@ -360,17 +360,7 @@ def test_out_exists(tmp_path, monkeypatch, capsys):
 
 
 def mistral(sliding_window: int | None):
-    cfg = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        sliding_window=sliding_window,
-        attn_implementation="eager",
-    )
+    cfg = transformers.MistralConfig(**TINY, sliding_window=sliding_window)
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(cfg).float().eval()
     _randomize(model, 3)

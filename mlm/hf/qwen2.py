@@ -9,13 +9,10 @@ from __future__ import annotations
 from mlm.config import ModelConfig
 from mlm.hf.adapter import Adapter
 from mlm.hf.llama import DENSE_MLP, LLAMA_RULES, llama_fields, llama_keys, llama_to_hf
-from mlm.hf.qwen2_moe import qwen_window
+from mlm.hf.qwen2_moe import QKV_BIASES, qwen_window
 from mlm.hf.templates import Target
 
-KEYS: dict[str, Target] = llama_keys(
-    DENSE_MLP,
-    {f"model.layers.{{layer}}.self_attn.{p}_proj.bias": f"layers.{{layer}}.attn.{p}.bias" for p in "qkv"},
-)
+KEYS: dict[str, Target] = llama_keys(DENSE_MLP, QKV_BIASES)
 
 
 class Qwen2Adapter(Adapter):

@@ -32,10 +32,12 @@ _SHARED: dict[str, Target] = {
     },
     "model.layers.{layer}.mlp.shared_expert_gate.weight": "layers.{layer}.mlp.shared_gate.weight",
 }
-KEYS: dict[str, Target] = llama_keys(
-    {**DENSE_MLP, **QWEN_EXPERTS, **_SHARED},
-    {f"model.layers.{{layer}}.self_attn.{p}_proj.bias": f"layers.{{layer}}.attn.{p}.bias" for p in "qkv"},
-)
+QKV_BIASES: dict[str, Target] = {
+    f"model.layers.{{layer}}.self_attn.{p}_proj.bias": f"layers.{{layer}}.attn.{p}.bias" for p in "qkv"
+}
+"""Qwen2's (dense and MoE) biases on q, k and v."""
+
+KEYS: dict[str, Target] = llama_keys({**DENSE_MLP, **QWEN_EXPERTS, **_SHARED}, QKV_BIASES)
 
 
 def qwen_window(c: dict, positions: int) -> None:
