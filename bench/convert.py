@@ -10,7 +10,7 @@ check its chunk checksums, re-chunk, write with new checksums).
 
 Import: a Llama-shaped `model.safetensors` of about --gb GB (config.json beside it); timed,
 alternately: reading every tensor into memory with safetensors' own `load_file` (the baseline) and
-`mlm.convert.hf.import_hf` without the logit check (read, map, write the mlm checkpoint).
+`mlm.convert.hf.folder.import_hf` without the logit check (read, map, write the mlm checkpoint).
 
 Prints GB/s of each and the ratios (target: ≥ 0.5 of the baseline). The page cache is warm for
 all (the inputs were just written); each output is deleted before the next run.
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from mlm.checkpoint.keys import MOMENTS, moment_key  # noqa: E402
 from mlm.checkpoint.manager import save_streaming  # noqa: E402
 from mlm.config import Config, ModelConfig  # noqa: E402
-from mlm.convert.hf import import_hf  # noqa: E402
+from mlm.convert.hf.folder import import_hf  # noqa: E402
 from mlm.convert.reshard import reshard, target_chunk  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
 

@@ -8,7 +8,7 @@ first token and inter-token latency of 32 streaming HTTP clients against `mlm se
                                     [--cuda-graphs]
 
 Shapes (random weights, seed 0; a LlamaForCausalLM, and mlm's GPT with the same weights through
-`mlm.hf.load_hf_into`):
+`mlm.convert.hf.load_hf_into`):
 - `tiny`: hidden 64, 2 layers, 4 heads / 2 key-value heads, intermediate 192, vocabulary 1000,
   context 512.
 - `smollm2-135m`: SmolLM2-135M's shape (its published config.json): hidden 576, 30 layers, 9 heads
@@ -66,7 +66,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlm.hf import config_from_hf, load_hf_into  # noqa: E402
+from mlm.convert.hf import config_from_hf, load_hf_into  # noqa: E402
 from mlm.inference.engine import Engine, EngineConfig  # noqa: E402
 from mlm.inference.host_memory import keep_freed_memory  # noqa: E402
 from mlm.inference.sampling import SamplingParams  # noqa: E402

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve import SHAPES, make_prompts  # noqa: E402
 
-from mlm.hf import config_from_hf  # noqa: E402
+from mlm.convert.hf import config_from_hf  # noqa: E402
 from mlm.inference import paged_attention  # noqa: E402
 from mlm.inference.engine import Engine, EngineConfig  # noqa: E402
 from mlm.inference.host_memory import keep_freed_memory  # noqa: E402

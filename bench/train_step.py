@@ -18,7 +18,7 @@ model uncompiled beside it (the compile speed-up). `--set` takes any config over
 ...). Only what takes effect through these steps (the config, the model's build, `set_kernels`,
 `compile_layers`, fp8's `apply_fp8`, the trainer's optimizer) reaches the model here: a setting
 the trainer applies elsewhere (in `Trainer.__init__`, say) needs a line in `build_mlm`. The loss is the model's own
-(`GPT.head_loss`). With HF (the default on CPU) it exports the weights with `mlm.hf.mlm_to_hf` and
+(`GPT.head_loss`). With HF (the default on CPU) it exports the weights with `mlm.convert.hf.mlm_to_hf` and
 loads them into `LlamaForCausalLM` (attn_implementation="sdpa"). Then times full training steps
 (forward, the cross-entropy, backward, AdamW step, zero_grad; mlm with its trainer's optimizer, HF
 with torch.optim.AdamW as a transformers loop uses it) on the same batch of random tokens,
@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlm.build import build_rank_model  # noqa: E402
 from mlm.config import load_config  # noqa: E402
+from mlm.convert.hf import mlm_to_hf  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.flops import flops_per_token  # noqa: E402
 from mlm.hardware import profile_of_gpu  # noqa: E402
-from mlm.hf import mlm_to_hf  # noqa: E402
 from mlm.parallel import Mesh  # noqa: E402
 from mlm.train.metrics import peak_flops  # noqa: E402
 from mlm.train.optimizer import TrainOptimizer  # noqa: E402
@@ -74,7 +74,7 @@ def build_mlm(preset: str, seq: int, device: torch.device, sets: list[str], seed
 
 
 def build_hf(mlm, cfg, device: torch.device):
-    """transformers' LlamaForCausalLM with the weights of `mlm` (exported through `mlm.hf`)."""
+    """transformers' LlamaForCausalLM with the weights of `mlm` (exported through `mlm.convert.hf`)."""
     import transformers
 
     hf_state, hf_config = mlm_to_hf({k: v.cpu() for k, v in mlm.state_dict().items()}, cfg.model, "llama")

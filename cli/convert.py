@@ -104,7 +104,7 @@ def from_hf(
     progress: bool = PROGRESS,
 ) -> None:
     """Import a Hugging Face model folder as it is (reshard it afterwards with mlm convert reshard)."""
-    from mlm.convert import hf
+    from mlm.convert.hf import folder as hf
 
     report = _with_progress(lambda show: hf.import_hf(src, out, verify=verify, progress=show), progress)
     _print_report(report)
@@ -123,7 +123,7 @@ def from_megatron(
 ) -> None:
     """Import a Megatron-LM checkpoint with its optimizer state and data position, as it is
     (reshard it afterwards with mlm convert reshard)."""
-    from mlm.convert import megatron
+    from mlm.convert.megatron import importer as megatron
 
     def run(show):
         return megatron.import_megatron(
@@ -149,7 +149,7 @@ def from_torchtitan(
 ) -> None:
     """Import a torchtitan Llama checkpoint with its AdamW state and step, as it is (reshard it
     afterwards with mlm convert reshard)."""
-    from mlm.convert import torchtitan
+    from mlm.convert.torchtitan import importer as torchtitan
 
     def run(show):
         return torchtitan.import_torchtitan(
@@ -166,7 +166,7 @@ def from_trtllm(
 ) -> None:
     """Import a TensorRT-LLM checkpoint (one mlm exports: Llama or Mixtral layouts), read back bit for bit."""
     from mlm.console import console, human
-    from mlm.export.trtllm_import import import_trtllm
+    from mlm.convert.trtllm.importer import import_trtllm
 
     r = import_trtllm(src, out)
     console.print(

@@ -6,7 +6,7 @@
     mlm export trtllm --check OUT                                  # validate a TensorRT-LLM folder
 
 The imports are `mlm convert from-hf | from-megatron | from-torchtitan | from-trtllm`. See
-docs/export.md and docs/convert.md.
+docs/hf.md, docs/megatron-export.md and docs/trtllm.md.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def hf(
 ) -> None:
     """Write a Hugging Face model folder (config.json, safetensors, tokenizer), its logits checked
     against the checkpoint's."""
-    from mlm.convert import hf as convert_hf
+    from mlm.convert.hf import folder as convert_hf
 
     def run(show):
         return convert_hf.export_hf(
@@ -62,7 +62,7 @@ def hf(
 def megatron(src: Path = SRC_CKPT, out: Path = OUT, verify: bool = VERIFY, progress: bool = PROGRESS) -> None:
     """Write a Megatron-LM torch_dist save directory (the weights as they are; Megatron reshards a
     torch_dist checkpoint when it loads it), read back with mlm's Megatron reader."""
-    from mlm.convert import megatron_export
+    from mlm.convert.megatron import exporter as megatron_export
 
     def run(show):
         return megatron_export.export_megatron(src, out, verify=verify, progress=show)
@@ -97,7 +97,7 @@ def trtllm(
     if check is not None:
         if src is not None or out is not None:
             raise MlmError("mlm export trtllm --check DIR takes no other path")
-        from mlm.export.trtllm_check import check_trtllm
+        from mlm.convert.trtllm.check import check_trtllm
 
         problems = check_trtllm(check)
         if problems:
@@ -106,7 +106,7 @@ def trtllm(
         return
     if src is None or out is None:
         raise MlmError("mlm export trtllm: pass CKPT OUT (or --check DIR)")
-    from mlm.export.trtllm import export_trtllm
+    from mlm.convert.trtllm.exporter import export_trtllm
 
     r = export_trtllm(src, out, tp=tp, pp=pp, dtype=dtype, verify=verify)
     verified = (

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def mlm(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "cli.main", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd or ROOT,
-        env={"PYTHONPATH": str(ROOT), "COLUMNS": "200", "PATH": "/usr/bin:/bin"},
-    )
+from helpers import assert_error, mlm
 
 
 def build(tmp_path, tokenizer, *extra, name="in.jsonl"):
@@ -34,14 +22,6 @@ def build(tmp_path, tokenizer, *extra, name="in.jsonl"):
         "--no-progress",
         *extra,
     )
-
-
-def assert_error(r, *fragments):
-    assert r.returncode == 2, r.stdout + r.stderr
-    err = " ".join(r.stderr.split())  # unwrap the console's line breaks
-    assert "error:" in err and "Traceback" not in err, err
-    for f in fragments:
-        assert f in err, err
 
 
 def assert_no_output(tmp_path):

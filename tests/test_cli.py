@@ -11,7 +11,7 @@ import numpy as np
 
 from mlm.datasets.indexed import IndexedDataset
 
-from test_bad_input import ROOT, mlm
+from helpers import ROOT, mlm
 
 
 def test_help_and_version_do_not_import_torch():

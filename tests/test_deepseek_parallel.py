@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from mlm.config import Config, MLAConfig, ModelConfig, load_config
+from mlm.convert.hf import config_to_hf
+from mlm.convert.trtllm.config import architecture
 from mlm.errors import MlmError
-from mlm.export.trtllm_config import architecture
-from mlm.hf import config_to_hf
 from mlm.model import build_model
 from mlm.model.kinds.mtp.module import MTPTargets
 from mlm.parallel.context import zigzag_indices

@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from mlm.config import ModelConfig  # noqa: E402
-from mlm.convert.hf import import_hf  # noqa: E402
+from mlm.convert.hf.folder import import_hf  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.inference.engine import Completion, Engine, EngineConfig, QueueFull  # noqa: E402
 from mlm.inference.loader import load_checkpoint_tokenizer, load_model  # noqa: E402
@@ -28,8 +28,8 @@ from mlm.inference.text import TextStream  # noqa: E402
 from mlm.model.generate import greedy  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
 
-from test_bad_input import ROOT  # noqa: E402
-from test_hf_numerics import llama as hf_llama  # noqa: E402
+from helpers import ROOT  # noqa: E402
+from hf_models import llama as hf_llama  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

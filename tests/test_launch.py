@@ -98,7 +98,7 @@ def test_sbatch_script_requeues_by_exit_code(tmp_path, rc, restarts, failures, r
 
 
 def test_slurm_command_checks_the_mesh():
-    from test_bad_input import mlm
+    from helpers import mlm
 
     r = mlm("slurm", "--nodes", "3", "--gpus-per-node", "2", "--set", "parallel.tp=4")
     assert r.returncode == 2 and "does not divide world size 6" in r.stderr

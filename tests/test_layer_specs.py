@@ -194,8 +194,8 @@ def test_the_config_selects_the_new_kind(tmp_path, tiny_data):
 
 
 def test_exports_refuse_kinds_their_formats_lack():
-    from mlm.export.trtllm_config import architecture
-    from mlm.hf import config_to_hf
+    from mlm.convert.hf import config_to_hf
+    from mlm.convert.trtllm.config import architecture
 
     cfg = ModelConfig(num_layers=2, mlp_kind="squared_relu", mlp_kind_freq=[0, 1])
     with pytest.raises(MlmError, match=r"layer kinds \[\('gqa', 'dense'\), \('gqa', 'squared_relu'\)\]"):

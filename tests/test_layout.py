@@ -21,7 +21,7 @@ from mlm.plan.hardware import load_hardware
 from mlm.plan.job import make_job
 from mlm.plan.search import _divisors, _family_layouts, context_parallel_sizes
 
-from test_bad_input import assert_error, mlm
+from helpers import assert_error, mlm
 
 
 def _generated(job):

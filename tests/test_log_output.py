@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from conftest import tiny_sets
-from test_bad_input import ROOT
+from helpers import ROOT
 
 ENV = {"PYTHONPATH": str(ROOT), "COLUMNS": "80", "PATH": "/usr/bin:/bin"}
 

@@ -26,7 +26,7 @@ from mlm.errors import MlmError
 from mlm.train.trainer import Trainer
 
 from distributed import run_ranks
-from test_bad_input import mlm
+from helpers import mlm
 from test_moe_parallel import MOE as MOE_MODEL
 from test_parallel_training import RTOL, _sets
 

@@ -24,7 +24,7 @@ import torch
 
 from mlm.checkpoint import ShardedTensor, load_checkpoint
 from mlm.config import load_config
-from mlm.convert.hf import export_hf
+from mlm.convert.hf.folder import export_hf
 from mlm.tokenizer import load_tokenizer
 from mlm.train.trainer import Trainer
 

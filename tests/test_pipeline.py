@@ -24,7 +24,7 @@ from mlm.train.dry_run import dry_run
 from conftest import tiny_sets
 from distributed import run_ranks
 from fixed_cost import measure_bubble
-from test_bad_input import mlm
+from helpers import mlm
 
 # 1F1B, pp = 4, m = 6: rank r runs pp − r − 1 forwards, then alternates, then drains.
 ONE_F_ONE_B_PP4_M6 = [

@@ -21,7 +21,7 @@ from mlm.plan.job import make_job
 from mlm.plan.pinned import complete
 from mlm.plan.search import Constraints, plan, search, why_not
 
-from test_bad_input import ROOT, assert_error, mlm
+from helpers import ROOT, assert_error, mlm
 
 EXAMPLE = (
     "--preset llama3-70b --gpus 512 --gpus-per-node 8 --hardware h100-80g --seq-length 8192 --global-batch 1024"
@@ -252,7 +252,7 @@ def test_file_output_is_whole_at_columns_60(job, result, tmp_path):
     import subprocess
     import sys
 
-    from test_bad_input import ROOT
+    from helpers import ROOT
 
     with open(tmp_path / "plan.txt", "w") as f:
         r = subprocess.run(

@@ -185,7 +185,7 @@ def test_tiny_deepseek_recipe_config():
 def test_deepseek_v3_preset_is_its_config_json():
     """The preset equals what the Hugging Face importer makes of DeepSeek-V3's config.json (its
     architecture fields, as published in deepseek-ai/DeepSeek-V3)."""
-    from mlm.hf.deepseek_v3 import DEEPSEEK_V3
+    from mlm.convert.hf.deepseek_v3 import DEEPSEEK_V3
 
     config_json = {
         "model_type": "deepseek_v3",

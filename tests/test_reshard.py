@@ -19,7 +19,7 @@ from mlm.errors import MlmError
 from mlm.train.trainer import Trainer
 
 from conftest import tiny_sets
-from test_bad_input import mlm
+from helpers import mlm
 
 VOCAB = 512
 MODEL = {  # GQA that splits over tp 4; the vocabulary pads to 600 rows at tp 1, 800 at tp 2 and 4

@@ -43,7 +43,7 @@ from mlm.train.watchdog import (
 
 from conftest import tiny_sets
 from distributed import free_port
-from test_bad_input import ROOT
+from helpers import ROOT
 
 WORKER = Path(__file__).with_name("fault_worker.py")
 TIMEOUT = 120  # seconds for a whole job; these take 10-25 s on 2 cores

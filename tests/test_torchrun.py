@@ -32,7 +32,7 @@ from mlm.train.trainer import PREEMPTED_EXIT_CODE, Trainer
 
 from conftest import tiny_sets
 from distributed import free_port
-from test_bad_input import ROOT
+from helpers import ROOT
 from test_parallel_training import BASE, RTOL
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")

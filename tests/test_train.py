@@ -20,7 +20,7 @@ from mlm.train.schedule import lr_at
 from mlm.train.trainer import Trainer
 
 from conftest import tiny_sets
-from test_bad_input import ROOT, mlm
+from helpers import ROOT, mlm
 
 
 def tiny_config(tmp_path, data, **extra):

@@ -51,3 +51,20 @@ def rng_state_from_json(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(_bytes_tensor(s), i)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs as a fresh `mlm train` run does."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def seeded_rng_state(seed: int) -> dict:
+    """The RNG state of a fresh `mlm train` run seeded with `seed`, as `rng_state_to_json` gives it
+    (this process's own state is left as it was)."""
+    before = rng_state_to_json()
+    seed_everything(seed)
+    state = rng_state_to_json()
+    rng_state_from_json(before)
+    return state

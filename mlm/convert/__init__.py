@@ -1,13 +1,15 @@
-"""The conversions behind `mlm convert` (reshard, from-hf, from-megatron, from-torchtitan) and `mlm
-export hf` / `mlm export megatron`: reshard checkpoints, Hugging Face import and export,
-Megatron-LM import and export, torchtitan import.
+"""Checkpoint interop, one package: `mlm convert` (reshard, from-hf, from-megatron, from-torchtitan,
+from-trtllm) and `mlm export` (hf, megatron, trtllm).
 
-`reshard` rewrites a checkpoint for another mesh; `hf_io` reads and writes Hugging Face model
-folders; `hf` converts in both directions through the adapters of `mlm.hf`; `megatron_dcp` reads
-torch DCP directories (Megatron's torch_dist, torchtitan's steps) without unpickling more than
-plain values, `megatron_pickle` Megatron-LM's pickled files under an allow-list, `megatron_legacy`
-its per-rank `--ckpt-format torch` layout; `megatron` imports a Megatron-core GPTModel (with its
-distributed optimizer's Adam state: `megatron_optim`), `megatron_export` writes one, `torchtitan`
-imports a torchtitan Llama 3; `common` holds the report, the import writer and the checks every
-conversion ends with. See docs/convert.md.
+- `reshard`: an mlm checkpoint rewritten for another mesh or dtype.
+- `common`: the report, the import writer and the checks every conversion ends with.
+- `keymap`: the key-template engine (Hugging Face's names ⇄ mlm's: indexed, split, transposed,
+  stacked, copied keys).
+- `layouts`: the tensor layouts foreign formats fuse or cut (per-group q/k/v, [gate; up], RoPE's
+  pair order, tensor-parallel pieces), each beside its inverse.
+- One folder per foreign format: `hf/` (one adapter per architecture, `folder` reads and writes a
+  model folder), `megatron/` (names, args both ways, torch_dist and legacy readers, the pickle
+  allow-list, the distributed optimizer, import, export), `torchtitan/`, `trtllm/`.
+
+No module here imports another stage (train, serve, plan). See docs/convert.md.
 """

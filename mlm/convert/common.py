@@ -15,13 +15,14 @@ import torch
 from mlm.checkpoint import read_group
 from mlm.checkpoint.manager import save_streaming
 from mlm.checkpoint.store import dtype_name
-from mlm.config import Config, to_toml
+from mlm.config import Config, ModelConfig, to_toml
 from mlm.errors import MlmError
+from mlm.model.gpt import GPT
 from mlm.verify import prompt_logits
 
 # Max |logit difference| allowed, relative to max(1, max |logit|) (both sides computed in fp32 on
 # the CPU). Bit-exact conversions differ only by the order of operations: measured 5e-7 relative
-# (1.4e-6 at max |logit| 2.8) on tests/test_convert_hf.py's Llama and GPT-2. Casting the weights
+# (1.4e-6 at max |logit| 2.8) on the Llama and GPT-2 of tests/interop/hf/. Casting the weights
 # to bf16 / fp16 on export moves the logits by their rounding: measured 9.2e-3 (bf16) and 1.4e-3
 # (fp16) relative there; the tolerances leave 5-20× room for deeper models, while a wrong tensor
 # (swapped, transposed or misplaced) moves the logits by O(1).
@@ -65,6 +66,13 @@ class Report:
         self.tensors += 1
         self.bytes += math.prod(shape) * dtype.itemsize
         self.dtype = ",".join(sorted({*filter(None, self.dtype.split(",")), dtype_name(dtype)}))
+
+
+def model_shapes(cfg: ModelConfig, padded_vocab: int | None) -> dict[str, torch.Size]:
+    """mlm's tensor shapes for `cfg` (the vocabulary padded to `padded_vocab` rows), built on the
+    meta device: nothing is allocated."""
+    with torch.device("meta"):
+        return {k: v.shape for k, v in GPT(cfg, padded_vocab).state_dict().items()}
 
 
 def write_import(

@@ -14,7 +14,6 @@ skips the step, rolls back to the last checkpoint or stops (`mlm.train.faults`).
 from __future__ import annotations
 
 import math
-import random
 import signal
 import threading
 import time
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from mlm.build import build_rank_model
 from mlm.checkpoint import read_manifest, resolve_checkpoint
+from mlm.checkpoint.rng import seed_everything
 from mlm.config import Config, to_toml
 from mlm.console import console
 from mlm.datasets.builder import build_split_datasets, check_same_tokenizer, parse_blend
@@ -106,7 +106,7 @@ class Trainer(TrainerCheckpoints):
         self.total_iters = (
             t.train_iters if t.train_iters is not None else math.ceil(t.train_tokens / tokens_per_step)
         )
-        self._seed_everything(t.seed)
+        seed_everything(t.seed)
         self.model = build_rank_model(cfg.model, cfg.parallel, self.mesh, self.device, seed=t.seed, train=t)
         self.fp8 = self.model.fp8  # None unless train.fp8
         self.attention_backend, self.kernels = self.model.ops.attention_backend, self.model.ops.kernels
@@ -131,12 +131,6 @@ class Trainer(TrainerCheckpoints):
         self.flops_per_step = flops_per_token(cfg.model, cfg.data.seq_length) * tokens_per_step
 
     # ------------------------------------------------------------------ setup
-
-    @staticmethod
-    def _seed_everything(seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
 
     def _open_data(self) -> dict | None:
         cfg = self.cfg

@@ -1,0 +1,276 @@
+"""`mlm convert from-hf` / `mlm export hf`: Hugging Face model folder ⇄ mlm checkpoint, verified.
+
+    import_hf("hf/llama", "ckpt/llama")               # → ckpt/llama/{latest, iter_0000000/, config.toml, tokenizer/}
+    export_hf("ckpt/llama", "hf/llama-back", dtype="bf16", max_shard_size="5GB")
+
+The key and layout mapping is `mlm.convert.hf` (one adapter per architecture). Each conversion is built
+in `OUT.tmp-PID` beside OUT and renamed to OUT only after it is complete and, unless
+`verify=False`, after the logits of mlm (`GPT` with the checkpoint's tensors, whose chunk checksums are
+checked as they are read) and of transformers
+(`AutoModelForCausalLM`) agree on a fixed prompt; otherwise the temporary folder is removed, so
+OUT never holds a conversion that did not pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from mlm.checkpoint import read_group, store
+from mlm.checkpoint.manager import save_streaming, tokenizer_path
+from mlm.checkpoint.store import dtype_name
+from mlm.config import Config, DataConfig, ModelConfig, config_from_dict, to_toml
+from mlm.convert import hf as adapters
+from mlm.convert.common import TOLERANCE, Progress, Report, noop
+from mlm.convert.hf import io as hf_io
+from mlm.errors import MlmError
+from mlm.fileio import check_new_dir, staged_dir
+from mlm.units import DTYPES, parse_size
+from mlm.verify import prompt, prompt_logits
+
+TOKENIZER_DIR = "tokenizer"
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def check_transformers(hf_class: str) -> None:
+    """MlmError unless the installed transformers has `hf_class`, which verification loads."""
+    import transformers
+
+    if getattr(transformers, hf_class, None) is None:
+        since = adapters.adapter(hf_class).since
+        raise MlmError(
+            f"transformers {transformers.__version__} has no {hf_class} (it came in {since}), and the "
+            f"logit check loads the model with it: upgrade (pip install 'transformers>={since}'), or "
+            "pass --no-verify to convert without the check"
+        )
+
+
+def hf_logits(hf_dir: Path, cfg: ModelConfig) -> torch.Tensor:
+    """Logits of transformers' `AutoModelForCausalLM` loaded from `hf_dir` in fp32 on the CPU."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        return model(input_ids=prompt(cfg.vocab_size, cfg.max_position_embeddings)).logits
+
+
+def check_logits(report: Report, ours: torch.Tensor, theirs: torch.Tensor, tol_dtype: torch.dtype) -> None:
+    """Fill the report's logit comparison; raise MlmError above the tolerance."""
+    if ours.shape != theirs.shape:
+        raise MlmError(
+            f"verification failed: mlm logits have shape {list(ours.shape)}, transformers' {list(theirs.shape)}"
+        )
+    report.max_abs_diff = (ours - theirs).abs().max().item()
+    report.max_abs_logit = theirs.abs().max().item()
+    report.tolerance = TOLERANCE[tol_dtype] * max(1.0, report.max_abs_logit)
+    if not report.max_abs_diff <= report.tolerance:  # also catches NaN
+        raise MlmError(
+            f"verification failed: max |logit difference| between mlm and transformers is "
+            f"{report.max_abs_diff:.3g} (max |logit| {report.max_abs_logit:.3g}), above the "
+            f"{dtype_name(tol_dtype)} tolerance {report.tolerance:.3g}; the output was removed and "
+            f"{report.out} was not written. This is a conversion bug or an unsupported config field: "
+            "please report it with the config.json"
+        )
+    report.verified = True
+
+
+def _hf_class(hf_config: dict) -> str:
+    """The supported transformers class a config.json describes, or an MlmError naming the supported ones."""
+    supported = {a.hf_class: a for a in adapters.ADAPTERS.values()}
+    classes = hf_config.get("architectures") or []
+    model_type = hf_config.get("model_type")
+    if classes:
+        if classes[0] not in supported:
+            raise MlmError(
+                f"Hugging Face architecture {classes[0]!r} (model_type {model_type!r}) is not supported; "
+                f"supported: {', '.join(supported)}"
+            )
+        return classes[0]
+    return adapters.adapter(str(model_type)).hf_class
+
+
+def import_hf(
+    hf_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    verify: bool = True,
+    progress: Progress = noop,
+) -> Report:
+    """Hugging Face model folder → mlm checkpoint folder `out` (iteration 0, group "model")."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    check_new_dir(out)
+    start = time.perf_counter()
+    hf_config = hf_io.read_hf_config(hf_dir)
+    hf_class = _hf_class(hf_config)
+    if verify:
+        check_transformers(hf_class)
+    model_cfg = adapters.config_from_hf(hf_config)
+    hf_tensors, ranges = hf_io.lazy_tensors(hf_dir)
+    # e.g. DeepSeek-V3 MTP depths that config.json counts but transformers did not save
+    model_cfg, note = adapters.adapter(hf_class).config_for_keys(model_cfg, hf_tensors)
+    total = sum(f.stat().st_size for f in hf_io.weight_files(hf_dir))
+    with staged_dir(out) as tmp:
+        tokenizer_files = hf_io.copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
+        seq = min(DataConfig().seq_length, model_cfg.max_position_embeddings)
+        data = DataConfig(
+            seq_length=seq, tokenizer=str((out / TOKENIZER_DIR).resolve()) if tokenizer_files else ""
+        )
+        config = Config(model=model_cfg, data=data)
+        extra = {
+            "config": config.to_dict(),
+            "source": {"hf_dir": str(hf_dir.resolve()), "architecture": hf_class},
+            "tokenizer": {"path": TOKENIZER_DIR, "files": tokenizer_files} if tokenizer_files else None,
+        }
+        written = {"tensors": 0, "bytes": 0, "dtypes": set()}
+
+        def raw(hf_key: str):
+            """A tensor stored as it is: copied from its safetensors file by the kernel."""
+            where = ranges.get(hf_key)
+            if where is None or where[2] not in _SAFETENSORS_DTYPES:  # a .bin tensor: read it
+                return hf_tensors[hf_key][1]()
+            shape, dtype = tuple(hf_tensors[hf_key][0]), _SAFETENSORS_DTYPES[where[2]]
+            piece = store.file_piece(where[0], where[1], math.prod(shape) * dtype.itemsize)  # checked here,
+            plan = {"/".join(("c", *"0" * len(shape))): [piece]}  # copied in the writer thread
+            return shape, dtype, partial(store.write_pieces, shape=shape, chunk=shape, dtype=dtype, plan=plan)
+
+        def tensors():  # read (or copied), converted and written one at a time (see save_streaming)
+            mlm_tensors = adapters.iter_hf_to_mlm(
+                hf_tensors, model_cfg, hf_config["model_type"], passthrough=raw
+            )
+            for key, item in mlm_tensors:
+                if isinstance(item, torch.Tensor):
+                    shape, dtype = tuple(item.shape), item.dtype
+                    yield "model", key, item, shape
+                else:
+                    shape, dtype, write = item
+                    yield "model", key, write
+                written["tensors"] += 1
+                written["bytes"] += math.prod(shape) * dtype.itemsize
+                written["dtypes"].add(dtype_name(dtype))
+                progress(f"model/{key}", written["bytes"], total)
+
+        save_streaming(tmp, 0, tensors(), extra, ["model"])
+        (tmp / "config.toml").write_text(to_toml(config))
+        report = Report(
+            "import",
+            hf_dir,
+            out,
+            hf_class,
+            tensors=written["tensors"],
+            bytes=written["bytes"],
+            seconds=0.0,
+            dtype=",".join(sorted(written["dtypes"])),
+            tokenizer_files=tokenizer_files,
+            notes=[f"{note}; imported without them (model.mtp_num_layers=0)"] if note else [],
+        )
+        if verify:
+            progress("verifying logits", 0, 0)
+            stored = read_group(tmp)[0]  # what was written, not what was meant to be
+            check_logits(
+                report,
+                prompt_logits(stored, model_cfg, stored["embed.weight"].shape[0]),
+                hf_logits(hf_dir, model_cfg),
+                torch.float32,
+            )
+            progress("verified logits", 0, 0)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def export_hf(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    tokenizer: str | os.PathLike | None = None,
+    verify: bool = True,
+    progress: Progress = noop,
+) -> Report:
+    """mlm checkpoint (DIR or DIR/iter_N, model group) → Hugging Face model folder `out`."""
+    ckpt, out = Path(ckpt), Path(out)
+    check_new_dir(out)
+    if dtype is not None and dtype not in DTYPES:
+        raise MlmError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)} (default: the stored dtype)")
+    max_bytes = parse_size(max_shard_size, "--max-shard-size")
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise MlmError(
+            f"--tokenizer {tokenizer}: not a directory; pass the folder holding tokenizer.json etc."
+        )
+    start = time.perf_counter()
+    progress("reading the checkpoint", 0, 0)
+    mlm_state, manifest, it_dir = read_group(ckpt, verify=verify)
+    progress("read the checkpoint", 0, 0)
+    if "config" not in manifest:
+        raise MlmError(
+            f"{it_dir}/manifest.json has no 'config'; it was not written by mlm train or mlm convert"
+        )
+    cfg = config_from_dict(manifest["config"]).model
+    padded = mlm_state["embed.weight"].shape[0] if "embed.weight" in mlm_state else None
+    source = (manifest.get("source") or {}).get("architecture", "")
+    arch = adapters.arch_of(cfg, source)
+    hf_state, hf_config = adapters.mlm_to_hf(mlm_state, cfg, arch, padded)
+    if verify:
+        check_transformers(adapters.adapter(arch).hf_class)
+    fp32 = adapters.adapter(arch).float32_keys  # e.g. DeepSeek's expert biases: float32 whatever --dtype
+    stored = {t.dtype for k, t in hf_state.items() if not k.endswith(fp32)}
+    target = DTYPES[dtype] if dtype else (stored.pop() if len(stored) == 1 else torch.float32)
+    dtypes = {k: torch.float32 if k.endswith(fp32) else target for k in hf_state}
+    lossy = any(
+        t.dtype.itemsize > dtypes[k].itemsize or t.dtype != dtypes[k] and dtypes[k] != torch.float32
+        for k, t in hf_state.items()
+    )
+    hf_state = {k: t.to(dtypes[k]) for k, t in hf_state.items()}
+    # transformers ≥ 4.56 reads `dtype` (and warns on `torch_dtype` alone); older ones `torch_dtype`
+    hf_config["torch_dtype"] = hf_config["dtype"] = dtype_name(target)
+    tok_dir = Path(tokenizer) if tokenizer is not None else None
+    if tok_dir is None:  # an import's copy, or the one `mlm train` read
+        tok_dir = tokenizer_path(manifest, it_dir)
+        tok_dir = tok_dir if tok_dir is not None and tok_dir.exists() else None
+    total = sum(t.numel() * t.element_size() for t in hf_state.values())
+    with staged_dir(out) as tmp:
+        written = 0
+
+        def on_shard(name: str, n: int) -> None:
+            nonlocal written
+            written += n
+            progress(f"wrote {name}", written, total)
+
+        hf_io.write_safetensors(hf_state, tmp, max_bytes, on_shard)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        tokenizer_files = hf_io.copy_tokenizer(tok_dir, tmp) if tok_dir is not None else []
+        gen = hf_io.generation_config(tok_dir)
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        report = Report(
+            "export",
+            ckpt,
+            out,
+            adapters.adapter(arch).hf_class,
+            tensors=len(hf_state),
+            bytes=total,
+            seconds=0.0,
+            dtype=dtype_name(target),
+            tokenizer_files=tokenizer_files,
+        )
+        del hf_state  # transformers reads it back from the files
+        if verify:
+            progress("verifying logits", 0, 0)
+            check_logits(
+                report,
+                prompt_logits(mlm_state, cfg, padded or cfg.padded_vocab_size()),
+                hf_logits(tmp, cfg),
+                target if lossy else torch.float32,
+            )
+            progress("verified logits", 0, 0)
+    report.seconds = time.perf_counter() - start
+    return report

@@ -1,0 +1,429 @@
+"""Megatron-LM's `args` (the Namespace its checkpoints pickle) ⇄ mlm's config, both directions in
+one place.
+
+Import (`mlm convert from-megatron`): `args_overrides` turns the model args into `model.*` settings
+(`_ARGS`: the same meaning and unit; the rest by hand) and refuses those whose model mlm does not
+build (`_REFUSED_ARGS`, with what they mean); `training_position` reads the iteration and consumed
+samples; `run_settings` the trainer's (`_SAME`, `_IN_SAMPLES`) where the optimizer state is carried.
+Export (`mlm export megatron`): `megatron_args` writes the args `--use-checkpoint-args` and the
+import read back, `_ARGS` read the other way where the meaning is the same; `unread_flags` lists the
+command-line flags Megatron-LM needs for what its `load_args_from_checkpoint` does not read.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mlm.config import Config, ModelConfig, toml_value
+from mlm.errors import MlmError
+
+_ARGS = {
+    "num_attention_heads": "num_attention_heads",
+    "kv_channels": "kv_channels",
+    "max_position_embeddings": "max_position_embeddings",
+    "norm_epsilon": "norm_eps",
+    "rotary_base": "rope_base",
+    "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
+    "hidden_dropout": "hidden_dropout",
+    "attention_dropout": "attention_dropout",
+    "init_method_std": "init_std",
+    "moe_router_topk": "moe.router_topk",
+    "moe_router_score_function": "moe.router_score_function",
+    "moe_router_pre_softmax": "moe.router_pre_softmax",
+    "moe_router_num_groups": "moe.router_num_groups",
+    "moe_router_group_topk": "moe.router_group_topk",
+    "moe_router_topk_scaling_factor": "moe.router_topk_scaling_factor",
+    "moe_router_enable_expert_bias": "moe.router_enable_expert_bias",
+    "moe_router_bias_update_rate": "moe.router_bias_update_rate",
+    "moe_z_loss_coeff": "moe.z_loss_coeff",
+    "moe_expert_capacity_factor": "moe.capacity_factor",
+    "moe_pad_expert_input_to_capacity": "moe.pad_to_capacity",
+    "moe_token_drop_policy": "moe.token_drop_policy",
+    "mtp_num_layers": "mtp_num_layers",
+    "mtp_loss_scaling_factor": "mtp_loss_scaling_factor",
+}
+"""Megatron-LM `args` fields read from common.pt → mlm `model.` fields, same meaning and unit (plus,
+in `args_overrides`: num_query_groups when group_query_attention, position_embedding_type,
+normalization, swiglu (exact GELU otherwise), use_rope_scaling with rope_scaling_factor, the aux-loss
+coefficient by moe_router_load_balancing_type, and vocab_size; and the args it refuses)."""
+
+
+_REFUSED_ARGS = {
+    "rotary_interleaved": "interleaved RoPE (mlm rotates halves)",
+    "apply_layernorm_1p": "zero-centered norm weights (1 + weight)",
+    "squared_relu": "the squared-ReLU MLP",
+    "apply_residual_connection_post_layernorm": "residuals taken after the norm",
+    "layernorm_zero_centered_gamma": "zero-centered norm weights (1 + weight)",
+    "qk_l2_norm": "L2-normalized queries and keys",
+    "attention_output_gate": "a gate on the attention output",
+    "experimental_attention_variant": "another attention (gated delta net, DSA)",
+    "glu_linear_offset": "an offset added to the GLU's linear half",
+    "activation_func_clamp_value": "clamped activations",
+    "moe_apply_probs_on_input": "router probabilities applied to the experts' input",
+    "moe_router_force_load_balancing": "forced (random) expert routing",
+}
+"""Megatron-LM args (when set) whose model mlm's importer does not reproduce, with what they mean
+(args built from TransformerConfig's fields included: each changes the logits of the same weights)."""
+
+
+def args_overrides(common: dict) -> list[str]:
+    """model.* fields from Megatron-LM's saved `args` (a Namespace in common.pt), as --set strings."""
+    args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
+    for name, what in _REFUSED_ARGS.items():
+        if args.get(name):
+            raise MlmError(
+                f"Megatron args {name}={args[name]!r}: {what} is not imported by mlm convert from-megatron"
+            )
+    if args.get("window_size") not in (None, (-1, -1), [-1, -1]):
+        raise MlmError(
+            f"Megatron args window_size={args['window_size']!r}: sliding-window attention is not imported by "
+            "mlm convert from-megatron (mlm attends to the whole causal context)"
+        )
+    nope = args.get("no_rope_freq")
+    if nope and (not isinstance(nope, list) or any(nope)):
+        raise MlmError(
+            f"Megatron args no_rope_freq={nope!r}: layers without RoPE are not imported by mlm convert "
+            "mlm convert from-megatron (mlm applies RoPE in every layer)"
+        )
+    if args.get("rotary_percent", 1.0) != 1.0:
+        raise MlmError(
+            f"Megatron args rotary_percent={args['rotary_percent']}: mlm rotates the whole head (1.0) only"
+        )
+    kind = args.get("position_embedding_type")
+    if args.get("multi_latent_attention") and kind == "none":  # MLA applies its own RoPE either way
+        kind = "rope"
+    if kind not in (None, "rope", "learned_absolute"):
+        raise MlmError(
+            f"Megatron args position_embedding_type={kind!r}: mlm imports 'rope' and 'learned_absolute' only"
+        )
+    out = {ours: args[theirs] for theirs, ours in _ARGS.items() if args.get(theirs) is not None}
+    if args.get("group_query_attention") and args.get("num_query_groups"):
+        out["num_query_groups"] = args["num_query_groups"]
+    if kind is not None:
+        out["position_embedding"] = "rope" if kind == "rope" else "learned"
+    if args.get("normalization") in ("RMSNorm", "LayerNorm"):
+        out["normalization"] = args["normalization"].lower()
+    if "swiglu" in args:  # args.openai_gelu is not read: it reaches Megatron-LM's legacy models only,
+        # never megatron-core's GPTModel (core_transformer_config_from_args), which computes exact GELU
+        out["activation"] = "swiglu" if args["swiglu"] else "gelu"
+    if args.get("use_rope_scaling"):  # Llama 3.1's scaling; Megatron fixes the other three constants
+        out |= {"rope_scaling_factor": args.get("rope_scaling_factor", 8.0), "rope_scaling_type": "llama3"}
+        out |= {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0}
+        out["rope_original_max_position_embeddings"] = 8192
+    # one type and coefficient, or lists of equal length (Megatron-LM unwraps one-element lists)
+    kinds, coeffs = (args.get(n) for n in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"))
+    kinds, coeffs = ([v] if not isinstance(v, list | tuple) else list(v) for v in (kinds, coeffs))
+    for kind, coeff in zip(kinds, coeffs, strict=False):
+        if coeff and kind in ("aux_loss", "seq_aux_loss"):
+            out[f"moe.{'seq_' if kind == 'seq_aux_loss' else ''}aux_loss_coeff"] = coeff
+    if args.get("vocab_size"):
+        out["vocab_size"] = args["vocab_size"]
+    if args.get("multi_latent_attention"):  # kv_channels (hidden / heads, always saved) is not MLA's
+        out.pop("kv_channels", None)
+        out |= _mla_fields(args)
+    return [f"model.{k}={toml_value(v)}" for k, v in out.items()]
+
+
+_MLA_ARGS = {
+    "q_lora_rank": "mla.q_lora_rank",
+    "kv_lora_rank": "mla.kv_lora_rank",
+    "qk_head_dim": "mla.qk_nope_head_dim",
+    "qk_pos_emb_head_dim": "mla.qk_rope_head_dim",
+    "v_head_dim": "mla.v_head_dim",
+}
+"""Megatron-LM's MLA args → mlm `model.` fields (Megatron's qk_head_dim is the part without RoPE)."""
+
+
+def _mla_fields(args: dict) -> dict:
+    """mlm fields for a run with --multi-latent-attention: the MLA dims, interleaved RoPE on the
+    rope dims (Megatron's MLA always applies RoPE to the de-interleaved pairs: `multi_latent_attention`
+    in `_apply_rotary_pos_emb_bshd`), and its YaRN (`--rope-type`, default yarn for MLA), with the
+    constants Megatron-LM has no arguments for (MLATransformerConfig's original_max_position_embeddings
+    4096, beta_fast 32, beta_slow 1). MlmError where mlm's model differs: no latent norms, or an
+    attention factor / softmax scale that mlm's YaRN fields cannot express."""
+    if args.get("qk_layernorm") is False:
+        raise MlmError(
+            "Megatron args multi_latent_attention=True with qk_layernorm=False: that MLA has no latent norms "
+            "(q_layernorm / kv_layernorm are identities); mlm's MLA normalises the latents (DeepSeek's), so "
+            "it is not imported"
+        )
+    out = {ours: args[theirs] for theirs, ours in _MLA_ARGS.items() if args.get(theirs) is not None}
+    out |= {"attention_kind": "mla", "position_embedding": "rope", "mla.rope_interleave": True}
+    rope_type = args.get("rope_type") or "yarn"  # MLATransformerConfig's default
+    factor = args.get("rotary_scaling_factor") or 1.0
+    mscale, mscale_all = args.get("mscale", 1.0), args.get("mscale_all_dim", 0.0)
+    if factor > 1 and mscale_all and rope_type == "rope":
+        raise MlmError(
+            f"Megatron args rope_type='rope' with rotary_scaling_factor={factor}, mscale_all_dim={mscale_all}: "
+            "Megatron scales that MLA's softmax by YaRN's mscale without YaRN frequencies, which mlm does "
+            "not; it is not imported"
+        )
+    if rope_type == "yarn" and factor > 1:
+        if not (mscale and mscale_all) and not (mscale_all == 0 and mscale == 1):
+            raise MlmError(
+                f"Megatron args mscale={mscale}, mscale_all_dim={mscale_all}: Megatron's YaRN multiplies cos "
+                "and sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim); mlm's fields give that "
+                "for both set, or mscale 1 with mscale_all_dim 0, only"
+            )
+        out |= {"rope_scaling_factor": factor, "rope_scaling_type": "yarn", "rope_yarn_mscale": mscale}
+        out |= {"rope_yarn_mscale_all_dim": mscale_all, "rope_original_max_position_embeddings": 4096}
+        out |= {"rope_yarn_beta_fast": 32.0, "rope_yarn_beta_slow": 1.0}
+    return out
+
+
+def training_position(common: dict) -> dict:
+    """Megatron-LM's `iteration` and `args.consumed_train_samples` where common.pt has them, for the
+    manifest's `source` (a record; where the optimizer state is carried, `resumed_run` also makes
+    them the mlm run's iteration and consumed samples)."""
+    args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
+    found = {
+        "iteration": common.get("iteration"),
+        "consumed_train_samples": args.get("consumed_train_samples"),
+    }
+    return {k: int(v) for k, v in found.items() if isinstance(v, int)}
+
+
+def _mla_args(cfg: ModelConfig) -> dict:
+    """Megatron-LM's MLA arguments for an MLA `cfg` (qk_head_dim: the dims without RoPE). mlm's
+    YaRN attention factor with mscale_all_dim 0 is mscale(factor): Megatron's with mscale 1."""
+    m, yarn = cfg.mla, cfg.rope_scaling_factor is not None
+    mscale_all = cfg.rope_yarn_mscale_all_dim if yarn else 0.0
+    return dict(
+        multi_latent_attention=True,
+        qk_layernorm=True,  # the latent norms
+        group_query_attention=False,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_type="yarn" if yarn else "rope",
+        rotary_scaling_factor=cfg.rope_scaling_factor if yarn else 1.0,
+        mscale=cfg.rope_yarn_mscale if yarn and mscale_all else 1.0,
+        mscale_all_dim=mscale_all,
+        use_rope_scaling=False,
+    )
+
+
+def moe_layer_freq(cfg: ModelConfig) -> int | list[int]:
+    """Megatron's moe_layer_freq for `cfg`: mlp_kind_freq, or a 0/1 list per layer where first_k_dense
+    or a list decides."""
+    if isinstance(cfg.mlp_kind_freq, int) and not cfg.first_k_dense:
+        return cfg.mlp_kind_freq
+    return [int(spec.mlp == "moe") for spec in cfg.layer_specs()]
+
+
+_UNREAD = {
+    "norm_epsilon": 1e-5,
+    "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+    "qk_layernorm": False,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_dtype": None,
+    "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False,
+    "moe_token_drop_policy": "probs",
+    "moe_shared_expert_gate": False,
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None,
+    "moe_router_bias_update_rate": 1e-3,
+    "multi_latent_attention": False,
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+    "rope_type": None,
+    "rotary_scaling_factor": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.0,
+    "mtp_num_layers": None,
+}
+"""Args the export writes that Megatron-LM's `--use-checkpoint-args` does not read
+(`load_args_from_checkpoint`, core_v0.16.1), with Megatron-LM's defaults: where the model's
+value differs, Megatron-LM builds another model (or trains it otherwise) unless given the flag."""
+
+
+def unread_flags(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM command-line flags for the `_UNREAD` args whose value differs from Megatron-LM's
+    default (a store-true flag alone, else the flag and its value)."""
+    out = []
+    for name, default in _UNREAD.items():
+        value = getattr(args, name, default)
+        if value == default or (name == "rope_scaling_factor" and not args.use_rope_scaling):
+            continue
+        if name == "moe_router_load_balancing_type" and not getattr(args, "moe_aux_loss_coeff", 0.0):
+            continue  # "none" and "aux_loss" with coefficient 0 are the same
+        flag = "--" + name.replace("_", "-")
+        values = value if isinstance(value, list) else [value]
+        out.append(flag if value is True else " ".join([flag, *map(str, values)]))
+    return out
+
+
+def config_field(cfg: ModelConfig, dotted: str):
+    """The value of `cfg`'s field `dotted` (`norm_eps`, `moe.router_topk`)."""
+    section, _, name = dotted.rpartition(".")
+    return getattr(getattr(cfg, section) if section else cfg, name)
+
+
+def _same_meaning(cfg: ModelConfig, moe: bool) -> dict:
+    """`_ARGS` read backwards: the Megatron-LM args of the same meaning as `cfg`'s fields, the MoE
+    ones (`moe`) or the others."""
+    return {
+        theirs: config_field(cfg, ours) for theirs, ours in _ARGS.items() if ours.startswith("moe.") == moe
+    }
+
+
+def _one_or_list(values: list):
+    return values[0] if len(values) == 1 else values
+
+
+def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: int) -> argparse.Namespace:
+    """Megatron-LM's `args` for the run `config` (builtins only: mlm's reader and
+    `torch.load(weights_only=True)` read it), as `--use-checkpoint-args` and `mlm convert from-megatron`
+    read them."""
+    cfg = config.model
+    rope = cfg.position_embedding == "rope"
+    args = _same_meaning(cfg, moe=False) | dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        group_query_attention=cfg.query_groups != cfg.num_attention_heads,
+        num_query_groups=cfg.query_groups,
+        kv_channels=cfg.head_dim,
+        seq_length=config.data.seq_length,
+        position_embedding_type="rope" if rope else "learned_absolute",
+        add_position_embedding=not rope,
+        use_rotary_position_embeddings=rope,
+        rotary_base=int(cfg.rope_base) if float(cfg.rope_base).is_integer() else cfg.rope_base,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        use_rope_scaling=cfg.rope_scaling_factor is not None,
+        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
+        normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
+        apply_layernorm_1p=False,
+        swiglu=cfg.activation == "swiglu",
+        openai_gelu=cfg.activation == "gelu_tanh",
+        squared_relu=False,
+        untie_embeddings_and_output_weights=not cfg.tie_embeddings,
+        add_bias_linear=cfg.add_bias,
+        add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=cfg.qk_norm,
+        multi_latent_attention=False,
+        vocab_size=cfg.vocab_size,
+        padded_vocab_size=padded_vocab,
+        tensor_model_parallel_size=1,  # every tensor is one whole chunk: Megatron reshards on load
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=1,
+        ckpt_format="torch_dist",
+        iteration=iteration,
+        consumed_train_samples=consumed,
+        no_save_optim=True,  # weights only: Megatron-LM's load then asks for no optimizer or RNG state
+        no_save_rng=True,
+        num_experts=None,
+        moe_layer_freq=1,
+        mtp_num_layers=cfg.mtp_num_layers or None,
+    )
+    if "mla" in cfg.mixer_kinds():
+        args.update(_mla_args(cfg))
+    if any(spec.mlp == "moe" for spec in cfg.layer_specs()):
+        moe = cfg.moe
+        balancing = [
+            (kind, coeff)
+            for kind, coeff in (("aux_loss", moe.aux_loss_coeff), ("seq_aux_loss", moe.seq_aux_loss_coeff))
+            if coeff
+        ]
+        args.update(_same_meaning(cfg, moe=True))
+        args.update(
+            num_experts=moe.num_experts,
+            moe_layer_freq=moe_layer_freq(cfg),
+            moe_ffn_hidden_size=moe.ffn_hidden_size or args["ffn_hidden_size"],
+            moe_router_dtype="fp32",  # mlm computes the router in fp32
+            # as Megatron-LM's arguments.py leaves them: one type and coefficient unwrapped, lists for two
+            moe_router_load_balancing_type=_one_or_list([k for k, _ in balancing]) or "none",
+            moe_aux_loss_coeff=_one_or_list([c for _, c in balancing]) or 0.0,
+            moe_z_loss_coeff=moe.z_loss_coeff or None,
+            moe_token_dispatcher_type=moe.token_dispatcher,
+            moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+            moe_shared_expert_gate=moe.shared_expert_gate,
+            moe_grouped_gemm=False,
+        )
+    return argparse.Namespace(**args)
+
+
+_SAME = {  # Megatron-LM args → mlm fields of the same meaning
+    "lr": "optimizer.lr",
+    "min_lr": "optimizer.min_lr",
+    "adam_beta1": "optimizer.adam_beta1",
+    "adam_beta2": "optimizer.adam_beta2",
+    "adam_eps": "optimizer.adam_eps",
+    "clip_grad": "optimizer.clip_grad",
+    "global_batch_size": "train.global_batch_size",
+    "micro_batch_size": "train.micro_batch_size",
+    "seq_length": "data.seq_length",
+}
+
+
+_IN_SAMPLES = {  # Megatron-LM args counted in samples → mlm fields counted in iterations
+    "lr_warmup_samples": "optimizer.warmup_iters",
+    "lr_decay_samples": "optimizer.decay_iters",
+    "train_samples": "train.train_iters",
+}
+
+
+def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
+    """({"optimizer.lr": …, "train.train_iters": …}: the mlm settings that mean what Megatron-LM's
+    `args` mean; notes naming what is not carried). Iteration counts come from `*_iters`, or from
+    `*_samples` divided by global_batch_size where it divides."""
+    out = {ours: args[theirs] for theirs, ours in _SAME.items() if args.get(theirs) is not None}
+    notes = []
+    for name, ours in (("lr_warmup_iters", "optimizer.warmup_iters"), ("lr_decay_iters", "optimizer.decay_iters"),
+                       ("train_iters", "train.train_iters")):  # fmt: skip
+        if args.get(name):
+            out[ours] = int(args[name])
+    gbs = args.get("global_batch_size")
+    for name, ours in _IN_SAMPLES.items():
+        if args.get(name):
+            if gbs and args[name] % gbs == 0:
+                out[ours] = args[name] // gbs
+            else:
+                notes.append(
+                    f"args.{name}={args[name]} is not a whole number of global batches ({gbs}): not carried"
+                )
+    if args.get("lr_warmup_fraction") is not None:
+        decay = out.get("optimizer.decay_iters") or out.get("train.train_iters")
+        if decay:
+            warmup = args["lr_warmup_fraction"] * decay
+            out["optimizer.warmup_iters"] = round(warmup)
+            if warmup != round(warmup):  # Megatron warms up over that many samples' worth, fractions included
+                notes.append(
+                    f"args.lr_warmup_fraction={args['lr_warmup_fraction']} × {decay} decay iterations = {warmup:g} "
+                    f"warm-up iterations, rounded to optimizer.warmup_iters={round(warmup)}"
+                )
+    style = args.get("lr_decay_style")
+    if style in ("cosine", "linear", "constant"):
+        out["optimizer.decay_style"] = style
+    elif style == "WSD" and args.get("lr_wsd_decay_style") == "linear" and args.get("lr_wsd_decay_iters"):
+        out["optimizer.decay_style"], out["optimizer.wsd_decay_iters"] = (
+            "wsd",
+            int(args["lr_wsd_decay_iters"]),
+        )
+    elif style is not None:
+        notes.append(f"args.lr_decay_style={style} has no mlm equal: optimizer.decay_style is mlm's (set it)")
+    start, end = args.get("start_weight_decay"), args.get("end_weight_decay")
+    if args.get("weight_decay") is not None and (start is None or start == end):
+        out["optimizer.weight_decay"] = args["weight_decay"]
+    elif args.get("weight_decay") is not None:
+        notes.append(f"args weight decay {start} → {end} (incremented) has no mlm equal: not carried")
+    if out.get("optimizer.warmup_iters"):
+        notes.append(
+            "warm-up: Megatron's step k (from 0) uses lr·k/warmup (lr_warmup_init 0), mlm's lr·(k+1)/warmup; "
+            "equal after the warm-up"
+        )
+    notes.append(
+        "weight decay groups: Megatron exempts biases and 1-d parameters, mlm also the embeddings "
+        "(optimizer.no_decay_norms_biases_embeddings)"
+    )
+    return out, notes

@@ -1,0 +1,236 @@
+"""Megatron-core GPTModel's torch_dist tensor names ⇄ mlm's, both directions from one table.
+
+`TOP` (outside the layers), `LAYER` (a layer's sub-keys, after `decoder.layers.`) and `MTP` (a
+multi-token prediction depth's, after `mtp.layers.<d>.`) name where each mlm tensor lives;
+`keymap` turns them into the key templates of `mlm.convert.keymap` (the engine the Hugging Face
+adapters use): `mlm_tensors` reads a checkpoint through them (import), `megatron_tensors` writes
+mlm's state under them (export). `linear_qkv` holds q/k/v fused per query group (each group's
+query heads, its key head, its value head); a gated `linear_fc1` is [gate; up].
+
+Layouts: all layers of a homogeneous stack share one key `decoder.layers.<sub>` with the layer on
+a leading axis (heterogeneous stacks save `decoder.layers.<n>.<sub>`; both are read); experts add
+a global-expert axis (`decoder.layers.mlp.experts.experts.linear_fc1.weight` is [L, E, 2F, H]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+
+import torch
+
+from mlm.config import ModelConfig
+from mlm.convert.common import model_shapes
+from mlm.convert.keymap import KeyMap, Rule
+from mlm.convert.megatron.args import moe_layer_freq
+from mlm.convert.megatron.dcp import MegatronCheckpoint
+from mlm.errors import MlmError
+
+TOP = {
+    "embedding.word_embeddings.weight": "embed.weight",
+    "embedding.position_embeddings.weight": "pos_embed.weight",
+    "decoder.final_layernorm.weight": "final_norm.weight",
+    "decoder.final_layernorm.bias": "final_norm.bias",
+    "output_layer.weight": "output.weight",
+}
+"""Megatron keys outside the layers → mlm keys."""
+
+
+LAYER = {
+    "self_attention.linear_qkv.layer_norm_weight": "attn_norm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "attn_norm.bias",
+    "input_layernorm.weight": "attn_norm.weight",
+    "input_layernorm.bias": "attn_norm.bias",
+    "self_attention.linear_qkv.weight": "qkv",
+    "self_attention.linear_qkv.bias": "qkv",
+    "self_attention.linear_proj.weight": "attn.out.weight",
+    "self_attention.linear_proj.bias": "attn.out.bias",
+    "self_attention.q_layernorm.weight": "attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "attn.k_norm.weight",
+    "self_attention.linear_q_proj.weight": "attn.q.weight",
+    "self_attention.linear_q_down_proj.weight": "attn.q_down.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "attn.q_norm.weight",
+    "self_attention.linear_q_up_proj.weight": "attn.q_up.weight",
+    "self_attention.linear_kv_down_proj.weight": "attn.kv_down.weight",
+    "self_attention.kv_layernorm.weight": "attn.kv_norm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "attn.kv_norm.weight",
+    "self_attention.linear_kv_up_proj.weight": "attn.kv_up.weight",
+    "mlp.linear_fc1.layer_norm_weight": "mlp_norm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "mlp_norm.bias",
+    "pre_mlp_layernorm.weight": "mlp_norm.weight",
+    "pre_mlp_layernorm.bias": "mlp_norm.bias",
+    "mlp.linear_fc1.weight": "fc1:mlp",
+    "mlp.linear_fc1.bias": "fc1:mlp",
+    "mlp.linear_fc2.weight": "mlp.down.weight",
+    "mlp.linear_fc2.bias": "mlp.down.bias",
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.expert_bias": "mlp.router.expert_bias",
+    "mlp.experts.experts.linear_fc1.weight": "fc1:mlp.experts",
+    "mlp.experts.experts.linear_fc2.weight": "mlp.experts.down.weight",
+    "mlp.shared_experts.linear_fc1.weight": "fc1:mlp.shared",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared.down.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_gate.weight",
+}
+"""Megatron sub-keys of a layer (after `decoder.layers.`) → the mlm key under `layers.N.`; `qkv`:
+split into attn.{q,k,v}; `fc1:P`: [gate; up] into P.gate and P.up (P.up alone when not gated).
+Multi-latent attention (MLASelfAttention) has mlm's layouts as they are: linear_q_proj /
+linear_q_up_proj rows per head [nope; rope], linear_kv_down_proj rows [latent; shared rope key],
+linear_kv_up_proj rows per head [k nope; v]; its latent norms are q_layernorm / kv_layernorm (local
+spec) or fused into linear_q_up_proj / linear_kv_up_proj (Transformer Engine spec)."""
+
+
+MLA_SUBS = tuple(sub for sub in LAYER if ".linear_q_" in sub or "kv_" in sub)
+"""The sub-keys of multi-latent attention (with linear_proj, shared with linear_qkv's attention)."""
+
+
+MTP = {
+    "enorm.weight": "enorm.weight",
+    "enorm.bias": "enorm.bias",
+    "hnorm.weight": "hnorm.weight",
+    "hnorm.bias": "hnorm.bias",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "final_norm.weight",
+    "final_layernorm.bias": "final_norm.bias",
+}
+"""Megatron sub-keys of multi-token prediction depth d (after `mtp.layers.<d>.`) → mlm keys under
+`mtp.<d>.`; its `transformer_layer.<sub>` is one layer named as `LAYER` names a layer's sub-keys
+(no stacked axis), mlm's `mtp.<d>.layer.`. eh_proj is [D, 2D], input [embedding; hidden] as mlm's."""
+
+
+def split_key(key: str) -> tuple[int | None, str]:
+    """`decoder.layers.<n>.<sub>` → (n, sub); `decoder.layers.<sub>` (stacked) → (None, sub)."""
+    rest = key.removeprefix("decoder.layers.")
+    head, _, tail = rest.partition(".")
+    return (int(head), tail) if head.isdigit() else (None, rest)
+
+
+def mtp_key(key: str) -> tuple[int, str] | None:
+    """`mtp.layers.<d>.<rest>` → (d, rest); None for any other key."""
+    if not key.startswith("mtp.layers."):
+        return None
+    head, _, rest = key.removeprefix("mtp.layers.").partition(".")
+    return (int(head), rest) if head.isdigit() else None
+
+
+def known_mtp(key: str) -> bool:
+    mtp = mtp_key(key)
+    if mtp is None:
+        return False
+    rest = mtp[1]
+    return rest in MTP or (
+        rest.startswith("transformer_layer.") and rest.removeprefix("transformer_layer.") in LAYER
+    )
+
+
+def _fc1_axis(name: str) -> int:
+    """The axis of [gate; up] in a `fc1:P` tensor of one layer: 1 under the expert axis, else 0."""
+    return 1 if name == "fc1:mlp.experts" else 0
+
+
+def _rule(sub: str, cfg: ModelConfig, prefix: str) -> Rule:
+    """What the Megatron sub-key `sub` of one layer is in mlm, under the mlm layer `prefix`: q/k/v
+    fused per group, [gate; up] (up alone without a gate), or one tensor."""
+    name, suffix = LAYER[sub], sub.rsplit(".", 1)[1]
+    if name == "qkv":
+        return Rule(tuple(f"{prefix}attn.{p}.{suffix}" for p in "qkv"), grouped=True)
+    if name.startswith("fc1:"):
+        mlp = f"{prefix}{name[4:]}"
+        if cfg.activation != "swiglu":
+            return Rule((f"{mlp}.up.{suffix}",))
+        return Rule((f"{mlp}.gate.{suffix}", f"{mlp}.up.{suffix}"), split_dim=_fc1_axis(name))
+    return Rule((prefix + name,))
+
+
+def keymap(cfg: ModelConfig, subs: Iterable[str] = LAYER) -> KeyMap:
+    """The key templates of a GPTModel checkpoint for `cfg` (the layer sub-keys `subs`): each layer
+    sub-key stacked (`decoder.layers.<sub>`, every layer on axis 0), per layer
+    (`decoder.layers.{layer}.<sub>`) and in the MTP depths."""
+    table: dict[str, Rule] = {key: Rule((name,)) for key, name in TOP.items()}
+    for sub in subs:
+        table[f"decoder.layers.{sub}"] = replace(_rule(sub, cfg, "layers.{layer}."), unstack="layer")
+        table[f"decoder.layers.{{layer}}.{sub}"] = _rule(sub, cfg, "layers.{layer}.")
+        table[f"mtp.layers.{{depth}}.transformer_layer.{sub}"] = _rule(sub, cfg, "mtp.{depth}.layer.")
+    table |= {f"mtp.layers.{{depth}}.{rest}": Rule((f"mtp.{{depth}}.{name}",)) for rest, name in MTP.items()}
+    counts = {"layer": cfg.num_layers, "depth": cfg.mtp_num_layers}
+    return KeyMap(table, counts, "Megatron GPTModel", groups=cfg.query_groups)
+
+
+def _converted(ckpt: MegatronCheckpoint, cfg: ModelConfig, read) -> Iterator[tuple[str, torch.Tensor]]:
+    keys = keymap(cfg)
+    units, stored = keys.plan(ckpt.tensors)
+    shapes = model_shapes(cfg, None)  # the sizes of the split pieces
+    for unit in units:
+        for name, t in keys.to_mlm(unit, [read(stored[k]) for k in unit.hf], shapes):
+            yield name, t.contiguous()
+
+
+def mlm_tensors(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(mlm key, tensor) for every tensor of the checkpoint, one Megatron key read at a time."""
+    return _converted(ckpt, cfg, ckpt.read)
+
+
+def mlm_shapes(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The (mlm key, shape) pairs `mlm_tensors` will yield, from the metadata alone."""
+    for name, t in _converted(ckpt, cfg, lambda key: torch.empty(ckpt.shape(key), device="meta")):
+        yield name, tuple(t.shape)
+
+
+_GQA_ONLY = (
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.layer_norm_bias",
+    "mlp.linear_fc1.layer_norm_weight",
+    "mlp.linear_fc1.layer_norm_bias",
+)
+"""Sub-keys of the attention with linear_qkv, with the layer norms' torch_dist names in its specs
+(sharded_state_dict_keys_map); MLASelfAttention's local spec keeps input_layernorm / pre_mlp_layernorm."""
+
+
+def _export_subs(cfg: ModelConfig) -> list[str]:
+    """The Megatron sub-keys to write for `cfg`'s attention kind: of those that hold the same mlm
+    tensors, the first."""
+    out, claimed = [], set()
+    skipped = _GQA_ONLY if "mla" in cfg.mixer_kinds() else MLA_SUBS  # MLA's linear_q_proj is linear_qkv's q
+    for sub in LAYER:
+        parts = _rule(sub, cfg, "").mlm
+        if parts not in claimed and sub not in skipped:
+            claimed.add(parts)
+            out.append(sub)
+    return out
+
+
+def _heterogeneous(cfg: ModelConfig) -> bool:
+    """Whether Megatron saves per-layer keys (TransformerBlock.sharded_state_dict's non_homogeneous_layers)."""
+    if not any(spec.mlp == "moe" for spec in cfg.layer_specs()):
+        return False
+    freq = moe_layer_freq(cfg)
+    return isinstance(freq, list) or freq > 1
+
+
+def megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """mlm's tensors under Megatron's torch_dist keys (fused, stacked or per layer as GPTModel shards
+    them); MlmError naming an mlm tensor the name table has no Megatron key for."""
+    keys = keymap(cfg, _export_subs(cfg))
+    stacked = not _heterogeneous(cfg)
+    out, used, whole = {}, set(), set()
+    for unit in keys.units():
+        if not all(k in state for k in unit.mlm):  # tied: no output layer; a dense layer: no router
+            continue
+        sub = unit.template.removeprefix("decoder.layers.").removeprefix("{layer}.")
+        if (unit.rule.unstack and not stacked) or (
+            unit.template.startswith("decoder.layers.{") and sub in whole
+        ):
+            continue
+        if unit.rule.unstack:
+            whole.add(sub)
+        out.update(keys.to_hf(unit, [state[k] for k in unit.mlm]))
+        used.update(unit.mlm)
+    left = sorted(set(state) - used)
+    if left:
+        raise MlmError(
+            f"mlm tensor {left[0]}{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} has no Megatron "
+            "GPTModel key in the export's name table (mlm.convert.megatron.names.LAYER); it cannot be "
+            "exported to Megatron"
+        )
+    return {k: t.contiguous() for k, t in out.items()}

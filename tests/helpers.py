@@ -1,0 +1,65 @@
+"""Helpers the test files share (none of them imports another test file's helpers).
+
+`mlm(...)` runs the CLI in a new process, as a user would; `cli(monkeypatch, capsys, ...)` runs
+it in this one (no torch import per call) and returns the same CompletedProcess; `assert_error`
+checks the one-message, exit-code-2 form of bad input; `checkpoint_logits` computes an mlm
+checkpoint's logits.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mlm(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        env={"PYTHONPATH": str(ROOT), "COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+    )
+
+
+def cli(monkeypatch, capsys, *args) -> subprocess.CompletedProcess:
+    """`mlm *args` in this process (no torch import per call), as `mlm()` returns it."""
+    from cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["mlm", *map(str, args)])
+    monkeypatch.setenv("COLUMNS", "200")
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def assert_error(r, *fragments):
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = " ".join(r.stderr.split())  # unwrap the console's line breaks
+    assert "error:" in err and "Traceback" not in err, err
+    for f in fragments:
+        assert f in err, err
+
+
+def checkpoint_logits(ckpt, tokens):
+    """The logits (every padded vocabulary row) of the mlm checkpoint `ckpt`'s model on `tokens`."""
+    import torch
+
+    from mlm.checkpoint import read_group
+    from mlm.config import config_from_dict
+    from mlm.model.gpt import GPT
+
+    state, manifest, _ = read_group(ckpt)
+    cfg = config_from_dict(manifest["config"]).model
+    with torch.device("meta"):
+        model = GPT(cfg, state["embed.weight"].shape[0])
+    model.load_state_dict(state, strict=True, assign=True)
+    with torch.no_grad():
+        return model.eval()(tokens)

@@ -1,0 +1,205 @@
+"""`mlm export megatron CKPT OUT` against Megatron-core itself, and round trips.
+
+With megatron-core (the `megatron` fixture; GPTModel runs in gloo rank processes,
+tests/interop/megatron/megatron_ref.py): an mlm checkpoint of the reference's tiny Llama-like model (random init,
+dense and MoE with the all-gather dispatcher) is exported, `dist_checkpointing.load`ed into
+GPTModel at tp 1 (and tp 2, dense; and a heterogeneous stack, dense then MoE with a gated shared
+expert, whose keys are per layer), and GPTModel's logits must equal mlm's to 1e-5 (fp32,
+absolute, max |logit| ≈ 3; measured 1.1e-6 to 1.5e-6); a GPTModel save imported and exported again must equal that save bitwise, tensor by
+tensor, with the same `_extra_state` objects; and Megatron → mlm → HF → mlm must give the first
+import's tensors bitwise. Without megatron: the export reads back with mlm's own reader
+(`--from-megatron`) bitwise, homogeneous and heterogeneous stacks, and what Megatron cannot hold
+is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from mlm.checkpoint import read_group
+from mlm.convert.hf.folder import export_hf, import_hf
+from mlm.convert.megatron.dcp import MegatronCheckpoint
+from mlm.convert.megatron.exporter import export_megatron
+from mlm.convert.megatron.importer import import_megatron
+from mlm.errors import MlmError
+
+from distributed import run_ranks  # noqa: E402
+from helpers import assert_error, mlm  # noqa: E402
+from megatron_helpers import (  # noqa: E402, F401 (megatron: a fixture)
+    SETS,
+    TOL,
+    dcp_entries,
+    megatron,
+    mlm_checkpoint,
+    mlm_logits,
+)
+from megatron_ref import (  # noqa: E402
+    FFN,
+    GROUPS,
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    MOE_FFN,
+    NUM_EXPERTS,
+    SEQ,
+    SHARED_FFN,
+    TOPK,
+    VOCAB,
+    load_reference,
+    save_reference,
+)
+
+REFERENCE = [  # megatron_ref's GPTModel as an mlm config; init_std 0.1: logits of ±3, which a misplaced tensor moves
+    f"model.num_layers={LAYERS}", f"model.hidden_size={HIDDEN}", f"model.num_attention_heads={HEADS}",
+    f"model.num_query_groups={GROUPS}", f"model.ffn_hidden_size={FFN}", f"model.vocab_size={VOCAB}",
+    f"model.max_position_embeddings={SEQ}", "model.init_std=0.1", f"data.seq_length={SEQ}",
+]  # fmt: skip
+MOE = [
+    "model.mlp_kind=moe", f"model.moe.num_experts={NUM_EXPERTS}", f"model.moe.router_topk={TOPK}",
+    f"model.moe.ffn_hidden_size={MOE_FFN}", "model.moe.token_dispatcher=allgather",
+]  # fmt: skip
+
+
+MIXED = [  # megatron_ref's `mixed` stack: dense layer 0, MoE layer 1 with a gated shared expert
+    "model.first_k_dense=1", f"model.moe.shared_expert_ffn_hidden_size={SHARED_FFN}", "model.moe.shared_expert_gate=true",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "moe, world, mixed",
+    [(False, 1, False), (False, 2, False), (True, 1, False), (True, 1, True)],
+    ids=["dense-tp1", "dense-tp2", "moe-tp1", "mixed-tp1"],
+)
+@pytest.mark.usefixtures("megatron")
+def test_export_loads_into_gptmodel(tmp_path, moe, world, mixed):
+    mlm_checkpoint(tmp_path / "mlm", REFERENCE + (MOE if moe else []) + (MIXED if mixed else []))
+    report = export_megatron(tmp_path / "mlm", tmp_path / "megatron")
+    assert report.tensors == (19 if mixed else 10 if moe else 9) and report.notes[0].startswith(
+        "weights only"
+    )
+    assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").read_text() == "5\n"
+    it_dir = tmp_path / "megatron" / "iter_0000005"
+    assert {p.name for p in it_dir.iterdir()} == {".metadata", "__0_0.distcp", "common.pt", "metadata.json"}
+    theirs, common = run_ranks(world, load_reference, str(it_dir), moe, 1, mixed)[0]
+    assert (common["iteration"], common["checkpoint_version"], common["args"].num_layers) == (5, 3.0, LAYERS)
+    ours = mlm_logits(tmp_path / "mlm")
+    assert ours.abs().max() > 1.0  # logits a misplaced tensor would move by O(1)
+    diff = (theirs - ours).abs().max().item()
+    assert diff <= TOL, (
+        diff
+    )  # measured 1.3e-6 (tp1), 1.5e-6 (tp2), 1.1e-6 (MoE), 1.2e-6 (mixed); max |logit| ≈ 3
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.usefixtures("megatron")
+def test_gptmodel_save_round_trips(tmp_path, moe):
+    """Megatron → mlm → Megatron equals GPTModel's own save bitwise (keys, tensors, _extra_state
+    objects); Megatron → mlm → HF → mlm gives the first import's tensors bitwise (dense)."""
+    src = tmp_path / "gptmodel" / "iter_0000010"
+    run_ranks(1, save_reference, str(src), moe)
+    sets = SETS + (["model.moe.token_dispatcher=allgather"] if moe else [])
+    import_megatron(src, tmp_path / "mlm", sets)
+    r = mlm("export", "megatron", tmp_path / "mlm", tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    assert "read back with mlm's Megatron reader: every tensor bitwise equal" in " ".join(r.stderr.split())
+    theirs, ours = dcp_entries(src), dcp_entries(tmp_path / "back" / "iter_0000000")
+    assert theirs.keys() == ours.keys()
+    assert sum(v == "bytes" for v in ours.values()) == (20 if moe else 8)  # the _extra_state objects
+    for key, tensor in theirs.items():
+        assert isinstance(tensor, str) or torch.equal(tensor, ours[key]), key
+    if moe:
+        return
+    first = read_group(tmp_path / "mlm")[0]
+    export_hf(tmp_path / "mlm", tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "mlm-again")
+    again = read_group(tmp_path / "mlm-again")[0]
+    assert again.keys() == first.keys()
+    assert all(torch.equal(again[k], first[k]) for k in first)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        MOE,
+        # a heterogeneous stack (dense layer 0, MoE layer 1: per-layer keys) with a gated shared expert
+        MOE + MIXED,
+        # GPT-2-like: LayerNorm, learned positions, biases, tied output, tanh GELU, MHA
+        [
+            "model.normalization=layernorm",
+            "model.position_embedding=learned",
+            "model.add_bias=true",
+            "model.tie_embeddings=true",
+            "model.num_query_groups=4",
+            "model.activation=gelu_tanh",
+        ],  # fmt: skip
+        # Qwen3-MoE-like attention (q/k norms, q/k/v biases) with DeepSeek-style sigmoid routing and expert bias
+        MOE
+        + ["model.qk_norm=true", "model.qkv_bias=true", "model.moe.router_score_function=sigmoid"]
+        + ["model.moe.router_enable_expert_bias=true"],
+    ],
+    ids=["dense", "moe", "heterogeneous", "gpt2", "qwen-like"],
+)
+def test_export_reads_back_with_mlm(tmp_path, sets):
+    """mlm → Megatron (the CLI) → mlm (`--from-megatron`, config from the exported args) is bitwise."""
+    state = mlm_checkpoint(tmp_path / "mlm", REFERENCE + sets, iteration=7)
+    if sets:
+        report = export_megatron(tmp_path / "mlm", tmp_path / "megatron")
+        assert any(
+            n.startswith("model.activation=gelu_tanh: Megatron-core's GPTModel") for n in report.notes
+        ) == ("model.activation=gelu_tanh" in sets)
+    else:  # through the command line
+        r = mlm("export", "megatron", tmp_path / "mlm", tmp_path / "megatron")
+        assert r.returncode == 0, r.stderr
+        assert "weights only" in r.stderr
+    it_dir = tmp_path / "megatron" / "iter_0000007"
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        common = torch.load(it_dir / "common.pt", weights_only=True)
+    args = vars(common["args"])
+    assert (common["iteration"], common["checkpoint_version"]) == (7, 3.0)
+    assert (args["iteration"], args["consumed_train_samples"], args["padded_vocab_size"]) == (7, 40, VOCAB)
+    assert (args["seq_length"], args["kv_channels"], args["num_attention_heads"]) == (
+        SEQ,
+        HIDDEN // HEADS,
+        HEADS,
+    )
+    assert args["num_experts"] == (NUM_EXPERTS if sets and sets[0] == MOE[0] else None)
+    keys = set(MegatronCheckpoint(it_dir).tensors)
+    if "model.first_k_dense=1" in sets:  # Megatron's layout for a heterogeneous stack
+        assert args["moe_layer_freq"] == [0, 1]
+        assert "decoder.layers.1.mlp.shared_experts.gate_weight" in keys
+        assert "decoder.layers.0.mlp.linear_fc2.weight" in keys
+    else:
+        assert "decoder.layers.self_attention.linear_qkv.weight" in keys
+    import_megatron(tmp_path / "megatron", tmp_path / "back")  # the model from the exported args
+    back, manifest, _ = read_group(tmp_path / "back")
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert manifest["source"]["iteration"] == 7 and manifest["source"]["consumed_train_samples"] == 40
+
+
+def test_unsupported_is_refused(tmp_path):
+    mlm_checkpoint(tmp_path / "qk", REFERENCE + ["model.qk_norm=true", "model.normalization=layernorm"])
+    with pytest.raises(
+        MlmError, match=r"model\.qk_norm with normalization=layernorm: mlm's q/k norms are RMSNorm"
+    ):
+        export_megatron(tmp_path / "qk", tmp_path / "out")
+    mystery = {"layers.0.mystery.weight": torch.zeros(2)}
+    mlm_checkpoint(tmp_path / "extra", REFERENCE, extra_state=mystery)
+    with pytest.raises(MlmError, match=r"mlm tensor layers\.0\.mystery\.weight has no Megatron GPTModel key"):
+        export_megatron(tmp_path / "extra", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
+
+
+def test_cli_bad_input(tmp_path):
+    r = mlm("export", "megatron", tmp_path, tmp_path / "out", "--tp", "2")
+    assert r.returncode == 2 and "No such option: --tp" in r.stderr  # the weights as they are
+    assert_error(
+        mlm("export", "megatron", tmp_path / "missing", tmp_path / "out"),
+        "no such checkpoint",
+    )
+    assert not (tmp_path / "out").exists()
+    assert "megatron" in mlm("export", "--help").stdout
