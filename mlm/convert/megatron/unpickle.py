@@ -6,14 +6,16 @@ with `torch.load(weights_only=True)` and an explicit allow-list, without importi
 
 Megatron-LM saves an `argparse.Namespace` of its arguments (`args`) beside the tensors; it holds
 Megatron's own enums (e.g. `attention_backend=AttnBackend.auto`, `model_type=ModelType…`), torch
-dtypes, paths and, in `rng_state`, numpy arrays. The allow-list is the one megatron-core registers
+dtypes, paths and, in `rng_state`, numpy arrays (numpy's RNG state). The allow-list is the one megatron-core registers
 for itself (megatron/core/safe_globals.py in 0.16): `argparse.Namespace`, `types.SimpleNamespace`,
-`pathlib` paths, `io.BytesIO`, `signal.Signals`, numpy's array reconstruction, `ndarray`, `dtype`
-and the numeric dtype classes (under both the numpy 1 `numpy.core` and the numpy 2 `numpy._core`
-spellings), and Megatron's classes `_MEGATRON` names. Those are stand-ins registered under
-Megatron's qualified names (`_MegatronValue`: it keeps the arguments it was built with and its
-pickled state), so megatron need not be installed and is never imported. Anything else is
-refused with an MlmError naming the class and the file; nothing outside the list is called.
+`pathlib` paths, `io.BytesIO`, `signal.Signals`, numpy's arrays and dtypes, and Megatron's classes
+`_MEGATRON` names. Megatron's classes are stand-ins registered under Megatron's qualified names
+(`_MegatronValue`: it keeps the arguments it was built with and its pickled state), so megatron
+need not be installed and is never imported. numpy's names (`ndarray`, `dtype` and the array
+reconstruction, under both the numpy 1 `numpy.core` and the numpy 2 `numpy._core` spellings) are
+inert stand-ins too: no numpy array is ever built from a file's bytes (an object array built that
+way holds pointers the file chose), and a dtype other than a plain number is refused. Anything
+else is refused with an MlmError naming the class and the file; nothing outside the list is called.
 
 What mlm reads from these files: the `args` fields that `mlm.convert.megatron.args`
 reads or refuses (docs/megatron.md lists them all), `args.consumed_train_samples` and `iteration`
@@ -37,7 +39,6 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from mlm.errors import MlmError
@@ -77,17 +78,39 @@ def _stand_ins() -> list[tuple[type, str]]:
     return out
 
 
-_NUMERIC_DTYPES = [
-    getattr(np.dtypes, n)
-    for n in dir(np.dtypes)
-    if re.fullmatch(r"(Bool|U?Int\d+|Float\d+|Complex\d+)DType", n)
-]
+_NUMERIC = re.compile(r"[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))")
+"""numpy dtype names of plain numbers (bool, integers, floats, complex): the only ones a file may name."""
+
+
+class _NumpyArray:
+    """A numpy array in a Megatron-LM pickle (the numpy RNG state inside `rng_state`), kept inert:
+    its arguments and state are recorded and no array is ever built, so no byte of the file
+    becomes an object pointer. mlm reads none of them."""
+
+    def __init__(self, *args: Any):
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class _NumpyDtype(_NumpyArray):
+    """A numpy dtype named in a pickle, inert like `_NumpyArray`: only plain numeric names pass."""
+
+    def __init__(self, name: Any = None, *args: Any):
+        if not isinstance(name, str) or not _NUMERIC.fullmatch(name):
+            raise MlmError(
+                f"numpy dtype {name!r}: only plain numeric dtypes (bool, integers, floats) are read from a "
+                "Megatron-LM file; object and other dtypes are refused"
+            )
+        super().__init__(name, *args)
+
+
 _NUMPY = [
-    (np.ndarray, "numpy.ndarray"),
-    (np.dtype, "numpy.dtype"),
-    # numpy 1 writes numpy.core.multiarray._reconstruct, numpy 2 numpy._core.…: the same function
-    *((np.empty(0).__reduce__()[0], f"{m}.multiarray._reconstruct") for m in ("numpy.core", "numpy._core")),
-    *((cls, f"numpy.dtypes.{cls.__name__}") for cls in _NUMERIC_DTYPES),
+    (_NumpyArray, "numpy.ndarray"),
+    (_NumpyDtype, "numpy.dtype"),
+    # numpy 1 writes numpy.core.multiarray._reconstruct, numpy 2 numpy._core.…: both inert here
+    *((_NumpyArray, f"{m}.multiarray._reconstruct") for m in ("numpy.core", "numpy._core")),
 ]
 _ALLOWED = [
     argparse.Namespace,
@@ -109,13 +132,15 @@ def load_megatron_pickle(path: Path, *, mmap: bool = False) -> Any:
     try:
         with torch.serialization.safe_globals(_ALLOWED):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except MlmError as e:  # a refused value (a numpy dtype that is not a plain number)
+        raise MlmError(f"{path}: {e}") from None
     except (RuntimeError, EOFError) as e:  # torch's zip reader on a truncated or foreign file
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MlmError(f"{path}: not a readable torch.save file ({first}); copy it again") from None
     except pickle.UnpicklingError as e:
         text = str(e)
         named = re.search(r"GLOBAL (\S+)", text) or re.search(r"unrecognized function (.+)", text)
-        what = named.group(1) if named else text.splitlines()[0]
+        what = named.group(1) if named else "an object"
         raise MlmError(
             f"{path}: names {what}, which is outside the classes mlm unpickles from a Megatron-LM file "
             "(argparse/SimpleNamespace, paths, numpy arrays, Megatron's enums and OptimizerConfig); "
