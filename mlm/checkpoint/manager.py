@@ -34,6 +34,8 @@ FORMAT_VERSIONS = [1]
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _ITER_RE = re.compile(r"iter_(\d+)")
+_TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*/[A-Za-z0-9_][A-Za-z0-9_.:-]*")
+"""A manifest's tensor name: group/key, each a plain file name (mlm's keys are dotted)."""
 RESERVED = {"format", "format_version", "mlm_version", "iteration", "tensors"}
 CHECKSUMS = "crc32c"
 """Manifest field of each tensor: chunk key → CRC-32C of the chunk file (8 hex digits)."""
@@ -99,7 +101,11 @@ def _write_durable(path: Path, text: str) -> None:
 
 
 def _remove(d: Path) -> None:
-    """Delete a checkpoint dir, manifest first: a crash midway leaves an incomplete (ignored) dir."""
+    """Delete a checkpoint dir, manifest first: a crash midway leaves an incomplete (ignored) dir.
+    A link (to a checkpoint elsewhere) is removed itself, never what it names."""
+    if d.is_symlink():
+        d.unlink()
+        return
     (d / MANIFEST).unlink(missing_ok=True)
     shutil.rmtree(d)
 
@@ -218,7 +224,13 @@ def _remove_leftovers(root: Path, keep: Path) -> None:
     """Delete the iteration dirs without a manifest that an interrupted save or pruning left (a
     save writes its manifest last, `_remove` deletes it first), now that `keep` is complete."""
     for d in root.glob("iter_*"):
-        if d != keep and _ITER_RE.fullmatch(d.name) and d.is_dir() and not _is_complete(d):
+        if (
+            d != keep
+            and _ITER_RE.fullmatch(d.name)
+            and not d.is_symlink()
+            and d.is_dir()
+            and not _is_complete(d)
+        ):
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -275,7 +287,18 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     latest = path / LATEST
     if not latest.is_file():
         raise MlmError(f"{path}: no `latest` file; found {_found(path)}; pass DIR/iter_NNNNNNN directly")
-    target = path / latest.read_text().strip()
+    name = latest.read_text().strip()
+    if not _ITER_RE.fullmatch(name):
+        raise MlmError(
+            f"{latest} names {name[:80]!r}, not an iter_NNNNNNN folder beside it; write the name of one of "
+            f"{path}'s checkpoints there ({_found(path)})"
+        )
+    target = path / name
+    if target.is_symlink() and target.resolve().parent != path.resolve():
+        raise MlmError(
+            f"{latest} names {name}, a link to {target.resolve()} outside {path}; `latest` is followed only "
+            "within its folder: pass that checkpoint directly"
+        )
     if not _is_complete(target):
         raise MlmError(
             f"{latest} names {target.name}, which is missing or incomplete; pass an earlier complete "
@@ -295,7 +318,28 @@ def read_manifest(iter_dir: str | os.PathLike) -> dict:
     if manifest.get("format") != FORMAT:
         raise MlmError(f"{path}: format {manifest.get('format')!r}, not {FORMAT!r}; not an mlm checkpoint")
     check_version(path, manifest.get("format_version"), FORMAT_VERSIONS, "checkpoint format_version")
+    tensors = manifest.get("tensors")
+    if not isinstance(tensors, dict):
+        raise MlmError(f"{path}: 'tensors' is not an object of tensor entries; the manifest is damaged")
+    bad = next((n for n in tensors if not (_TENSOR_NAME.fullmatch(n) and ".." not in n)), None)
+    if bad is not None:
+        raise MlmError(
+            f"{path}: tensor name {bad[:120]!r} is not GROUP/KEY (letters, digits, '_', '.', ':', '-'; no "
+            "'..'); the manifest is damaged or not mlm's"
+        )
     return manifest
+
+
+def array_path(it_dir: Path, name: str) -> Path:
+    """The array of the manifest's tensor `name` ("group/key") in `it_dir`; MlmError where a link
+    takes it outside the checkpoint."""
+    path = it_dir / name
+    if not path.resolve().is_relative_to(it_dir.resolve()):
+        raise MlmError(
+            f"{it_dir}: tensor {name} is a link to {path.resolve()}, outside the checkpoint; copy the "
+            "checkpoint with its files, not links"
+        )
+    return path
 
 
 def load_checkpoint(
@@ -344,7 +388,7 @@ def load_checkpoint(
                 raise MlmError(f"{where}: checkpoint has shape {shape}, the model expects {st.global_shape}")
             if local.numel() == 0:
                 continue
-            arr = store.open_array(it_dir / name / st.key, where)
+            arr = store.open_array(array_path(it_dir, f"{name}/{st.key}"), where)
             sums = stored[st.key].get(CHECKSUMS) if verify else None
             value = store.read_slice(arr, st.global_offset, tuple(local.shape), where, sums)
             with torch.no_grad():

@@ -6,6 +6,8 @@ verification prompt and mlm's logits on it are `mlm.verify`.)"""
 from __future__ import annotations
 
 import math
+import pickle
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,14 @@ class Report:
         self.tensors += 1
         self.bytes += math.prod(shape) * dtype.itemsize
         self.dtype = ",".join(sorted({*filter(None, self.dtype.split(",")), dtype_name(dtype)}))
+
+
+def refused_name(e: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, from its message: the global or function it
+    names ("an object" where it names none), never its advice to load without the check."""
+    text = str(e)
+    named = re.search(r"GLOBAL (\S+)", text) or re.search(r"unrecognized function (.+)", text)
+    return named.group(1) if named else "an object"
 
 
 def model_shapes(cfg: ModelConfig, padded_vocab: int | None) -> dict[str, torch.Size]:

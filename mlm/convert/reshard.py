@@ -29,7 +29,7 @@ import torch
 
 from mlm.checkpoint import read_group, read_manifest, resolve_checkpoint, store
 from mlm.checkpoint.keys import param_of
-from mlm.checkpoint.manager import CHECKSUMS, RESERVED, save_streaming
+from mlm.checkpoint.manager import CHECKSUMS, RESERVED, array_path, save_streaming
 from mlm.config import config_from_dict
 from mlm.convert.common import TOLERANCE, Progress, noop
 from mlm.errors import MlmError
@@ -99,7 +99,7 @@ def _converted(src: Path, infos: dict, padded: int, dtype, dims, verify) -> Iter
     for i, (full_key, info) in enumerate(infos.items()):
         group, key = full_key.split("/", 1)
         where = f"{src}: tensor {full_key}"
-        arr = store.open_array(src / group / key, where)
+        arr = store.open_array(array_path(src, f"{group}/{key}"), where)
         sums = info.get(CHECKSUMS) if verify else None
         name = param_of(key)
         chunk = target_chunk(dims.get(name), arr.shape)

@@ -134,6 +134,10 @@ class IndexedDatasetWriter:
         self._bin.close()
 
 
+_BLOCK = 1 << 22
+"""Index entries checked at a time (bounds the check's memory at about 100 MiB)."""
+
+
 class IndexedDataset:
     """Read a Megatron indexed dataset through numpy memmaps (Megatron-made files included).
 
@@ -173,19 +177,40 @@ class IndexedDataset:
         off += 8 * n_seq
         self.document_indices = idx[off : off + 8 * n_doc].view(np.int64)
         bin_size = self.bin_path.stat().st_size
-        expect = (
-            int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-            if n_seq
-            else 0
-        )
-        if bin_size < expect:
-            raise MlmError(
-                f"{self.bin_path}: {bin_size} bytes but {self.idx_path} points to {expect}; "
-                "the .bin and .idx do not belong together (rebuild the dataset)"
-            )
+        self._check(bin_size)
         self._bin = (
             np.memmap(self.bin_path, mode="r", dtype=self.dtype) if bin_size else np.zeros(0, self.dtype)
         )
+
+    def _check(self, bin_size: int) -> None:
+        """MlmError naming the first sequence or document entry of the index that is impossible:
+        a negative length, a pointer that goes back or whose sequence ends past the .bin, document
+        indices that do not run from 0 to the sequence count in order. In blocks, O(n)."""
+        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        rebuild = "the .idx is damaged, or the .bin and .idx do not belong together: rebuild the dataset"
+        previous = 0
+        for start in range(0, len(lengths), _BLOCK):
+            n = lengths[start : start + _BLOCK].astype(np.int64)
+            p = pointers[start : start + _BLOCK]
+            ends = p + n * self.dtype.itemsize
+            bad = (n < 0) | (p < previous) | (ends > bin_size)
+            bad[1:] |= p[1:] < p[:-1]
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise MlmError(
+                    f"{self.idx_path}: sequence {start + i} has length {int(n[i])} at byte {int(p[i])} (the one "
+                    f"before starts at {int(p[i - 1]) if i else previous}; {self.bin_path} has {bin_size} bytes); "
+                    + rebuild
+                )
+            previous = int(p[-1]) if len(p) else previous
+        steps = np.diff(docs) if len(docs) > 1 else np.zeros(0, np.int64)
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(lengths) or (steps < 0).any():
+            first = int(np.argmax(steps < 0)) + 1 if (steps < 0).any() else None
+            raise MlmError(
+                f"{self.idx_path}: document indices must run from 0 to {len(lengths)} (the sequence count) in "
+                f"order; they {'are empty' if len(docs) == 0 else f'run from {int(docs[0])} to {int(docs[-1])}'}"
+                f"{f' and go back at entry {first}' if first is not None else ''}; " + rebuild
+            )
 
     def __len__(self) -> int:
         """Number of sequences (documents that are not empty)."""

@@ -45,14 +45,21 @@ def _legacy_checkpoint(root, value):
     return root
 
 
-@pytest.mark.parametrize("dtype", ["O", "V8", "U2", "M8"])
-def test_a_numpy_array_of_a_non_numeric_dtype_is_refused_with_one_line(tmp_path, dtype):
-    src = _legacy_checkpoint(tmp_path / "megatron", _Array(dtype))
+def test_an_object_array_built_from_file_bytes_is_one_error_line_and_exit_2(tmp_path):
+    src = _legacy_checkpoint(tmp_path / "megatron", _Array("O"))
     r = mlm("convert", "from-megatron", src, tmp_path / "out", "--set", "model.num_attention_heads=2")
     assert r.returncode >= 0, f"killed by signal {-r.returncode}"
-    assert_error(r, "model_optim_rng.pt", f"numpy dtype {dtype!r}", "refused")
+    assert_error(r, "model_optim_rng.pt", "numpy dtype 'O'", "refused")
     assert "weights_only" not in r.stderr  # never torch's advice to load without the allow-list
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", ["O", "V8", "U2", "M8", "S4"])
+def test_a_numpy_array_of_a_non_numeric_dtype_is_refused(tmp_path, dtype):
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"args": argparse.Namespace(hostile=_Array(dtype))}, path)
+    with pytest.raises(MlmError, match=rf"model_optim_rng\.pt: numpy dtype '{dtype}': only plain numeric"):
+        load_megatron_pickle(path)
 
 
 def test_numeric_numpy_values_load_inert(tmp_path):
@@ -72,3 +79,19 @@ def test_an_object_array_with_its_state_is_refused(tmp_path):
     torch.save({"args": argparse.Namespace(x=np.array([1, "a"], dtype=object))}, path)
     with pytest.raises(MlmError, match=r"common\.pt: numpy dtype 'O8'"):
         load_megatron_pickle(path)
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model_optim_rng.pt"])
+def test_a_refused_global_is_one_line_naming_it(tmp_path, name):
+    """A Hugging Face .bin or a Megatron-LM file naming a callable: refused by name, nothing called,
+    and never torch's advice to load without the check."""
+    import os
+
+    from mlm.convert.hf.io import load_weight_file
+
+    path = tmp_path / name
+    torch.save({"w": torch.ones(2), "x": os.system}, path)
+    read = load_weight_file if name.endswith(".bin") else load_megatron_pickle
+    with pytest.raises(MlmError, match=rf"{name}: names posix\.system, which") as err:
+        read(path)
+    assert "weights_only set to False" not in str(err.value)

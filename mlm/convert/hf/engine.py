@@ -192,6 +192,12 @@ def iter_hf_to_mlm(
             yield unit.mlm[0], passthrough(keys[0])  # stored as it is: the caller copies it
             continue
         ts = [hf_tensors[k][1]() for k in keys]
+        for k, t in zip(keys, ts, strict=True):
+            if not t.is_floating_point():
+                raise MlmError(
+                    f"Hugging Face {a.model_type} tensor {k} is stored as {t.dtype}: a model's weights are "
+                    "floating point (float32, bfloat16, float16); the file is damaged or not this model's"
+                )
         if checked:
             digests[keys[0]] = (ts[0].shape, ts[0].dtype, _digest(ts[0]))
             if keys[0] in copy_of:

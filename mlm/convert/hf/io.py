@@ -9,6 +9,7 @@ Weights are read one tensor at a time (`lazy_tensors`) or one file at a time
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from mlm.convert.common import refused_name
 from mlm.errors import MlmError
 from mlm.fileio import read_json
 
@@ -52,10 +54,16 @@ def weight_files(hf_dir: Path) -> list[Path]:
         index = hf_dir / index_name
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                values = list(json.loads(index.read_text())["weight_map"].values())
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise MlmError(f"{index}: not a valid index (needs a 'weight_map' object): {e}") from None
-            names = list(dict.fromkeys(weight_map.values()))
+            bad = next((n for n in values if not isinstance(n, str) or Path(n).name != n or n == ".."), None)
+            if bad is not None:  # a path would read a file outside the folder
+                raise MlmError(
+                    f"{index}: weight_map names {str(bad)[:120]!r}, not a file name in {hf_dir}; the index is "
+                    "damaged or not a Hugging Face one"
+                )
+            names = list(dict.fromkeys(values))
             missing = [n for n in names if not (hf_dir / n).is_file()]
             if missing:
                 raise MlmError(
@@ -77,14 +85,21 @@ def load_weight_file(path: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(path), device="cpu")
-    try:  # memory-mapped where the file is in torch's zip format (all files since torch 1.6)
-        return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
-    except RuntimeError:
-        pass
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        try:  # memory-mapped where the file is in torch's zip format (all files since torch 1.6)
+            return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+        except RuntimeError:
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        raise MlmError(
+            f"{path}: names {refused_name(e)}, which a state dict of tensors does not hold; it is not read "
+            "(mlm reads .bin weights with torch.load(weights_only=True)); convert the model to safetensors"
+        ) from None
     except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file
-        raise MlmError(f"{path}: cannot be read as a torch state dict ({type(e).__name__}: {e})") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise MlmError(
+            f"{path}: cannot be read as a torch state dict ({type(e).__name__}: {first})"
+        ) from None
 
 
 def iter_weight_files(hf_dir: Path) -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:

@@ -114,6 +114,13 @@ class _Reader(FileSystemReader):
                 f"{path}: holds a {type(md).__name__}, not torch DCP Metadata; pass the directory as "
                 "Megatron's dist_checkpointing.save (or torch DCP) wrote it"
             )
+        for info in (getattr(md, "storage_data", None) or {}).values():
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".."):
+                raise MlmError(
+                    f"{path}: names the data file {str(name)[:120]!r}, not a file name in {self.path}; the "
+                    "metadata is damaged or was not written by torch DCP"
+                )
         md.storage_meta = getattr(md, "storage_meta", None)
         return md
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from mlm.convert.common import refused_name
 from mlm.errors import MlmError
 
 _MEGATRON = (
@@ -138,11 +139,8 @@ def load_megatron_pickle(path: Path, *, mmap: bool = False) -> Any:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MlmError(f"{path}: not a readable torch.save file ({first}); copy it again") from None
     except pickle.UnpicklingError as e:
-        text = str(e)
-        named = re.search(r"GLOBAL (\S+)", text) or re.search(r"unrecognized function (.+)", text)
-        what = named.group(1) if named else "an object"
         raise MlmError(
-            f"{path}: names {what}, which is outside the classes mlm unpickles from a Megatron-LM file "
+            f"{path}: names {refused_name(e)}, which is outside the classes mlm unpickles from a Megatron-LM file "
             "(argparse/SimpleNamespace, paths, numpy arrays, Megatron's enums and OptimizerConfig); "
             "it is not read. Re-save the checkpoint without that object in it"
         ) from None

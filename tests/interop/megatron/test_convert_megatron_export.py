@@ -8,7 +8,7 @@ expert, whose keys are per layer), and GPTModel's logits must equal mlm's to 1e-
 absolute, max |logit| ≈ 3; measured 1.1e-6 to 1.5e-6); a GPTModel save imported and exported again must equal that save bitwise, tensor by
 tensor, with the same `_extra_state` objects; and Megatron → mlm → HF → mlm must give the first
 import's tensors bitwise. Without megatron: the export reads back with mlm's own reader
-(`--from-megatron`) bitwise, homogeneous and heterogeneous stacks, and what Megatron cannot hold
+(`mlm convert from-megatron`) bitwise, homogeneous and heterogeneous stacks, and what Megatron cannot hold
 is refused, naming it.
 """
 

@@ -1,4 +1,4 @@
-"""`mlm convert from-megatron` / `--to-megatron` with multi-latent attention, against Megatron-core.
+"""`mlm convert from-megatron` / `mlm export megatron` with multi-latent attention, against Megatron-core.
 
 A tiny `GPTModel` with MLA (MLATransformerConfig: query latent 24 or none, kv latent 20, per head 12
 dims without RoPE + 8 with, values 10; YaRN 4× over 8 original positions; the local spec with the
@@ -8,7 +8,7 @@ GPTModel's logits to 1e-5 (fp32, absolute; measured 4.2e-7 at tp 2 with the quer
 layers and Megatron-LM's args, 7.2e-7 dense without either; rotate-half instead of interleaved
 RoPE moves them by 0.30 / 0.18, YaRN's original positions at 4096 by 0.03 / 0.04, mscale_all_dim 0
 instead of 1 by 0.02). The other way, an mlm MLA checkpoint exported
-with --to-megatron loads (strictly) into that GPTModel with mlm's logits to 1e-5 (measured 1.5e-6
+with mlm export megatron loads (strictly) into that GPTModel with mlm's logits to 1e-5 (measured 1.5e-6
 at tp 2, 1.6e-6 at tp 1; max |logit| ≈ 3), and a GPTModel save imported and exported again equals
 it bitwise. Without megatron: the MLA args mlm follows or refuses, and the export's refusals.
 """
@@ -129,7 +129,7 @@ def _mlm_sets(q_lora: bool, mscale_all_dim: float) -> list[str]:
     ids=["q_lora-tp2", "q_proj-tp1"],
 )
 def test_export_mla_loads_into_gptmodel(megatron, tmp_path, q_lora, world, mscale_all_dim):  # noqa: F811
-    """mlm's MLA model → --to-megatron → dist_checkpointing.load into the MLA GPTModel: the same logits."""
+    """mlm's MLA model → mlm export megatron → dist_checkpointing.load into the MLA GPTModel: the same logits."""
     mlm_checkpoint(tmp_path / "mlm", _mlm_sets(q_lora, mscale_all_dim))
     report = export_megatron(tmp_path / "mlm", tmp_path / "megatron")
     assert "YaRN's original positions 8" in report.notes[-1]

@@ -1,0 +1,34 @@
+"""A torch DCP `.metadata` names its data files; a name that is a path (`../outside.distcp`, an
+absolute path) would read tensors from outside the checkpoint folder, silently: it is refused."""
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mlm.convert.megatron.dcp import MegatronCheckpoint
+from mlm.errors import MlmError
+
+
+def _checkpoint(path):
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=path, no_dist=True)
+    return path
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "{abs}", "a/../../outside.distcp", ".."])
+def test_a_data_file_named_by_a_path_is_refused(tmp_path, name):
+    outside = _checkpoint(tmp_path / "other")
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    meta = pickle.loads((ckpt / ".metadata").read_bytes())
+    target = str(next(outside.glob("*.distcp"))) if name == "{abs}" else name
+    for info in meta.storage_data.values():
+        info.relative_path = target
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(MlmError, match=r"\.metadata: names the data file .*not a file name in"):
+        MegatronCheckpoint(ckpt)
+
+
+def test_a_checkpoint_as_torch_writes_it_reads(tmp_path):
+    ckpt = MegatronCheckpoint(_checkpoint(tmp_path / "ckpt"))
+    assert torch.equal(ckpt.read("w"), torch.arange(4.0))
