@@ -130,7 +130,9 @@ def staged_dir(out: str | os.PathLike) -> Iterator[Path]:
 
 
 def check_new_dir(out: Path) -> None:
-    """Refuse an output folder that exists."""
+    """Refuse an output folder that exists, or is a link (a dangling one included)."""
+    if out.is_symlink():
+        raise MlmError(f"{out} is a link (to {os.readlink(out)}); pass a new output path, not a link")
     if out.exists():
         raise MlmError(f"{out} already exists; pass a new output path, or remove it first (rm -r {out})")
 

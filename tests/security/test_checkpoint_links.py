@@ -68,3 +68,13 @@ def test_latest_is_not_followed_through_a_link_out_of_its_folder(tmp_path):
     assert (
         resolve_checkpoint(run / "iter_0000005") == run / "iter_0000005"
     )  # named directly: the user's choice
+
+
+def test_an_output_that_is_a_dangling_link_is_refused_and_leaves_nothing(tmp_path):
+    from mlm.convert.reshard import reshard
+
+    _save(tmp_path / "src", 1)
+    (tmp_path / "out").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(MlmError, match=r"out is a link \(to .*nowhere\); pass a new output path"):
+        reshard(tmp_path / "src", tmp_path / "out", tp=1, pp=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no OUT.tmp-PID left
