@@ -74,6 +74,17 @@ def serve(
         None, "--max-tokens-limit", help="Largest max_tokens a request may ask; default: the context."
     ),
     max_body: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body (HTTP 413 beyond)."),
+    max_connections: int = typer.Option(
+        1000,
+        "--max-connections",
+        help="Open connections; one more closes the one waiting longest for its request (HTTP 503).",
+    ),
+    read_timeout: float = typer.Option(
+        10.0, "--read-timeout", help="Seconds for a whole request to arrive (HTTP 408 beyond)."
+    ),
+    max_header_bytes: int = typer.Option(
+        16384, "--max-header-bytes", help="Largest request line and headers (HTTP 431 beyond)."
+    ),
     dtype: str = _DTYPE,
     device: str = _DEVICE,
     tokenizer: str | None = _TOKENIZER,
@@ -98,6 +109,7 @@ def serve(
     Under torchrun, tensor-parallel over the processes; only rank 0 binds the port."""
     from mlm.inference.engine import EngineConfig
     from mlm.serve.app import Limits
+    from mlm.serve.connections import ConnectionLimits
     from mlm.serve.server import serve as run
 
     engine_config = EngineConfig(
@@ -110,6 +122,7 @@ def serve(
         packed_weights=packed_weights,
     )
     limits = Limits(max_body_bytes=max_body, max_tokens=max_tokens)
+    connection_limits = ConnectionLimits(max_connections, read_timeout, max_header_bytes)
     run(
         ckpt,
         host,
@@ -117,6 +130,7 @@ def serve(
         engine_config,
         api_key=api_key,
         limits=limits,
+        connection_limits=connection_limits,
         name=name,
         dtype=dtype,
         device=device,

@@ -23,6 +23,7 @@ from mlm.inference.lockstep import serving_mesh, stop_followers
 from mlm.parallel.launch import pick_device
 from mlm.parallel.mesh import Mesh
 from mlm.serve.app import Limits, ServerState, create_app
+from mlm.serve.connections import ACCEPT_BATCH, LISTEN_BACKLOG, ConnectionLimits, Guard
 
 log = logging.getLogger("mlm.serve")
 
@@ -62,6 +63,7 @@ def serve(
     *,
     api_key: str | None = None,
     limits: Limits | None = None,
+    connection_limits: ConnectionLimits | None = None,
     name: str | None = None,
     dtype: str = "fp32",
     device: str = "auto",
@@ -88,7 +90,13 @@ def serve(
         elif mesh.tp > 1:  # loading failed or was interrupted: release the other ranks all the same
             stop_followers(mesh, dev)
 
-    config = uvicorn.Config(create_app(state), host=host, port=port, timeout_graceful_shutdown=5)
+    config = guarded_config(
+        create_app(state),
+        connection_limits or ConnectionLimits(),
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=5,
+    )
     server = _Server(config, on_exit=stop)
     failure: list[BaseException] = []
 
@@ -117,13 +125,33 @@ def serve(
         raise e if isinstance(e, MlmError) else MlmError(f"loading {ckpt} failed: {type(e).__name__}: {e}")
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, calling `on_exit` once it has shut down, before it re-raises the signal
-    that stopped it (a re-raised SIGTERM ends the process before any `finally` of ours runs)."""
+def guarded_config(app, limits: ConnectionLimits, **kwargs) -> uvicorn.Config:
+    """uvicorn's config for `app` behind the connection limits (`mlm.serve.connections`)."""
+    return uvicorn.Config(
+        app,
+        http=Guard(limits, limits.cap()).protocol(),
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        backlog=ACCEPT_BATCH,
+        **kwargs,
+    )
 
-    def __init__(self, config: uvicorn.Config, on_exit):
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with the kernel's listen queue at `LISTEN_BACKLOG` (asyncio accepts as
+    many connections in one go as the backlog it was given, which `guarded_config` keeps small),
+    calling `on_exit` once it has shut down, before it re-raises the signal that stopped it (a
+    re-raised SIGTERM ends the process before any `finally` of ours runs)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit=lambda: None):
         super().__init__(config)
         self.on_exit = on_exit
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets:
+                with sock.dup() as listener:  # the same socket; asyncio's wrapper hides listen()
+                    listener.listen(LISTEN_BACKLOG)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -137,13 +165,19 @@ class _Server(uvicorn.Server):
 class ServerThread:
     """`with ServerThread(app) as s:` serves `app` at `s.url` (127.0.0.1, a free port)."""
 
-    def __init__(self, app, host: str = "127.0.0.1"):
+    def __init__(self, app, host: str = "127.0.0.1", limits: ConnectionLimits | None = None):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
+        config = guarded_config(
+            app,
+            limits or ConnectionLimits(),
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=1,
+        )
+        self.server = _Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> ServerThread:
