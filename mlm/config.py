@@ -23,6 +23,9 @@ from pathlib import Path
 from mlm.errors import MlmError
 from mlm.hardware import ALIASES, PROFILES, profile_name
 
+MAX_LAYERS = 4096
+"""The most layers (MTP depths included) a model may have: validating a config walks its layers."""
+
 
 def ensure(cond: bool, msg: str) -> None:
     """MlmError(msg) unless `cond` (the configs' and the kinds' specs' validation)."""
@@ -303,6 +306,11 @@ class ModelConfig:
         ):
             ensure(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
         ensure(
+            self.num_layers + self.mtp_num_layers <= MAX_LAYERS,
+            f"model.num_layers={self.num_layers} (+ mtp_num_layers={self.mtp_num_layers}): more than "
+            f"{MAX_LAYERS} layers, which mlm does not build (the deepest published models have about 200)",
+        )
+        ensure(
             self.kv_channels is None or self.kv_channels > 0,
             f"model.kv_channels={self.kv_channels}: must be positive (or unset for hidden / heads)",
         )
@@ -339,6 +347,16 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             ensure(0.0 <= getattr(self, name) < 1.0, f"{s}.{name}={getattr(self, name)}: must be in [0, 1)")
         self._check_kinds()
+
+    def check_depth(self, tensors: int, where: str) -> None:
+        """MlmError unless the files at `where` hold at least one tensor per layer: a config that
+        came with foreign weights is only a claim, checked before a model is built from it."""
+        layers = self.num_layers + self.mtp_num_layers
+        if layers > tensors:
+            raise MlmError(
+                f"{where}: the config says {layers} layers, but the weights hold {tensors} tensors (each "
+                "layer has at least one); the config does not belong to these weights"
+            )
 
     def _check_kinds(self) -> None:
         """The layers' kinds exist, the pattern agrees with the fields, and each kind accepts the

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -256,3 +257,42 @@ def load_tokenizer(
     if p.suffix == ".json":
         return HFTokenizer(p, eod_token)
     return SentencePieceTokenizer(p, eod_token)
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
+"""What a tokenizer folder may hold, as Hugging Face names the files: copied with the model."""
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    """Copy the tokenizer files found in `src` to `dst` (created if any); their names."""
+    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if names:
+        dst.mkdir(parents=True, exist_ok=True)
+        for n in names:
+            shutil.copy2(src / n, dst / n)
+    return names
+
+
+_TOKENIZER_FILE_NAMES = {".model": "tokenizer.model", ".json": "tokenizer.json"}
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    """`copy_tokenizer_files` of a folder, or one tokenizer file (a SentencePiece `.model` or a
+    `tokenizer.json`, as `mlm train`'s `data.tokenizer` names it) under the name Hugging Face
+    looks for; the names written."""
+    if src.is_dir():
+        return copy_tokenizer_files(src, dst)
+    name = _TOKENIZER_FILE_NAMES.get(src.suffix)
+    if name is None or not src.is_file():
+        return []
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dst / name)
+    return [name]

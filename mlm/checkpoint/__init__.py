@@ -5,6 +5,7 @@ See `manager` for the save/load protocol, `store` for tensor I/O and docs/format
 
 from mlm.checkpoint.manager import (
     ShardedTensor,
+    checkpoint_config,
     list_checkpoints,
     load_checkpoint,
     read_group,
@@ -16,6 +17,7 @@ from mlm.checkpoint.rng import rng_state_from_json, rng_state_to_json
 
 __all__ = [
     "ShardedTensor",
+    "checkpoint_config",
     "list_checkpoints",
     "load_checkpoint",
     "read_group",

@@ -26,6 +26,7 @@ import zarr
 
 from mlm import __version__
 from mlm.checkpoint import store
+from mlm.config import Config, config_from_dict
 from mlm.errors import MlmError, check_version
 from mlm.fileio import atomic_outputs, fsync_dir, fsync_dirs, fsync_file, read_json
 
@@ -327,7 +328,35 @@ def read_manifest(iter_dir: str | os.PathLike) -> dict:
             f"{path}: tensor name {bad[:120]!r} is not GROUP/KEY (letters, digits, '_', '.', ':', '-'; no "
             "'..'); the manifest is damaged or not mlm's"
         )
+    bad = next((n for n, info in tensors.items() if not _plain_entry(info)), None)
+    if bad is not None:
+        raise MlmError(
+            f"{path}: tensor {bad}: {str(tensors[bad])[:200]} does not give a shape and chunks of sizes and a "
+            "dtype name; the manifest is damaged"
+        )
     return manifest
+
+
+def _plain_entry(info: object) -> bool:
+    def sizes(v: object, least: int) -> bool:
+        return isinstance(v, list) and all(type(n) is int and least <= n < 2**62 for n in v)
+
+    return (
+        isinstance(info, dict)
+        and sizes(info.get("shape"), 0)
+        and isinstance(info.get("dtype"), str)
+        and ("chunks" not in info or sizes(info["chunks"], 1) and len(info["chunks"]) == len(info["shape"]))
+    )
+
+
+def checkpoint_config(manifest: dict, it_dir: Path) -> Config:
+    """The run config a checkpoint's manifest records, its depth checked against the model tensors
+    stored (a manifest from elsewhere is only a claim)."""
+    if not isinstance(manifest.get("config"), dict):
+        raise MlmError(f"{it_dir / MANIFEST} has no config; it was not written by mlm train or convert")
+    cfg = config_from_dict(manifest["config"])
+    cfg.model.check_depth(sum(k.startswith("model/") for k in manifest["tensors"]), str(it_dir / MANIFEST))
+    return cfg
 
 
 def array_path(it_dir: Path, name: str) -> Path:
@@ -388,7 +417,7 @@ def load_checkpoint(
                 raise MlmError(f"{where}: checkpoint has shape {shape}, the model expects {st.global_shape}")
             if local.numel() == 0:
                 continue
-            arr = store.open_array(array_path(it_dir, f"{name}/{st.key}"), where)
+            arr = store.open_checked(array_path(it_dir, f"{name}/{st.key}"), where, stored[st.key])
             sums = stored[st.key].get(CHECKSUMS) if verify else None
             value = store.read_slice(arr, st.global_offset, tuple(local.shape), where, sums)
             with torch.no_grad():
@@ -415,6 +444,8 @@ def read_group(
     infos = {k[len(prefix) :]: v for k, v in manifest["tensors"].items() if k.startswith(prefix)}
     if not infos:
         raise MlmError(f"{it_dir}: the checkpoint has no {prefix} tensors")
+    for k, v in infos.items():  # backed by the files before anything is allocated
+        store.open_checked(array_path(it_dir, prefix + k), f"{it_dir}: tensor {prefix}{k}", v)
     targets = [
         ShardedTensor.full(
             k, torch.empty(v["shape"], dtype=store.dtype_from_name(v["dtype"], f"{it_dir}: {k}"))
@@ -425,19 +456,45 @@ def read_group(
     return {st.key: st.local for st in targets}, manifest, it_dir
 
 
+TOKENIZER_DIR = "tokenizer"
+"""The checkpoint's own copy of its tokenizer files, beside the iter dirs (manifest `tokenizer`:
+{"path": TOKENIZER_DIR, "files": [...]}), written by `mlm convert from-hf` and `mlm train`."""
 _VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer loads from these
 
 
+def checkpoint_tokenizer(manifest: dict, it_dir: Path, vocabulary: bool = True) -> Path | None:
+    """The checkpoint's own copy of its tokenizer (with `vocabulary`, only one that holds a
+    vocabulary, not just generation_config.json); None when it has none. MlmError when the
+    manifest records another folder or the folder is a link out of the checkpoint (a manifest
+    from elsewhere must not point mlm at other files)."""
+    recorded = manifest.get("tokenizer")
+    if not recorded:
+        return None
+    root = it_dir.parent
+    path = root / TOKENIZER_DIR
+    if (
+        not isinstance(recorded, dict)
+        or recorded.get("path") != TOKENIZER_DIR
+        or not path.resolve().is_relative_to(root.resolve())
+    ):
+        raise MlmError(
+            f"{it_dir / MANIFEST}: the tokenizer record {str(recorded)[:120]} does not name the checkpoint's "
+            f"own folder {TOKENIZER_DIR!r} (or that folder links out of it); the manifest is damaged or not mlm's"
+        )
+    files = recorded.get("files") or []
+    return path if not vocabulary or set(files) & set(_VOCABULARY_FILES) else None
+
+
 def tokenizer_path(manifest: dict, it_dir: Path) -> Path | None:
-    """The tokenizer a checkpoint names: an imported model's copied tokenizer files (a folder
-    beside the iter dirs), else the run's `data.tokenizer`, else the tokenizer recorded by its
-    first dataset (`PREFIX.json`); None when it names none."""
+    """The tokenizer a checkpoint names: its own copy (`checkpoint_tokenizer`), else the run's
+    `data.tokenizer`, else the tokenizer recorded by its first dataset (`PREFIX.json`); None when
+    it names none."""
     from mlm.datasets.builder import parse_blend
     from mlm.datasets.meta import read_meta
 
-    recorded = manifest.get("tokenizer") or {}
-    if set(recorded.get("files", [])) & set(_VOCABULARY_FILES):  # not only generation_config.json
-        return it_dir.parent / recorded["path"]
+    own = checkpoint_tokenizer(manifest, it_dir)
+    if own is not None:
+        return own
     data = manifest.get("config", {}).get("data", {})
     if data.get("tokenizer"):
         return Path(data["tokenizer"])
@@ -446,3 +503,22 @@ def tokenizer_path(manifest: dict, it_dir: Path) -> Path | None:
         if meta and meta.get("tokenizer", {}).get("path"):
             return Path(meta["tokenizer"]["path"])
     return None
+
+
+def keep_tokenizer(root: Path, source: str | os.PathLike | None) -> dict | None:
+    """The manifest record of the checkpoint's own tokenizer in `root`, copied from `source` (a
+    tokenizer file or folder) the first time (staged, then renamed into place); None when there
+    is nothing to copy."""
+    from mlm.tokenizer import TOKENIZER_FILES, copy_tokenizer
+
+    own = root / TOKENIZER_DIR
+    if not own.is_dir():
+        if source is None or not Path(source).exists():
+            return None
+        tmp = root / f"{TOKENIZER_DIR}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not copy_tokenizer(Path(source), tmp):
+            return None
+        tmp.rename(own)
+    files = [n for n in TOKENIZER_FILES if (own / n).is_file()]
+    return {"path": TOKENIZER_DIR, "files": files} if files else None

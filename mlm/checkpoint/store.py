@@ -130,6 +130,38 @@ def open_array(path: Path, where: str) -> Array:
     return arr
 
 
+def open_checked(path: Path, where: str, info: dict) -> Array:
+    """`open_array`, checked against the manifest entry `info` and the disk before anything is
+    allocated or looped over: zarr.json's shape, chunks and dtype are the manifest's, and the chunk
+    files are exactly those of the grid, each a plain file of one full chunk."""
+    arr = open_array(path, where)
+    stored = {"shape": list(arr.shape), "chunks": list(arr.chunks), "dtype": dtype_name(arr.dtype)}
+    claimed = {k: info.get(k, stored[k]) for k in stored}
+    if claimed != stored:
+        raise MlmError(
+            f"{where}: {path}/zarr.json says {stored}, the manifest {claimed}; the checkpoint is damaged"
+        )
+    count = math.prod(-(-n // c) for n, c in zip(arr.shape, arr.chunks, strict=True))
+    top = Path(path) / "c"
+    if top.is_symlink():
+        raise MlmError(f"{where}: {top} is a link; copy the checkpoint with its files, not links")
+    if not arr.shape:
+        files = [top] if top.exists() else []
+    else:
+        files = [Path(d) / f for d, _, names in os.walk(top) for f in names]
+    if len(files) != count:
+        raise MlmError(
+            f"{where}: {path} holds {len(files)} chunk files; shape {list(arr.shape)} in chunks of "
+            f"{list(arr.chunks)} needs {count}; the checkpoint is incomplete or damaged"
+        )
+    size = math.prod(arr.chunks) * arr.storage.itemsize
+    for f in files:
+        if f.is_symlink() or f.stat().st_size != size:
+            what = "is a link" if f.is_symlink() else f"has {f.stat().st_size} bytes, not {size}"
+            raise MlmError(f"{where}: chunk file {f} {what}; the checkpoint is damaged")
+    return arr
+
+
 def _crc(buf: np.ndarray) -> str:
     return f"{google_crc32c.value(buf.reshape(-1).view(np.uint8)):08x}"
 

@@ -27,10 +27,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mlm.checkpoint import read_group, read_manifest, resolve_checkpoint, store
+from mlm.checkpoint import checkpoint_config, read_group, read_manifest, resolve_checkpoint, store
 from mlm.checkpoint.keys import param_of
-from mlm.checkpoint.manager import CHECKSUMS, RESERVED, array_path, save_streaming
-from mlm.config import config_from_dict
+from mlm.checkpoint.manager import (
+    CHECKSUMS,
+    RESERVED,
+    TOKENIZER_DIR,
+    array_path,
+    checkpoint_tokenizer,
+    save_streaming,
+)
 from mlm.convert.common import TOLERANCE, Progress, noop
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
@@ -39,6 +45,7 @@ from mlm.model.gpt import GPT, VOCAB_ROWS
 from mlm.parallel.parallelize import check_tensor_parallel, tp_split_dims
 from mlm.parallel.pipeline import stage_layer_counts
 from mlm.parallel.schedules import micro_batches_per_step
+from mlm.tokenizer import copy_tokenizer_files
 from mlm.units import DTYPES
 from mlm.verify import prompt_logits
 
@@ -157,7 +164,7 @@ def reshard(
     if dtype is not None and dtype not in DTYPES:
         raise MlmError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     manifest = read_manifest(it_dir)
-    cfg = config_from_dict(manifest["config"])
+    cfg = checkpoint_config(manifest, it_dir)
     dp = dp or manifest.get("mesh", {}).get("dp", 1)
     if ep is not None and ep < 1:
         raise MlmError(f"--ep {ep}: must be at least 1")
@@ -176,6 +183,9 @@ def reshard(
     check_tensor_parallel(cfg.model, padded, tp)
     stage_layer_counts(cfg.model.num_layers, pp, vpp, parallel.first_stage_layers, parallel.last_stage_layers)
     infos = manifest["tensors"]
+    for k, v in infos.items():  # what the manifest claims is on disk, before buffers are sized by it
+        store.open_checked(array_path(it_dir, k), f"{it_dir}: tensor {k}", v)
+    own = checkpoint_tokenizer(manifest, it_dir, vocabulary=False)
     groups = sorted({k.split("/", 1)[0] for k in infos})
     extra = {k: v for k, v in manifest.items() if k not in RESERVED}
     extra["config"] = dataclasses.replace(cfg, parallel=parallel).to_dict()
@@ -200,6 +210,8 @@ def reshard(
                 progress(f"{group}/{key}", done, total)
 
         save_streaming(tmp, int(manifest["iteration"]), tensors(), extra, groups)
+        if own is not None:
+            copy_tokenizer_files(own, tmp / TOKENIZER_DIR)  # the checkpoint's own copy goes with it
         if not verify:
             return None
         progress("verifying logits", 0, 0)

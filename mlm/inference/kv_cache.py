@@ -208,6 +208,40 @@ def blocks_for_memory(
     return memory_bytes // need
 
 
+BOOKKEEPING_BYTES = 128
+"""Host memory the allocator keeps per block (reference count, key, prefix id, free-queue entry)."""
+
+
+def _check_fits(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, tp: int
+) -> None:
+    """MlmError before allocating a cache larger than the memory free on `device` (by default it
+    holds max-seqs whole contexts, which a config's context length can make any size)."""
+    need = num_blocks * bytes_per_block(cfg, block_size, dtype, tp)
+    free = free_memory(torch.device(device))
+    if free is not None and need + num_blocks * BOOKKEEPING_BYTES > free:
+        raise MlmError(
+            f"the KV cache of {num_blocks} blocks of {block_size} tokens takes {need / 2**30:.3g} GiB, more than "
+            f"the {free / 2**30:.3g} GiB free on {device}: by default it holds --max-seqs contexts of "
+            f"model.max_position_embeddings={cfg.max_position_embeddings} tokens; `mlm serve` takes "
+            "--kv-memory SIZE or --kv-blocks N"
+        )
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device`: CUDA's own count, or the host's MemAvailable; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def blocks_needed(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)
 
@@ -228,6 +262,7 @@ class PagedKVCache:
         scratch: bool = False,
     ):
         self.block_size = block_size
+        _check_fits(cfg, num_blocks + int(scratch), block_size, dtype, device, tp)
         self.allocator = BlockAllocator(num_blocks)
         self.scratch_block = num_blocks if scratch else None
         """With `scratch`, one more block that the allocator never hands out: where padding rows

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from mlm.build import build_rank_model
-from mlm.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
+from mlm.checkpoint import checkpoint_config, load_checkpoint, read_manifest, resolve_checkpoint
 from mlm.checkpoint.manager import tokenizer_path
-from mlm.config import ModelConfig, ParallelConfig, config_from_dict
+from mlm.config import ModelConfig, ParallelConfig
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
 from mlm.parallel.launch import pick_device
@@ -29,17 +29,10 @@ from mlm.tokenizer import Tokenizer, load_tokenizer
 from mlm.units import DTYPES
 
 
-def _manifest(ckpt: str | os.PathLike) -> tuple[dict, Path]:
-    it_dir = resolve_checkpoint(ckpt)
-    manifest = read_manifest(it_dir)
-    if "config" not in manifest:
-        raise MlmError(f"{it_dir}/manifest.json has no config; it was not written by mlm train or convert")
-    return manifest, it_dir
-
-
 def model_config(ckpt: str | os.PathLike) -> ModelConfig:
     """The model config of a checkpoint (DIR or DIR/iter_N), without reading its tensors."""
-    return config_from_dict(_manifest(ckpt)[0]["config"]).model
+    it_dir = resolve_checkpoint(ckpt)
+    return checkpoint_config(read_manifest(it_dir), it_dir).model
 
 
 def serving_config(cfg: ModelConfig) -> ModelConfig:
@@ -69,8 +62,9 @@ def load_model(
     global tensors; experts stay whole on every rank (expert parallelism is 1 for serving)."""
     if dtype not in DTYPES:
         raise MlmError(f"--dtype {dtype}: must be one of {', '.join(DTYPES)}")
-    manifest, it_dir = _manifest(ckpt)
-    cfg = serving_config(config_from_dict(manifest["config"]).model)
+    it_dir = resolve_checkpoint(ckpt)
+    manifest = read_manifest(it_dir)
+    cfg = serving_config(checkpoint_config(manifest, it_dir).model)
     mesh = mesh or Mesh.single()
     assert mesh.ep == 1, f"serving keeps every expert whole on each rank; got a mesh with ep={mesh.ep}"
     model = build_rank_model(

@@ -17,15 +17,23 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mlm.checkpoint import ShardedTensor, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
+from mlm.checkpoint import (
+    ShardedTensor,
+    checkpoint_config,
+    load_checkpoint,
+    read_manifest,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from mlm.checkpoint.manager import keep_tokenizer
 from mlm.checkpoint.rng import rng_state_from_json, rng_state_to_json
-from mlm.config import config_from_dict
 from mlm.errors import MlmError
 
 
 class TrainerCheckpoints:
     """Mixed into `Trainer` (which provides cfg, mesh, model, optimizer, scaler, fp8, iteration,
-    optimizer_step, consumed_samples, faults, total_iters, watchdog, `_print` and `_barrier`)."""
+    optimizer_step, consumed_samples, faults, total_iters, watchdog, tokenizer_meta, `_print` and
+    `_barrier`)."""
 
     def _groups(self, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
         """Every parameter and its Adam moments as this rank's slices of the global tensors, each
@@ -53,6 +61,7 @@ class TrainerCheckpoints:
             "rng": rng_state_to_json(),
             "rng_per_stage": self._stage_rng_states(),
             "faults": self.faults.state_dict(),
+            "tokenizer": self._keep_tokenizer(root),
         }
         groups = self._groups()
         iteration = self.iteration
@@ -77,6 +86,14 @@ class TrainerCheckpoints:
         self._pending_save = threading.Thread(target=worker, name="mlm-checkpoint", daemon=True)
         self._pending_save.start()
         return Path(root) / f"iter_{iteration:07d}"
+
+    def _keep_tokenizer(self, root: str) -> dict | None:
+        """Rank 0: the checkpoint's own copy of the run's tokenizer, beside the iter dirs (copied
+        at the first save), so that `mlm export hf` finds it inside the checkpoint."""
+        if self.mesh.rank != 0:
+            return None
+        Path(root).mkdir(parents=True, exist_ok=True)
+        return keep_tokenizer(Path(root), self.cfg.data.tokenizer or (self.tokenizer_meta or {}).get("path"))
 
     def _write(self, root, iteration, groups, extra, barrier) -> Path:
         path = save_checkpoint(
@@ -120,7 +137,7 @@ class TrainerCheckpoints:
     def load(self, path: str) -> None:
         self.watchdog.beat("checkpoint load")  # a rollback's: as long as a save
         iter_dir = resolve_checkpoint(path)
-        saved = config_from_dict(read_manifest(iter_dir)["config"]).model
+        saved = checkpoint_config(read_manifest(iter_dir), iter_dir).model
         diffs = [
             f"model.{k}: {v!r} in the checkpoint, {getattr(self.cfg.model, k)!r} here"
             for k, v in vars(saved).items()

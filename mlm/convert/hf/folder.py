@@ -22,19 +22,19 @@ from pathlib import Path
 
 import torch
 
-from mlm.checkpoint import read_group, store
-from mlm.checkpoint.manager import save_streaming, tokenizer_path
+from mlm.checkpoint import checkpoint_config, read_group, store
+from mlm.checkpoint.manager import TOKENIZER_DIR, checkpoint_tokenizer, save_streaming
 from mlm.checkpoint.store import dtype_name
-from mlm.config import Config, DataConfig, ModelConfig, config_from_dict, to_toml
+from mlm.config import Config, DataConfig, ModelConfig, to_toml
 from mlm.convert import hf as adapters
 from mlm.convert.common import TOLERANCE, Progress, Report, noop
 from mlm.convert.hf import io as hf_io
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
+from mlm.tokenizer import copy_tokenizer, copy_tokenizer_files
 from mlm.units import DTYPES, parse_size
 from mlm.verify import prompt, prompt_logits
 
-TOKENIZER_DIR = "tokenizer"
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -118,9 +118,10 @@ def import_hf(
     hf_tensors, ranges = hf_io.lazy_tensors(hf_dir)
     # e.g. DeepSeek-V3 MTP depths that config.json counts but transformers did not save
     model_cfg, note = adapters.adapter(hf_class).config_for_keys(model_cfg, hf_tensors)
+    model_cfg.check_depth(len(hf_tensors), str(hf_dir))
     total = sum(f.stat().st_size for f in hf_io.weight_files(hf_dir))
     with staged_dir(out) as tmp:
-        tokenizer_files = hf_io.copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
+        tokenizer_files = copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
         seq = min(DataConfig().seq_length, model_cfg.max_position_embeddings)
         data = DataConfig(
             seq_length=seq, tokenizer=str((out / TOKENIZER_DIR).resolve()) if tokenizer_files else ""
@@ -187,6 +188,24 @@ def import_hf(
     return report
 
 
+def _no_tokenizer_outside(manifest: dict, it_dir: Path) -> None:
+    """MlmError when a checkpoint without its own tokenizer copy names one outside it that exists
+    here (its run's `data.tokenizer`, or its first dataset's): export reads no file outside the
+    checkpoint unless `--tokenizer` names it (a manifest from elsewhere could name any file)."""
+    from mlm.datasets.builder import parse_blend
+
+    data = (manifest.get("config") or {}).get("data") or {}
+    named = [Path(data["tokenizer"])] if data.get("tokenizer") else []
+    named += [Path(f"{prefix}.json") for _, prefix in parse_blend(data.get("data_path") or [])[:1]]
+    root = it_dir.parent.resolve()
+    outside = next((p for p in named if p.exists() and not p.resolve().is_relative_to(root)), None)
+    if outside is not None:
+        raise MlmError(
+            f"{it_dir}: the checkpoint holds no copy of its tokenizer, and its run read it from {outside}, "
+            "outside the checkpoint, which export does not read unless you name it: pass --tokenizer PATH"
+        )
+
+
 def export_hf(
     ckpt: str | os.PathLike,
     out: str | os.PathLike,
@@ -211,11 +230,7 @@ def export_hf(
     progress("reading the checkpoint", 0, 0)
     mlm_state, manifest, it_dir = read_group(ckpt, verify=verify)
     progress("read the checkpoint", 0, 0)
-    if "config" not in manifest:
-        raise MlmError(
-            f"{it_dir}/manifest.json has no 'config'; it was not written by mlm train or mlm convert"
-        )
-    cfg = config_from_dict(manifest["config"]).model
+    cfg = checkpoint_config(manifest, it_dir).model
     padded = mlm_state["embed.weight"].shape[0] if "embed.weight" in mlm_state else None
     source = (manifest.get("source") or {}).get("architecture", "")
     arch = adapters.arch_of(cfg, source)
@@ -233,10 +248,11 @@ def export_hf(
     hf_state = {k: t.to(dtypes[k]) for k, t in hf_state.items()}
     # transformers ≥ 4.56 reads `dtype` (and warns on `torch_dtype` alone); older ones `torch_dtype`
     hf_config["torch_dtype"] = hf_config["dtype"] = dtype_name(target)
-    tok_dir = Path(tokenizer) if tokenizer is not None else None
-    if tok_dir is None:  # an import's copy, or the one `mlm train` read
-        tok_dir = tokenizer_path(manifest, it_dir)
-        tok_dir = tok_dir if tok_dir is not None and tok_dir.exists() else None
+    tok_dir = (
+        Path(tokenizer) if tokenizer is not None else checkpoint_tokenizer(manifest, it_dir, vocabulary=False)
+    )
+    if tok_dir is None:
+        _no_tokenizer_outside(manifest, it_dir)
     total = sum(t.numel() * t.element_size() for t in hf_state.values())
     with staged_dir(out) as tmp:
         written = 0
@@ -248,7 +264,7 @@ def export_hf(
 
         hf_io.write_safetensors(hf_state, tmp, max_bytes, on_shard)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        tokenizer_files = hf_io.copy_tokenizer(tok_dir, tmp) if tok_dir is not None else []
+        tokenizer_files = copy_tokenizer(tok_dir, tmp) if tok_dir is not None else []
         gen = hf_io.generation_config(tok_dir)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         report = Report(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import shutil
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from mlm.convert.common import refused_name
+from mlm.convert.safetensors_header import read_header
 from mlm.errors import MlmError
 from mlm.fileio import read_json
 
@@ -25,15 +25,6 @@ SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-)
 
 
 def read_hf_config(hf_dir: Path) -> dict:
@@ -44,7 +35,43 @@ def read_hf_config(hf_dir: Path) -> dict:
     if not path.is_file():
         found = ", ".join(sorted(p.name for p in hf_dir.iterdir())[:10]) or "nothing"
         raise MlmError(f"{path}: not found (the folder holds {found}); is {hf_dir} a Hugging Face model?")
-    return read_json(path)
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise MlmError(
+            f"{path}: holds a {type(config).__name__}, not a JSON object; is {hf_dir} a Hugging Face model?"
+        )
+    for key, value in config.items():
+        if value is None:
+            continue
+        if key in _COUNTS and not (type(value) is int and value >= 1):
+            raise MlmError(f"{path}: {key} is {str(value)[:40]}; it must be a positive integer")
+        if key in _POSITIVE and not (type(value) in (int, float) and value > 0):
+            raise MlmError(f"{path}: {key} is {str(value)[:40]}; it must be a positive number")
+    return config
+
+
+_COUNTS = {
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "head_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "n_routed_experts",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "n_positions",
+    "n_inner",
+}
+"""config.json fields that count something: positive integers where present (null: unset)."""
+_POSITIVE = {"rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta"}
+"""config.json fields that must be positive numbers where present."""
 
 
 def weight_files(hf_dir: Path) -> list[Path]:
@@ -84,6 +111,7 @@ def load_weight_file(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
+        read_header(path)  # checked first: the library's own refusals are tracebacks
         return load_file(str(path), device="cpu")
     try:
         try:  # memory-mapped where the file is in torch's zip format (all files since torch 1.6)
@@ -113,27 +141,17 @@ def lazy_tensors(
 ) -> tuple[dict[str, tuple[torch.Size, Callable[[], torch.Tensor]]], dict[str, tuple[Path, int, str]]]:
     """Every tensor of the folder's weight files, not read yet: (key → (shape, read), key →
     (file, byte offset of its data, safetensors dtype) for the tensors of safetensors files).
-    safetensors headers (an 8-byte little-endian length, then JSON whose `data_offsets` count
-    from the end of the header) give shapes and places, and each tensor is read on its own; a
-    .bin file is memory-mapped (read as pages are touched) where torch's zip format allows, else
-    loaded whole."""
+    safetensors headers (`mlm.convert.safetensors_header`) give shapes and places, and each tensor
+    is read on its own; a .bin file is memory-mapped (read as pages are touched) where torch's zip
+    format allows, else loaded whole."""
     tensors, ranges = {}, {}
     for path in weight_files(hf_dir):
         if path.suffix != ".safetensors":
             tensors.update({k: (t.shape, partial(lambda t: t, t)) for k, t in load_weight_file(path).items()})
             continue
-        try:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
-            entries = {k: v for k, v in header.items() if k != "__metadata__"}
-            for k, v in entries.items():
-                tensors[k] = (torch.Size(v["shape"]), partial(_read_safetensor, path, k))
-                ranges[k] = (path, 8 + n + v["data_offsets"][0], v["dtype"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON, UTF-8 or layout errors
-            raise MlmError(
-                f"{path}: not a readable safetensors file (header: {type(e).__name__}: {e})"
-            ) from None
+        for k, entry in read_header(path).items():
+            tensors[k] = (torch.Size(entry.shape), partial(_read_safetensor, path, k))
+            ranges[k] = (path, entry.start, entry.dtype)
     return tensors, ranges
 
 
@@ -181,33 +199,6 @@ def write_safetensors(state: dict[str, torch.Tensor], out_dir: Path, max_bytes: 
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return total
-
-
-def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
-    """Copy the tokenizer files found in `src` to `dst` (created if any); their names."""
-    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if names:
-        dst.mkdir(parents=True, exist_ok=True)
-        for n in names:
-            shutil.copy2(src / n, dst / n)
-    return names
-
-
-_TOKENIZER_FILE_NAMES = {".model": "tokenizer.model", ".json": "tokenizer.json"}
-
-
-def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    """`copy_tokenizer_files` of a folder, or one tokenizer file (a SentencePiece `.model` or a
-    `tokenizer.json`, as `mlm train`'s `data.tokenizer` names it) under the name Hugging Face
-    looks for; the names written."""
-    if src.is_dir():
-        return copy_tokenizer_files(src, dst)
-    name = _TOKENIZER_FILE_NAMES.get(src.suffix)
-    if name is None or not src.is_file():
-        return []
-    dst.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(src, dst / name)
-    return [name]
 
 
 def generation_config(tokenizer_dir: Path | None) -> dict:

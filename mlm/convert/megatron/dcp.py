@@ -32,6 +32,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from mlm.convert.common import refused_name
 from mlm.convert.megatron.unpickle import load_megatron_pickle
 from mlm.errors import MlmError
 
@@ -85,8 +86,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _OTHERS:
             return super().find_class(module, name)
         raise MlmError(
-            f".metadata of the checkpoint names {module}.{name}, which a torch DCP metadata file does not "
-            "hold; it is not read (only DCP's metadata classes, torch dtypes and paths are unpickled)"
+            f"names {module}.{name}, which a torch DCP metadata file does not hold; it is not read (only "
+            "DCP's metadata classes, torch dtypes and paths are unpickled)"
         )
 
 
@@ -104,6 +105,8 @@ class _Reader(FileSystemReader):
         with open(path, "rb") as f:
             try:
                 md = _MetadataUnpickler(f).load()
+            except MlmError as e:  # the allow-list's refusal
+                raise MlmError(f"{path}: {e}") from None
             except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
                 raise MlmError(
                     f"{path}: not a readable torch DCP metadata file ({type(e).__name__}: {e}); copy it "
@@ -194,12 +197,28 @@ class _BytesPlanner(DefaultLoadPlanner):
         self.values: dict = {}
 
     def load_bytes(self, read_item, value) -> None:
-        self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        key = read_item.dest_index.fqn
+        try:
+            self.values[key] = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:  # refused by the weights-only allow-list: nothing ran
+            raise MlmError(
+                f"{key} not read: it names {refused_name(e)}, a class outside plain values (ints, floats, "
+                "strings, containers of them, tensors)"
+            ) from None
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """The exceptions DCP's CheckpointException wraps (per failed rank, an exception or an
+    (exception, frames) pair), innermost first."""
+    if not isinstance(e, CheckpointException):
+        return [e]
+    inner = [c[0] if isinstance(c, tuple) else c for c in getattr(e, "failures", {}).values()]
+    return [c for x in inner if isinstance(x, BaseException) for c in _causes(x)] + [e]
 
 
 def _damaged(path: Path, keys: list[str], e: CheckpointException) -> MlmError:
     """The error for a DCP read that failed other than by the allow-list: torch's own failure, by name."""
-    causes = [c for c in getattr(e, "failures", {}).values() if isinstance(c, BaseException)]
+    causes = _causes(e)
     cause = causes[0] if causes else e
     first = (str(cause).strip().splitlines() or [""])[-1]
     return MlmError(
@@ -269,13 +288,11 @@ class MegatronCheckpoint:
                     planner=planner,
                     no_dist=True,
                 )
-            except CheckpointException as e:  # wraps torch.load's UnpicklingError, or a read error
-                if "Unsupported global" not in str(e):
-                    raise _damaged(self.path, keys, e) from None
-                why = str(e).split("Unsupported global: ")[-1].split(" was not")[0]
-                raise MlmError(
-                    f"{self.path}: {', '.join(keys)} not read: a class outside plain values ({why})"
-                ) from None
+            except CheckpointException as e:  # wraps load_bytes' refusal, or a read error
+                refused = next((c for c in _causes(e) if isinstance(c, MlmError)), None)
+                if refused is not None:
+                    raise MlmError(f"{self.path}: {refused}") from None
+                raise _damaged(self.path, keys, e) from None
         return planner.values
 
     def common(self) -> dict:

@@ -45,10 +45,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from mlm.checkpoint import read_group
+from mlm.checkpoint import checkpoint_config, read_group
 from mlm.checkpoint.manager import iter_dir_name
 from mlm.checkpoint.store import dtype_name
-from mlm.config import ModelConfig, config_from_dict, describe_layers
+from mlm.config import ModelConfig, describe_layers
 from mlm.convert.common import Progress, Report, noop
 from mlm.convert.megatron.args import megatron_args, unread_flags
 from mlm.convert.megatron.dcp import MegatronCheckpoint
@@ -198,11 +198,7 @@ def export_megatron(
         )
     progress("reading the checkpoint", 0, 0)
     state, manifest, it_dir = read_group(ckpt, verify=verify)
-    if "config" not in manifest:
-        raise MlmError(
-            f"{it_dir}/manifest.json has no 'config'; it was not written by mlm train or mlm convert"
-        )
-    config = config_from_dict(manifest["config"])
+    config = checkpoint_config(manifest, it_dir)
     cfg = config.model
     refused = _unsupported(cfg)
     if refused:

@@ -114,7 +114,18 @@ class LegacyCheckpoint:
             )
         first = self._load(held[0])
         args = vars(first["args"]) if hasattr(first.get("args"), "__dict__") else {}
-        tp, pp, ep = (args.get(f"{n}_model_parallel_size") or 1 for n in ("tensor", "pipeline", "expert"))
+        sizes = [args.get(f"{n}_model_parallel_size") or 1 for n in ("tensor", "pipeline", "expert")]
+        if not all(type(n) is int and n >= 1 for n in sizes):
+            raise MlmError(
+                f"{path}/{held[0]}/{FILE}: the Megatron args' tensor/pipeline/expert parallel sizes "
+                f"{', '.join(str(n)[:20] for n in sizes)} are not positive integers; the checkpoint is damaged"
+            )
+        tp, pp, ep = sizes
+        if tp * pp * ep > len(dirs) + 8:  # more missing folders than are worth naming one by one
+            raise MlmError(
+                f"{path}: the Megatron args say tp {tp} · pp {pp} · ep {ep}, so {tp * pp * ep} rank folders, but "
+                f"it holds {len(dirs)}; copy the whole iteration folder as Megatron-LM wrote it"
+            )
         names = {
             (t, p, e): f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
             for t in range(tp)

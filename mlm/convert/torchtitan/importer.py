@@ -332,6 +332,7 @@ def model_config(
 
 def _check_shapes(ckpt: MegatronCheckpoint, weights: dict[str, str], cfg: ModelConfig) -> None:
     """MlmError naming the first parameter whose shape differs from GPT(cfg)'s, or one it lacks."""
+    cfg.check_depth(len(ckpt.tensors), str(ckpt.path))
     expected = model_shapes(cfg, ckpt.shape("tok_embeddings.weight")[0])
     for key, name in weights.items():
         if expected.get(name) != ckpt.shape(key):

@@ -19,8 +19,8 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from mlm.convert.safetensors_header import read_header
 from mlm.convert.trtllm.config import read_trt_config
 from mlm.convert.trtllm.names import rank_rules, shard, sources
 from mlm.errors import MlmError
@@ -76,12 +76,9 @@ def check_trtllm(path: str | os.PathLike) -> list[str]:
     for rank, shapes in enumerate(want):
         if names[rank] not in present:
             continue
-        with safe_open(path / names[rank], framework="pt") as f:
-            slices = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 (not iterable)
-            found = {
-                k: (tuple(s.get_shape()), _ST_DTYPES.get(s.get_dtype(), s.get_dtype()))
-                for k, s in slices.items()
-            }
+        found = {
+            k: (e.shape, _ST_DTYPES.get(e.dtype, e.dtype)) for k, e in read_header(path / names[rank]).items()
+        }
         where = names[rank]
         problems += [f"{where}: {k} is missing" for k in shapes if k not in found]
         problems += [

@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mlm.checkpoint import read_group
+from mlm.checkpoint import checkpoint_config, read_group
 from mlm.checkpoint.store import dtype_name
-from mlm.config import config_from_dict
 from mlm.convert.trtllm.check import CONFIG, check_or_raise, rank_file
 from mlm.convert.trtllm.config import DTYPES, dtype_choice, trt_config
 from mlm.convert.trtllm.importer import read_trtllm
@@ -84,11 +83,7 @@ def export_trtllm(
     target = dtype_choice(dtype) if dtype is not None else None
     start = time.perf_counter()
     state, manifest, it_dir = read_group(ckpt, verify=verify)
-    if "config" not in manifest:
-        raise MlmError(
-            f"{it_dir}/manifest.json has no 'config'; it was not written by mlm train or mlm convert"
-        )
-    cfg = config_from_dict(manifest["config"]).model
+    cfg = checkpoint_config(manifest, it_dir).model
     if cfg.moe.capacity_factor is not None:  # TensorRT-LLM's MoE is dropless: verify that model
         cfg = dataclasses.replace(
             cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None, pad_to_capacity=False)
