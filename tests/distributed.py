@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
+from queue import Empty
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -53,6 +55,18 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
+def _check_alive(procs, results: dict, queue, deadline: float) -> None:
+    """Between polls of the result queue: a rank that exited without a result (killed by a signal,
+    out of memory) fails the test now rather than at the deadline; past the deadline, Empty."""
+    dead = {r: p.exitcode for r, p in enumerate(procs) if r not in results and not p.is_alive()}
+    if dead and queue.empty():  # a rank's result reaches the queue before the rank exits
+        time.sleep(1.0)
+        if queue.empty():
+            raise AssertionError(f"rank(s) exited without a result (exit codes {dead})")
+    if time.monotonic() > deadline:
+        raise Empty
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = 300):
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank."""
     ctx = _context()
@@ -65,16 +79,23 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300):
         p.start()
     results: dict[int, object] = {}
     errors = []
+    deadline = time.monotonic() + timeout
+    done = False
     try:
-        for _ in range(world_size):
-            rank, value, err = queue.get(timeout=timeout)
+        while len(results) < world_size:
+            try:
+                rank, value, err = queue.get(timeout=1.0)
+            except Empty:
+                _check_alive(procs, results, queue, deadline)
+                continue
             results[rank] = value
             if err:
                 errors.append(f"rank {rank}:\n{err}")
                 break
+        done = not errors
     finally:
-        for p in procs:
-            p.join(timeout=5 if errors else timeout)
+        for p in procs:  # after a failure the other ranks may wait in a collective: not for long
+            p.join(timeout=timeout if done else 5)
             if p.is_alive():
                 p.kill()
     if errors:
