@@ -108,14 +108,14 @@ def open_file_room() -> int | None:
 
 class Guard:
     """What the connections share: the cap, the connections still waiting for their request
-    (oldest first), and counts of those closed, logged at most every `LOG_EVERY_S` seconds."""
+    (oldest first), and the counts of those closed at the limits, logged at most every
+    `LOG_EVERY_S` seconds."""
 
     LOG_EVERY_S = 10.0
 
     def __init__(self, limits: ConnectionLimits, cap: int):
         self.limits, self.cap = limits, cap
         self.waiting: dict[GuardedProtocol, None] = {}
-        self.closed: collections.Counter[int] = collections.Counter()
         self._unlogged: collections.Counter[int] = collections.Counter()
         self._logged_at = 0.0
 
@@ -124,7 +124,6 @@ class Guard:
         return functools.partial(GuardedProtocol, guard=self)
 
     def closing(self, status: int) -> None:
-        self.closed[status] += 1
         self._unlogged[status] += 1
         now = time.monotonic()
         if now - self._logged_at >= self.LOG_EVERY_S:
