@@ -60,3 +60,13 @@ def test_a_bytes_entry_naming_a_callable_is_refused_not_called_damaged(tmp_path)
     ) as e:
         ckpt.values(["extra"])
     assert "damaged" not in str(e.value) and "weights_only" not in str(e.value)
+
+
+def test_a_data_file_that_links_out_of_the_checkpoint_is_refused(tmp_path):
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    (data,) = ckpt.glob("*.distcp")
+    (tmp_path / "outside.distcp").write_bytes(data.read_bytes())
+    data.unlink()
+    data.symlink_to(tmp_path / "outside.distcp")
+    with pytest.raises(MlmError, match=r"\.distcp: a link to .*outside\.distcp, outside the checkpoint"):
+        MegatronCheckpoint(ckpt)

@@ -117,12 +117,18 @@ class _Reader(FileSystemReader):
                 f"{path}: holds a {type(md).__name__}, not torch DCP Metadata; pass the directory as "
                 "Megatron's dist_checkpointing.save (or torch DCP) wrote it"
             )
+        folder = Path(self.path).resolve()
         for info in (getattr(md, "storage_data", None) or {}).values():
             name = getattr(info, "relative_path", None)
             if not isinstance(name, str) or Path(name).name != name or name in ("", ".."):
                 raise MlmError(
                     f"{path}: names the data file {str(name)[:120]!r}, not a file name in {self.path}; the "
                     "metadata is damaged or was not written by torch DCP"
+                )
+            if not (folder / name).resolve().is_relative_to(folder):
+                raise MlmError(
+                    f"{Path(self.path) / name}: a link to {(folder / name).resolve()}, outside the checkpoint; "
+                    "copy the checkpoint with its files, not links"
                 )
         md.storage_meta = getattr(md, "storage_meta", None)
         return md
