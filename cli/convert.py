@@ -163,18 +163,12 @@ def from_torchtitan(
 def from_trtllm(
     src: Path = typer.Argument(..., help="TensorRT-LLM checkpoint folder (config.json + rank*.safetensors)."),
     out: Path = OUT,
+    progress: bool = PROGRESS,
 ) -> None:
     """Import a TensorRT-LLM checkpoint (one mlm exports: Llama or Mixtral layouts), read back bit for bit."""
-    from mlm.console import console, human
     from mlm.convert.trtllm.importer import import_trtllm
 
-    r = import_trtllm(src, out)
-    console.print(
-        f"[bold green]imported[/] {r.architecture} {r.src} → {r.out}: {r.tensors} tensors, "
-        f"{human(r.bytes, 'B')} {r.dtype}, {r.seconds:.1f} s; read back bit for bit",
-        highlight=False,
-        soft_wrap=True,
-    )
+    _print_report(_with_progress(lambda show: import_trtllm(src, out, show), progress), _VERIFIED["trtllm"])
 
 
 OLD_FORMS = {
@@ -206,6 +200,7 @@ def old_form(argv: list[str]) -> str | None:
 
 
 _VERIFIED = {
+    "trtllm": "read back bit for bit",
     "megatron": "checksums verified, shapes match the config, mlm logits finite (not compared with Megatron's)",
     "torchtitan": "checksums verified, shapes match the config, mlm logits finite (not compared with torchtitan's)",
 }

@@ -1,13 +1,14 @@
 """What the conversions share: the logit tolerance of each dtype, the progress callback, the
-report, and writing / checking an imported mlm checkpoint. (The `--dtype` names are
-`mlm.units.DTYPES`; staging OUT beside its final name is `mlm.fileio.staged_dir`; the
-verification prompt and mlm's logits on it are `mlm.verify`.)"""
+report, and the writing and checking of an imported mlm checkpoint. (`--dtype` names are
+`mlm.units.DTYPES`; the verification prompt and mlm's logits on it are `mlm.verify`.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,11 +16,13 @@ from pathlib import Path
 import torch
 
 from mlm.checkpoint import read_group
-from mlm.checkpoint.manager import save_streaming
+from mlm.checkpoint.manager import TOKENIZER_DIR, save_streaming
 from mlm.checkpoint.store import dtype_name
 from mlm.config import Config, ModelConfig, to_toml
 from mlm.errors import MlmError
+from mlm.fileio import staged_dir
 from mlm.model.gpt import GPT
+from mlm.tokenizer import copy_tokenizer_files
 from mlm.verify import prompt_logits
 
 # Max |logit difference| allowed, relative to max(1, max |logit|) (both sides computed in fp32 on
@@ -62,6 +65,12 @@ class Report:
     """The absolute tolerance the difference was checked against."""
     notes: list[str] = field(default_factory=list)
     """What the conversion changed or assumed that the user should know (e.g. MTP layers the weights lack)."""
+    started: float = field(default_factory=time.perf_counter, repr=False)
+
+    def finish(self) -> Report:
+        """The report, its `seconds` counted from its creation."""
+        self.seconds = time.perf_counter() - self.started
+        return self
 
     def count(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """One more tensor written."""
@@ -86,36 +95,53 @@ def model_shapes(cfg: ModelConfig, padded_vocab: int | None) -> dict[str, torch.
 
 
 def write_import(
-    tmp: Path,
+    out: Path,
+    report: Report,
     iteration: int,
-    items: Iterable[tuple[str, str, torch.Tensor]],
+    items: Iterable[tuple[str, str, torch.Tensor | tuple]],
     extra: dict,
     groups: list[str],
     config: Config,
-    report: Report,
     progress: Progress,
     total: int,
-) -> None:
-    """Write (group, key, tensor) `items` as iteration `iteration` of the mlm checkpoint `tmp`, one
-    at a time (`save_streaming`), and its config.toml; counted in `report`."""
+    *,
+    check: Callable[[Path, Config, Report, Progress], None] | None = None,
+    tokenizer: Path | None = None,
+) -> Report:
+    """Write `items` as iteration `iteration` of the mlm checkpoint OUT, one at a time
+    (`save_streaming`), with its config.toml and the tokenizer files of folder `tokenizer` (in
+    OUT/tokenizer/, named by the config); built beside OUT and renamed into place once
+    `check(tmp, config, report, progress)` (the verification) has passed. An item is (group, key, tensor), or (group, key,
+    (shape, dtype, write)) for an array `write(path)` copies as stored. Counted in `report`,
+    returned finished."""
 
     def tensors() -> Iterator[tuple]:
         for group, key, t in items:
-            yield group, key, t, tuple(t.shape)
-            report.count(tuple(t.shape), t.dtype)
+            shape, dtype = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t[:2]
+            yield (group, key, t, shape) if isinstance(t, torch.Tensor) else (group, key, t[2])
+            report.count(shape, dtype)
             progress(f"{group}/{key}", report.bytes, total)
 
-    save_streaming(tmp, iteration, tensors(), extra, groups)
-    (tmp / "config.toml").write_text(to_toml(config))
+    with staged_dir(out) as tmp:
+        names = copy_tokenizer_files(tokenizer, tmp / TOKENIZER_DIR) if tokenizer is not None else []
+        if names:
+            report.tokenizer_files = names
+            data = dataclasses.replace(config.data, tokenizer=str((out / TOKENIZER_DIR).resolve()))
+            config = dataclasses.replace(config, data=data)
+            extra = {**extra, "tokenizer": {"path": TOKENIZER_DIR, "files": names}}
+        save_streaming(tmp, iteration, tensors(), {**extra, "config": config.to_dict()}, groups)
+        (tmp / "config.toml").write_text(to_toml(config))
+        if check is not None:
+            check(tmp, config, report, progress)
+    return report.finish()
 
 
-def check_finite_logits(
-    tmp: Path, config: Config, padded_vocab: int, report: Report, progress: Progress
-) -> None:
+def check_finite_logits(tmp: Path, config: Config, report: Report, progress: Progress) -> None:
     """Read back what was written (chunk checksums) and check mlm's logits on it are finite: the
     verification of an import whose source mlm cannot run."""
     progress("verifying", 0, 0)
-    logits = prompt_logits(read_group(tmp)[0], config.model, padded_vocab)
+    stored = read_group(tmp)[0]
+    logits = prompt_logits(stored, config.model, stored["embed.weight"].shape[0])
     if not torch.isfinite(logits).all():
         raise MlmError(f"verification failed: mlm's logits on {report.src}'s weights are not finite")
     report.max_abs_logit = logits.abs().max().item()

@@ -16,22 +16,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from mlm.checkpoint import checkpoint_config, read_group, store
-from mlm.checkpoint.manager import TOKENIZER_DIR, checkpoint_tokenizer, save_streaming
+from mlm.checkpoint.manager import checkpoint_tokenizer
 from mlm.checkpoint.store import dtype_name
-from mlm.config import Config, DataConfig, ModelConfig, to_toml
+from mlm.config import Config, DataConfig, ModelConfig
 from mlm.convert import hf as adapters
-from mlm.convert.common import TOLERANCE, Progress, Report, noop
+from mlm.convert.common import TOLERANCE, Progress, Report, noop, write_import
 from mlm.convert.hf import io as hf_io
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
-from mlm.tokenizer import copy_tokenizer, copy_tokenizer_files
+from mlm.tokenizer import copy_tokenizer
 from mlm.units import DTYPES, parse_size
 from mlm.verify import prompt, prompt_logits
 
@@ -109,83 +108,48 @@ def import_hf(
     """Hugging Face model folder → mlm checkpoint folder `out` (iteration 0, group "model")."""
     hf_dir, out = Path(hf_dir), Path(out)
     check_new_dir(out)
-    start = time.perf_counter()
     hf_config = hf_io.read_hf_config(hf_dir)
-    hf_class = _hf_class(hf_config)
+    report = Report("import", hf_dir, out, _hf_class(hf_config))
     if verify:
-        check_transformers(hf_class)
+        check_transformers(report.architecture)
     model_cfg = adapters.config_from_hf(hf_config)
     hf_tensors, ranges = hf_io.lazy_tensors(hf_dir)
     # e.g. DeepSeek-V3 MTP depths that config.json counts but transformers did not save
-    model_cfg, note = adapters.adapter(hf_class).config_for_keys(model_cfg, hf_tensors)
+    model_cfg, note = adapters.adapter(report.architecture).config_for_keys(model_cfg, hf_tensors)
+    if note:
+        report.notes.append(f"{note}; imported without them (model.mtp_num_layers=0)")
     model_cfg.check_depth(len(hf_tensors), str(hf_dir))
     total = sum(f.stat().st_size for f in hf_io.weight_files(hf_dir))
-    with staged_dir(out) as tmp:
-        tokenizer_files = copy_tokenizer_files(hf_dir, tmp / TOKENIZER_DIR)
-        seq = min(DataConfig().seq_length, model_cfg.max_position_embeddings)
-        data = DataConfig(
-            seq_length=seq, tokenizer=str((out / TOKENIZER_DIR).resolve()) if tokenizer_files else ""
-        )
-        config = Config(model=model_cfg, data=data)
-        extra = {
-            "config": config.to_dict(),
-            "source": {"hf_dir": str(hf_dir.resolve()), "architecture": hf_class},
-            "tokenizer": {"path": TOKENIZER_DIR, "files": tokenizer_files} if tokenizer_files else None,
-        }
-        written = {"tensors": 0, "bytes": 0, "dtypes": set()}
+    config = Config(
+        model=model_cfg,
+        data=DataConfig(seq_length=min(DataConfig().seq_length, model_cfg.max_position_embeddings)),
+    )
 
-        def raw(hf_key: str):
-            """A tensor stored as it is: copied from its safetensors file by the kernel."""
-            where = ranges.get(hf_key)
-            if where is None or where[2] not in _SAFETENSORS_DTYPES:  # a .bin tensor: read it
-                return hf_tensors[hf_key][1]()
-            shape, dtype = tuple(hf_tensors[hf_key][0]), _SAFETENSORS_DTYPES[where[2]]
-            piece = store.file_piece(where[0], where[1], math.prod(shape) * dtype.itemsize)  # checked here,
-            plan = {"/".join(("c", *"0" * len(shape))): [piece]}  # copied in the writer thread
-            return shape, dtype, partial(store.write_pieces, shape=shape, chunk=shape, dtype=dtype, plan=plan)
+    def raw(hf_key: str):
+        """A tensor stored as it is: copied from its safetensors file by the kernel."""
+        where = ranges.get(hf_key)
+        if where is None or where[2] not in _SAFETENSORS_DTYPES:  # a .bin tensor: read it
+            return hf_tensors[hf_key][1]()
+        shape, dtype = tuple(hf_tensors[hf_key][0]), _SAFETENSORS_DTYPES[where[2]]
+        piece = store.file_piece(where[0], where[1], math.prod(shape) * dtype.itemsize)  # checked here,
+        plan = {"/".join(("c", *"0" * len(shape))): [piece]}  # copied in the writer thread
+        return shape, dtype, partial(store.write_pieces, shape=shape, chunk=shape, dtype=dtype, plan=plan)
 
-        def tensors():  # read (or copied), converted and written one at a time (see save_streaming)
-            mlm_tensors = adapters.iter_hf_to_mlm(
-                hf_tensors, model_cfg, hf_config["model_type"], passthrough=raw
-            )
-            for key, item in mlm_tensors:
-                if isinstance(item, torch.Tensor):
-                    shape, dtype = tuple(item.shape), item.dtype
-                    yield "model", key, item, shape
-                else:
-                    shape, dtype, write = item
-                    yield "model", key, write
-                written["tensors"] += 1
-                written["bytes"] += math.prod(shape) * dtype.itemsize
-                written["dtypes"].add(dtype_name(dtype))
-                progress(f"model/{key}", written["bytes"], total)
+    def check(tmp: Path, config: Config, report: Report, progress: Progress) -> None:
+        progress("verifying logits", 0, 0)
+        stored = read_group(tmp)[0]  # what was written, not what was meant to be
+        ours = prompt_logits(stored, model_cfg, stored["embed.weight"].shape[0])
+        check_logits(report, ours, hf_logits(hf_dir, model_cfg), torch.float32)
+        progress("verified logits", 0, 0)
 
-        save_streaming(tmp, 0, tensors(), extra, ["model"])
-        (tmp / "config.toml").write_text(to_toml(config))
-        report = Report(
-            "import",
-            hf_dir,
-            out,
-            hf_class,
-            tensors=written["tensors"],
-            bytes=written["bytes"],
-            seconds=0.0,
-            dtype=",".join(sorted(written["dtypes"])),
-            tokenizer_files=tokenizer_files,
-            notes=[f"{note}; imported without them (model.mtp_num_layers=0)"] if note else [],
-        )
-        if verify:
-            progress("verifying logits", 0, 0)
-            stored = read_group(tmp)[0]  # what was written, not what was meant to be
-            check_logits(
-                report,
-                prompt_logits(stored, model_cfg, stored["embed.weight"].shape[0]),
-                hf_logits(hf_dir, model_cfg),
-                torch.float32,
-            )
-            progress("verified logits", 0, 0)
-    report.seconds = time.perf_counter() - start
-    return report
+    # read (or copied), converted and written one at a time (see save_streaming)
+    tensors = adapters.iter_hf_to_mlm(hf_tensors, model_cfg, hf_config["model_type"], passthrough=raw)
+    items = (("model", key, item) for key, item in tensors)
+    extra = {"source": {"hf_dir": str(hf_dir.resolve()), "architecture": report.architecture}}
+    return write_import(
+        out, report, 0, items, extra, ["model"], config, progress, total,
+        check=check if verify else None, tokenizer=hf_dir,
+    )  # fmt: skip
 
 
 def _no_tokenizer_outside(manifest: dict, it_dir: Path) -> None:
@@ -226,7 +190,7 @@ def export_hf(
         raise MlmError(
             f"--tokenizer {tokenizer}: not a directory; pass the folder holding tokenizer.json etc."
         )
-    start = time.perf_counter()
+    report = Report("export", ckpt, out, "")
     progress("reading the checkpoint", 0, 0)
     mlm_state, manifest, it_dir = read_group(ckpt, verify=verify)
     progress("read the checkpoint", 0, 0)
@@ -254,6 +218,8 @@ def export_hf(
     if tok_dir is None:
         _no_tokenizer_outside(manifest, it_dir)
     total = sum(t.numel() * t.element_size() for t in hf_state.values())
+    report.architecture, report.tensors, report.bytes = adapters.adapter(arch).hf_class, len(hf_state), total
+    report.dtype = dtype_name(target)
     with staged_dir(out) as tmp:
         written = 0
 
@@ -264,29 +230,13 @@ def export_hf(
 
         hf_io.write_safetensors(hf_state, tmp, max_bytes, on_shard)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        tokenizer_files = copy_tokenizer(tok_dir, tmp) if tok_dir is not None else []
+        report.tokenizer_files = copy_tokenizer(tok_dir, tmp) if tok_dir is not None else []
         gen = hf_io.generation_config(tok_dir)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        report = Report(
-            "export",
-            ckpt,
-            out,
-            adapters.adapter(arch).hf_class,
-            tensors=len(hf_state),
-            bytes=total,
-            seconds=0.0,
-            dtype=dtype_name(target),
-            tokenizer_files=tokenizer_files,
-        )
         del hf_state  # transformers reads it back from the files
         if verify:
             progress("verifying logits", 0, 0)
-            check_logits(
-                report,
-                prompt_logits(mlm_state, cfg, padded or cfg.padded_vocab_size()),
-                hf_logits(tmp, cfg),
-                target if lossy else torch.float32,
-            )
+            ours = prompt_logits(mlm_state, cfg, padded or cfg.padded_vocab_size())
+            check_logits(report, ours, hf_logits(tmp, cfg), target if lossy else torch.float32)
             progress("verified logits", 0, 0)
-    report.seconds = time.perf_counter() - start
-    return report
+    return report.finish()

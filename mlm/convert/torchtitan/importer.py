@@ -2,32 +2,9 @@
 
     import_torchtitan("outputs/checkpoint", "ckpt/from-titan", ["preset=llama3-8b"])
 
-What torchtitan writes (v0.1.0 to v0.3.0: a DCP `step-N/` folder holding the parameters, AdamW's
-state, the scheduler, the train state and the data loader's) is in docs/formats.md ("torchtitan
-checkpoint"); entries are read with `mlm.convert.megatron.dcp`'s restricted reader. Names
-(`_TOP`, `_LAYER`): both spellings of torchtitan's Llama 3. v0.3.0's fused projection
-(`FusedQKVLinear`) keeps AdamW's state under the real parameter `attention.qkv_linear.wqkv.weight`,
-rows per KV group: its moments are split as torchtitan splits the weight (`_split`), Adam's step is
-the fused entry's. A tied output layer is imported as mlm's `tie_embeddings` (`_tied`). RoPE: the
-rows of wq and wk (and of their moments) are permuted per head from adjacent pairs to halves.
-
-The model config: layers, width, MLP width and vocabulary from the shapes; the attention heads
-and the RoPE base are not in the checkpoint and must be given (`--set model.num_attention_heads=N
-model.rope_base=THETA`, or a preset); the query groups and head dim then follow from wq and wk.
-Without a preset the norm epsilon and the RoPE scaling default to torchtitan's own defaults
-(1e-5; Llama-3.1 scaling with factor 8, frequency factors 1 and 4, original context 8192).
-
-Written: the weights (the model group) and, where the checkpoint has the optimizer's state, Adam's
-moments (the optim group) at iteration `train_state.step` with `optimizer_step` Adam's step count,
-so that `mlm train --load OUT` resumes there; `consumed_samples` is `ntokens_seen` in sequences
-when that is exact (below); the scheduler's `last_epoch` is recorded in the manifest's `source`
-(mlm's schedule follows the iteration). The param groups' hyperparameters (lr, betas, weight decay)
-are not imported: mlm's config sets them. torchtitan keeps no RNG state in the checkpoint: the
-manifest's is that of a fresh run seeded with `train.seed`. Where there is no optimizer state the
-checkpoint is iteration 0, weights only (a new run starts from them). Refused, naming the key: any
-other tensor (MoE, biases, q/k norms: other torchtitan models; a fused `wqkv.weight` in the model
-state), other optimizers' state (e.g. AMSGrad's max_exp_avg_sq), a moment whose shape is not its
-parameter's.
+What torchtitan writes is in docs/formats.md ("torchtitan checkpoint"); the names, the RoPE
+permutation, the fused QKV state, tied embeddings, the config and the training position are in
+docs/torchtitan.md. Entries are read with `mlm.convert.megatron.dcp`'s restricted reader.
 """
 
 from __future__ import annotations
@@ -35,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,7 +24,7 @@ from mlm.convert.common import Progress, Report, check_finite_logits, model_shap
 from mlm.convert.layouts import rope_pairs_to_halves, split_grouped
 from mlm.convert.megatron.dcp import MegatronCheckpoint
 from mlm.errors import MlmError
-from mlm.fileio import check_new_dir, staged_dir
+from mlm.fileio import check_new_dir
 
 _TOP = {
     "tok_embeddings.weight": "embed.weight",
@@ -441,16 +417,17 @@ def import_torchtitan(
     `weights_only`: leave the optimizer state out (iteration 0: a new run from the weights)."""
     src, out = Path(src), Path(out)
     check_new_dir(out)
-    start = time.perf_counter()
+    report = Report("import", src, out, "torchtitan Llama 3")
     ckpt = MegatronCheckpoint(step_dir(src))
     weights = _weights(ckpt)
     tied = _tied(ckpt, weights)
     weights = {k: name for k, name in weights.items() if k != tied}
-    config, notes = model_config(ckpt, weights, list(overrides))
+    config, report.notes = model_config(ckpt, weights, list(overrides))
     if tied:
-        notes.append(f"{tied} is tok_embeddings.weight (tied): imported with model.tie_embeddings=true")
-    cfg = config.model
-    _check_shapes(ckpt, weights, cfg)
+        report.notes.append(
+            f"{tied} is tok_embeddings.weight (tied): imported with model.tie_embeddings=true"
+        )
+    _check_shapes(ckpt, weights, config.model)
     optim = {} if weights_only else _optimizer(ckpt, weights)
     position, source, more = _position(ckpt, optim, config)
     stored = [k for k in ckpt.stored if k.startswith("optimizer.state.")]
@@ -459,21 +436,12 @@ def import_torchtitan(
             f"the optimizer state ({len(stored)} tensors, e.g. {stored[0]}) is not imported (--weights-only): "
             "iteration 0, mlm train starts a new run from the weights"
         ]
-    notes += more
-    iteration = position.pop("iteration", 0)
+    report.notes += more
     keys = [*weights, *[f[m] for f in optim.values() for m in MOMENTS]]
     total = sum(math.prod(ckpt.shape(k)) * ckpt.stored[k].properties.dtype.itemsize for k in keys)
-    report = Report("import", src, out, "torchtitan Llama 3", notes=notes)
-    with staged_dir(out) as tmp:
-        extra = {
-            "config": config.to_dict(),
-            **position,
-            "source": {"torchtitan_dir": str(ckpt.path.resolve()), **source},
-        }
-        tensors = _tensors(ckpt, weights, optim, cfg)
-        groups = ["model", "optim"] if optim else ["model"]
-        write_import(tmp, iteration, tensors, extra, groups, config, report, progress, total)
-        if verify:
-            check_finite_logits(tmp, config, ckpt.shape("tok_embeddings.weight")[0], report, progress)
-    report.seconds = time.perf_counter() - start
-    return report
+    extra = {**position, "source": {"torchtitan_dir": str(ckpt.path.resolve()), **source}}
+    iteration = extra.pop("iteration", 0)
+    tensors = _tensors(ckpt, weights, optim, config.model)
+    groups = ["model", "optim"] if optim else ["model"]
+    check = check_finite_logits if verify else None
+    return write_import(out, report, iteration, tensors, extra, groups, config, progress, total, check=check)

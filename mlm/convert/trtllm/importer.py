@@ -12,21 +12,19 @@ embedding. The vocabulary rows are padded with zeros to mlm's `make_vocab_size_d
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from mlm.checkpoint import read_group
-from mlm.checkpoint.manager import save_streaming
-from mlm.config import Config, DataConfig, ModelConfig, to_toml
+from mlm.config import Config, DataConfig, ModelConfig
+from mlm.convert.common import Progress, Report, noop, write_import
 from mlm.convert.trtllm.check import check_or_raise, rank_file, read_config
 from mlm.convert.trtllm.config import read_trt_config
 from mlm.convert.trtllm.names import gather, rank_rules, sources
 from mlm.errors import MlmError
-from mlm.fileio import check_new_dir, staged_dir
+from mlm.fileio import check_new_dir
 from mlm.model.gpt import VOCAB_ROWS
 
 
@@ -58,46 +56,26 @@ def read_trtllm(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
     return cfg, state
 
 
-@dataclass
-class ImportReport:
-    src: Path
-    out: Path
-    architecture: str
-    tensors: int
-    bytes: int
-    dtype: str
-    seconds: float
-
-
-def import_trtllm(path: str | os.PathLike, out: str | os.PathLike) -> ImportReport:
+def import_trtllm(path: str | os.PathLike, out: str | os.PathLike, progress: Progress = noop) -> Report:
     """TensorRT-LLM checkpoint folder → mlm checkpoint folder `out` (iteration 0, group "model"),
     written beside `out` and renamed into place once read back bit for bit."""
     path, out = Path(path), Path(out)
     check_new_dir(out)
-    start = time.perf_counter()
+    report = Report("import", path, out, "")
     cfg, state = read_trtllm(path)
+    report.architecture = read_config(path)["architecture"]
     config = Config(
         model=cfg, data=DataConfig(seq_length=min(DataConfig().seq_length, cfg.max_position_embeddings))
     )
-    architecture = read_config(path)["architecture"]
-    extra = {
-        "config": config.to_dict(),
-        "source": {"trtllm_dir": str(path.resolve()), "architecture": architecture},
-    }
-    with staged_dir(out) as tmp:
-        tensors = (("model", k, t, tuple(t.shape)) for k, t in state.items())
-        save_streaming(tmp, 0, tensors, extra, ["model"])
-        (tmp / "config.toml").write_text(to_toml(config))
+
+    def read_back(tmp: Path, *_) -> None:
         stored = read_group(tmp)[0]
         bad = [k for k, t in state.items() if not torch.equal(stored[k], t)]
         if bad or stored.keys() != state.keys():
             raise MlmError(f"verification failed: {out} does not read back as written ({bad}); this is a bug")
-    return ImportReport(
-        src=path,
-        out=out,
-        architecture=architecture,
-        tensors=len(state),
-        bytes=sum(t.numel() * t.element_size() for t in state.values()),
-        dtype=", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})),
-        seconds=time.perf_counter() - start,
-    )
+        report.verified = True
+
+    extra = {"source": {"trtllm_dir": str(path.resolve()), "architecture": report.architecture}}
+    items = (("model", k, t) for k, t in state.items())
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    return write_import(out, report, 0, items, extra, ["model"], config, progress, total, check=read_back)
