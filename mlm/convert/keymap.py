@@ -1,44 +1,21 @@
 """Key templates: how a foreign format's tensor names map onto mlm's, indexed, split and stacked.
 
 The one name-mapping engine of the interop package: the Hugging Face adapters (`mlm.convert.hf`)
-and Megatron's GPTModel names (`mlm.convert.megatron.names`) are tables of it. "HF" below stands
-for the foreign side.
+and Megatron's GPTModel names (`mlm.convert.megatron.names`) are tables of it ("HF" below: the
+foreign side). A template names a family of keys through the placeholders of `PLACEHOLDERS`; an
+HF key may hold a placeholder's value plus an offset (`KeyMap(offsets=...)`: DeepSeek-V3 stores
+MTP depth d as `model.layers.{num_layers + d}`), an mlm key holds the value itself. A table maps
+each HF template to a `Rule` (its fields are the layout changes on the way), a string or tuple
+short for one (one mlm template, or a split into several), or None (the key is dropped):
 
-A template names a family of keys through placeholders: `{layer}` (0 … num_layers − 1), for
-mixture-of-experts models `{expert}` (0 … num_experts − 1), and for multi-token prediction
-`{depth}` (0 … mtp_num_layers − 1). A placeholder may stand in a Hugging Face key for its value
-plus an offset: DeepSeek-V3 stores MTP depth d as `model.layers.{num_layers + d}`, so its
-adapter gives `{depth}` the offset num_layers (`KeyMap(offsets=...)`); mlm keys hold the value
-itself (`mtp.{depth}.…`). An adapter's table maps each Hugging Face template to the mlm
-template(s) it becomes, or to None (the key is dropped). A value is a `Rule`, or short for one:
-a string (one mlm template) or a tuple (several, see `split`). A rule says which layout changes
-happen on the way:
+    "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight":
+        stacked("layers.{layer}.mlp.experts.gate.weight", over="expert", dim=0)
+    # per layer, num_experts HF tensors [F, D] ⇄ one mlm tensor [num_experts, F, D]
+    "model.layers.{depth}.embed_tokens.weight": copied("embed.weight")
+    # DeepSeek-V3's MTP depths store the embedding again: a copy of another template's tensor
 
-- split: several mlm templates: the HF tensor is cut along dim 0 into them, in the sizes of the
-  mlm tensors (GPT-2's fused `c_attn` → q, k, v); export concatenates them.
-- transpose: the HF tensor is stored [in, out] (GPT-2's `Conv1D`), mlm's `nn.Linear` [out, in].
-- stack: a placeholder of the HF template that the mlm template lacks: the HF tensors over all
-  its values are stacked, in index order, along a new dim of one mlm tensor; export indexes
-  them back out. Every index must be present:
-
-      "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight":
-          stacked("layers.{layer}.mlp.experts.gate.weight", over="expert", dim=0)
-      # per layer, num_experts HF tensors [F, D] ⇄ one mlm tensor [num_experts, F, D]
-
-- unstack: a placeholder of the mlm template that the HF template lacks: the HF tensor holds every
-  value of it along `dim` (Megatron's `decoder.layers.<sub>`, all layers on axis 0); export
-  stacks them back.
-- split_dim / grouped: a split cuts along `split_dim` (Megatron's [gate; up] under the expert axis:
-  1), or per KV group (Megatron's q/k/v: `mlm.convert.layouts.split_grouped`).
-- copy: the HF tensor is a second copy of an mlm tensor that another template converts too
-  (DeepSeek-V3's MTP depths store the embedding and the output layer again): import checks
-  that it equals the other template's tensor and drops it (`mlm.convert.hf.engine`), export writes the
-  copy. Its mlm template may lack placeholders of the HF one:
-
-      "model.layers.{depth}.embed_tokens.weight": copied("embed.weight")
-
-Import transposes (or unstacks), then splits, then stacks; export does the reverse. `KeyMap` applies a table
-for given placeholder counts; `mlm.convert.hf.engine` checks shapes against the model and streams.
+Import transposes (or unstacks), then splits, then stacks; export does the reverse. `KeyMap`
+applies a table for given placeholder counts; `mlm.convert.hf.engine` checks shapes and streams.
 """
 
 from __future__ import annotations
@@ -63,15 +40,19 @@ class Rule:
     """What the tensors one Hugging Face template names become in mlm."""
 
     mlm: tuple[str, ...]
-    """The mlm template, or several: the HF tensor is split along dim 0 into them."""
+    """The mlm template, or several: the HF tensor is cut along `split_dim` into them, in the sizes
+    of the mlm tensors (GPT-2's fused `c_attn` → q, k, v); export concatenates them."""
     transpose: bool = False
-    """The HF tensor is stored [in, out] (GPT-2's Conv1D)."""
+    """The HF tensor is stored [in, out] (GPT-2's Conv1D), mlm's `nn.Linear` [out, in]."""
     stack: str | None = None
-    """A placeholder of the HF template, not of the mlm one, whose values are stacked along `dim`."""
+    """A placeholder of the HF template, not of the mlm one: the HF tensors over all its values are
+    stacked, in index order, along `dim` (every index must be present); export indexes them out."""
     dim: int = 0
-    """The mlm tensor's dim that `stack` indexes."""
+    """The mlm tensor's dim that `stack` indexes (the foreign tensor's that `unstack` does)."""
     copy: bool = False
-    """The HF tensor is another copy of the mlm tensor, which a template without `copy` also names."""
+    """The HF tensor is another copy of the mlm tensor, which a template without `copy` also names:
+    import checks that they are equal and drops it (`mlm.convert.hf.engine`), export writes it. Its
+    mlm template may lack placeholders of the HF one."""
     unstack: str | None = None
     """A placeholder of the mlm templates that the foreign template lacks: the foreign tensor holds
     every value of it along `dim` (Megatron's `decoder.layers.<sub>`: all layers on one axis)."""
@@ -173,7 +154,7 @@ class KeyMap:
     `name` ("Hugging Face llama") starts the error messages, `hint` ends the one about unknown
     keys; `prefix` is one some checkpoints leave out of their keys (GPT-2's `transformer.`);
     `offsets` (placeholder → n) says that a placeholder's value v stands as v + n in Hugging Face
-    keys (DeepSeek-V3's `{depth}`: num_layers)."""
+    keys (DeepSeek-V3's `{depth}`: num_layers); `groups`: the KV groups of a `grouped` split."""
 
     def __init__(
         self,
@@ -200,9 +181,7 @@ class KeyMap:
                 assert not r.copy or (r.stack is None and not r.transpose and len(r.mlm) == 1), template
             self.rules[template] = r
         self.counts, self.name, self.prefix, self.hint = dict(counts), name, prefix, hint
-        self.offsets = dict(offsets or {})
-        self.groups = groups
-        """The KV groups of a `grouped` split."""
+        self.offsets, self.groups = dict(offsets or {}), groups
         self._patterns = [(_pattern(t), t) for t in self.rules]
 
     def hf_key(self, template: str, index: Mapping[str, int]) -> str:
@@ -241,15 +220,13 @@ class KeyMap:
         """The conversion step of `template` at `index` (the stacked placeholder's value is ignored)."""
         r = self.rules[template]
         assert r is not None, template
-        if r.unstack is not None:
-            n = self.counts[r.unstack]
-            mlm = tuple(m.format(**index, **{r.unstack: i}) for i in range(n) for m in r.mlm)
-            return Unit(template, r, (self.hf_key(template, index),), mlm)
-        mlm = tuple(m.format(**index) for m in r.mlm)
         if r.stack is None:
-            return Unit(template, r, (self.hf_key(template, index),), mlm)
-        n = self.counts[r.stack]
-        return Unit(template, r, tuple(self.hf_key(template, {**index, r.stack: i}) for i in range(n)), mlm)
+            hf = (self.hf_key(template, index),)
+        else:
+            hf = tuple(self.hf_key(template, {**index, r.stack: i}) for i in range(self.counts[r.stack]))
+        values = [{}] if r.unstack is None else [{r.unstack: i} for i in range(self.counts[r.unstack])]
+        mlm = tuple(m.format(**index, **v) for v in values for m in r.mlm)
+        return Unit(template, r, hf, mlm)
 
     def units(self) -> Iterator[Unit]:
         """Every conversion step the counts imply: templates in table order, indices ascending."""
@@ -309,16 +286,13 @@ class KeyMap:
                     f"{self.name} {unit.hf[0]}: {len(values)} along dim {r.dim}, but "
                     f"{PLACEHOLDERS[r.unstack]}={len(unit.mlm) // n}"
                 )
-            keys = [unit.mlm[i * n : (i + 1) * n] for i in range(len(values))]
-            pairs = (
-                zip(k, self._split(v, k, r, shapes), strict=True) for v, k in zip(values, keys, strict=True)
-            )
-            return [p for pair in pairs for p in pair]
-        pieces = []  # per HF tensor, its pieces
-        for t in hf:
-            if r.transpose:
-                t = t.t().contiguous()
-            pieces.append(self._split(t, unit.mlm, r, shapes))
+            out = []
+            for i, v in enumerate(values):
+                keys = unit.mlm[i * n : (i + 1) * n]
+                out += zip(keys, self._split(v, keys, r, shapes), strict=True)
+            return out
+        # per HF tensor, its pieces
+        pieces = [self._split(t.t().contiguous() if r.transpose else t, unit.mlm, r, shapes) for t in hf]
         if r.stack is None:
             return list(zip(unit.mlm, pieces[0], strict=True))
         return [
@@ -341,11 +315,8 @@ class KeyMap:
                     f"{m}: shape {list(t.shape)}, {len(unit.hf)} along dim {r.dim}"
                 )
             per_key = list(zip(*(t.unbind(r.dim) for t in mlm), strict=True))
-        out = []
-        for key, parts in zip(unit.hf, per_key, strict=True):
-            t = self._fuse(parts, r)
-            out.append((key, t.t() if r.transpose else t))
-        return out
+        fused = [self._fuse(parts, r) for parts in per_key]
+        return [(key, t.t() if r.transpose else t) for key, t in zip(unit.hf, fused, strict=True)]
 
     def _split(
         self, t: torch.Tensor, keys: Sequence[str], r: Rule, shapes: Mapping[str, torch.Size] | None

@@ -1,29 +1,19 @@
 """The tensor layouts foreign checkpoints use where mlm keeps tensors apart, one home for each:
-per-group fused q/k/v, RoPE's adjacent-pair order, and tensor-parallel pieces.
-
-Every function is exact (a reshape, a cut, a concatenation: no arithmetic), so an import followed
-by an export gives the same bits. Name tables (which foreign key holds which mlm tensor) live with
-each format; `mlm.convert.keymap` applies them.
-
-- q/k/v fused per KV group (Megatron's `linear_qkv`, torchtitan's `wqkv`): for each of the G
-  groups, its H/G query heads, then its key head, then its value head (`split_grouped`).
-- RoPE in adjacent pairs (torchtitan, Meta's Llama): dims (0, 1), (2, 3), … rotate together;
-  mlm (as Hugging Face and Megatron) rotates halves: dims (i, i + K/2).
-- Tensor-parallel pieces: a column-parallel weight is cut along its rows (dim 0), a row-parallel
-  one along its columns (dim 1); a fused pair ([gate; up]) is cut per half, so each rank holds
-  [gate_r; up_r].
+q/k/v fused per KV group (Megatron's `linear_qkv`, torchtitan's `wqkv`), RoPE's adjacent-pair
+order (torchtitan, Meta's Llama: dims (0, 1), (2, 3), … rotate together; mlm, as Hugging Face and
+Megatron, rotates halves: dims (i, i + K/2)), and tensor-parallel pieces. Every function is exact
+(a reshape, a cut, a concatenation), so an import followed by an export gives the same bits.
 """
 
 from __future__ import annotations
 
 import torch
 
-# ---------------------------------------------------------------- q/k/v fused per KV group
-
 
 def split_grouped(w: torch.Tensor, sizes: list[int], groups: int) -> tuple[torch.Tensor, ...]:
     """Rows fused per group → the pieces: each of the `groups` groups holds its share of every
-    piece in turn (q/k/v: [G·(H/G + 2)·K, …] with `sizes` [H·K, G·K, G·K] → q, k, v)."""
+    piece in turn (q/k/v: [G·(H/G + 2)·K, …] with `sizes` [H·K, G·K, G·K] → q, k, v: per group its
+    H/G query heads, then its key head, then its value head)."""
     rest = w.shape[1:]
     parts = w.reshape(groups, -1, *rest).split([n // groups for n in sizes], dim=1)
     return tuple(t.reshape(-1, *rest).contiguous() for t in parts)
@@ -35,17 +25,11 @@ def fuse_grouped(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
     return torch.cat([t.reshape(groups, -1, *rest) for t in parts], dim=1).reshape(-1, *rest)
 
 
-# ---------------------------------------------------------------- RoPE order
-
-
 def rope_pairs_to_halves(t: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows of a q or k projection from adjacent-pair RoPE order to rotate-half order, per head."""
     return (
         t.view(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
     )
-
-
-# ---------------------------------------------------------------- tensor-parallel pieces
 
 
 def tp_shard(t: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:

@@ -1,19 +1,8 @@
-"""Reshard a checkpoint for another mesh: chunking, vocabulary padding, dtype, consolidation.
+"""Reshard a checkpoint for another mesh (tp × pp (× vpp) (× ep), dp), dtype or chunking: what it
+rewrites, how it streams and what it verifies is in docs/convert.md ("Resharding").
 
-Checkpoints hold every tensor once in its global shape, so any mesh can load any checkpoint
-directly; what a mesh changes is how the arrays are chunked (each rank writes and reads whole
-chunks of its own slice) and how far the vocabulary rows are padded (to a multiple of
-`make_vocab_size_divisible_by × tp`). `reshard` rewrites a checkpoint for a target tp × pp
-(× vpp) (× ep): every array chunked by the target's tensor-parallel slices, the stacked expert
-weights [E, ...] by its expert-parallel slices along E (or each whole, `consolidate`), the
-embedding/output rows and their Adam moments re-padded with zeros, the weights optionally
-cast, the manifest's config and mesh updated. Optimizer state and the data position are global
-already (one process's layout; consumed samples), so a run resumed at another dp or ep
-continues the same global sample order with the same moments.
-
-It streams: one tensor is read, converted and written at a time (memory: the largest tensor),
-into a temporary directory beside OUT that is renamed to OUT only when complete and verified
-(the logits of the old and the new checkpoint on a fixed prompt, in one process).
+One tensor is read, converted and written at a time, into a temporary directory beside OUT that
+is renamed to OUT only when complete and verified.
 """
 
 from __future__ import annotations
@@ -27,16 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mlm.checkpoint import checkpoint_config, read_group, read_manifest, resolve_checkpoint, store
+from mlm.checkpoint import checkpoint_config, manager, read_group, read_manifest, resolve_checkpoint, store
 from mlm.checkpoint.keys import param_of
-from mlm.checkpoint.manager import (
-    CHECKSUMS,
-    RESERVED,
-    TOKENIZER_DIR,
-    array_path,
-    checkpoint_tokenizer,
-    save_streaming,
-)
 from mlm.convert.common import TOLERANCE, Progress, noop
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
@@ -75,27 +56,32 @@ def target_chunk(split: Split, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(n // ways if d == dim else n for d, n in enumerate(shape))
 
 
-def has_experts(cfg) -> bool:
-    """Whether any layer of the model `cfg` is a mixture of experts."""
-    return any(spec.mlp == "moe" for spec in cfg.layer_specs())
-
-
-def check_expert_parallel(cfg, ep: int, stage: str, stage_ranks: int) -> None:
-    """MlmError unless `ep` spreads the experts of model `cfg` over a pipeline stage's
-    `stage_ranks` ranks (described by `stage`, e.g. "dp(2) × tp(1)"): E divisible by ep, ep
-    dividing the stage."""
-    E = cfg.moe.num_experts
+def target_ep(cfg, ep: int | None, dp: int, tp: int, where: Path) -> int:
+    """The target's ep for checkpoint `where` of config `cfg`: `ep`, by default the source's (a dense
+    model's: 1); MlmError unless it spreads the experts over a pipeline stage's dp × tp ranks."""
+    if ep is not None and ep < 1:
+        raise MlmError(f"--ep {ep}: must be at least 1")
+    if "moe" not in cfg.model.mlp_kinds():
+        if ep not in (None, 1):
+            raise MlmError(
+                f"--ep {ep}: {where} holds a dense model (model.mlp_kind={cfg.model.mlp_kind!r}, no "
+                "experts to spread); leave out --ep, or pass --ep 1"
+            )
+        return 1  # nothing to spread: a dense model's record says so whatever its run used
+    ep = cfg.parallel.ep if ep is None else ep
+    E = cfg.model.moe.num_experts
     if E % ep:
         fits = ", ".join(str(n) for n in range(1, E + 1) if E % n == 0)
         raise MlmError(
             f"--ep {ep}: model.moe.num_experts={E} is not divisible by ep={ep}; each expert-parallel "
             f"rank holds E / ep whole experts: choose an ep that divides {E} ({fits})"
         )
-    if stage_ranks % ep:
+    if (dp * tp) % ep:
         raise MlmError(
-            f"--ep {ep} must divide {stage} = {stage_ranks}, the ranks of a pipeline stage that the "
-            f"experts are spread over; pass a --dp that makes it a multiple of {ep}"
+            f"--ep {ep} must divide dp({dp}) × tp({tp}) = {dp * tp}, the ranks of a pipeline stage that "
+            f"the experts are spread over; pass a --dp that makes it a multiple of {ep}"
         )
+    return ep
 
 
 def _converted(src: Path, infos: dict, padded: int, dtype, dims, verify) -> Iterator:
@@ -106,8 +92,8 @@ def _converted(src: Path, infos: dict, padded: int, dtype, dims, verify) -> Iter
     for i, (full_key, info) in enumerate(infos.items()):
         group, key = full_key.split("/", 1)
         where = f"{src}: tensor {full_key}"
-        arr = store.open_array(array_path(src, f"{group}/{key}"), where)
-        sums = info.get(CHECKSUMS) if verify else None
+        arr = store.open_array(manager.array_path(src, f"{group}/{key}"), where)
+        sums = info.get(manager.CHECKSUMS) if verify else None
         name = param_of(key)
         chunk = target_chunk(dims.get(name), arr.shape)
         repad = name in VOCAB_ROWS and arr.shape[0] != padded
@@ -116,23 +102,17 @@ def _converted(src: Path, infos: dict, padded: int, dtype, dims, verify) -> Iter
             # only re-chunked: checked here, while the last tensor is written; the writer thread
             # has the kernel copy byte ranges of the old chunk files
             plan = store.plan_rechunk(arr, chunk, where, sums)
-            yield (
-                group,
-                key,
-                functools.partial(
-                    store.write_pieces, shape=arr.shape, chunk=chunk, dtype=arr.dtype, plan=plan
-                ),
+            write = functools.partial(
+                store.write_pieces, shape=arr.shape, chunk=chunk, dtype=arr.dtype, plan=plan
             )
+            yield group, key, write
             continue
         if not buffers:
             largest = max(store.nbytes(info) for info in infos.values())
             buffers = [np.empty(largest, np.uint8) for _ in range(2)]
         t = store.read_slice(arr, (0,) * len(arr.shape), arr.shape, where, sums, buffers[i % 2])
-        if repad:  # padding rows are zeros: cut or add them
-            rows = torch.zeros((padded, *t.shape[1:]), dtype=t.dtype)
-            n = min(padded, t.shape[0])
-            rows[:n] = t[:n]
-            t = rows
+        if repad:  # padding rows are zeros: cut or add them (a new tensor, not the buffer)
+            t = torch.cat([t[:padded], t.new_zeros(max(padded - t.shape[0], 0), *t.shape[1:])])
         if cast:
             t = t.to(dtype)
         yield group, key, t, target_chunk(dims.get(name), tuple(t.shape))
@@ -152,12 +132,8 @@ def reshard(
     progress: Progress = noop,
 ) -> float | None:
     """Write `src` (a checkpoint dir or iter_ dir) to the new checkpoint dir `out`, laid out for
-    tp × pp (× vpp) × dp (default: the source's dp; checked against the batch sizes), with the
-    experts of a MoE model over ep (default: the source's; it must divide the experts and
-    dp × tp; a dense model takes only ep 1, or none given). With
-    `verify`, every chunk read must match its checksum and the logits of both on a fixed prompt
-    must agree (bitwise without `dtype`, else within the dtype's tolerance) before OUT appears;
-    returns the max logit difference (None unverified)."""
+    tp × pp (× vpp) × dp with the experts over ep (dp, ep: the source's by default); returns the max
+    logit difference of the verification (None unverified). docs/convert.md ("Resharding")."""
     it_dir = resolve_checkpoint(src)
     out = Path(out)
     check_new_dir(out)
@@ -166,52 +142,36 @@ def reshard(
     manifest = read_manifest(it_dir)
     cfg = checkpoint_config(manifest, it_dir)
     dp = dp or manifest.get("mesh", {}).get("dp", 1)
-    if ep is not None and ep < 1:
-        raise MlmError(f"--ep {ep}: must be at least 1")
-    if has_experts(cfg.model):
-        ep = cfg.parallel.ep if ep is None else ep
-        check_expert_parallel(cfg.model, ep, f"dp({dp}) × tp({tp})", dp * tp)
-    elif ep not in (None, 1):
-        raise MlmError(
-            f"--ep {ep}: {it_dir} holds a dense model (model.mlp_kind={cfg.model.mlp_kind!r}, no "
-            "experts to spread); leave out --ep, or pass --ep 1"
-        )
-    else:
-        ep = 1  # nothing to spread: a dense model's record says so whatever its run used
+    ep = target_ep(cfg, ep, dp, tp, it_dir)
     parallel = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=vpp, ep=ep)  # checks vpp against pp
     padded = cfg.model.padded_vocab_size(tp)
     check_tensor_parallel(cfg.model, padded, tp)
     stage_layer_counts(cfg.model.num_layers, pp, vpp, parallel.first_stage_layers, parallel.last_stage_layers)
     infos = manifest["tensors"]
     for k, v in infos.items():  # what the manifest claims is on disk, before buffers are sized by it
-        store.open_checked(array_path(it_dir, k), f"{it_dir}: tensor {k}", v)
-    own = checkpoint_tokenizer(manifest, it_dir, vocabulary=False)
+        store.open_checked(manager.array_path(it_dir, k), f"{it_dir}: tensor {k}", v)
+    own = manager.checkpoint_tokenizer(manifest, it_dir, vocabulary=False)
     groups = sorted({k.split("/", 1)[0] for k in infos})
-    extra = {k: v for k, v in manifest.items() if k not in RESERVED}
+    extra = {k: v for k, v in manifest.items() if k not in manager.RESERVED}
     extra["config"] = dataclasses.replace(cfg, parallel=parallel).to_dict()
-    t = cfg.train
-    micro_batches_per_step(t.global_batch_size, t.micro_batch_size, dp, pp, vpp)
+    micro_batches_per_step(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp, pp, vpp)
     extra["mesh"] = {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "ep": ep, "world_size": tp * pp * dp}
     if pp != manifest.get("mesh", {}).get("pp", 1):
         extra["rng_per_stage"] = None  # per-stage RNG states belong to the old pipeline
     cast = DTYPES[dtype] if dtype else None
-    total = sum(store.nbytes(v) for v in infos.values())
+    total, dims = sum(store.nbytes(v) for v in infos.values()), split_dims(cfg.model, consolidate, tp, ep)
+
+    def tensors():
+        done = 0
+        for group, key, *item in _converted(it_dir, infos, padded, cast, dims, verify):
+            yield group, key, *item
+            done += store.nbytes(infos[f"{group}/{key}"])
+            progress(f"{group}/{key}", done, total)
 
     with staged_dir(out) as tmp:
-        done = 0
-
-        def tensors():
-            nonlocal done
-            for group, key, *item in _converted(
-                it_dir, infos, padded, cast, split_dims(cfg.model, consolidate, tp, ep), verify
-            ):
-                yield group, key, *item
-                done += store.nbytes(infos[f"{group}/{key}"])
-                progress(f"{group}/{key}", done, total)
-
-        save_streaming(tmp, int(manifest["iteration"]), tensors(), extra, groups)
+        manager.save_streaming(tmp, int(manifest["iteration"]), tensors(), extra, groups)
         if own is not None:
-            copy_tokenizer_files(own, tmp / TOKENIZER_DIR)  # the checkpoint's own copy goes with it
+            copy_tokenizer_files(own, tmp / manager.TOKENIZER_DIR)  # the checkpoint's own copy goes with it
         if not verify:
             return None
         progress("verifying logits", 0, 0)

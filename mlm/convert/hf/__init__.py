@@ -1,18 +1,9 @@
-"""Hugging Face ⇄ mlm: configs and state dicts of Llama (`LlamaForCausalLM`), Mistral
-(`MistralForCausalLM`, Llama's layout; full attention only), Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`),
-Qwen3 (`Qwen3ForCausalLM`), GPT-2 (`GPT2LMHeadModel`), the
-mixtures of experts Mixtral (`MixtralForCausalLM`), Qwen2-MoE (`Qwen2MoeForCausalLM`) and
-Qwen3-MoE (`Qwen3MoeForCausalLM`), and DeepSeek-V3 (`DeepseekV3ForCausalLM`: multi-latent
-attention, DeepSeek's router, MTP depths in DeepSeek's checkpoint layout).
+"""Hugging Face ⇄ mlm: configs and state dicts of Llama, Mistral, Qwen2 / Qwen2.5, Qwen3, GPT-2,
+Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (the classes and what each converts: docs/hf.md).
 
-One adapter per architecture (`llama`, `mistral`, `qwen2`, `qwen3`, `gpt2`, `mixtral`, `qwen2_moe`, `qwen3_moe`,
-`deepseek_v3`, on the base in `adapter`; `moe` holds what the MoE ones share), in the style
-of torchtitan's `state_dict_adapter.py` and litgpt's `convert_hf_checkpoint.py`: a map from
-Hugging Face key templates to mlm key templates (`mlm.convert.keymap`: `{layer}`, `{expert}` and `{depth}`
-index the keys, None drops one, a rule splits, transposes, stacks or copies tensors), plus the
-translation of config.json both ways. `registry` picks the adapter; `engine` applies it tensor by tensor,
-checking every shape against the config (errors name the key and both shapes) and padding the
-vocabulary rows to `cfg.padded_vocab_size()`.
+One adapter per architecture (in the style of torchtitan's `state_dict_adapter.py` and litgpt's
+`convert_hf_checkpoint.py`): a key-template table (`mlm.convert.keymap`) and the translation of
+config.json both ways. `registry` picks the adapter, `engine` applies it (docs/hf.md: the code).
 
     cfg = config_from_hf(json.load(open("config.json")))
     model = GPT(cfg); load_hf_into(model, hf_state)                     # HF → mlm

@@ -1,11 +1,5 @@
-"""The adapter base: what one Hugging Face architecture must say for mlm to convert it.
-
-An adapter (torchtitan's `state_dict_adapter.py`, litgpt's `convert_hf_checkpoint.py`) holds its
-key-template table (`mlm.convert.keymap`: `{layer}` / `{expert}` / `{depth}` placeholders, None to
-drop a key) and translates config.json in both directions. `mlm.convert.hf.engine` does the rest for
-every adapter: shape checks against the model, vocabulary padding, tied embeddings and other
-stored copies of a tensor, streaming.
-"""
+"""The adapter base: what one Hugging Face architecture must say for mlm to convert it (its
+key-template table and config.json both ways); `mlm.convert.hf.engine` does the rest for all."""
 
 from __future__ import annotations
 
@@ -57,14 +51,8 @@ class Adapter(ABC):
 
     def keymap(self, cfg: ModelConfig) -> KeyMap:
         """The template table for `cfg`'s counts."""
-        return KeyMap(
-            self.from_hf,
-            self.counts(cfg),
-            f"Hugging Face {self.model_type}",
-            self.prefix,
-            self.hint,
-            self.offsets(cfg),
-        )
+        name = f"Hugging Face {self.model_type}"
+        return KeyMap(self.from_hf, self.counts(cfg), name, self.prefix, self.hint, self.offsets(cfg))
 
     def config_for_keys(self, cfg: ModelConfig, keys) -> tuple[ModelConfig, str | None]:
         """`cfg` (from config.json) fitted to what a state with these Hugging Face `keys` holds,

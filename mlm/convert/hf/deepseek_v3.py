@@ -1,46 +1,9 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`, transformers ≥ 4.51) ⇄ mlm: multi-latent attention
-(`attention_kind = "mla"`), the first `first_k_dense_replace` layers dense and the rest a
-mixture of experts with DeepSeek's router and shared experts, YaRN RoPE, and the multi-token
-prediction (MTP) depths in DeepSeek's own checkpoint layout.
-
-Keys (in `model.layers.{l}.`; no tensor changes layout, the rope dims are interleaved in both):
-
-    self_attn.q_proj            attn.q            (q_lora_rank null)
-    self_attn.q_a_proj          attn.q_down       self_attn.q_a_layernorm     attn.q_norm
-    self_attn.q_b_proj          attn.q_up         [H·(nope + rope), q_lora]
-    self_attn.kv_a_proj_with_mqa attn.kv_down     [kv_lora + rope, D]
-    self_attn.kv_a_layernorm    attn.kv_norm      self_attn.kv_b_proj  attn.kv_up [H·(nope + v), kv_lora]
-    self_attn.o_proj            attn.out
-    mlp.gate.weight             mlp.router.weight
-    mlp.gate.e_score_correction_bias  mlp.router.expert_bias (fp32 in transformers)
-    mlp.experts.{e}.{gate,up,down}_proj  mlp.experts.{gate,up,down} (stacked [E, ·, ·])
-    mlp.shared_experts.{gate,up,down}_proj  mlp.shared.{gate,up,down} (moe_intermediate × n_shared wide)
-
-MTP depth d is stored as the layer after the decoder's, `model.layers.{num_hidden_layers + d}.`
-(deepseek-ai/DeepSeek-V3 README_WEIGHTS.md; vLLM's deepseek_mtp.py): `enorm`, `hnorm`,
-`eh_proj` [D, 2D] (its input is [enorm(embedding) ; hnorm(hidden)]), a whole decoder layer's keys,
-`shared_head.norm` (mlm's `mtp.{d}.final_norm`), and copies of the main model's
-`embed_tokens.weight` and `lm_head.weight` (`shared_head.head.weight`). mlm holds those two
-once: an import checks each copy equals the main tensor and drops it, an export writes them.
-transformers' DeepseekV3ForCausalLM neither loads nor saves the MTP layers; an import whose
-weights hold none takes `mtp_num_layers = 0` whatever num_nextn_predict_layers says.
-
-Router: sigmoid scores, the selection-only `e_score_correction_bias`, group-limited top-k, the
-weights of the chosen (unbiased scores) renormalised and times routed_scaling_factor: mlm's
-sigmoid router with `router_enable_expert_bias`. Where the two differ, the config is refused:
-
-- Group score: transformers sums each group's top 2 scores (hard-coded), mlm (Megatron) its top
-  k / topk_group; equal only when num_experts_per_tok / topk_group = 2 (DeepSeek-V3: 8 / 4).
-- Renormalising: mlm divides the k weights by their sum whenever k > 1, and never for k = 1;
-  transformers when norm_topk_prob. So k > 1 needs norm_topk_prob=true, k = 1 false.
-- Masked groups: transformers 5 (and DeepSeek's inference code) fills the experts of the groups
-  not chosen with −inf, as mlm does; earlier transformers releases filled them with 0.0, which
-  picks a masked expert when the chosen groups' biased scores are negative (possible only with
-  negative e_score_correction_bias): such a model computes otherwise there.
-
-transformers' DeepSeek-V3 has no balancing loss; DeepSeek's own config.json has aux_loss_alpha
-with seq_aux (true: the sequence-wise loss, mlm's `moe.seq_aux_loss_coeff`, the same formula;
-false: the batch one, `moe.aux_loss_coeff`), which are mapped when present, 0 otherwise.
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`, transformers ≥ 4.51) ⇄ mlm: multi-latent attention, the
+first `first_k_dense_replace` layers dense and the rest MoE with DeepSeek's sigmoid router and
+shared experts, YaRN RoPE, and the MTP depths in DeepSeek's own checkpoint layout (depth d at
+`model.layers.{num_hidden_layers + d}`, with copies of the embedding and head). The key and field
+tables, and the router configs refused because transformers computes them otherwise: docs/hf.md
+(DeepSeek-V3 section); the folder: docs/formats.md.
 """
 
 from __future__ import annotations
@@ -49,7 +12,7 @@ from dataclasses import replace
 
 from mlm.config import MLAConfig, ModelConfig, MoEConfig
 from mlm.convert.hf.adapter import Adapter
-from mlm.convert.hf.llama import DENSE_MLP, LLAMA_RULES
+from mlm.convert.hf.llama import DENSE_MLP, LLAMA_RULES, rmsnorm_swiglu_fields, rope_parameters
 from mlm.convert.hf.moe import MoEAdapter
 from mlm.convert.hf.qwen2_moe import QWEN_EXPERTS
 from mlm.convert.keymap import Target, copied, moved
@@ -111,20 +74,16 @@ _SHAPES = {
     "self_attn.o_proj.weight": "columns = num_attention_heads {H} × v_head_dim {v}",
 }
 """How config.json sizes the MLA tensors, said with a shape mismatch."""
+_MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""The MLA widths, named alike in config.json and `model.mla`."""
 
 
 def yarn_fields(a: Adapter, c: dict) -> dict:
-    """rope_base and the YaRN fields of `model` from a transformers 4.x (`rope_theta` +
-    `rope_scaling`) or 5.x (`rope_parameters`) config; the defaults are transformers' (a missing
-    factor is max_position_embeddings / original_max_position_embeddings, missing betas 32 and 1)."""
-    r = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = float(r.get("rope_theta", c.get("rope_theta", 10000.0)))
-    rope_type = r.get("rope_type", r.get("type", "default"))
-    if r.get("partial_rotary_factor", 1.0) != 1.0:
-        raise MlmError(
-            f"rope partial_rotary_factor={r['partial_rotary_factor']}: mlm rotates all qk_rope_head_dim dims; "
-            "only 1.0 (or none) converts"
-        )
+    """rope_base and the YaRN fields of `model` from config.json (`rope_parameters`); the defaults
+    are transformers' (a missing factor is max_position_embeddings / original_max_position_embeddings,
+    missing betas 32 and 1)."""
+    whole = "all qk_rope_head_dim dims; only 1.0 (or none) converts"
+    theta, rope_type, r = rope_parameters(c, 10000.0, whole)
     if rope_type == "default":
         return dict(rope_base=theta)
     if rope_type != "yarn":
@@ -207,16 +166,10 @@ class DeepseekV3Adapter(MoEAdapter):
 
     def shape_note(self, template: str, cfg: ModelConfig) -> str:
         m = cfg.mla
+        sizes = dict(H=cfg.num_attention_heads, n=m.qk_nope_head_dim, r=m.qk_rope_head_dim, v=m.v_head_dim)
         for suffix, note in _SHAPES.items():
             if template.endswith(suffix):
-                return note.format(
-                    H=cfg.num_attention_heads,
-                    n=m.qk_nope_head_dim,
-                    r=m.qk_rope_head_dim,
-                    v=m.v_head_dim,
-                    c=m.kv_lora_rank,
-                    q=m.q_lora_rank,
-                )
+                return note.format(**sizes, c=m.kv_lora_rank, q=m.q_lora_rank)
         return ""
 
     def config_for_keys(self, cfg: ModelConfig, keys) -> tuple[ModelConfig, str | None]:
@@ -258,10 +211,7 @@ class DeepseekV3Adapter(MoEAdapter):
             )
         mla = MLAConfig(
             q_lora_rank=c["q_lora_rank"],
-            kv_lora_rank=self.get(c, "kv_lora_rank"),
-            qk_nope_head_dim=self.get(c, "qk_nope_head_dim"),
-            qk_rope_head_dim=self.get(c, "qk_rope_head_dim"),
-            v_head_dim=self.get(c, "v_head_dim"),
+            **{k: self.get(c, k) for k in _MLA_DIMS},
             rope_interleave=bool(c.get("rope_interleave", True)),
         )
         dense = c.get("first_k_dense_replace", 3) or 0  # 3: transformers' default
@@ -274,21 +224,9 @@ class DeepseekV3Adapter(MoEAdapter):
                 f"layers take; only first_k_dense_replace < {N} or ≥ {N + mtp} converts"
             )
         return ModelConfig(
-            num_layers=N,
-            hidden_size=self.get(c, "hidden_size"),
-            num_attention_heads=H,
-            ffn_hidden_size=self.get(c, "intermediate_size"),
-            vocab_size=self.get(c, "vocab_size"),
-            max_position_embeddings=self.get(c, "max_position_embeddings"),
-            normalization="rmsnorm",
-            norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            position_embedding="rope",
+            **rmsnorm_swiglu_fields(self, c),
             **yarn_fields(self, c),
-            activation="swiglu",
-            add_bias=False,
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_dropout=float(c.get("attention_dropout") or 0.0),
-            init_std=float(c.get("initializer_range", 0.02)),
             attention_kind="mla",
             mla=mla,
             mlp_kind="moe" if dense < N else "dense",
@@ -357,15 +295,9 @@ class DeepseekV3Adapter(MoEAdapter):
         dense = kinds.index("moe") if "moe" in kinds else cfg.num_layers
         has_moe = dense < cfg.num_layers
         rules = {**LLAMA_RULES, "qkv_bias": False, "qk_norm": False}
-        if has_moe:
-            rules.update(
-                {
-                    "moe.router_score_function": "sigmoid",
-                    "moe.router_enable_expert_bias": True,
-                    "moe.capacity_factor": None,
-                    "moe.shared_expert_gate": False,
-                }
-            )
+        if has_moe:  # DeepSeek's router: sigmoid scores with the expert bias, no token dropping
+            rules |= {"moe.router_score_function": "sigmoid", "moe.router_enable_expert_bias": True}
+            rules |= {"moe.capacity_factor": None, "moe.shared_expert_gate": False}
         self.require(cfg, rules, mlp=("dense", "moe"), attention="mla")
         m, F = cfg.moe, cfg.expert_ffn_size
         bad = []
@@ -406,10 +338,7 @@ class DeepseekV3Adapter(MoEAdapter):
             "num_attention_heads": cfg.num_attention_heads,
             "num_key_value_heads": cfg.num_attention_heads,
             "q_lora_rank": cfg.mla.q_lora_rank,
-            "kv_lora_rank": cfg.mla.kv_lora_rank,
-            "qk_nope_head_dim": cfg.mla.qk_nope_head_dim,
-            "qk_rope_head_dim": cfg.mla.qk_rope_head_dim,
-            "v_head_dim": cfg.mla.v_head_dim,
+            **{k: getattr(cfg.mla, k) for k in _MLA_DIMS},
             "rope_interleave": cfg.mla.rope_interleave,
             # dense layers first; a model without experts (its MTP layers too) dense throughout
             "first_k_dense_replace": dense if has_moe else cfg.num_layers + mtp,

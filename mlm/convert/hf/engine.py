@@ -1,13 +1,9 @@
 """The conversion engine: applies an architecture's adapter to a state dict, tensor by tensor.
 
-For every adapter alike: each tensor's shape is checked against the shape the config implies
-(errors name the key and both shapes); mlm pads the embedding and output rows to
-`cfg.padded_vocab_size()` (Megatron's padding): import appends zero rows, export slices them
-off; with tied embeddings `lm_head.weight` is left out of an export and, when a checkpoint
-stores it, must equal the embedding. Other stored copies of one mlm tensor (DeepSeek-V3's MTP
-depths repeat the embedding and `lm_head`: `copied` templates) are treated alike: import checks
-that each equals its original (shape, dtype and CRC-32C) and drops it, export writes the copy.
-The key templates (`mlm.convert.keymap`) do the renaming, splitting, transposing and stacking.
+For every adapter alike (docs/hf.md): shapes checked against the config, the vocabulary rows
+padded to `cfg.padded_vocab_size()` (import) or sliced back (export), a tied `lm_head.weight` and
+other stored copies (`copied` templates) checked equal to their originals and dropped on import,
+written on export. The key templates (`mlm.convert.keymap`) do the renaming, splitting and stacking.
 """
 
 from __future__ import annotations
@@ -46,15 +42,15 @@ def _check_mlm_state(mlm_state: dict, cfg: ModelConfig, padded_vocab: int | None
 def mlm_to_hf(
     mlm_state: dict[str, torch.Tensor], cfg: ModelConfig, arch: str, padded_vocab: int | None = None
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """mlm state dict → (Hugging Face state dict, config.json dict).
-
-    Padding rows are sliced off the vocabulary, split tensors concatenated (GPT-2's q/k/v into
-    `c_attn`), transposed ones (its Conv1D weights) transposed, stacked ones indexed. With tied
-    embeddings `lm_head.weight` is left out, as `save_pretrained` does. Tensors are contiguous and
-    keep their dtype."""
+    """mlm state dict → (Hugging Face state dict, config.json dict): the vocabulary unpadded, a tied
+    `lm_head.weight` left out (as `save_pretrained` does); tensors contiguous, in their dtype."""
     a = adapter(arch)
     hf_config = a.config_to_hf(cfg)
     _check_mlm_state(mlm_state, cfg, padded_vocab)
+
+    def unpadded(k: str) -> torch.Tensor:
+        return mlm_state[k][: cfg.vocab_size] if k in VOCAB_ROWS else mlm_state[k]
+
     keymap = a.keymap(cfg)
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
@@ -62,15 +58,13 @@ def mlm_to_hf(
         if unit.rule.copy:  # a second stored copy (DeepSeek's MTP embedding and head): its own tensor
             (m,) = unit.mlm
             source = "embed.weight" if m == "output.weight" and cfg.tie_embeddings else m
-            t = mlm_state[source][: cfg.vocab_size] if source in VOCAB_ROWS else mlm_state[source]
-            out[unit.hf[0]] = t.clone(memory_format=torch.contiguous_format)
+            out[unit.hf[0]] = unpadded(source).clone(memory_format=torch.contiguous_format)
             continue
         present = [k in mlm_state for k in unit.mlm]
         if not any(present):  # lm_head when tied; a dense MLP's keys in an MoE layer, and back
             continue
         assert all(present), f"{unit.template}: only some of {unit.mlm} in the state"
-        mlm = [mlm_state[k][: cfg.vocab_size] if k in VOCAB_ROWS else mlm_state[k] for k in unit.mlm]
-        for hf_key, t in keymap.to_hf(unit, mlm):
+        for hf_key, t in keymap.to_hf(unit, [unpadded(k) for k in unit.mlm]):
             out[hf_key] = t.contiguous()
         used.update(unit.mlm)
     unnamed = [k for k in mlm_state if k not in used]
@@ -118,13 +112,11 @@ def iter_hf_to_mlm(
 ) -> Iterator[tuple[str, object]]:
     """`hf_to_mlm` one tensor at a time: every key and shape is checked before the first tensor is
     read, then each is read, converted and yielded (mlm key, tensor) in turn, so memory holds one
-    Hugging Face tensor (all of a stack's). With tied embeddings a stored `lm_head.weight` must
-    equal the embedding, and every stored copy (`copied` templates) its original: shapes are
-    checked first, values by CRC-32C as they pass (MlmError after the last tensor otherwise); the
-    copies are not yielded, and may be left out of the state.
-    `passthrough`: a tensor that converts to itself (no split, transpose, stack or padding) is not
-    read; (mlm key, passthrough(its Hugging Face key)) is yielded instead, for a caller that copies
-    the bytes."""
+    Hugging Face tensor (all of a stack's). Stored copies (a tied `lm_head.weight`, `copied`
+    templates) may be left out; their values are checked by CRC-32C as they pass (MlmError after
+    the last tensor), and they are not yielded. `passthrough`: a tensor that converts to itself (no
+    split, transpose, stack or padding) is not read; (mlm key, passthrough(its Hugging Face key)) is
+    yielded, for a caller that copies its bytes."""
     a = adapter(arch or arch_of(cfg))
     a.config_to_hf(cfg)  # raises if cfg is not this architecture
     V = padded_vocab or cfg.padded_vocab_size()
@@ -132,16 +124,14 @@ def iter_hf_to_mlm(
     keymap = a.keymap(cfg)
     units, stored = keymap.plan(hf_tensors)  # unknown keys, indices beyond the config, partial stacks
     by_mlm = {r.mlm: t for t, r in keymap.rules.items() if r is not None and not r.copy}
-    embed, head = by_mlm[("embed.weight",)], by_mlm[("output.weight",)]
     # stored copies: HF key → (the HF key it must equal, why); checked as they pass, then dropped
     copy_of: dict[str, tuple[str, str]] = {}
     for u in units:
-        tied_head = cfg.tie_embeddings and u.template == head
-        if u.rule.copy or tied_head:
+        tied_head = cfg.tie_embeddings and u.template == by_mlm[("output.weight",)]
+        if u.rule.copy or tied_head:  # with tied embeddings, copies of the output layer are the embedding's
             m = u.mlm[0]
-            original = embed if tied_head or (m == "output.weight" and cfg.tie_embeddings) else by_mlm[(m,)]
-            why = _TIED if tied_head else a.copy_note
-            copy_of[stored[u.hf[0]]] = (stored.get(original, original), why)
+            original = by_mlm[("embed.weight" if m == "output.weight" and cfg.tie_embeddings else m,)]
+            copy_of[stored[u.hf[0]]] = (stored.get(original, original), _TIED if tied_head else a.copy_note)
     originals = {o for o, _ in copy_of.values()}
     homeless = [stored[k] for u in units for k in u.hf if k not in want and stored[k] not in copy_of]
     if homeless:  # e.g. a dense MLP's key in a layer the config gives experts
@@ -242,66 +232,38 @@ def _digest(t: torch.Tensor) -> int:
     return google_crc32c.value(data.reshape(-1))
 
 
+_NUMERICS = (
+    "num_layers hidden_size num_attention_heads num_query_groups ffn_hidden_size vocab_size normalization "
+    "norm_eps position_embedding activation add_bias tie_embeddings head_dim qkv_bias qk_norm"
+).split()
+_RESOLVED = {"num_query_groups": "query_groups", "ffn_hidden_size": "ffn_size"}  # unset: its default
 _MOE_NUMERICS = (
-    "num_experts",
-    "router_topk",
-    "router_score_function",
-    "router_pre_softmax",
-    "router_num_groups",
-    "router_group_topk",
-    "router_topk_scaling_factor",
-    "router_enable_expert_bias",
-    "capacity_factor",
-    "shared_expert_ffn_hidden_size",
-    "shared_expert_gate",
-)
+    "num_experts router_topk router_score_function router_pre_softmax router_num_groups router_group_topk "
+    "router_topk_scaling_factor router_enable_expert_bias capacity_factor shared_expert_ffn_hidden_size "
+    "shared_expert_gate"
+).split()
 """The `model.moe` fields that change what an MoE layer computes (not the losses or kernels)."""
 
 
 def _numerics(cfg: ModelConfig) -> dict[str, object]:
     """The config values that change what the model computes (not dropout, init or max length)."""
-    d = dict(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.query_groups,
-        ffn_hidden_size=cfg.ffn_size,
-        vocab_size=cfg.vocab_size,
-        normalization=cfg.normalization,
-        norm_eps=cfg.norm_eps,
-        position_embedding=cfg.position_embedding,
-        activation=cfg.activation,
-        add_bias=cfg.add_bias,
-        tie_embeddings=cfg.tie_embeddings,
-    )
-    d.update(head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
+    d = {k: getattr(cfg, _RESOLVED.get(k, k)) for k in _NUMERICS}
     d["layers"] = describe_layers(cfg.layer_specs())
     if "mla" in cfg.mixer_kinds():
         d.update({f"mla.{k}": v for k, v in vars(cfg.mla).items()})
     d["mtp_num_layers"] = cfg.mtp_num_layers
     if any(s.mlp == "moe" for s in cfg.layer_specs()):
-        m = cfg.moe
-        d.update({f"moe.{k}": getattr(m, k) for k in _MOE_NUMERICS}, expert_ffn_size=cfg.expert_ffn_size)
+        d.update({f"moe.{k}": getattr(cfg.moe, k) for k in _MOE_NUMERICS})
+        d["expert_ffn_size"] = cfg.expert_ffn_size
     if cfg.position_embedding == "rope":
-        d.update(rope_base=cfg.rope_base, rope_scaling_factor=cfg.rope_scaling_factor)
+        rope = ["rope_base", "rope_scaling_factor"]
         if cfg.rope_scaling_factor is not None:
-            d.update(
-                rope_scaling_type=cfg.rope_scaling_type,
-                rope_original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+            rope += ["rope_scaling_type", "rope_original_max_position_embeddings"]
+            yarn = [f"rope_yarn_{k}" for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")]
+            rope += (
+                yarn if cfg.rope_scaling_type == "yarn" else ["rope_low_freq_factor", "rope_high_freq_factor"]
             )
-            d.update(
-                dict(
-                    rope_yarn_beta_fast=cfg.rope_yarn_beta_fast,
-                    rope_yarn_beta_slow=cfg.rope_yarn_beta_slow,
-                    rope_yarn_mscale=cfg.rope_yarn_mscale,
-                    rope_yarn_mscale_all_dim=cfg.rope_yarn_mscale_all_dim,
-                )
-                if cfg.rope_scaling_type == "yarn"
-                else dict(
-                    rope_low_freq_factor=cfg.rope_low_freq_factor,
-                    rope_high_freq_factor=cfg.rope_high_freq_factor,
-                )
-            )
+        d.update({k: getattr(cfg, k) for k in rope})
     return d
 
 

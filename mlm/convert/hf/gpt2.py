@@ -1,10 +1,6 @@
-"""GPT-2 (`GPT2LMHeadModel`) ⇄ mlm: LayerNorm, GELU, learned positions, biases.
-
-Two layout changes, both said in the key table:
-- GPT-2's `Conv1D` stores weights as [in, out], mlm's `nn.Linear` as [out, in] (`transposed`).
-- GPT-2 fuses q, k, v into `c_attn` ([D, 3D]); mlm keeps `attn.q`, `attn.k`, `attn.v` apart (a
-  split into three mlm templates).
-Original GPT-2 checkpoints name keys without `transformer.` and carry causal-mask buffers.
+"""GPT-2 (`GPT2LMHeadModel`) ⇄ mlm: LayerNorm, GELU, learned positions, biases. Its `Conv1D`
+weights are stored [in, out] (`transposed`), and q, k, v fused into `c_attn` (split into three mlm
+templates). Original GPT-2 checkpoints name keys without `transformer.` and carry causal-mask buffers.
 """
 
 from __future__ import annotations

@@ -50,25 +50,11 @@ def read_hf_config(hf_dir: Path) -> dict:
     return config
 
 
-_COUNTS = {
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "hidden_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "vocab_size",
-    "max_position_embeddings",
-    "head_dim",
-    "num_experts",
-    "num_experts_per_tok",
-    "n_routed_experts",
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "n_positions",
-    "n_inner",
-}
+_COUNTS = set(
+    "num_hidden_layers num_attention_heads num_key_value_heads hidden_size intermediate_size "
+    "moe_intermediate_size vocab_size max_position_embeddings head_dim num_experts num_experts_per_tok "
+    "n_routed_experts n_layer n_head n_embd n_positions n_inner".split()
+)
 """config.json fields that count something: positive integers where present (null: unset)."""
 _POSITIVE = {"rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta"}
 """config.json fields that must be positive numbers where present."""
@@ -204,22 +190,15 @@ def write_safetensors(state: dict[str, torch.Tensor], out_dir: Path, max_bytes: 
 def generation_config(tokenizer_dir: Path | None) -> dict:
     """generation_config.json: the tokenizer's own if it has one, else bos/eos ids from the tokenizer
     when it names them (fields left out when not known)."""
-    if (
-        tokenizer_dir is not None
-        and tokenizer_dir.is_dir()
-        and (tokenizer_dir / "generation_config.json").is_file()
-    ):
+    if tokenizer_dir is None:
+        return {}
+    if (tokenizer_dir / "generation_config.json").is_file():
         return json.loads((tokenizer_dir / "generation_config.json").read_text())
-    gen: dict = {}
-    if tokenizer_dir is not None:
-        from mlm.tokenizer import load_tokenizer
+    from mlm.tokenizer import load_tokenizer
 
-        try:
-            tok = load_tokenizer(tokenizer_dir)
-        except MlmError:
-            tok = None
-        if tok is not None and tok.bos_id is not None:
-            gen["bos_token_id"] = tok.bos_id
-        if tok is not None and tok.eod_id is not None:
-            gen["eos_token_id"] = tok.eod_id
-    return gen
+    try:
+        tok = load_tokenizer(tokenizer_dir)
+    except MlmError:
+        return {}
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eod_id}
+    return {k: v for k, v in ids.items() if v is not None}

@@ -44,25 +44,29 @@ def llama_keys(mlp: dict[str, Target], attention: dict[str, Target] | None = Non
 KEYS = llama_keys(DENSE_MLP)
 
 
-def rope(c: dict, default_theta: float = 10000.0) -> tuple[float, dict | None]:
-    """(theta, llama3 scaling or None) from a transformers 4.x (`rope_theta` + `rope_scaling`) or
-    5.x (`rope_parameters`, theta inside) config."""
+def rope_parameters(c: dict, default_theta: float, whole: str) -> tuple[float, str, dict]:
+    """(theta, rope_type, the scaling fields) of a transformers 4.x (`rope_theta` + `rope_scaling`)
+    or 5.x (`rope_parameters`, theta inside) config; MlmError for a partial_rotary_factor other than
+    1 (`whole`: what mlm rotates)."""
     r = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = r.get("rope_theta", c.get("rope_theta", default_theta))
-    rope_type = r.get("rope_type", r.get("type", "default"))
     if r.get("partial_rotary_factor", 1.0) != 1.0:
-        raise MlmError(
-            f"rope partial_rotary_factor={r['partial_rotary_factor']}: mlm rotates the whole head (1.0)"
-        )
+        raise MlmError(f"rope partial_rotary_factor={r['partial_rotary_factor']}: mlm rotates {whole}")
+    theta = float(r.get("rope_theta", c.get("rope_theta", default_theta)))
+    return theta, r.get("rope_type", r.get("type", "default")), r
+
+
+def rope(c: dict, default_theta: float = 10000.0) -> tuple[float, dict | None]:
+    """(theta, llama3 scaling or None) of a config.json (`rope_parameters`)."""
+    theta, rope_type, r = rope_parameters(c, default_theta, "the whole head (1.0)")
     if rope_type == "default":
-        return float(theta), None
+        return theta, None
     if rope_type != "llama3":
         raise MlmError(f"rope_scaling rope_type={rope_type!r}: mlm supports 'default' (none) and 'llama3'")
     need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in need if k not in r]
     if missing:
         raise MlmError(f"rope_scaling (llama3) lacks {', '.join(missing)}; it needs {', '.join(need)}")
-    return float(theta), r
+    return theta, r
 
 
 def check_window(window: int | None, positions: int, key: str = "sliding_window") -> None:
@@ -75,6 +79,26 @@ def check_window(window: int | None, positions: int, key: str = "sliding_window"
             f"Set max_position_embeddings to {window} (or less) in config.json to convert it exactly, "
             "or sliding_window to null if the model uses full attention"
         )
+
+
+def rmsnorm_swiglu_fields(a: Adapter, c: dict, eps: float = 1e-6) -> dict:
+    """The ModelConfig fields of a config.json that Llama's family and DeepSeek-V3 share (RMSNorm,
+    RoPE, SwiGLU, no biases); the caller adds the attention's and RoPE's."""
+    return dict(
+        num_layers=a.get(c, "num_hidden_layers"),
+        hidden_size=a.get(c, "hidden_size"),
+        num_attention_heads=a.get(c, "num_attention_heads"),
+        ffn_hidden_size=a.get(c, "intermediate_size"),
+        vocab_size=a.get(c, "vocab_size"),
+        max_position_embeddings=a.get(c, "max_position_embeddings"),
+        normalization="rmsnorm",
+        norm_eps=float(c.get("rms_norm_eps", eps)),
+        position_embedding="rope",
+        activation="swiglu",
+        add_bias=False,
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        init_std=float(c.get("initializer_range", 0.02)),
+    )
 
 
 def llama_fields(a: Adapter, c: dict, theta: float = 10000.0, eps: float = 1e-6) -> dict:
@@ -95,24 +119,12 @@ def llama_fields(a: Adapter, c: dict, theta: float = 10000.0, eps: float = 1e-6)
             rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
         )
     return dict(
-        num_layers=a.get(c, "num_hidden_layers"),
-        hidden_size=D,
-        num_attention_heads=H,
+        **rmsnorm_swiglu_fields(a, c, eps),
         num_query_groups=c.get("num_key_value_heads") or H,
         kv_channels=ModelConfig.kv_channels_from(D, H, c.get("head_dim")),
-        ffn_hidden_size=a.get(c, "intermediate_size"),
-        vocab_size=a.get(c, "vocab_size"),
-        max_position_embeddings=a.get(c, "max_position_embeddings"),
-        normalization="rmsnorm",
-        norm_eps=float(c.get("rms_norm_eps", eps)),
-        position_embedding="rope",
         rope_base=theta,
         **scaled,
-        activation="swiglu",
-        add_bias=False,
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         attention_dropout=float(c.get("attention_dropout", 0.0)),
-        init_std=float(c.get("initializer_range", 0.02)),
     )
 
 
@@ -146,7 +158,6 @@ def llama3_rope_scaling(cfg: ModelConfig) -> dict | None:
 def llama_to_hf(a: Adapter, cfg: ModelConfig) -> dict:
     """The config.json keys every Llama-family architecture shares (the caller checked `cfg`)."""
     check_llama3_scaling(cfg, f"Hugging Face {a.model_type}")
-    scaling = llama3_rope_scaling(cfg)
     return {
         "architectures": [a.hf_class],
         "model_type": a.model_type,
@@ -161,7 +172,7 @@ def llama_to_hf(a: Adapter, cfg: ModelConfig) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_base,
-        "rope_scaling": scaling,
+        "rope_scaling": llama3_rope_scaling(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": cfg.attention_dropout,
         "initializer_range": cfg.init_std,

@@ -1,9 +1,7 @@
 """Mixtral (`MixtralForCausalLM`) ⇄ mlm: Mistral's attention, and in every layer a mixture of
-experts: router `block_sparse_moe.gate` [E, D], expert e's SwiGLU `w1` (gate), `w3` (up), `w2`
-(down), each stacked over the experts into one mlm tensor [E, ·, ·]. Routing is softmax, top-k,
-renormalised: mlm's default router. Field mapping: `mlm.convert.hf.moe`.
-
-    model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight [F, D]  ⇄  layers.{l}.mlp.experts.gate.weight [E, F, D]
+experts whose SwiGLU `w1` (gate), `w3` (up), `w2` (down) are stacked over the experts into one mlm
+tensor each. Routing is softmax, top-k, renormalised: mlm's default router. Key and field tables:
+docs/hf.md (Mixtures of experts).
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
 """What the mixture-of-experts adapters (Mixtral, Qwen2-MoE, Qwen3-MoE) share: the `{expert}`
-count, the router and balancing-loss fields of config.json, and the rule for which layers have
-experts.
-
-Router (config.json → `model.moe`):
-
-    num_local_experts / num_experts      num_experts (either key: transformers 5 writes Qwen3-MoE's
-                                         as num_local_experts)
-    num_experts_per_tok                  router_topk
-    norm_topk_prob true (Mixtral: always) router_pre_softmax false: softmax over the top-k logits
-                                         (= softmax over all, top-k, renormalise)
-    norm_topk_prob false                 router_pre_softmax true: softmax over all, top-k as is
-    router_aux_loss_coef                 aux_loss_coeff, the same number (as mbridge's Qwen-MoE bridges
-                                         do; Megatron-LM's Qwen3-30B-A3B example uses 1e-3, its HF value)
-
-The balancing losses are not the same function of that number. Hugging Face adds one loss,
-coef · E · Σ_e f_e · P_e over the tokens of all layers together (k at perfect balance), and
-only with output_router_logits=true; mlm (Megatron) adds coeff · L_l for every MoE layer l,
-with L_l = 1 at balance. To give training the balancing strength Hugging Face's loss has, set
-`model.moe.aux_loss_coeff` to router_aux_loss_coef · k / (MoE layers) after the import.
-
-Layers (Qwen2-MoE, Qwen3-MoE): layer i has experts iff i is not in mlp_only_layers and
-(i + 1) % decoder_sparse_step == 0, which becomes the explicit `mlp_kind_freq` list (or 1 when
-every layer has experts); export writes the step and list that give back the same layers.
+count, the router and balancing-loss fields of config.json, and Qwen's rule for which layers have
+experts. The field mapping, and why one balancing-loss coefficient weighs differently in mlm and
+transformers: docs/hf.md (Mixtures of experts).
 """
 
 from __future__ import annotations

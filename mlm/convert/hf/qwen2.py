@@ -1,7 +1,6 @@
 """Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`) ⇄ mlm: Llama's network with biases on q, k and v
-(`qkv_bias`), RMSNorm eps and RoPE theta from its config, tied embeddings in the small models.
-Qwen2's sliding window applies only with use_sliding_window (released configs leave it off);
-with it on, a window shorter than the context is refused (mlm has no sliding-window attention).
+(`qkv_bias`). Its sliding window applies only with use_sliding_window (released configs leave it
+off); with it on, a window shorter than the context is refused.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Qwen2-MoE (`Qwen2MoeForCausalLM`) ⇄ mlm: Llama's network with biases on q, k, v
-(`qkv_bias`), and MoE layers chosen by decoder_sparse_step and mlp_only_layers (the others a
-dense MLP of intermediate_size). An MoE layer: router `mlp.gate` [E, D], experts
-`mlp.experts.{e}.{gate,up,down}_proj` of moe_intermediate_size stacked into one mlm tensor each,
-and a shared expert of shared_expert_intermediate_size scaled by sigmoid(`shared_expert_gate` x).
-norm_topk_prob=false (the default) is mlm's router_pre_softmax. Field mapping: `mlm.convert.hf.moe`.
+"""Qwen2-MoE (`Qwen2MoeForCausalLM`) ⇄ mlm, and what Qwen3-MoE shares with it: Llama's network
+with MoE layers chosen by decoder_sparse_step and mlp_only_layers (the others a dense MLP of
+intermediate_size), experts of moe_intermediate_size stacked into one mlm tensor each; Qwen2-MoE
+adds biases on q, k, v (`qkv_bias`) and a shared expert scaled by sigmoid(`shared_expert_gate` x).
+Key and field tables: docs/hf.md (Mixtures of experts).
 """
 
 from __future__ import annotations
@@ -47,7 +46,34 @@ def qwen_window(c: dict, positions: int) -> None:
         check_window(c.get("sliding_window"), positions)
 
 
-class Qwen2MoeAdapter(MoEAdapter):
+class QwenMoeAdapter(MoEAdapter):
+    """What Qwen2-MoE and Qwen3-MoE share: the router (norm_topk_prob), the experts' width and the
+    layers that have experts."""
+
+    def qwen_config(self, c: dict, moe: dict, **fields) -> ModelConfig:
+        """A Qwen-MoE config.json's ModelConfig: `fields` added to Llama's, `moe` to the router's."""
+        moe = MoEConfig(
+            **self.router(c, renormalise=bool(c.get("norm_topk_prob", False))),
+            ffn_hidden_size=self.get(c, "moe_intermediate_size"),
+            **moe,
+        )
+        freq = sparse_layers(self, c, moe.num_experts)
+        return ModelConfig(**llama_fields(self, c), **fields, mlp_kind="moe", mlp_kind_freq=freq, moe=moe)
+
+    def qwen_to_hf(self, cfg: ModelConfig, **shared) -> dict:
+        """The config.json keys of every Qwen-MoE (the caller checked `cfg`), `shared` among them."""
+        return {
+            **llama_to_hf(self, cfg),
+            "moe_intermediate_size": cfg.expert_ffn_size,
+            **shared,
+            "num_experts": cfg.moe.num_experts,
+            "norm_topk_prob": not cfg.moe.router_pre_softmax,
+            **self.router_to_hf(cfg),
+            **sparse_layers_to_hf(cfg),
+        }
+
+
+class Qwen2MoeAdapter(QwenMoeAdapter):
     model_type = "qwen2_moe"
     hf_class = "Qwen2MoeForCausalLM"
     from_hf = KEYS
@@ -60,19 +86,8 @@ class Qwen2MoeAdapter(MoEAdapter):
                 f"Hugging Face config shared_expert_intermediate_size={shared}: must be positive "
                 "(Qwen2-MoE always has a shared expert)"
             )
-        moe = MoEConfig(
-            **self.router(c, renormalise=bool(c.get("norm_topk_prob", False))),
-            ffn_hidden_size=self.get(c, "moe_intermediate_size"),
-            shared_expert_ffn_hidden_size=shared,
-            shared_expert_gate=True,
-        )
-        return ModelConfig(
-            **llama_fields(self, c),
-            qkv_bias=bool(c.get("qkv_bias", True)),  # transformers 4.x: always
-            mlp_kind="moe",
-            mlp_kind_freq=sparse_layers(self, c, moe.num_experts),
-            moe=moe,
-        )
+        moe = dict(shared_expert_ffn_hidden_size=shared, shared_expert_gate=True)
+        return self.qwen_config(c, moe, qkv_bias=bool(c.get("qkv_bias", True)))  # transformers 4.x: always
 
     def config_to_hf(self, cfg: ModelConfig) -> dict:
         rules = {**LLAMA_RULES, "qk_norm": False, **ROUTER_RULES, "moe.shared_expert_gate": True}
@@ -84,13 +99,7 @@ class Qwen2MoeAdapter(MoEAdapter):
             )
         self.require(cfg, rules, mlp=("dense", "moe"))
         return {
-            **llama_to_hf(self, cfg),
-            "moe_intermediate_size": cfg.expert_ffn_size,
-            "shared_expert_intermediate_size": cfg.moe.shared_expert_ffn_hidden_size,
-            "num_experts": cfg.moe.num_experts,
-            "norm_topk_prob": not cfg.moe.router_pre_softmax,
-            **self.router_to_hf(cfg),
-            **sparse_layers_to_hf(cfg),
+            **self.qwen_to_hf(cfg, shared_expert_intermediate_size=cfg.moe.shared_expert_ffn_hidden_size),
             "qkv_bias": cfg.qkv_bias,  # read by transformers 5; 4.x always has the biases
             "use_sliding_window": False,
             "sliding_window": None,

@@ -1,7 +1,6 @@
 """Qwen3 (`Qwen3ForCausalLM`) ⇄ mlm: Llama's network with an RMSNorm over each head's query and
-key before RoPE (`self_attn.q_norm` / `k_norm` [head_dim] ⇄ `attn.q_norm` / `k_norm`, mlm's
-`qk_norm`), an explicit head_dim (`kv_channels`), no biases (attention_bias=true is refused), tied
-embeddings in the small models. Its sliding window, as Qwen2's, applies only with use_sliding_window.
+key before RoPE (`self_attn.q_norm` / `k_norm` ⇄ `attn.q_norm` / `k_norm`, mlm's `qk_norm`), an
+explicit head_dim (`kv_channels`), no biases; Qwen2's sliding-window rule.
 """
 
 from __future__ import annotations

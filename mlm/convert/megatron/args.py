@@ -1,14 +1,7 @@
 """Megatron-LM's `args` (the Namespace its checkpoints pickle) ⇄ mlm's config, both directions in
-one place.
-
-Import (`mlm convert from-megatron`): `args_overrides` turns the model args into `model.*` settings
-(`_ARGS`: the same meaning and unit; the rest by hand) and refuses those whose model mlm does not
-build (`_REFUSED_ARGS`, with what they mean); `training_position` reads the iteration and consumed
-samples; `run_settings` the trainer's (`_SAME`, `_IN_SAMPLES`) where the optimizer state is carried.
-Export (`mlm export megatron`): `megatron_args` writes the args `--use-checkpoint-args` and the
-import read back, `_ARGS` read the other way where the meaning is the same; `unread_flags` lists the
-command-line flags Megatron-LM needs for what its `load_args_from_checkpoint` does not read.
-"""
+one place: `args_overrides` and `run_settings` (import), `megatron_args` and `unread_flags`
+(export). The fields read, refused and written are listed in docs/megatron.md ("The model
+config"), docs/megatron-resume.md and docs/megatron-export.md."""
 
 from __future__ import annotations
 
@@ -66,9 +59,14 @@ _REFUSED_ARGS = {
 (args built from TransformerConfig's fields included: each changes the logits of the same weights)."""
 
 
+def saved_args(common: dict) -> dict:
+    """Megatron-LM's saved `args` (a Namespace in common.pt or a legacy rank file) as a dict; {} where absent."""
+    return vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
+
+
 def args_overrides(common: dict) -> list[str]:
     """model.* fields from Megatron-LM's saved `args` (a Namespace in common.pt), as --set strings."""
-    args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
+    args = saved_args(common)
     for name, what in _REFUSED_ARGS.items():
         if args.get(name):
             raise MlmError(
@@ -82,7 +80,7 @@ def args_overrides(common: dict) -> list[str]:
     nope = args.get("no_rope_freq")
     if nope and (not isinstance(nope, list) or any(nope)):
         raise MlmError(
-            f"Megatron args no_rope_freq={nope!r}: layers without RoPE are not imported by mlm convert "
+            f"Megatron args no_rope_freq={nope!r}: layers without RoPE are not imported by "
             "mlm convert from-megatron (mlm applies RoPE in every layer)"
         )
     if args.get("rotary_percent", 1.0) != 1.0:
@@ -135,12 +133,8 @@ _MLA_ARGS = {
 
 
 def _mla_fields(args: dict) -> dict:
-    """mlm fields for a run with --multi-latent-attention: the MLA dims, interleaved RoPE on the
-    rope dims (Megatron's MLA always applies RoPE to the de-interleaved pairs: `multi_latent_attention`
-    in `_apply_rotary_pos_emb_bshd`), and its YaRN (`--rope-type`, default yarn for MLA), with the
-    constants Megatron-LM has no arguments for (MLATransformerConfig's original_max_position_embeddings
-    4096, beta_fast 32, beta_slow 1). MlmError where mlm's model differs: no latent norms, or an
-    attention factor / softmax scale that mlm's YaRN fields cannot express."""
+    """mlm fields for a run with --multi-latent-attention: the MLA dims, interleaved RoPE, and its YaRN
+    with MLATransformerConfig's constants (docs/megatron.md); MlmError where mlm's model differs."""
     if args.get("qk_layernorm") is False:
         raise MlmError(
             "Megatron args multi_latent_attention=True with qk_layernorm=False: that MLA has no latent norms "
@@ -175,10 +169,9 @@ def training_position(common: dict) -> dict:
     """Megatron-LM's `iteration` and `args.consumed_train_samples` where common.pt has them, for the
     manifest's `source` (a record; where the optimizer state is carried, `resumed_run` also makes
     them the mlm run's iteration and consumed samples)."""
-    args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
     found = {
         "iteration": common.get("iteration"),
-        "consumed_train_samples": args.get("consumed_train_samples"),
+        "consumed_train_samples": saved_args(common).get("consumed_train_samples"),
     }
     return {k: int(v) for k, v in found.items() if isinstance(v, int)}
 
@@ -366,10 +359,10 @@ _SAME = {  # Megatron-LM args → mlm fields of the same meaning
 }
 
 
-_IN_SAMPLES = {  # Megatron-LM args counted in samples → mlm fields counted in iterations
-    "lr_warmup_samples": "optimizer.warmup_iters",
-    "lr_decay_samples": "optimizer.decay_iters",
-    "train_samples": "train.train_iters",
+_IN_ITERS = {  # mlm fields counted in iterations ← Megatron-LM's args in iterations, or in samples
+    "optimizer.warmup_iters": ("lr_warmup_iters", "lr_warmup_samples"),
+    "optimizer.decay_iters": ("lr_decay_iters", "lr_decay_samples"),
+    "train.train_iters": ("train_iters", "train_samples"),
 }
 
 
@@ -379,19 +372,16 @@ def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
     `*_samples` divided by global_batch_size where it divides."""
     out = {ours: args[theirs] for theirs, ours in _SAME.items() if args.get(theirs) is not None}
     notes = []
-    for name, ours in (("lr_warmup_iters", "optimizer.warmup_iters"), ("lr_decay_iters", "optimizer.decay_iters"),
-                       ("train_iters", "train.train_iters")):  # fmt: skip
-        if args.get(name):
-            out[ours] = int(args[name])
     gbs = args.get("global_batch_size")
-    for name, ours in _IN_SAMPLES.items():
-        if args.get(name):
-            if gbs and args[name] % gbs == 0:
-                out[ours] = args[name] // gbs
-            else:
-                notes.append(
-                    f"args.{name}={args[name]} is not a whole number of global batches ({gbs}): not carried"
-                )
+    for ours, (iters, samples) in _IN_ITERS.items():
+        if args.get(iters):
+            out[ours] = int(args[iters])
+        if args.get(samples) and gbs and args[samples] % gbs == 0:
+            out[ours] = args[samples] // gbs
+        elif args.get(samples):
+            notes.append(
+                f"args.{samples}={args[samples]} is not a whole number of global batches ({gbs}): not carried"
+            )
     if args.get("lr_warmup_fraction") is not None:
         decay = out.get("optimizer.decay_iters") or out.get("train.train_iters")
         if decay:
@@ -406,10 +396,7 @@ def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
     if style in ("cosine", "linear", "constant"):
         out["optimizer.decay_style"] = style
     elif style == "WSD" and args.get("lr_wsd_decay_style") == "linear" and args.get("lr_wsd_decay_iters"):
-        out["optimizer.decay_style"], out["optimizer.wsd_decay_iters"] = (
-            "wsd",
-            int(args["lr_wsd_decay_iters"]),
-        )
+        out |= {"optimizer.decay_style": "wsd", "optimizer.wsd_decay_iters": int(args["lr_wsd_decay_iters"])}
     elif style is not None:
         notes.append(f"args.lr_decay_style={style} has no mlm equal: optimizer.decay_style is mlm's (set it)")
     start, end = args.get("start_weight_decay"), args.get("end_weight_decay")

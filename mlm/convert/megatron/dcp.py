@@ -1,22 +1,10 @@
-"""Reading a Megatron-core `torch_dist` checkpoint with plain `torch.distributed.checkpoint`, never
-unpickling more than it needs.
-
-A torch_dist directory (Megatron's `dist_checkpointing.save`, e.g. `SAVE/iter_0000100/`) holds
-`.metadata` (torch DCP's pickled `Metadata`: every key's global shape, dtype and chunks),
-`__R_T.distcp` data files, `common.pt` (everything that is not a sharded tensor: in Megatron-LM
-training the `args` Namespace, `iteration`, …) and `metadata.json` (`"sharded_backend": "torch_dist"`).
-Tensors are stored as global tensors addressed by offset, so the source's tp, pp and ep do not
-matter to the reader.
-
-Unpickling: torch's own `FileSystemReader.read_metadata` runs a plain `pickle.load` on `.metadata`
-and its default planner `torch.load(weights_only=False)`s every bytes entry. Here `.metadata` goes
-through `_MetadataUnpickler`, which allows only DCP's metadata, storage and plan classes,
-`torch.Size` and torch's dtype / layout / memory-format constants; bytes entries (e.g.
-`_extra_state`, RNG states, the optimizer's) are read only when asked for by name, by `values`
-alone (`mlm.convert.megatron.optim` and `mlm.convert.torchtitan.importer` read theirs through it), each with
-`torch.load(weights_only=True)`; `common.pt` is read with `torch.load(weights_only=True)` and the
-allow-list of `mlm.convert.megatron.unpickle` (Megatron's args hold its enums). A damaged or
-incomplete file is an MlmError naming it, never torch's traceback.
+"""Reading a Megatron-core `torch_dist` checkpoint (or any torch DCP folder) with plain
+`torch.distributed.checkpoint`, never unpickling more than it needs: `.metadata` through
+`_MetadataUnpickler` (DCP's own classes and torch constants only, where torch runs a plain
+`pickle.load`), bytes entries only when asked for by name (`MegatronCheckpoint.values`, each with
+`torch.load(weights_only=True)`), `common.pt` with `mlm.convert.megatron.unpickle`. A damaged or
+incomplete file is an MlmError naming it. The layout: docs/formats.md ("Megatron-core torch_dist
+checkpoint"); what is unpickled: docs/megatron.md ("What is unpickled").
 """
 
 from __future__ import annotations
@@ -37,28 +25,15 @@ from mlm.convert.megatron.unpickle import load_megatron_pickle
 from mlm.errors import MlmError
 
 _DCP_CLASSES = {  # the classes a DCP .metadata pickle names, by module (no other name of these modules)
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "StorageMeta",
-        "MetadataIndex",
-        "_MEM_FORMAT_ENCODING",
-    },
+    "torch.distributed.checkpoint.metadata": set(
+        "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata TensorProperties "
+        "StorageMeta MetadataIndex _MEM_FORMAT_ENCODING".split()
+    ),
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix", "SerializationFormat"},
     # Megatron's save keeps its global SavePlan in the metadata too
-    "torch.distributed.checkpoint.planner": {
-        "WriteItemType",
-        "LoadItemType",
-        "WriteItem",
-        "ReadItem",
-        "TensorWriteData",
-        "BytesIOWriteData",
-        "SavePlan",
-        "LoadPlan",
-    },
+    "torch.distributed.checkpoint.planner": set(
+        "WriteItemType LoadItemType WriteItem ReadItem TensorWriteData BytesIOWriteData SavePlan LoadPlan".split()
+    ),
 }
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 _OTHERS = {
@@ -240,19 +215,15 @@ class MegatronCheckpoint:
     def __init__(self, path: Path):
         self.path = path
         self._metadata = md = _Reader(path).read_metadata()
-        tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        self.stored = tensors
+        entries = md.state_dict_metadata
+        self.stored = {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
         """Every tensor entry, the optimizer's included."""
-        self.bytes_keys = sorted(
-            k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)
-        )
+        self.bytes_keys = sorted(k for k, v in entries.items() if isinstance(v, BytesStorageMetadata))
         # the optimizer's state (Megatron-LM saves it by default: optimizer.distributed.* or
         # optimizer.state.*) is read by mlm.convert.megatron.optim
-        self.optimizer_keys = sorted(k for k in tensors if k.startswith("optimizer."))
-        self.optimizer_meta = {k: tensors[k] for k in self.optimizer_keys}
-        self.tensors: dict[str, TensorStorageMetadata] = {
-            k: v for k, v in tensors.items() if not k.startswith("optimizer.")
-        }
+        self.optimizer_meta = {k: v for k, v in sorted(self.stored.items()) if k.startswith("optimizer.")}
+        self.optimizer_keys = list(self.optimizer_meta)
+        self.tensors = {k: v for k, v in self.stored.items() if k not in self.optimizer_meta}
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.stored[key].size)
@@ -266,12 +237,7 @@ class MegatronCheckpoint:
         out = {
             k: torch.empty(tuple(self.stored[k].size), dtype=self.stored[k].properties.dtype) for k in keys
         }
-        with warnings.catch_warnings():  # "torch.distributed is disabled … load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                dcp.load(out, storage_reader=_Reader(self.path, self._metadata), no_dist=True)
-            except CheckpointException as e:
-                raise _damaged(self.path, keys, e) from None
+        self._load(out, keys)
         return out
 
     def values(self, keys: list[str]) -> dict:
@@ -285,21 +251,21 @@ class MegatronCheckpoint:
                 "incomplete or was not saved by Megatron-core: copy it again"
             )
         planner = _BytesPlanner()
-        with warnings.catch_warnings():
+        self._load(dict.fromkeys(keys), keys, planner)
+        return planner.values
+
+    def _load(self, state: dict, keys: list[str], planner: DefaultLoadPlanner | None = None) -> None:
+        """`dcp.load` of `state` in this process; MlmError for `load_bytes`' refusal or a damaged file."""
+        with warnings.catch_warnings():  # "torch.distributed is disabled … load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             try:
-                dcp.load(
-                    dict.fromkeys(keys),
-                    storage_reader=_Reader(self.path, self._metadata),
-                    planner=planner,
-                    no_dist=True,
-                )
+                reader = _Reader(self.path, self._metadata)
+                dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
             except CheckpointException as e:  # wraps load_bytes' refusal, or a read error
                 refused = next((c for c in _causes(e) if isinstance(c, MlmError)), None)
                 if refused is not None:
                     raise MlmError(f"{self.path}: {refused}") from None
                 raise _damaged(self.path, keys, e) from None
-        return planner.values
 
     def common(self) -> dict:
         """`common.pt`, read with `mlm.convert.megatron.unpickle`'s allow-list, or {} where absent.

@@ -2,33 +2,11 @@
 
     export_megatron("ckpt/run", "megatron/save")   # → OUT/latest_checkpointed_iteration.txt, OUT/iter_NNNNNNN/
 
-The inverse of `mlm.convert.megatron.importer` (`mlm convert from-megatron`), through the same name table (`TOP`,
-`LAYER`, read backwards: where two Megatron names map to one mlm tensor, the first — the name
-torch_dist gives both GPTModel specs — is written) and the same layouts: `linear_qkv` fused per
-query group, `linear_fc1` = [gate; up], a homogeneous stack's layers stacked on a leading axis under
-`decoder.layers.<sub>`, per-layer keys `decoder.layers.<n>.<sub>` where Megatron makes the stack
-heterogeneous (`moe_layer_freq` a list or above 1), experts on the global expert axis. Vocabulary
-rows are written as mlm holds them (padded; `args.padded_vocab_size` says how many).
-
-OUT/iter_NNNNNNN/ (the mlm checkpoint's iteration) is what Megatron's `dist_checkpointing.save`
-writes, produced with plain `torch.distributed.checkpoint` (no megatron import): `.metadata`, one
-`__0_0.distcp`, every tensor one whole chunk (Megatron reshards on load, to any tp / pp / ep), an
-empty `_extra_state` object for each linear layer (Megatron's load requires them), `metadata.json`
-(`torch_dist`), and `common.pt` = {`args`: a plain `argparse.Namespace` of builtins under Megatron-LM's
-argument names (the model, `padded_vocab_size`, `iteration`, `consumed_train_samples`,
-`no_save_optim` / `no_save_rng`), `iteration`, `checkpoint_version`: 3.0}, so Megatron-LM's
-`--use-checkpoint-args` and `mlm convert from-megatron` read the model back. Weights only: no optimizer
-state, scheduler or RNG states. Multi-latent attention is written as the local spec's
-MLASelfAttention (`--multi-latent-attention --qk-layernorm`: q_layernorm / kv_layernorm, and the
-layer norms under their own names input_layernorm / pre_mlp_layernorm, which that spec does not
-remap) with its YaRN as MLATransformerConfig's; multi-token prediction depths as
-`mtp.layers.<d>.{enorm,hnorm,eh_proj,transformer_layer.<sub>,final_layernorm}`. What GPTModel's
-layers (or this name table) cannot hold — YaRN outside MLA, MLA with rotate-half RoPE, RMS q/k
-norms in a LayerNorm model, a tensor with no Megatron name — is refused, naming it.
-
-Memory: the whole model twice (read with `read_group`, checksums checked; then fused and stacked
-under Megatron's keys). Verification reads OUT back with mlm's own Megatron reader and requires
-every tensor to equal the source bitwise.
+The inverse of `mlm.convert.megatron.importer`, through the same name table (`names`, read
+backwards) and `args` (`args.megatron_args`), written with plain `torch.distributed.checkpoint` as
+Megatron's `dist_checkpointing.save` lays it out. What is written and refused, and how Megatron-LM
+loads it: docs/megatron-export.md; the files: docs/formats.md ("Megatron-core torch_dist
+checkpoint"). Memory: the whole model twice (read, then fused and stacked under Megatron's keys).
 """
 
 from __future__ import annotations
@@ -37,7 +15,6 @@ import itertools
 import json
 import os
 import re
-import time
 import warnings
 from pathlib import Path
 
@@ -47,12 +24,11 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from mlm.checkpoint import checkpoint_config, read_group
 from mlm.checkpoint.manager import iter_dir_name
-from mlm.checkpoint.store import dtype_name
 from mlm.config import ModelConfig, describe_layers
 from mlm.convert.common import Progress, Report, noop
 from mlm.convert.megatron.args import megatron_args, unread_flags
 from mlm.convert.megatron.dcp import MegatronCheckpoint
-from mlm.convert.megatron.names import megatron_tensors, mlm_tensors
+from mlm.convert.megatron.names import megatron_tensors, mlm_tensors, split_key
 from mlm.errors import MlmError
 from mlm.fileio import check_new_dir, staged_dir
 
@@ -130,7 +106,7 @@ def _extra_states(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
         if not key.startswith(("decoder.layers.", "mtp.layers.")) or match is None:
             continue
         module = f"{match.group(1)}._extra_state"
-        stacked = key.startswith("decoder.layers.") and not key[15:].split(".", 1)[0].isdigit()
+        stacked = key.startswith("decoder.layers.") and split_key(key)[0] is None
         axes = list(t.shape[: int(stacked) + int(".experts.experts." in key)]) or [1]
         for index in itertools.product(*(range(n) for n in axes)):
             out[f"{module}/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, axes))}"] = [None]
@@ -190,7 +166,7 @@ def export_megatron(
     source's chunk checksums, and read `out` back (every tensor bitwise equal)."""
     ckpt, out = Path(ckpt), Path(out)
     check_new_dir(out)
-    start = time.perf_counter()
+    report = Report("export", ckpt, out, "Megatron-core GPTModel")
     if (ckpt / ".metadata").exists() or (ckpt / "latest_checkpointed_iteration.txt").exists():
         raise MlmError(
             f"{ckpt}: a Megatron (or torch DCP) checkpoint, not an mlm one; mlm export megatron exports an mlm "
@@ -208,8 +184,10 @@ def export_megatron(
     padded = state["embed.weight"].shape[0]
     args = megatron_args(config, padded, iteration, int(manifest.get("consumed_samples", 0)))
     common = {"args": args, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    notes = [
+    for t in tensors.values():
+        report.count(tuple(t.shape), t.dtype)
+    total, notes = report.bytes, report.notes
+    notes += [
         "weights only: no optimizer, scheduler or RNG state (args.no_save_optim / no_save_rng are set); load "
         "it in Megatron-LM with --finetune, or --no-load-optim to continue at its iteration"
     ]
@@ -239,21 +217,8 @@ def export_megatron(
         write_torch_dist(tmp / name, tensors, common)
         (tmp / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
         progress("wrote torch_dist", total, total)
-        report = Report(
-            "export",
-            ckpt,
-            out,
-            "Megatron-core GPTModel",
-            tensors=len(tensors),
-            bytes=total,
-            seconds=0.0,
-            dtype=",".join(sorted({dtype_name(t.dtype) for t in tensors.values()})),
-            tokenizer_files=[],
-            notes=notes,
-        )
         if verify:
             progress("verifying", 0, 0)
             _verify(tmp / name, state, cfg)
             report.verified = True
-    report.seconds = time.perf_counter() - start
-    return report
+    return report.finish()

@@ -3,45 +3,25 @@ legacy per-rank layout, `--ckpt-format torch`: `mlm.convert.megatron.legacy`) 鈫
 
     import_megatron("megatron/save", "ckpt/from-megatron", ["model.num_attention_heads=32", ...])
 
-Reads the weights of a Megatron-core `GPTModel` (local or Transformer Engine spec, dense or MoE,
-multi-latent attention, multi-token prediction depths; saved at any tp / pp / ep: torch_dist
-stores global tensors) with `mlm.convert.megatron.dcp`, maps Megatron's sharded keys to mlm's
-names and splits the fused tensors (`mlm.convert.megatron.names`), and writes an mlm checkpoint
-with `save_streaming` (chunk checksums, the config in the manifest): iteration 0 with the weights,
-or Megatron's iteration with the optimizer state too (below). Norms appear under the names
-torch_dist gives both specs (`self_attention.linear_qkv.layer_norm_weight`,
-`mlp.linear_fc1.layer_norm_weight`) or as `input_layernorm` / `pre_mlp_layernorm` (Transformer
-Engine MoE layers). RoPE is rotate-half on both sides (Megatron's default
-`rotary_interleaved=False`), so q and k are not permuted; MLA's rope dims are interleaved pairs on
-both (`mlm.convert.megatron.args`).
-
-The model config: structural fields read off the tensor shapes (layers, width, MLP and expert
-widths, experts, biases, tied output, LayerNorm vs RMSNorm, qk norms; query groups and head dim
-once the heads are known), then the `args` that
-Megatron-LM saves in `common.pt` (in each rank file of the legacy layout), read with the allow-list of
-`mlm.convert.megatron.unpickle` (those `mlm.convert.megatron.args` reads or refuses;
-docs/megatron.md lists them), then the
-user's `--set model.*` (or `preset=`), each over the one before. Every tensor's shape is checked
-against `GPT(config)` before anything is written. Megatron-LM's `iteration` and
-`consumed_train_samples` are recorded in the manifest's `source`. Where the checkpoint holds
-the distributed optimizer's state (Megatron-LM's default; torch_dist, or the legacy
-`distrib_optim.pt`), its Adam moments go through the same table and splits into the "optim" group and the mlm checkpoint continues the run
-(`mlm.convert.megatron.optim`); with `weights_only` (or without optimizer state) `mlm train --load`
-starts a new run from the weights. Not read: RNG states, Transformer Engine `_extra_state`.
+The weights go through `names`' table and splits; the model config is the tensor shapes, then the
+saved `args` (`mlm.convert.megatron.args`), then the user's `--set model.*`, each over the one
+before, checked against `GPT(config)` before anything is written; with the distributed optimizer's
+state the output continues the run (`mlm.convert.megatron.optim`). What is read, mapped, checked
+and refused: docs/megatron.md and docs/megatron-resume.md.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from mlm.config import Config, DataConfig, ModelConfig, load_config, toml_value
 from mlm.convert.common import Progress, Report, check_finite_logits, model_shapes, noop, write_import
-from mlm.convert.megatron.args import args_overrides, config_field, training_position
+from mlm.convert.megatron.args import args_overrides, config_field, saved_args, training_position
 from mlm.convert.megatron.dcp import MegatronCheckpoint, checkpoint_dir, iteration_dir
 from mlm.convert.megatron.legacy import LegacyCheckpoint, is_legacy
 from mlm.convert.megatron.names import (
@@ -49,6 +29,7 @@ from mlm.convert.megatron.names import (
     MLA_SUBS,
     TOP,
     known_mtp,
+    layer_keys,
     mlm_shapes,
     mlm_tensors,
     mtp_key,
@@ -56,7 +37,7 @@ from mlm.convert.megatron.names import (
 )
 from mlm.convert.megatron.optim import MOMENTS, MegatronOptimizer, resumed_run
 from mlm.errors import MlmError
-from mlm.fileio import check_new_dir, staged_dir
+from mlm.fileio import check_new_dir
 
 
 def _mtp_depths(ckpt: MegatronCheckpoint) -> int:
@@ -72,11 +53,7 @@ def _known(ckpt: MegatronCheckpoint) -> None:
             f"import it with mlm convert from-torchtitan {ckpt.path} OUT"
         )
     for key in ckpt.tensors:
-        if key in TOP:
-            continue
-        if key.startswith("decoder.layers.") and split_key(key)[1] in LAYER:
-            continue
-        if known_mtp(key):
+        if key in TOP or (key.startswith("decoder.layers.") and split_key(key)[1] in LAYER) or known_mtp(key):
             continue
         raise MlmError(
             f"{ckpt.path}: Megatron module {key!r} is not supported by mlm convert from-megatron (it reads "
@@ -102,8 +79,7 @@ def _known(ckpt: MegatronCheckpoint) -> None:
 def _legacy_tp(ckpt: LegacyCheckpoint) -> None:
     """MlmError for a legacy checkpoint saved at tp > 1 that holds MLA or MTP tensors: its reader
     joins the tp shards of the embeddings, linear_qkv, linear_fc1, linear_proj and linear_fc2 only."""
-    args = ckpt.common().get("args")
-    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    tp = saved_args(ckpt.common()).get("tensor_model_parallel_size") or 1
     odd = [k for k in ckpt.tensors if mtp_key(k) is not None or split_key(k)[1] in MLA_SUBS]
     if tp > 1 and odd:
         raise MlmError(
@@ -113,15 +89,9 @@ def _legacy_tp(ckpt: LegacyCheckpoint) -> None:
         )
 
 
-def _layers(ckpt: MegatronCheckpoint) -> tuple[int, dict[int, set[str]]]:
-    """(number of layers, {layer: its sub-keys})."""
-    subs: dict[int, set[str]] = {}
-    for key in ckpt.tensors:
-        if not key.startswith("decoder.layers."):
-            continue
-        n, sub = split_key(key)
-        for i in [n] if n is not None else range(ckpt.shape(key)[0]):
-            subs.setdefault(i, set()).add(sub)
+def _layers(ckpt: MegatronCheckpoint) -> tuple[int, dict[int, dict]]:
+    """(number of layers, `names.layer_keys`); MlmError where a layer below the last is absent."""
+    subs = layer_keys(ckpt)
     absent = sorted(set(range(max(subs, default=-1) + 1)) - set(subs))
     if absent:
         raise MlmError(
@@ -132,23 +102,23 @@ def _layers(ckpt: MegatronCheckpoint) -> tuple[int, dict[int, set[str]]]:
     return len(subs), subs
 
 
+def _layer_shape(ckpt: MegatronCheckpoint, sub: str) -> tuple[int, ...] | None:
+    """One layer's shape of `sub`, from the stacked key or the first per-layer key holding it."""
+    for key in ckpt.tensors:
+        n, s = split_key(key) if key.startswith("decoder.layers.") else (None, None)
+        if s == sub:
+            return ckpt.shape(key) if n is not None else ckpt.shape(key)[1:]
+    return None
+
+
 def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
     """model.* fields that the tensor shapes determine, as --set strings."""
-
-    def shape(sub: str) -> tuple[int, ...] | None:
-        """One layer's shape of `sub`, from the stacked key or the first per-layer key holding it."""
-        for key in ckpt.tensors:
-            n, s = split_key(key) if key.startswith("decoder.layers.") else (None, None)
-            if s == sub:
-                return ckpt.shape(key) if n is not None else ckpt.shape(key)[1:]
-        return None
-
+    shape = partial(_layer_shape, ckpt)
     num_layers, subs = _layers(ckpt)
     moe = [int("mlp.router.weight" in subs[i]) for i in range(num_layers)]
-    hidden = ckpt.shape("embedding.word_embeddings.weight")[1]
     out = {
         "num_layers": num_layers,
-        "hidden_size": hidden,
+        "hidden_size": ckpt.shape("embedding.word_embeddings.weight")[1],
         "tie_embeddings": "output_layer.weight" not in ckpt.tensors,
         "position_embedding": "learned" if "embedding.position_embeddings.weight" in ckpt.tensors else "rope",
         "normalization": "layernorm" if "decoder.final_layernorm.bias" in ckpt.tensors else "rmsnorm",
@@ -210,12 +180,10 @@ def _check_shapes(ckpt: MegatronCheckpoint, cfg: ModelConfig, padded_vocab: int)
 def _attention_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
     """model.kv_channels and model.num_query_groups from the qkv and proj shapes, given the heads
     (MLA: its per-head dims, `_mla_head_overrides`)."""
-    if any(split_key(k)[1] == "self_attention.linear_kv_down_proj.weight" for k in ckpt.tensors):
+    if _layer_shape(ckpt, "self_attention.linear_kv_down_proj.weight") is not None:
         return _mla_head_overrides(ckpt, heads)
-    proj = next(k for k in ckpt.tensors if split_key(k)[1] == "self_attention.linear_proj.weight")
-    qkv = next(k for k in ckpt.tensors if split_key(k)[1] == "self_attention.linear_qkv.weight")
-    width = ckpt.shape(proj)[-1]  # heads 路 head dim
-    rows = ckpt.shape(qkv)[-2]  # (heads + 2 路 groups) 路 head dim
+    width = _layer_shape(ckpt, "self_attention.linear_proj.weight")[1]  # heads 路 head dim
+    rows = _layer_shape(ckpt, "self_attention.linear_qkv.weight")[0]  # (heads + 2 路 groups) 路 head dim
     head_dim = width // heads
     groups = (rows - width) // (2 * head_dim) if head_dim else 0
     if head_dim * heads != width or (heads + 2 * groups) * head_dim != rows or groups < 1:
@@ -230,23 +198,14 @@ def _attention_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
 def _mla_head_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
     """model.mla.v_head_dim and qk_nope_head_dim from linear_proj's inputs (heads 路 v) and
     linear_kv_up_proj's rows (heads 路 (nope + v)), checked against the query rows (heads 路 (nope + rope))."""
-
-    def rows(sub: str) -> tuple[int, ...] | None:
-        key = next((k for k in ckpt.tensors if split_key(k)[1] == sub), None)
-        return None if key is None else ckpt.shape(key)[-2:]
-
+    rows = partial(_layer_shape, ckpt)
     width = rows("self_attention.linear_proj.weight")[1]
     kv_up, latent = rows("self_attention.linear_kv_up_proj.weight")
     rope = rows("self_attention.linear_kv_down_proj.weight")[0] - latent
     q = rows("self_attention.linear_q_up_proj.weight") or rows("self_attention.linear_q_proj.weight")
     v, nope = width // heads, kv_up // heads - width // heads
-    if (
-        v * heads != width
-        or (nope + v) * heads != kv_up
-        or nope < 1
-        or q is None
-        or q[0] != heads * (nope + rope)
-    ):
+    fits = v * heads == width and (nope + v) * heads == kv_up and nope >= 1
+    if not fits or q is None or q[0] != heads * (nope + rope):
         raise MlmError(
             f"{ckpt.path}: model.num_attention_heads={heads} does not fit the multi-latent attention's shapes "
             f"(linear_proj's {width} inputs, linear_kv_up_proj's {kv_up} rows, query rows "
@@ -282,10 +241,7 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
     max_pos = load_config(None, [*sets, probe]).model.max_position_embeddings
     seq = min(DataConfig().seq_length, max_pos)  # as import_hf: the default, within the model's positions
     config = load_config(None, [*sets, f"data.seq_length={seq}"])
-    notes = []
-    if not hasattr(common.get("args"), "__dict__"):
-        notes.append(_defaults_note(config.model, given))
-    return config, notes
+    return config, [] if hasattr(common.get("args"), "__dict__") else [_defaults_note(config.model, given)]
 
 
 def _defaults_note(cfg: ModelConfig, given: list[str]) -> str:
@@ -319,7 +275,7 @@ def import_megatron(
     and check mlm's logits on it are finite."""
     src, out = Path(src), Path(out)
     check_new_dir(out)
-    start = time.perf_counter()
+    report = Report("import", src, out, "Megatron-core GPTModel")
     folder = iteration_dir(src)
     ckpt = LegacyCheckpoint(folder) if is_legacy(folder) else MegatronCheckpoint(checkpoint_dir(folder))
     _known(ckpt)
@@ -365,13 +321,9 @@ def import_megatron(
     items = (
         (group, prefix + key, t) for group, prefix, state in states for key, t in mlm_tensors(state, cfg)
     )
-    report = Report("import", src, out, "Megatron-core GPTModel", notes=notes)
-    with staged_dir(out) as tmp:
-        source = {"megatron_dir": str(ckpt.path.resolve()), **position, **resume.pop("source", {})}
-        extra = {"config": config.to_dict(), "source": source, **resume}
-        groups = ["model", "optim"] if opt is not None else ["model"]
-        write_import(tmp, iteration, items, extra, groups, config, report, progress, total)
-        if verify:
-            check_finite_logits(tmp, config, padded, report, progress)
-    report.seconds = time.perf_counter() - start
-    return report
+    source = {"megatron_dir": str(ckpt.path.resolve()), **position, **resume.pop("source", {})}
+    groups = ["model", "optim"] if opt is not None else ["model"]
+    report.notes = notes
+    check = check_finite_logits if verify else None
+    extra = {"source": source, **resume}
+    return write_import(out, report, iteration, items, extra, groups, config, progress, total, check=check)

@@ -1,20 +1,9 @@
-"""Reading Megatron-LM's legacy per-rank checkpoints (`--ckpt-format torch`) as global tensors.
-
-    ckpt = LegacyCheckpoint(Path("save/iter_0000100"))   # the interface of MegatronCheckpoint
-    ckpt.read("decoder.layers.3.self_attention.linear_qkv.weight")
-
-The layout and how its local shards make global tensors (tensor parallelism by module, pipeline
-chunks in Megatron's order, local experts to global ones) are in docs/formats.md ("Megatron-LM
-legacy per-rank checkpoint"). Each rank's `model_optim_rng.pt` is read with
-`mlm.convert.megatron.unpickle`; its tensors are reassembled into the keys a torch_dist checkpoint
-has for the same model, per layer (`decoder.layers.<N>.<sub>`), so `mlm.convert.megatron.names`
-maps both the same way.
-
-Memory: every rank file is memory-mapped (`torch.load(mmap=True)`): the pickled structure (args,
-the key lists) is in memory, tensor data stays on disk until `read` concatenates the shards of one
-key, so a read holds that one global tensor. The optimizer (`optimizer` entries, `distrib_optim.pt`;
-listed in `optimizer_keys`) is read by `mlm.convert.megatron.optim` through `rank_folder` and
-`rank_state`. Not read: RNG states, Transformer Engine `_extra_state`.
+"""Reading Megatron-LM's legacy per-rank checkpoints (`--ckpt-format torch`) as the global tensors a
+torch_dist save of the same model holds, per layer (`decoder.layers.<N>.<sub>`), behind the
+interface of `MegatronCheckpoint`: `LegacyCheckpoint(path).read(key)`. The layout and how the
+shards join are in docs/formats.md ("Megatron-LM legacy per-rank checkpoint"). Every rank file is
+memory-mapped, so a `read` holds one global tensor; the optimizer (`optimizer_keys`) is read by
+`mlm.convert.megatron.optim` through `rank_folder` and `rank_state`.
 """
 
 from __future__ import annotations
@@ -27,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
 from mlm.convert.layouts import tp_join, tp_join_pair
+from mlm.convert.megatron.args import saved_args
 from mlm.convert.megatron.unpickle import load_megatron_pickle
 from mlm.errors import MlmError
 
@@ -80,13 +70,6 @@ def join_tp(parts: list[torch.Tensor], rule: str) -> torch.Tensor:
     return tp_join(parts, tp_dim(rule))
 
 
-def _joined_shape(shapes: list[tuple[int, ...]], rule: str) -> tuple[int, ...]:
-    dim = tp_dim(rule)
-    if dim is None:
-        return shapes[0]
-    return tuple(sum(s[d] for s in shapes) if d == dim else n for d, n in enumerate(shapes[0]))
-
-
 def _tensor_paths(obj: object, prefix: str) -> Iterator[str]:
     """Dotted paths of the tensors inside nested dicts / lists."""
     if isinstance(obj, torch.Tensor):
@@ -113,7 +96,7 @@ class LegacyCheckpoint:
                 "as Megatron-LM wrote it"
             )
         first = self._load(held[0])
-        args = vars(first["args"]) if hasattr(first.get("args"), "__dict__") else {}
+        args = saved_args(first)
         sizes = [args.get(f"{n}_model_parallel_size") or 1 for n in ("tensor", "pipeline", "expert")]
         if not all(type(n) is int and n >= 1 for n in sizes):
             raise MlmError(
@@ -143,11 +126,10 @@ class LegacyCheckpoint:
         self._first, self._names = first, names
         self._files = {rank: first if name == held[0] else self._load(name) for rank, name in names.items()}
         self._index(args, tp, pp, ep)
-        self.optimizer_keys = [key for name in names.values() for key in self._optimizer_keys(name)]
+        self.optimizer_keys = [k for rank, name in names.items() for k in self._optimizer_keys(rank, name)]
 
-    def _optimizer_keys(self, name: str) -> list[str]:
+    def _optimizer_keys(self, rank: tuple[int, int, int], name: str) -> list[str]:
         """The optimizer tensors of rank folder `name`, in `model_optim_rng.pt` and `distrib_optim.pt`."""
-        rank = next(r for r, n in self._names.items() if n == name)
         keys = list(_tensor_paths(self._files[rank].get("optimizer"), f"{name}/{FILE}:optimizer"))
         distrib = self.path / name / "distrib_optim.pt"
         if distrib.exists():
@@ -202,8 +184,6 @@ class LegacyCheckpoint:
         tied = args.get("untie_embeddings_and_output_weights") is False
         self._parts: dict[str, dict[int | None, list]] = {}
         self._rules: dict[str, str] = {}
-        shapes: dict[str, dict[int | None, list]] = {}
-        dtypes: dict[str, torch.dtype] = {}
         for (t, p, e), state in self._files.items():
             for v, sd in enumerate(self._chunks(state)):
                 per_rank = len({_expert(k)[0] for k in sd if _expert(k)})
@@ -232,8 +212,6 @@ class LegacyCheckpoint:
                         continue  # the same on every ep rank
                     self._rules[key] = tp_rule(sub, bool(gated))
                     self._parts.setdefault(key, {}).setdefault(expert, [None] * tp)[t] = ((t, p, e), v, local)
-                    shapes.setdefault(key, {}).setdefault(expert, [None] * tp)[t] = tuple(value.shape)
-                    dtypes[key] = value.dtype
         self.tensors: dict[str, TensorStorageMetadata] = {}
         for key, by_expert in self._parts.items():
             experts = sorted(by_expert, key=lambda x: -1 if x is None else x)
@@ -248,11 +226,13 @@ class LegacyCheckpoint:
                     f"{self.path}: {key} lacks the shard of tp rank {holes[0]}; copy every rank folder as "
                     "Megatron-LM wrote it"
                 )
-            shape = _joined_shape(shapes[key][experts[0]], self._rules[key])
-            if experts != [None]:
-                shape = (len(experts), *shape)
+            shards = [self._shard(*part) for part in by_expert[experts[0]]]
+            shape, dim = [*shards[0].shape], tp_dim(self._rules[key])
+            if dim is not None:  # the tp ranks' shards laid end to end
+                shape[dim] = sum(t.shape[dim] for t in shards)
+            shape = shape if experts == [None] else [len(experts), *shape]
             self.tensors[key] = TensorStorageMetadata(
-                TensorProperties(dtype=dtypes[key]), torch.Size(shape), []
+                TensorProperties(shards[0].dtype), torch.Size(shape), []
             )
 
     def rank_folder(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
@@ -266,14 +246,15 @@ class LegacyCheckpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)
 
+    def _shard(self, rank: tuple[int, int, int], chunk: int, local: str) -> torch.Tensor:
+        """Local tensor `local` of virtual pipeline chunk `chunk` in rank `rank`'s file (memory-mapped)."""
+        return self._chunks(self._files[rank])[chunk][local]
+
     def read(self, key: str) -> torch.Tensor:
         """The global tensor `key`: its tp shards joined (and its experts stacked)."""
         joined = []
         for expert in sorted(self._parts[key], key=lambda x: -1 if x is None else x):
-            shards = [
-                self._chunks(self._files[rank])[v][local] for rank, v, local in self._parts[key][expert]
-            ]
-            joined.append(join_tp(shards, self._rules[key]))
+            joined.append(join_tp([self._shard(*p) for p in self._parts[key][expert]], self._rules[key]))
         return torch.stack(joined) if len(joined) > 1 or None not in self._parts[key] else joined[0]
 
     def common(self) -> dict:

@@ -1,16 +1,8 @@
-"""Megatron-core GPTModel's torch_dist tensor names ⇄ mlm's, both directions from one table.
-
-`TOP` (outside the layers), `LAYER` (a layer's sub-keys, after `decoder.layers.`) and `MTP` (a
-multi-token prediction depth's, after `mtp.layers.<d>.`) name where each mlm tensor lives;
-`keymap` turns them into the key templates of `mlm.convert.keymap` (the engine the Hugging Face
-adapters use): `mlm_tensors` reads a checkpoint through them (import), `megatron_tensors` writes
-mlm's state under them (export). `linear_qkv` holds q/k/v fused per query group (each group's
-query heads, its key head, its value head); a gated `linear_fc1` is [gate; up].
-
-Layouts: all layers of a homogeneous stack share one key `decoder.layers.<sub>` with the layer on
-a leading axis (heterogeneous stacks save `decoder.layers.<n>.<sub>`; both are read); experts add
-a global-expert axis (`decoder.layers.mlp.experts.experts.linear_fc1.weight` is [L, E, 2F, H]).
-"""
+"""Megatron-core GPTModel's torch_dist tensor names ⇄ mlm's, both directions from one table:
+`TOP`, `LAYER` and `MTP` below; `keymap` turns them into `mlm.convert.keymap` templates, read by
+`mlm_tensors` (import) and written by `megatron_tensors` (export). The layouts (fused linear_qkv,
+[gate; up], stacked or per-layer keys, the expert axis) are in docs/formats.md ("Megatron-core
+torch_dist checkpoint"); the table as a whole in docs/megatron.md."""
 
 from __future__ import annotations
 
@@ -73,10 +65,7 @@ LAYER = {
 }
 """Megatron sub-keys of a layer (after `decoder.layers.`) → the mlm key under `layers.N.`; `qkv`:
 split into attn.{q,k,v}; `fc1:P`: [gate; up] into P.gate and P.up (P.up alone when not gated).
-Multi-latent attention (MLASelfAttention) has mlm's layouts as they are: linear_q_proj /
-linear_q_up_proj rows per head [nope; rope], linear_kv_down_proj rows [latent; shared rope key],
-linear_kv_up_proj rows per head [k nope; v]; its latent norms are q_layernorm / kv_layernorm (local
-spec) or fused into linear_q_up_proj / linear_kv_up_proj (Transformer Engine spec)."""
+Multi-latent attention's tensors have mlm's layouts as they are (docs/megatron.md)."""
 
 
 MLA_SUBS = tuple(sub for sub in LAYER if ".linear_q_" in sub or "kv_" in sub)
@@ -93,8 +82,7 @@ MTP = {
     "final_layernorm.bias": "final_norm.bias",
 }
 """Megatron sub-keys of multi-token prediction depth d (after `mtp.layers.<d>.`) → mlm keys under
-`mtp.<d>.`; its `transformer_layer.<sub>` is one layer named as `LAYER` names a layer's sub-keys
-(no stacked axis), mlm's `mtp.<d>.layer.`. eh_proj is [D, 2D], input [embedding; hidden] as mlm's."""
+`mtp.<d>.`; its `transformer_layer.<sub>` is one layer named as `LAYER` names it, mlm's `mtp.<d>.layer.`."""
 
 
 def split_key(key: str) -> tuple[int | None, str]:
@@ -102,6 +90,18 @@ def split_key(key: str) -> tuple[int | None, str]:
     rest = key.removeprefix("decoder.layers.")
     head, _, tail = rest.partition(".")
     return (int(head), tail) if head.isdigit() else (None, rest)
+
+
+def layer_keys(ckpt: MegatronCheckpoint) -> dict[int, dict[str, tuple[str, int | None]]]:
+    """{layer number: {sub-key: (the Megatron key holding it, the layer's index along its stacked
+    axis or None for a per-layer key)}}, over the checkpoint's `decoder.layers.*` tensors."""
+    out: dict[int, dict[str, tuple[str, int | None]]] = {}
+    for key in ckpt.tensors:
+        if key.startswith("decoder.layers."):
+            n, sub = split_key(key)
+            for i in [n] if n is not None else range(ckpt.shape(key)[0]):
+                out.setdefault(i, {})[sub] = (key, None if n is not None else i)
+    return out
 
 
 def mtp_key(key: str) -> tuple[int, str] | None:
@@ -113,18 +113,11 @@ def mtp_key(key: str) -> tuple[int, str] | None:
 
 
 def known_mtp(key: str) -> bool:
-    mtp = mtp_key(key)
-    if mtp is None:
-        return False
-    rest = mtp[1]
+    """Whether `key` is a tensor of an MTP depth that `MTP` or `LAYER` names."""
+    rest = (mtp_key(key) or (None, ""))[1]
     return rest in MTP or (
         rest.startswith("transformer_layer.") and rest.removeprefix("transformer_layer.") in LAYER
     )
-
-
-def _fc1_axis(name: str) -> int:
-    """The axis of [gate; up] in a `fc1:P` tensor of one layer: 1 under the expert axis, else 0."""
-    return 1 if name == "fc1:mlp.experts" else 0
 
 
 def _rule(sub: str, cfg: ModelConfig, prefix: str) -> Rule:
@@ -133,11 +126,11 @@ def _rule(sub: str, cfg: ModelConfig, prefix: str) -> Rule:
     name, suffix = LAYER[sub], sub.rsplit(".", 1)[1]
     if name == "qkv":
         return Rule(tuple(f"{prefix}attn.{p}.{suffix}" for p in "qkv"), grouped=True)
-    if name.startswith("fc1:"):
+    if name.startswith("fc1:"):  # [gate; up] on axis 0 of one layer's tensor, 1 under the expert axis
         mlp = f"{prefix}{name[4:]}"
         if cfg.activation != "swiglu":
             return Rule((f"{mlp}.up.{suffix}",))
-        return Rule((f"{mlp}.gate.{suffix}", f"{mlp}.up.{suffix}"), split_dim=_fc1_axis(name))
+        return Rule((f"{mlp}.gate.{suffix}", f"{mlp}.up.{suffix}"), split_dim=int(name == "fc1:mlp.experts"))
     return Rule((prefix + name,))
 
 
@@ -175,13 +168,8 @@ def mlm_shapes(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> Iterator[tuple[str
         yield name, tuple(t.shape)
 
 
-_GQA_ONLY = (
-    "self_attention.linear_qkv.weight",
-    "self_attention.linear_qkv.bias",
-    "self_attention.linear_qkv.layer_norm_weight",
-    "self_attention.linear_qkv.layer_norm_bias",
-    "mlp.linear_fc1.layer_norm_weight",
-    "mlp.linear_fc1.layer_norm_bias",
+_GQA_ONLY = tuple(
+    s for s in LAYER if s.startswith(("self_attention.linear_qkv.", "mlp.linear_fc1.layer_norm_"))
 )
 """Sub-keys of the attention with linear_qkv, with the layer norms' torch_dist names in its specs
 (sharded_state_dict_keys_map); MLASelfAttention's local spec keeps input_layernorm / pre_mlp_layernorm."""
@@ -202,10 +190,8 @@ def _export_subs(cfg: ModelConfig) -> list[str]:
 
 def _heterogeneous(cfg: ModelConfig) -> bool:
     """Whether Megatron saves per-layer keys (TransformerBlock.sharded_state_dict's non_homogeneous_layers)."""
-    if not any(spec.mlp == "moe" for spec in cfg.layer_specs()):
-        return False
     freq = moe_layer_freq(cfg)
-    return isinstance(freq, list) or freq > 1
+    return any(spec.mlp == "moe" for spec in cfg.layer_specs()) and (isinstance(freq, list) or freq > 1)
 
 
 def megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

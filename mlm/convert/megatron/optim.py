@@ -1,47 +1,14 @@
-"""Adam's state of a Megatron-LM run, read from its torch_dist checkpoint: the moments per Megatron
-sharded key, the fp32 main parameters, Adam's step and the run's position.
+"""Adam's state of a Megatron-LM run, read from its torch_dist or legacy checkpoint: the moments per
+Megatron sharded key, the fp32 main parameters, Adam's step and the run's position.
 
-    opt = MegatronOptimizer(ckpt)          # ckpt: mlm.convert.megatron.dcp.MegatronCheckpoint
+    opt = MegatronOptimizer(ckpt)          # ckpt: MegatronCheckpoint or LegacyCheckpoint
     opt.step, opt.param_groups             # Adam's step (param_groups[*]["step"])
     opt.view("exp_avg").read(key)          # the moment of model key `key`, in the weight's global shape
 
-Megatron's DistributedOptimizer saves its state in one of two layouts (Megatron-LM picks
-`dp_reshardable` by default, `fully_reshardable` with `--dist-ckpt-optim-fully-reshardable`):
-
-- per parameter (`fully_reshardable`, also `fully_sharded_model_space`): tensors
-  `optimizer.state.{param|fp32_param, exp_avg, exp_avg_sq}.<model key>` in the model tensor's
-  global shape; the param groups (with Adam's `step`) in common.pt's `optimizer.optimizer`.
-- `dp_reshardable`: per model-parallel rank N (tp rank + tp · pp rank) and DDP bucket B, one flat
-  tensor `optimizer.distributed.dp_group_idx_N.gbuf_idx_0.dtype_(…).bucket_idx_B.{param,exp_avg,exp_avg_sq}`
-  holding the bucket's parameters of that rank (its pipeline stage's, in their local tp shard
-  shapes) in **reverse registration order**, each starting at a multiple of 64 elements (the gaps
-  are garbage), the bucket's length `per_bucket_numel_unpadded` (a bytes entry per N); the param
-  groups in the bytes entry `optimizer.distributed.dp_group_idx_N.optimizer`. `decode_buckets`
-  rebuilds each rank's layout from its stage's parameter order (the local spec's or Transformer
-  Engine's, `_LAYER_ORDERS`; stages split the layers evenly, tp and pp sizes from common.pt's args)
-  and the saved bucket lengths; `view` joins the tp shards by the legacy reader's rules
-  (`legacy.tp_rule`) and places each stage's layers at their global numbers. The order
-  kept is the one whose decoded fp32 main params equal the checkpoint's weights (cast to the
-  weights' dtype), which also proves which domain is which rank. At pp > 1 a tied embedding's
-  last-stage copy is a parameter of its own (in its own bucket) that the checkpoint does not hold:
-  placed, then left out. Not decoded (refused): layers placed other than evenly over pp (virtual
-  pipeline, first / last stage sizes, a layout), several gradient buffers (MoE expert buffers,
-  mixed dtypes).
-
-The legacy layout (`--ckpt-format torch`, `mlm.convert.megatron.legacy.LegacyCheckpoint`) keeps the
-same buckets per model-parallel rank in `mp_rank_XX[_YYY]/distrib_optim.pt` (the distributed
-optimizer's `save_parameter_state`, gathered over dp): `{"buckets_coalesced": True, 0: {(param
-dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": flat fp32, "numel_unpadded": n}}}`, the
-buckets concatenated without their end padding, and the param groups (Adam's `step`) in
-`model_optim_rng.pt`'s `optimizer` entry (`{"optimizer": {"param_groups": …}}`). The file does not
-record each bucket's length: the coalesced buffer is decoded as one bucket by the same
-`decode_buckets` and domain decoding, which is exact with one bucket per rank (Megatron's default,
-without --overlap-grad-reduce) and wherever bucket ends fall on the 64-element grid; the check of
-the main params against the weights refuses any other. Not read (refused, with the way out): the
-non-distributed optimizer's state (in `model_optim_rng.pt`, by parameter index), files of other
-layouts (buckets not coalesced, several buffers), expert parallelism.
-
-Bytes entries are read with `torch.load(weights_only=True)` (builtins and torch dtypes only).
+The layouts read (per parameter, `fully_reshardable`; per DDP bucket, `dp_reshardable` and the
+legacy `distrib_optim.pt`) are in docs/formats.md; how the buckets are decoded (`decode_buckets`,
+`parameter_order`, the main params checked against the weights) and what is refused, in
+docs/megatron-resume.md. Bytes entries are read with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -54,10 +21,10 @@ import torch
 
 from mlm.checkpoint.keys import MOMENTS
 from mlm.config import Config
-from mlm.convert.megatron.args import run_settings
+from mlm.convert.megatron.args import run_settings, saved_args
 from mlm.convert.megatron.dcp import MegatronCheckpoint
 from mlm.convert.megatron.legacy import LegacyCheckpoint, join_tp, tp_dim, tp_rule
-from mlm.convert.megatron.names import split_key
+from mlm.convert.megatron.names import layer_keys, split_key
 from mlm.convert.megatron.unpickle import load_megatron_pickle
 from mlm.errors import MlmError
 
@@ -117,31 +84,23 @@ _UNEVEN_PIPELINE = (  # Megatron-LM args that place the layers on pipeline stage
 )
 
 
+_REWRITE = (
+    "have Megatron-LM rewrite the checkpoint as torch_dist (--ckpt-convert-format torch_dist "
+    "--ckpt-convert-save DIR) and import that"
+)
+
+
+def _param_groups(entry) -> list | None:
+    """`entry["optimizer"]["param_groups"]` of a Megatron-LM optimizer entry; None where absent."""
+    inner = entry.get("optimizer") if isinstance(entry, dict) else None
+    return inner.get("param_groups") if isinstance(inner, dict) else None
+
+
 def read_object(ckpt: MegatronCheckpoint, key: str):
     """A Megatron ShardedObject (a DCP bytes entry, `torch.save([obj])`): obj, read by the
     checkpoint's restricted reader (`MegatronCheckpoint.values`)."""
     value = ckpt.values([key])[key]
     return value[0] if isinstance(value, list) and len(value) == 1 else value
-
-
-def read_tensor(ckpt: MegatronCheckpoint, key: str) -> torch.Tensor:
-    """The optimizer's tensor `key`, whole."""
-    return ckpt.read(key)
-
-
-def _pad(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _layers(ckpt: MegatronCheckpoint) -> dict[int, dict[str, tuple[str, int | None]]]:
-    """{global layer number: {sub-key: (sharded key, layer index along its stacked axis or None)}}."""
-    per_layer: dict[int, dict[str, tuple[str, int | None]]] = {}
-    for key in ckpt.tensors:
-        if key.startswith("decoder.layers."):
-            n, sub = split_key(key)
-            for i in [n] if n is not None else range(ckpt.shape(key)[0]):
-                per_layer.setdefault(i, {})[sub] = (key, None if n is not None else i)
-    return per_layer
 
 
 def parameter_order(
@@ -150,7 +109,7 @@ def parameter_order(
     """The parameters of the checkpoint's GPTModel (of one pipeline stage: its global `layers`, the
     embedding if `first`, the final norm and output layer if `last`) in `model.parameters()` order
     under `spec`, as (sharded key, layer index along its stacked axis or None)."""
-    per_layer = {i: subs for i, subs in _layers(ckpt).items() if layers is None or i in layers}
+    per_layer = {i: subs for i, subs in layer_keys(ckpt).items() if layers is None or i in layers}
     order = [(k, None) for k in _EMBEDDING if first and k in ckpt.tensors]
     for i in sorted(per_layer):
         unknown = sorted(set(per_layer[i]) - set(_LAYER_ORDERS[spec]))
@@ -163,11 +122,6 @@ def parameter_order(
     return order + [(k, None) for k in _FINAL if last and k in ckpt.tensors]
 
 
-def _shape(ckpt: MegatronCheckpoint, key: str, layer: int | None) -> tuple[int, ...]:
-    shape = ckpt.shape(key)
-    return shape[1:] if layer is not None else shape
-
-
 def decode_buckets(
     order: list[tuple[str, int | None]],
     shapes: Callable[[str, int | None], tuple[int, ...]],
@@ -177,12 +131,11 @@ def decode_buckets(
     bucket), given the parameters in `model.parameters()` order and the saved unpadded bucket
     lengths. Parameters fill the buckets in reverse order, each starting at a multiple of 64
     elements; a bucket ends where its parameters reach its saved length. MlmError when the
-    parameters do not fill the buckets exactly. Works on any flat buffer of this layout (the
-    torch_dist `dp_reshardable` tensors, or the legacy `distrib_optim.pt` buckets)."""
+    parameters do not fill the buckets exactly."""
     layout, bucket, offset = {}, 0, 0
     for param in reversed(order):
         numel = torch.Size(shapes(*param)).numel()
-        start = _pad(offset)
+        start = -(-offset // _ALIGN) * _ALIGN
         if bucket >= len(bucket_numels) or start + numel > bucket_numels[bucket]:
             raise MlmError(
                 f"parameter {param[0]}{'' if param[1] is None else f' (layer {param[1]})'} does not fit the "
@@ -223,13 +176,12 @@ class MegatronOptimizer:
             raise MlmError(
                 f"{ckpt.path}: the checkpoint holds no optimizer state (saved with --no-save-optim?)"
             )
-        common = ckpt.common()
         if isinstance(ckpt, LegacyCheckpoint):
             self.sharding = LEGACY
             groups = self._init_legacy()
         elif any(k.startswith("optimizer.state.") for k in keys):
             self.sharding = "per_parameter"
-            groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
+            groups = _param_groups(ckpt.common().get("optimizer"))
             names = {k.split(".")[2] for k in keys}
             self._main = "fp32_param" if "fp32_param" in names else "param"
             lacking = [
@@ -242,9 +194,8 @@ class MegatronOptimizer:
                 )
         elif any(k.startswith("optimizer.distributed.") for k in keys):
             self.sharding = "dp_reshardable"
-            groups = (
-                read_object(ckpt, "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1") or {}
-            ).get("param_groups")
+            entry = read_object(ckpt, "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")
+            groups = (entry or {}).get("param_groups")
             self._init_buckets(keys)
         else:
             raise MlmError(f"{ckpt.path}: optimizer state {sorted(keys)[0]} is in a layout mlm does not read")
@@ -275,8 +226,7 @@ class MegatronOptimizer:
     def _parallel(self) -> dict:
         """The checkpoint's args (a dict): `self.tp`, `self.pp` and the tp rules `self.rules` from them;
         refused where the layers are not split evenly over pp, or the gating needed at tp > 1 is unknown."""
-        args = self.ckpt.common().get("args")
-        args = vars(args) if hasattr(args, "__dict__") else {}
+        args = saved_args(self.ckpt.common())
         self.tp, self.pp = (args.get(f"{n}_model_parallel_size") or 1 for n in ("tensor", "pipeline"))
         uneven = [n for n in _UNEVEN_PIPELINE if args.get(n)]
         if uneven:
@@ -304,8 +254,7 @@ class MegatronOptimizer:
             raise MlmError(
                 f"{ckpt.path}: the legacy layout's optimizer state without {LEGACY} (the non-distributed "
                 f"optimizer's, {ckpt.optimizer_keys[0]}, …) is not imported: pass --weights-only to import the "
-                "weights (a new run), or have Megatron-LM rewrite the checkpoint as torch_dist "
-                "(--ckpt-convert-format torch_dist --ckpt-convert-save DIR) and import that"
+                f"weights (a new run), or {_REWRITE}"
             )
         if held != ranks:
             lacking = next(r for r in ranks if r not in held)
@@ -319,8 +268,7 @@ class MegatronOptimizer:
             self._legacy.append(flat)
             self.domains.append(_Domain(t, p, {0: str(folders[t, p] / LEGACY)}, [flat["numel_unpadded"]]))
         self.layout, self.spec = self._match_layout()
-        state = ckpt.rank_state(0, 0).get("optimizer")
-        return ((state or {}).get("optimizer") or {}).get("param_groups") if isinstance(state, dict) else None
+        return _param_groups(ckpt.rank_state(0, 0).get("optimizer"))
 
     def _legacy_buffer(self, path) -> dict:
         """{"param", "exp_avg", "exp_avg_sq": flat fp32 tensor, "numel_unpadded": n} of the one
@@ -347,10 +295,7 @@ class MegatronOptimizer:
 
     def _way_out(self) -> str:
         if self.sharding == LEGACY:
-            return (
-                "have Megatron-LM rewrite the checkpoint as torch_dist (--ckpt-convert-format torch_dist "
-                "--ckpt-convert-save DIR) and import that, or import the weights only (--weights-only)"
-            )
+            return f"{_REWRITE}, or import the weights only (--weights-only)"
         return "save the run with --dist-ckpt-optim-fully-reshardable, or import the weights only (--weights-only)"
 
     def _domain(self, index: int, found: list) -> _Domain:
@@ -381,7 +326,7 @@ class MegatronOptimizer:
         """The shape of one tp rank's shard of `key` (of its layer `layer` if stacked; the tied
         embedding's for the last stage's copy `_TIED_COPY`)."""
         key = _EMBEDDING[0] if (key, layer) == _TIED_COPY and key not in self.ckpt.tensors else key
-        shape = list(_shape(self.ckpt, key, layer))
+        shape = list(self.ckpt.shape(key)[int(layer is not None) :])
         dim = tp_dim(self.rules[key])
         if dim is not None:
             if shape[dim] % self.tp:
@@ -391,7 +336,7 @@ class MegatronOptimizer:
 
     def _stage_layers(self) -> list[range]:
         """Each pipeline stage's global layer numbers (an even split)."""
-        n = len(_layers(self.ckpt))
+        n = len(layer_keys(self.ckpt))
         if n % self.pp:
             self._refuse(f"{n} layers over pp {self.pp} (not an even split)")
         return [range(p * n // self.pp, (p + 1) * n // self.pp) for p in range(self.pp)]
@@ -410,12 +355,8 @@ class MegatronOptimizer:
             if copy:  # its state is the first stage's embedding's (same gradients)
                 del placed[_TIED_COPY]
             for param, (bucket, offset) in placed.items():
-                layout.setdefault(param, [None] * self.tp)[dom.tp_rank] = (
-                    d,
-                    bucket,
-                    offset,
-                    self._local_shape(*param),
-                )
+                shard = (d, bucket, offset, self._local_shape(*param))
+                layout.setdefault(param, [None] * self.tp)[dom.tp_rank] = shard
         return layout
 
     def _match_layout(self) -> tuple[dict, str]:
@@ -454,10 +395,7 @@ class MegatronOptimizer:
         """State `what` of every domain's buckets, whole: [domain][bucket]."""
         if self.sharding == LEGACY:
             return [{0: flat[what]} for flat in self._legacy]
-        return [
-            {b: read_tensor(self.ckpt, f"{k}.{what}") for b, k in dom.bucket_key.items()}
-            for dom in self.domains
-        ]
+        return [{b: self.ckpt.read(f"{k}.{what}") for b, k in dom.bucket_key.items()} for dom in self.domains]
 
     def _joined(self, flat: list[dict[int, torch.Tensor]], key: str, shards: list) -> torch.Tensor:
         """The tensor whose tp shards lie at `shards` [(domain, bucket, offset, shape) per tp rank]
@@ -483,9 +421,7 @@ class _StateView:
     def read(self, key: str) -> torch.Tensor:
         opt = self._opt
         if opt.sharding == "per_parameter":
-            return read_tensor(
-                opt.ckpt, f"optimizer.state.{opt._main if self._what == 'main' else self._what}.{key}"
-            )
+            return opt.ckpt.read(f"optimizer.state.{opt._main if self._what == 'main' else self._what}.{key}")
         if self._flat is None:
             self._flat = opt._buckets("param" if self._what == "main" else self._what)
         parts = sorted((p[1] or 0, shards) for p, shards in opt.layout.items() if p[0] == key)
@@ -502,7 +438,7 @@ def resumed_run(opt: MegatronOptimizer, config: Config, common: dict) -> tuple[C
     """(the run config with the settings `run_settings` carries, the iteration, the manifest fields a
     resumable mlm checkpoint holds — consumed_samples, optimizer_step, scheduler, source additions —,
     notes) for continuing the Megatron-LM run whose optimizer `opt` is."""
-    args = vars(common["args"]) if hasattr(common.get("args"), "__dict__") else {}
+    args = saved_args(common)
     iteration, consumed = common.get("iteration"), args.get("consumed_train_samples")
     if not isinstance(iteration, int) or not isinstance(consumed, int):
         raise MlmError(
@@ -527,14 +463,8 @@ def resumed_run(opt: MegatronOptimizer, config: Config, common: dict) -> tuple[C
     extra = {
         "consumed_samples": consumed,
         "optimizer_step": opt.step,
-        "scheduler": {
-            "total_iters": config.train.train_iters,
-            "decay_style": config.optimizer.decay_style,
-        },
-        "loss_scaler": None,
-        "rng": None,
-        "rng_per_stage": None,
-        "faults": None,
+        "scheduler": {"total_iters": config.train.train_iters, "decay_style": config.optimizer.decay_style},
+        **dict.fromkeys(("loss_scaler", "rng", "rng_per_stage", "faults")),
         "source": {
             "megatron_optimizer": {"sharding": opt.sharding, "param_group": _json_safe(group)},
             "opt_param_scheduler": _json_safe(common.get("opt_param_scheduler")),

@@ -1,29 +1,9 @@
-"""Reading Megatron-LM's pickled files (`common.pt` of torch_dist, the legacy `model_optim_rng.pt`)
-with `torch.load(weights_only=True)` and an explicit allow-list, without importing megatron.
-
-    state = load_megatron_pickle(path)            # MlmError naming any class outside the list
-    state = load_megatron_pickle(path, mmap=True)  # tensors stay in the file until used
-
-Megatron-LM saves an `argparse.Namespace` of its arguments (`args`) beside the tensors; it holds
-Megatron's own enums (e.g. `attention_backend=AttnBackend.auto`, `model_type=ModelType…`), torch
-dtypes, paths and, in `rng_state`, numpy arrays (numpy's RNG state). The allow-list is the one megatron-core registers
-for itself (megatron/core/safe_globals.py in 0.16): `argparse.Namespace`, `types.SimpleNamespace`,
-`pathlib` paths, `io.BytesIO`, `signal.Signals`, numpy's arrays and dtypes, and Megatron's classes
-`_MEGATRON` names. Megatron's classes are stand-ins registered under Megatron's qualified names
-(`_MegatronValue`: it keeps the arguments it was built with and its pickled state), so megatron
-need not be installed and is never imported. numpy's names (`ndarray`, `dtype` and the array
-reconstruction, under both the numpy 1 `numpy.core` and the numpy 2 `numpy._core` spellings) are
-inert stand-ins too: no numpy array is ever built from a file's bytes (an object array built that
-way holds pointers the file chose), and a dtype other than a plain number is refused. Anything
-else is refused with an MlmError naming the class and the file; nothing outside the list is called.
-
-What mlm reads from these files: the `args` fields that `mlm.convert.megatron.args`
-reads or refuses (docs/megatron.md lists them all), `args.consumed_train_samples` and `iteration`
-(recorded in the manifest), and in the
-legacy layout the parallel sizes, `num_layers`, `num_experts`, `expert_tensor_parallel_size` and
-`untie_embeddings_and_output_weights` (`mlm.convert.megatron.legacy`) and the `model` /
-`model0`, `model1`, … state dicts, the param groups of the `optimizer` entry and the flat buffers of
-`distrib_optim.pt` (`mlm.convert.megatron.optim`). The stand-ins' values are never read.
+"""Reading Megatron-LM's pickles (`common.pt`, the legacy `model_optim_rng.pt` and `distrib_optim.pt`)
+with `torch.load(weights_only=True)` and megatron-core's own allow-list (megatron/core/safe_globals.py
+in 0.16), without importing megatron: `load_megatron_pickle(path, mmap=False)`. Megatron's classes
+and numpy's are inert stand-ins registered under their qualified names (no numpy array is built from
+a file's bytes; a numpy dtype other than a plain number is refused); any other class is refused,
+naming it and the file. What is read from these files: docs/megatron.md ("What is unpickled").
 """
 
 from __future__ import annotations
@@ -71,12 +51,10 @@ class _MegatronValue:
         return f"<{type(self).__qualname__} {', '.join(map(repr, self.args))}>"
 
 
-def _stand_ins() -> list[tuple[type, str]]:
-    out = []
-    for qualified in _MEGATRON:
-        name = qualified.rsplit(".", 1)[1]
-        out.append((type(name, (_MegatronValue,), {"__module__": "megatron (not imported)"}), qualified))
-    return out
+def _stand_in(qualified: str) -> tuple[type, str]:
+    """A `_MegatronValue` subclass named as Megatron's class, registered under its qualified name."""
+    name = qualified.rsplit(".", 1)[1]
+    return type(name, (_MegatronValue,), {"__module__": "megatron (not imported)"}), qualified
 
 
 _NUMERIC = re.compile(r"[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))")
@@ -121,7 +99,7 @@ _ALLOWED = [
     io.BytesIO,
     signal.Signals,
     *_NUMPY,
-    *_stand_ins(),
+    *map(_stand_in, _MEGATRON),
 ]
 
 

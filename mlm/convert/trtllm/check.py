@@ -1,13 +1,6 @@
 """`mlm export trtllm --check DIR`: is DIR a TensorRT-LLM checkpoint of a model mlm reads, laid out
-as TensorRT-LLM's converters lay it out?
-
-Checked without TensorRT-LLM, from config.json and the safetensors headers (no tensor is read):
-the config's fields and their consistency (architecture, dtype, mapping world_size = tp × pp,
-heads and ffn divisible by tp, no quantization); exactly `rank0 … rank{W-1}.safetensors`; in
-each, every expected tensor name, no other, each with its per-rank shape and the config's dtype
-(Mixtral's router: float32, whatever the config's).
-When `tensorrt_llm` is importable (GPU machines) its own `PretrainedConfig.from_checkpoint` must
-load the config with the same mapping.
+as TensorRT-LLM's converters lay it out? What is checked: docs/trtllm.md ("What is checked before
+OUT appears", step 1). No tensor is read, only config.json and the safetensors headers.
 
     problems = check_trtllm("out/trt")   # [] when it passes
 """
@@ -28,8 +21,7 @@ from mlm.fileio import read_json
 from mlm.model.gpt import GPT
 
 CONFIG = "config.json"
-# safetensors header dtype → TensorRT-LLM's name
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # safetensors → TensorRT-LLM
 
 
 def rank_file(rank: int) -> str:
@@ -68,37 +60,32 @@ def check_trtllm(path: str | os.PathLike) -> list[str]:
         want = expected_shapes(config)
     except MlmError as e:
         return [str(e)]
-    problems = []
     present = {p.name for p in path.glob("rank*.safetensors")}
     names = [rank_file(r) for r in range(len(want))]
-    problems += [f"{n} is missing (mapping world_size={len(want)})" for n in names if n not in present]
+    problems = [f"{n} is missing (mapping world_size={len(want)})" for n in names if n not in present]
     problems += [f"{n}: not a rank of mapping world_size={len(want)}" for n in sorted(present - set(names))]
-    for rank, shapes in enumerate(want):
-        if names[rank] not in present:
-            continue
-        found = {
-            k: (e.shape, _ST_DTYPES.get(e.dtype, e.dtype)) for k, e in read_header(path / names[rank]).items()
-        }
-        where = names[rank]
-        problems += [f"{where}: {k} is missing" for k in shapes if k not in found]
-        problems += [
-            f"{where}: {k} is not a tensor of this rank" for k in sorted(found.keys() - shapes.keys())
-        ]
-        for k, (shape, fixed) in shapes.items():
-            if k not in found:
-                continue
-            got, got_dtype = found[k]
-            if got != shape:
-                problems.append(f"{where}: {k} has shape {list(got)}, the config needs {list(shape)}")
-            if got_dtype != (fixed or config["dtype"]):
-                need = (
-                    f"TensorRT-LLM stores it in {fixed}"
-                    if fixed
-                    else f"config.json dtype is {config['dtype']}"
-                )
-                problems.append(f"{where}: {k} is {got_dtype}, {need}")
+    for where, shapes in zip(names, want, strict=True):
+        if where in present:
+            problems += _rank_problems(where, read_header(path / where), shapes, config["dtype"])
     if not problems and importlib.util.find_spec("tensorrt_llm") is not None:
         problems += _check_with_tensorrt_llm(path, config)
+    return problems
+
+
+def _rank_problems(where: str, header: dict, shapes: dict, dtype: str) -> list[str]:
+    """How the tensors of one rank file (its safetensors `header`) differ from `shapes`."""
+    found = {k: (e.shape, _ST_DTYPES.get(e.dtype, e.dtype)) for k, e in header.items()}
+    problems = [f"{where}: {k} is missing" for k in shapes if k not in found]
+    problems += [f"{where}: {k} is not a tensor of this rank" for k in sorted(found.keys() - shapes.keys())]
+    for k, (shape, fixed) in shapes.items():
+        if k not in found:
+            continue
+        got, got_dtype = found[k]
+        if got != shape:
+            problems.append(f"{where}: {k} has shape {list(got)}, the config needs {list(shape)}")
+        if got_dtype != (fixed or dtype):
+            need = f"TensorRT-LLM stores it in {fixed}" if fixed else f"config.json dtype is {dtype}"
+            problems.append(f"{where}: {k} is {got_dtype}, {need}")
     return problems
 
 

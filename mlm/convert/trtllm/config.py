@@ -1,12 +1,8 @@
 """TensorRT-LLM's config.json for mlm's models, and the mlm model a config.json describes.
 
-The fields are those TensorRT-LLM's `PretrainedConfig` (`tensorrt_llm/models/modeling_utils.py`)
-and its `LLaMAConfig` / `GPTConfig` (`models/llama/config.py`, `models/gpt/config.py`) read; their
-values are what TensorRT-LLM's own Hugging Face converters write for the same network. Mixtral is
-`LLaMAConfig` with a `moe` dict (`MoeConfig` of `tensorrt_llm/layers/moe.py`: num_experts, top_k,
-normalization_mode 1 = RENORMALIZE) and hidden_act "swiglu", as `LLaMAConfig.from_hugging_face`
-writes for HF's mixtral; the mapping's moe_tp_size / moe_ep_size are left to their default
-(`tensorrt_llm/mapping.py`: moe_tp_size = tp_size, moe_ep_size = 1).
+The fields, their values and the TensorRT-LLM sources they follow (`PretrainedConfig`,
+`LLaMAConfig`, `GPTConfig`, `MoeConfig`, `Mapping`) are in docs/formats.md ("TensorRT-LLM
+checkpoint"); what is refused, and why, in docs/trtllm.md.
 
     config = trt_config(cfg, tp=2, pp=1, dtype="bfloat16")   # → config.json dict
     cfg, arch, tp, pp = read_trt_config(config)             # and back (MlmError if unsupported)
@@ -15,28 +11,25 @@ writes for HF's mixtral; the mapping's moe_tp_size / moe_ep_size are left to the
 from __future__ import annotations
 
 from mlm.config import ModelConfig, MoEConfig
-from mlm.convert.hf.llama import check_llama3_scaling, llama3_rope_scaling
+from mlm.convert.hf.llama import LLAMA_RULES, check_llama3_scaling, llama3_rope_scaling
 from mlm.convert.trtllm.names import GPT, LLAMA, MIXTRAL
 from mlm.errors import MlmError
 
 DTYPES = ("bfloat16", "float16", "float32")
 ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# Architectures a TensorRT-LLM checkpoint may name for each layout: TensorRT-LLM's Hugging Face
-# converters write the Hugging Face class (GPT2LMHeadModel, MistralForCausalLM); mlm writes
-# TensorRT-LLM's own model classes.
-READS = {
-    LLAMA: LLAMA,
-    "MistralForCausalLM": LLAMA,
-    MIXTRAL: LLAMA,  # the Llama layout with MoE MLPs when config.json's moe has experts
-    GPT: GPT,
-    "GPT2LMHeadModel": GPT,
+# Architectures a config.json may name → the layout (Mixtral's: Llama's with MoE MLPs): TensorRT-LLM's
+# Hugging Face converters write the Hugging Face class, mlm TensorRT-LLM's own model classes.
+READS = {LLAMA: LLAMA, "MistralForCausalLM": LLAMA, MIXTRAL: LLAMA, GPT: GPT, "GPT2LMHeadModel": GPT}
+# The ModelConfig fields each layout needs (Mixtral: Llama's)
+STYLES = {
+    LLAMA: LLAMA_RULES,
+    GPT: dict(normalization="layernorm", position_embedding="learned", activation="gelu_tanh", add_bias=True),
 }
-# TensorRT-LLM's MoeConfig.ExpertScaleNormalizationMode.RENORMALIZE: top-k of the logits, softmax
-# over those k (= softmax over all, top-k, renormalised), what it writes for Mixtral
-RENORMALIZE = 1
-# TensorRT-LLM's `gelu`, `gelu_new` and `gelu_fast` are all the tanh approximation
-# (`tensorrt_llm/functional.py`, ACT2FN); it has no erf GELU.
-GPT_ACTS = ("gelu_new", "gelu", "gelu_fast", "gelu_pytorch_tanh")
+RENORMALIZE = 1  # MoeConfig's normalization_mode of Mixtral: softmax over the top-k logits
+GPT_ACTS = ("gelu_new", "gelu", "gelu_fast", "gelu_pytorch_tanh")  # all tanh GELU in TensorRT-LLM
+_MIXTRAL_ROUTING = (
+    "every layer MoE, softmax over the experts' logits, top-k renormalised, SwiGLU experts, no shared expert"
+)
 
 
 def dtype_choice(dtype: str) -> str:
@@ -47,16 +40,12 @@ def dtype_choice(dtype: str) -> str:
     return name
 
 
-_LLAMA = dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", add_bias=False)
-_MIXTRAL_ROUTING = (
-    "every layer MoE, softmax over the experts' logits, top-k renormalised, SwiGLU experts, no shared expert"
-)
+def _listed(fields: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in fields.items())
 
 
 def architecture(cfg: ModelConfig) -> str:
     """The TensorRT-LLM architecture mlm writes `cfg` as, or an MlmError saying why there is none."""
-    llama = _LLAMA
-    gpt = dict(normalization="layernorm", position_embedding="learned", activation="gelu_tanh", add_bias=True)
     kinds = sorted({(s.mixer, s.mlp) for s in cfg.layer_specs()})
     if cfg.mtp_num_layers:
         raise MlmError(
@@ -84,40 +73,35 @@ def architecture(cfg: ModelConfig) -> str:
             f"this model's layer kinds {kinds} have no TensorRT-LLM architecture mlm exports; "
             f"it writes grouped-query attention with dense MLPs, or with MoE MLPs in every layer ({MIXTRAL})"
         )
-    for arch, rules in ((LLAMA, llama), (GPT, gpt)):
-        if all(getattr(cfg, k) == v for k, v in rules.items()):
+    for arch, style in STYLES.items():
+        if all(getattr(cfg, k) == v for k, v in style.items()):
             return arch
-    have = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in llama)
     raise MlmError(
-        f"this model ({have}) has no TensorRT-LLM architecture mlm exports; supported: {LLAMA} "
-        f"({', '.join(f'{k}={v!r}' for k, v in llama.items())}) and {GPT} (GPT-2: "
-        f"{', '.join(f'{k}={v!r}' for k, v in gpt.items())}; TensorRT-LLM's GELU is the tanh one)"
+        f"this model ({_listed({k: getattr(cfg, k) for k in LLAMA_RULES})}) has no TensorRT-LLM "
+        f"architecture mlm exports; supported: {LLAMA} ({_listed(LLAMA_RULES)}) and {GPT} (GPT-2: "
+        f"{_listed(STYLES[GPT])}; TensorRT-LLM's GELU is the tanh one)"
     )
 
 
 def _mixtral(cfg: ModelConfig) -> str:
-    """MIXTRAL for an MoE model TensorRT-LLM's Mixtral layout represents, else an MlmError naming
-    every setting it cannot (`tensorrt_llm/layers/moe.py`: a router, top-k with RENORMALIZE, gated
-    experts without bias; the Llama model builds a dense MLP where num_experts is 1)."""
+    """MIXTRAL for an MoE model TensorRT-LLM's Mixtral layout holds, else an MlmError naming every
+    setting it cannot (docs/trtllm.md, "Mixture of experts: Mixtral")."""
     m = cfg.moe
-    bad = [f"model.{k}={getattr(cfg, k)!r}" for k, v in _LLAMA.items() if getattr(cfg, k) != v]
-    if m.num_experts < 2:
-        bad.append(f"model.moe.num_experts={m.num_experts} (TensorRT-LLM builds a dense MLP for one)")
-    if m.router_score_function != "softmax":
-        bad.append(f"model.moe.router_score_function={m.router_score_function!r} (needs 'softmax')")
-    if m.router_pre_softmax:
-        bad.append("model.moe.router_pre_softmax=true (top-k weights not renormalised)")
-    if m.router_num_groups is not None:
-        bad.append(f"model.moe.router_num_groups={m.router_num_groups} (group-limited routing)")
-    if m.router_topk_scaling_factor not in (None, 1.0):
-        bad.append(f"model.moe.router_topk_scaling_factor={m.router_topk_scaling_factor}")
-    if m.router_enable_expert_bias:
-        bad.append("model.moe.router_enable_expert_bias=true (a selection bias on the router)")
-    if m.shared_expert_ffn_hidden_size:
-        gate = " with a gate" if m.shared_expert_gate else ""
-        bad.append(
-            f"model.moe.shared_expert_ffn_hidden_size={m.shared_expert_ffn_hidden_size} (a shared expert{gate})"
-        )
+    gate = " with a gate" if m.shared_expert_gate else ""
+    refused = {  # model.moe field → (refused?, why)
+        "num_experts": (m.num_experts < 2, " (TensorRT-LLM builds a dense MLP for one)"),
+        "router_score_function": (m.router_score_function != "softmax", " (needs 'softmax')"),
+        "router_pre_softmax": (m.router_pre_softmax, " (top-k weights not renormalised)"),
+        "router_num_groups": (m.router_num_groups is not None, " (group-limited routing)"),
+        "router_topk_scaling_factor": (m.router_topk_scaling_factor not in (None, 1.0), ""),
+        "router_enable_expert_bias": (m.router_enable_expert_bias, " (a selection bias on the router)"),
+        "shared_expert_ffn_hidden_size": (m.shared_expert_ffn_hidden_size, f" (a shared expert{gate})"),
+    }
+    bad = [f"model.{k}={getattr(cfg, k)!r}" for k, v in LLAMA_RULES.items() if getattr(cfg, k) != v]
+    for k, (no, why) in refused.items():
+        if no:
+            value = getattr(m, k)
+            bad.append(f"model.moe.{k}={'true' if value is True else repr(value)}{why}")
     if bad:
         raise MlmError(
             f"this MoE model has no TensorRT-LLM layout mlm exports: {'; '.join(bad)}; mlm writes "
@@ -170,29 +154,20 @@ def trt_config(cfg: ModelConfig, tp: int, pp: int, dtype: str) -> dict:
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
     }
     if arch == GPT:
-        return out | {
-            "hidden_act": "gelu_new",
-            "position_embedding_type": "learned_absolute",
-            "gpt_variant": "gpt2",
-            "bias": True,
-        }
+        gpt2 = {"position_embedding_type": "learned_absolute", "gpt_variant": "gpt2", "bias": True}
+        return out | {"hidden_act": "gelu_new", **gpt2}
     scaling = llama3_rope_scaling(cfg)  # the Hugging Face rope_scaling dict, as LLaMAConfig keeps it
-    scaling = None if scaling is None else {"type": "llama3", **scaling}
     out |= {
-        "hidden_act": "silu",
+        "hidden_act": "silu" if arch == LLAMA else "swiglu",
         "position_embedding_type": "rope_gpt_neox",
         "rotary_base": cfg.rope_base,
-        "rotary_scaling": scaling,
+        "rotary_scaling": None if scaling is None else {"type": "llama3", **scaling},
         "attn_bias": False,
         "mlp_bias": False,
     }
     if arch == MIXTRAL:  # only the fields every MoeConfig version has (from_dict takes them as kwargs)
-        moe = {
-            "num_experts": cfg.moe.num_experts,
-            "top_k": cfg.moe.router_topk,
-            "normalization_mode": RENORMALIZE,
-        }
-        out |= {"hidden_act": "swiglu", "moe": moe}
+        moe = {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.router_topk}
+        out["moe"] = moe | {"normalization_mode": RENORMALIZE}
     return out
 
 
@@ -237,47 +212,7 @@ def read_trt_config(c: dict) -> tuple[ModelConfig, str, int, int]:
             f"config.json: architecture {c['architecture']!r} with MoE; mlm reads MoE as {MIXTRAL}"
         )
     D, H = _need(c, "hidden_size"), _need(c, "num_attention_heads")
-    common = dict(
-        use_parallel_embedding=(False, False),
-        rotary_pct=(1.0, 1.0),
-        qk_layernorm=(False, False),
-    )
-    if arch == GPT:
-        _rules(
-            c,
-            common
-            | dict(position_embedding_type=("learned_absolute", "learned_absolute"), bias=(True, True)),
-        )
-        if c.get("hidden_act") not in GPT_ACTS:
-            raise MlmError(f"config.json hidden_act={c.get('hidden_act')!r}: mlm reads {', '.join(GPT_ACTS)}")
-        style = dict(
-            normalization="layernorm", position_embedding="learned", activation="gelu_tanh", add_bias=True
-        )
-        rope = {}
-    else:
-        _rules(
-            c,
-            common
-            | dict(
-                position_embedding_type=(None, "rope_gpt_neox"),
-                hidden_act=(None, "silu" if moe is None else "swiglu"),
-                attn_bias=(False, False),
-                mlp_bias=(False, False),
-            ),
-        )
-        style = dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", add_bias=False)
-        rope = {"rope_base": float(c.get("rotary_base", 10000.0))}
-        scaling = c.get("rotary_scaling")
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind != "llama3":
-                raise MlmError(f"config.json rotary_scaling {scaling}: mlm reads none or rope_type 'llama3'")
-            rope |= dict(
-                rope_scaling_factor=float(scaling["factor"]),
-                rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-            )
+    style = _read_style(c, arch, moe)
     cfg = ModelConfig(
         num_layers=_need(c, "num_hidden_layers"),
         hidden_size=D,
@@ -290,11 +225,36 @@ def read_trt_config(c: dict) -> tuple[ModelConfig, str, int, int]:
         norm_eps=float(c.get("norm_epsilon", 1e-5)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         **style,
-        **rope,
         **({} if moe is None else dict(mlp_kind="moe", moe=moe)),
     )
     check_mesh(cfg, tp, pp)
     return cfg, arch if moe is None else MIXTRAL, tp, pp
+
+
+def _read_style(c: dict, arch: str, moe: MoEConfig | None) -> dict:
+    """The layout's ModelConfig fields (`STYLES`, RoPE's); MlmError for a config.json field of the
+    norm, positions, activation or biases with a value mlm does not read."""
+    rules = dict(use_parallel_embedding=(False, False), rotary_pct=(1.0, 1.0), qk_layernorm=(False, False))
+    if arch == GPT:
+        _rules(c, rules | dict(position_embedding_type=("learned_absolute",) * 2, bias=(True, True)))
+        if c.get("hidden_act") not in GPT_ACTS:
+            raise MlmError(f"config.json hidden_act={c.get('hidden_act')!r}: mlm reads {', '.join(GPT_ACTS)}")
+        return STYLES[GPT]
+    act = "silu" if moe is None else "swiglu"
+    no_bias = dict(attn_bias=(False, False), mlp_bias=(False, False))
+    _rules(c, rules | dict(position_embedding_type=(None, "rope_gpt_neox"), hidden_act=(None, act)) | no_bias)
+    rope = STYLES[LLAMA] | {"rope_base": float(c.get("rotary_base", 10000.0))}
+    scaling = c.get("rotary_scaling")
+    if scaling is None:
+        return rope
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise MlmError(f"config.json rotary_scaling {scaling}: mlm reads none or rope_type 'llama3'")
+    return rope | dict(
+        rope_scaling_factor=float(scaling["factor"]),
+        rope_low_freq_factor=float(scaling["low_freq_factor"]),
+        rope_high_freq_factor=float(scaling["high_freq_factor"]),
+        rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
 
 
 def _read_moe(c: dict, tp: int) -> MoEConfig | None:
@@ -312,11 +272,9 @@ def _read_moe(c: dict, tp: int) -> MoEConfig | None:
     for k in ("shared_expert_intermediate_size", "device_limited_n_group", "device_limited_topk_group"):
         if m.get(k):
             bad.append(f"{k}={m[k]} (mlm reads none)")
-    mapping = c["mapping"]
-    split = {k: mapping.get(k, -1) for k in ("moe_tp_size", "moe_ep_size", "moe_cluster_size")}
-    if split["moe_tp_size"] not in (-1, None, tp) or any(
-        split[k] not in (-1, None, 1) for k in split if k != "moe_tp_size"
-    ):
+    reads = {"moe_tp_size": (-1, None, tp), "moe_ep_size": (-1, None, 1), "moe_cluster_size": (-1, None, 1)}
+    split = {k: c["mapping"].get(k, -1) for k in reads}
+    if any(split[k] not in ok for k, ok in reads.items()):
         bad.append(f"mapping {split} (mlm reads experts split over tp: moe_tp_size = tp_size, moe_ep_size 1)")
     if bad:
         raise MlmError(f"config.json moe: {'; '.join(bad)}")

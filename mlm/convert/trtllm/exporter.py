@@ -3,12 +3,9 @@
     report = export_trtllm("runs/tiny/checkpoints", "out/trt", tp=2, pp=1, dtype="bfloat16")
     print(report.build_command)     # the trtllm-build line to run next
 
-Reads every model tensor once in its global shape (`read_group`, chunk checksums checked), casts
-it, cuts each rank's slices (`names`) and writes `config.json` + `rank{N}.safetensors` in
-`OUT.tmp-PID` beside OUT. OUT appears only after the folder passes `--check` (names, shapes,
-dtypes, config) and, unless `verify=False`, reads back (`importer`) to the same global
-tensors bit for bit, with the same logits on a fixed prompt as the source cast to the dtype.
-Memory holds the model twice (the source and the cast copy).
+Every tensor is read once in its global shape, cast, cut into each rank's slices (`names`) and
+written in `OUT.tmp-PID`, renamed to OUT once checked and read back: docs/trtllm.md ("What is
+checked before OUT appears"). Memory holds the model twice (the source and the cast copy).
 """
 
 from __future__ import annotations
@@ -56,16 +53,12 @@ class Report:
 
 def build_command(out: Path, config: dict) -> str:
     """The `trtllm-build` line for an exported folder: one engine per rank, for the model's context."""
-    world = config["mapping"]["world_size"]
-    n = config["max_position_embeddings"]
-    parts = [
-        f"trtllm-build --checkpoint_dir {out} --output_dir {out}-engine",
-        "--gemm_plugin auto",
-        f"--max_batch_size 8 --max_input_len {n} --max_seq_len {n}",
-    ]
-    if world > 1:
-        parts.append(f"--workers {min(world, 8)}")
-    return " ".join(parts)
+    world, n = config["mapping"]["world_size"], config["max_position_embeddings"]
+    workers = f" --workers {min(world, 8)}" if world > 1 else ""
+    return (
+        f"trtllm-build --checkpoint_dir {out} --output_dir {out}-engine --gemm_plugin auto "
+        f"--max_batch_size 8 --max_input_len {n} --max_seq_len {n}{workers}"
+    )
 
 
 def export_trtllm(
@@ -108,19 +101,8 @@ def export_trtllm(
             nbytes += sum(t.numel() * t.element_size() for t in weights.values())
         check_or_raise(tmp)
         diff = _verify(tmp, cfg, state, cast) if verify else None
-    return Report(
-        ckpt,
-        out,
-        arch,
-        tp,
-        pp,
-        target,
-        tensors,
-        nbytes,
-        time.perf_counter() - start,
-        build_command(out, config),
-        diff,
-    )
+    seconds = time.perf_counter() - start
+    return Report(ckpt, out, arch, tp, pp, target, tensors, nbytes, seconds, build_command(out, config), diff)
 
 
 def _verify(tmp: Path, cfg, state: dict, cast: dict) -> float:

@@ -1,14 +1,7 @@
 """TensorRT-LLM's checkpoint layout for mlm's models: tensor names and per-rank slices, both ways.
 
-Followed from TensorRT-LLM's own converters; docs/formats.md ("TensorRT-LLM checkpoint") gives
-the sources with their commits, the folder, the name table and each tensor's per-rank split. In
-short: rank = pp_rank × tp + tp_rank; stage p holds layers `tensor_split(range(L), pp)[p]`,
-renumbered from 0; the fused `attention.qkv` of tp rank r is its q heads, then k, then v (KV heads
-repeated when fewer than tp); Llama's `mlp.fc` is mlm's gate and `mlp.gate` mlm's up (the names
-cross); Mixtral's `mlp.fc` [E, 2F, D] is each expert's up then gate, each split over tp along F.
-
-Shape legend: V vocabulary, D hidden, H heads, G KV heads, K head dim, F ffn (an expert's under
-MoE), L layers, E experts.
+docs/formats.md ("TensorRT-LLM checkpoint") gives the sources, the name table and each tensor's
+per-rank split. Shapes: V vocabulary, D hidden, H heads, G KV heads, K head dim, F ffn, E experts.
 """
 
 from __future__ import annotations
@@ -33,6 +26,7 @@ QKV = "qkv"  # q, k, v split by heads and stacked per rank
 LM_HEAD = "lm_head"  # vocabulary rows zero-padded to a multiple of tp, split by rows
 EXPERT_FC = "expert_fc"  # [E, 2F, D]: up then gate, each split over tp along F first
 EXPERT_PROJ = "expert_proj"  # [E, D, F], split over tp along F
+_DIM = {COLUMN: 0, ROW: 1, EXPERT_PROJ: 2}  # the dim each plain tensor-parallel split cuts
 
 
 @dataclass(frozen=True)
@@ -48,83 +42,64 @@ class Rule:
     """Stored in this TensorRT-LLM dtype whatever the checkpoint's (None: config.json's dtype)."""
 
 
-def _r(trt: str, split: str, *mlm: str, dtype: str | None = None) -> Rule:
-    return Rule(trt, mlm, split, dtype)
+def _rules(trt: str, split: str, *mlm: str, bias: bool = False, dtype: str | None = None) -> tuple[Rule, ...]:
+    """The rule of `trt`.weight, made of the mlm `mlm`.weight(s), and with `bias` the rule of their
+    biases (whole on every rank where the weight is row-parallel)."""
+    ends = {"weight": split} | ({"bias": WHOLE if split == ROW else split} if bias else {})
+    return tuple(Rule(f"{trt}.{end}", tuple(f"{m}.{end}" for m in mlm), s, dtype) for end, s in ends.items())
 
 
-_L = "transformer.layers.{}."
-_QKV = ("layers.{}.attn.q", "layers.{}.attn.k", "layers.{}.attn.v")
+def _layer(trt: str, split: str, *mlm: str, **kw) -> tuple[Rule, ...]:
+    """`_rules` of a layer's tensor (`{}` the layer)."""
+    return _rules(f"transformer.layers.{{}}.{trt}", split, *(f"layers.{{}}.{m}" for m in mlm), **kw)
 
-_LLAMA_ATTENTION = (
-    _r(_L + "input_layernorm.weight", WHOLE, "layers.{}.attn_norm.weight"),
-    _r(_L + "attention.qkv.weight", QKV, *(f"{k}.weight" for k in _QKV)),
-    _r(_L + "attention.dense.weight", ROW, "layers.{}.attn.out.weight"),
-    _r(_L + "post_layernorm.weight", WHOLE, "layers.{}.mlp_norm.weight"),
-)
+
+def _attention(bias: bool) -> tuple[Rule, ...]:
+    return (
+        *_layer("input_layernorm", WHOLE, "attn_norm", bias=bias),
+        *_layer("attention.qkv", QKV, "attn.q", "attn.k", "attn.v", bias=bias),
+        *_layer("attention.dense", ROW, "attn.out", bias=bias),
+        *_layer("post_layernorm", WHOLE, "mlp_norm", bias=bias),
+    )
+
+
 LAYER_RULES = {
     LLAMA: (
-        *_LLAMA_ATTENTION,
-        _r(_L + "mlp.fc.weight", COLUMN, "layers.{}.mlp.gate.weight"),  # silu(fc(x)) · gate(x)
-        _r(_L + "mlp.gate.weight", COLUMN, "layers.{}.mlp.up.weight"),
-        _r(_L + "mlp.proj.weight", ROW, "layers.{}.mlp.down.weight"),
+        *_attention(bias=False),
+        *_layer("mlp.fc", COLUMN, "mlp.gate"),  # silu(fc(x)) · gate(x): the names cross
+        *_layer("mlp.gate", COLUMN, "mlp.up"),
+        *_layer("mlp.proj", ROW, "mlp.down"),
     ),
     MIXTRAL: (
-        *_LLAMA_ATTENTION,
-        _r(_L + "mlp.router.weight", WHOLE, "layers.{}.mlp.router.weight", dtype="float32"),
-        _r(
-            _L + "mlp.fc.weight",
-            EXPERT_FC,
-            "layers.{}.mlp.experts.up.weight",
-            "layers.{}.mlp.experts.gate.weight",
-        ),
-        _r(_L + "mlp.proj.weight", EXPERT_PROJ, "layers.{}.mlp.experts.down.weight"),
+        *_attention(bias=False),
+        *_layer("mlp.router", WHOLE, "mlp.router", dtype="float32"),
+        *_layer("mlp.fc", EXPERT_FC, "mlp.experts.up", "mlp.experts.gate"),
+        *_layer("mlp.proj", EXPERT_PROJ, "mlp.experts.down"),
     ),
     GPT: (
-        _r(_L + "input_layernorm.weight", WHOLE, "layers.{}.attn_norm.weight"),
-        _r(_L + "input_layernorm.bias", WHOLE, "layers.{}.attn_norm.bias"),
-        _r(_L + "attention.qkv.weight", QKV, *(f"{k}.weight" for k in _QKV)),
-        _r(_L + "attention.qkv.bias", QKV, *(f"{k}.bias" for k in _QKV)),
-        _r(_L + "attention.dense.weight", ROW, "layers.{}.attn.out.weight"),
-        _r(_L + "attention.dense.bias", WHOLE, "layers.{}.attn.out.bias"),
-        _r(_L + "post_layernorm.weight", WHOLE, "layers.{}.mlp_norm.weight"),
-        _r(_L + "post_layernorm.bias", WHOLE, "layers.{}.mlp_norm.bias"),
-        _r(_L + "mlp.fc.weight", COLUMN, "layers.{}.mlp.up.weight"),
-        _r(_L + "mlp.fc.bias", COLUMN, "layers.{}.mlp.up.bias"),
-        _r(_L + "mlp.proj.weight", ROW, "layers.{}.mlp.down.weight"),
-        _r(_L + "mlp.proj.bias", WHOLE, "layers.{}.mlp.down.bias"),
+        *_attention(bias=True),
+        *_layer("mlp.fc", COLUMN, "mlp.up", bias=True),
+        *_layer("mlp.proj", ROW, "mlp.down", bias=True),
     ),
 }
+_EMBEDDING = _rules("transformer.vocab_embedding", EMBED, "embed")
 FIRST_RULES = {
-    LLAMA: (_r("transformer.vocab_embedding.weight", EMBED, "embed.weight"),),
-    MIXTRAL: (_r("transformer.vocab_embedding.weight", EMBED, "embed.weight"),),
-    GPT: (
-        _r("transformer.vocab_embedding.weight", EMBED, "embed.weight"),
-        _r("transformer.position_embedding.weight", WHOLE, "pos_embed.weight"),
-    ),
+    LLAMA: _EMBEDDING,
+    MIXTRAL: _EMBEDDING,
+    GPT: (*_EMBEDDING, *_rules("transformer.position_embedding", WHOLE, "pos_embed")),
 }
 # lm_head's source is output.weight, or embed.weight when the embeddings are tied (see sources)
+_LM_HEAD = _rules("lm_head", LM_HEAD, "output")
 LAST_RULES = {
-    LLAMA: (
-        _r("transformer.ln_f.weight", WHOLE, "final_norm.weight"),
-        _r("lm_head.weight", LM_HEAD, "output.weight"),
-    ),
-    MIXTRAL: (
-        _r("transformer.ln_f.weight", WHOLE, "final_norm.weight"),
-        _r("lm_head.weight", LM_HEAD, "output.weight"),
-    ),
-    GPT: (
-        _r("transformer.ln_f.weight", WHOLE, "final_norm.weight"),
-        _r("transformer.ln_f.bias", WHOLE, "final_norm.bias"),
-        _r("lm_head.weight", LM_HEAD, "output.weight"),
-    ),
+    LLAMA: (*_rules("transformer.ln_f", WHOLE, "final_norm"), *_LM_HEAD),
+    MIXTRAL: (*_rules("transformer.ln_f", WHOLE, "final_norm"), *_LM_HEAD),
+    GPT: (*_rules("transformer.ln_f", WHOLE, "final_norm", bias=True), *_LM_HEAD),
 }
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int) -> list[int]:
     """The global layers of pipeline stage `pp_rank` (TensorRT-LLM's `Mapping.pp_layers`)."""
-    base, extra = divmod(num_layers, pp)
-    start = pp_rank * base + min(pp_rank, extra)
-    return list(range(start, start + base + (pp_rank < extra)))
+    return torch.arange(num_layers).tensor_split(pp)[pp_rank].tolist()
 
 
 def rank_rules(
@@ -132,9 +107,7 @@ def rank_rules(
 ) -> list[tuple[str, Rule, int | None]]:
     """(TensorRT-LLM name, rule, global layer or None) of every tensor in `rank{rank}.safetensors`."""
     pp_rank = rank // tp
-    out: list[tuple[str, Rule, int | None]] = []
-    if pp_rank == 0:
-        out += [(r.trt, r, None) for r in FIRST_RULES[arch]]
+    out = [(r.trt, r, None) for r in FIRST_RULES[arch]] if pp_rank == 0 else []
     for j, layer in enumerate(stage_layers(cfg.num_layers, pp, pp_rank)):
         out += [(r.trt.format(j), r, layer) for r in LAYER_RULES[arch]]
     if pp_rank == pp - 1:
@@ -150,47 +123,26 @@ def sources(rule: Rule, layer: int | None, cfg: ModelConfig) -> tuple[str, ...]:
     return keys
 
 
-_DIM = {COLUMN: 0, ROW: 1, EXPERT_PROJ: 2}
-"""The dim each plain tensor-parallel split cuts."""
-
-
-def lm_head_rows(vocab: int, tp: int) -> int:
-    """Rows of lm_head on each tp rank: the vocabulary padded to a multiple of tp, split."""
-    return math.ceil(vocab / tp)
-
-
-def _kv_heads(cfg: ModelConfig, tp: int, tp_rank: int) -> slice:
-    """KV heads on tp rank `tp_rank` (one repeated head when there are fewer heads than ranks)."""
-    G = cfg.query_groups
-    if G < tp:
-        g = tp_rank * G // tp
-        return slice(g, g + 1)
-    return slice(tp_rank * G // tp, (tp_rank + 1) * G // tp)
-
-
 def shard(rule: Rule, tensors: list[torch.Tensor], cfg: ModelConfig, tp: int, tp_rank: int) -> torch.Tensor:
     """Tp rank `tp_rank`'s tensor for `rule`, from the global mlm tensors of `sources`."""
-    t = tensors[0]
+    t, V = tensors[0], cfg.vocab_size
     if rule.split == WHOLE:
         return t
     if rule.split == EMBED:
-        return t[: cfg.vocab_size]
+        return t[:V]
     if rule.split in _DIM:
         return tp_shard(t, _DIM[rule.split], tp, tp_rank)
     if rule.split == EXPERT_FC:  # [E, F, D] up, gate → this rank's [E, 2F/tp, D]
         return tp_shard_pair(*tensors, 1, tp, tp_rank)
-    if rule.split == LM_HEAD:
-        rows = lm_head_rows(cfg.vocab_size, tp)
-        start = tp_rank * rows
-        part = t[start : min(start + rows, cfg.vocab_size)]
-        pad = part.new_zeros(rows - part.shape[0], *part.shape[1:])
-        return torch.cat([part, pad])  # a new tensor: never shares memory with the embedding
+    if rule.split == LM_HEAD:  # the vocabulary padded to a multiple of tp; a new tensor, never the embedding
+        rows = math.ceil(V / tp)
+        part = t[tp_rank * rows : min((tp_rank + 1) * rows, V)]
+        return torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
     assert rule.split == QKV, rule
-    K = cfg.head_dim
-    q, k, v = (x.view(-1, K, *x.shape[1:]) for x in tensors)  # [heads, K, (D)]
-    kv = _kv_heads(cfg, tp, tp_rank)
-    parts = (q.chunk(tp, 0)[tp_rank], k[kv], v[kv])
-    return torch.cat([p.reshape(-1, *p.shape[2:]) for p in parts])
+    q, k, v = tensors  # each KV head repeated over tp / G ranks where there are fewer than tp
+    G, dup = cfg.query_groups, max(tp // cfg.query_groups, 1)
+    k, v = (x.unflatten(0, (G, -1)).repeat_interleave(dup, 0).flatten(0, 1) for x in (k, v))
+    return torch.cat([tp_shard(x, 0, tp, tp_rank) for x in (q, k, v)])
 
 
 def _same(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -217,14 +169,13 @@ def gather(
         return tp_join_pair(parts, 1)
     assert rule.split == QKV, rule
     K, H, G = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
-    local_kv = max(G // tp, 1)
-    qs, ks, vs = zip(*(p.split([H // tp * K, local_kv * K, local_kv * K]) for p in parts), strict=True)
-    if G >= tp:
-        return torch.cat(qs), torch.cat(ks), torch.cat(vs)
-    dup = tp // G  # ranks g·dup … (g+1)·dup − 1 hold KV head g
-    k_heads = [_same(f"{name} (k of KV head {g})", list(ks[g * dup : (g + 1) * dup])) for g in range(G)]
-    v_heads = [_same(f"{name} (v of KV head {g})", list(vs[g * dup : (g + 1) * dup])) for g in range(G)]
-    return torch.cat(qs), torch.cat(k_heads), torch.cat(v_heads)
+    kv_rows, dup = max(G // tp, 1) * K, max(tp // G, 1)  # ranks g·dup … (g+1)·dup − 1 hold KV head g
+    qs, ks, vs = zip(*(p.split([H // tp * K, kv_rows, kv_rows]) for p in parts), strict=True)
+    k, v = (
+        [_same(f"{name} ({x} of KV head {g})", list(xs[g * dup : (g + 1) * dup])) for g in range(tp // dup)]
+        for x, xs in (("k", ks), ("v", vs))
+    )
+    return torch.cat(qs), torch.cat(k), torch.cat(v)
 
 
 def fixed_dtypes(arch: str, cfg: ModelConfig) -> dict[str, str]:

@@ -29,7 +29,7 @@ from mlm.checkpoint import read_group
 from mlm.config import config_from_dict, load_config
 from mlm.convert.megatron.dcp import MegatronCheckpoint, checkpoint_dir
 from mlm.convert.megatron.importer import import_megatron, mlm_tensors
-from mlm.convert.megatron.optim import decode_buckets, read_object, read_tensor, run_settings
+from mlm.convert.megatron.optim import decode_buckets, read_object, run_settings
 from mlm.convert.megatron.unpickle import load_megatron_pickle
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
@@ -229,7 +229,7 @@ def _rewrite(src, out, change) -> None:
     `out`, `change(state, common)` applied first."""
     ckpt = MegatronCheckpoint(checkpoint_dir(src))
     state = {k: ckpt.read(k) for k in ckpt.tensors}
-    state.update({k: read_tensor(ckpt, k) for k in ckpt.optimizer_keys})
+    state.update({k: ckpt.read(k) for k in ckpt.optimizer_keys})
     domains = {k.split(".")[2] for k in ckpt.optimizer_keys if k.startswith("optimizer.distributed.")}
     for name in ("optimizer", "per_bucket_numel_unpadded"):
         for domain in domains:
