@@ -494,16 +494,25 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW and the learning-rate schedule."""
+    """AdamW and the learning-rate and weight-decay schedules (Megatron-LM's OptimizerParamScheduler
+    formulas; docs/train.md sets mlm's defaults beside Megatron-LM's)."""
 
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 3e-5
     """Learning rate at the end of the decay."""
     weight_decay: float = 0.1
-    """AdamW weight decay."""
-    no_decay_norms_biases_embeddings: bool = True
-    """Exempt norms, biases and embeddings from weight decay."""
+    """AdamW weight decay (constant; see weight_decay_incr_style)."""
+    weight_decay_exempt: str = "1d_and_embeddings"
+    """Parameters without weight decay: 1d_and_embeddings (norms, biases, embeddings), 1d (norms and
+    biases: Megatron-LM's rule) or none."""
+    weight_decay_incr_style: str = "constant"
+    """constant (weight_decay), or linear / cosine from start_weight_decay to end_weight_decay over
+    the run (Megatron-LM's --weight-decay-incr-style)."""
+    start_weight_decay: float | None = None
+    """Weight decay at the first step, with an increasing style."""
+    end_weight_decay: float | None = None
+    """Weight decay at the last step, with an increasing style."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.95
@@ -514,20 +523,81 @@ class OptimizerConfig:
     """Clip gradients to this global L2 norm; 0 disables."""
     warmup_iters: int = 0
     """Linear warm-up iterations."""
+    warmup_fraction: float | None = None
+    """Warm-up over this fraction of the decay iterations instead (Megatron-LM's --lr-warmup-fraction)."""
+    lr_warmup_init: float = 0.0
+    """The learning rate the warm-up starts from (Megatron-LM's --lr-warmup-init)."""
+    warmup_offset: int = 1
+    """Warm-up step s (from 0) runs at lr_warmup_init + (lr - lr_warmup_init) * (s + warmup_offset) /
+    warmup: 1 (mlm: the first step trains) or 0 (Megatron-LM, which steps its scheduler after the
+    optimizer: the first step runs at lr_warmup_init)."""
     decay_style: str = "cosine"
-    """cosine, linear, constant or wsd (warmup-stable-decay)."""
+    """cosine, linear, constant, inverse-square-root or wsd (warmup-stable-decay)."""
     decay_iters: int | None = None
     """Iterations over which the LR decays; unset means the whole run."""
     wsd_decay_iters: int = 0
-    """wsd: iterations of the final decay (linear to min_lr)."""
+    """wsd: iterations of the final decay, which ends at decay_iters."""
+    wsd_decay_style: str = "linear"
+    """wsd: the final decay's shape: linear, cosine, exponential or minus_sqrt (Megatron-LM's
+    --lr-wsd-decay-style)."""
 
     def __post_init__(self):
-        _choice("optimizer", "decay_style", self.decay_style, ("cosine", "linear", "constant", "wsd"))
+        styles = ("cosine", "linear", "constant", "inverse-square-root", "wsd")
+        _choice("optimizer", "decay_style", self.decay_style, styles)
+        _choice(
+            "optimizer",
+            "wsd_decay_style",
+            self.wsd_decay_style,
+            ("linear", "cosine", "exponential", "minus_sqrt"),
+        )
+        _choice(
+            "optimizer", "weight_decay_exempt", self.weight_decay_exempt, ("1d_and_embeddings", "1d", "none")
+        )
+        _choice(
+            "optimizer",
+            "weight_decay_incr_style",
+            self.weight_decay_incr_style,
+            ("constant", "linear", "cosine"),
+        )
+        _choice("optimizer", "warmup_offset", self.warmup_offset, (0, 1))
         ensure(self.lr > 0, f"optimizer.lr={self.lr}: must be positive")
         ensure(
             0 <= self.min_lr <= self.lr, f"optimizer.min_lr={self.min_lr}: must be within [0, lr={self.lr}]"
         )
+        ensure(
+            0 <= self.lr_warmup_init <= self.lr,
+            f"optimizer.lr_warmup_init={self.lr_warmup_init}: must be within [0, lr={self.lr}]",
+        )
         ensure(self.warmup_iters >= 0, f"optimizer.warmup_iters={self.warmup_iters}: must be >= 0")
+        if self.warmup_fraction is not None:
+            ensure(
+                0 <= self.warmup_fraction < 1 and not self.warmup_iters,
+                f"optimizer.warmup_fraction={self.warmup_fraction}: must be within [0, 1), with "
+                "optimizer.warmup_iters=0 (give one or the other)",
+            )
+        ensure(self.wsd_decay_iters >= 0, f"optimizer.wsd_decay_iters={self.wsd_decay_iters}: must be >= 0")
+        ends = (self.start_weight_decay, self.end_weight_decay)
+        if self.weight_decay_incr_style == "constant":
+            ensure(
+                ends == (None, None),
+                f"optimizer.start_weight_decay / end_weight_decay = {ends}: they are for an increasing "
+                "weight decay; set optimizer.weight_decay_incr_style=linear or cosine, or unset them",
+            )
+        else:
+            ensure(
+                None not in ends and 0 <= ends[0] <= ends[1],
+                f"optimizer.weight_decay_incr_style={self.weight_decay_incr_style} needs "
+                f"0 <= start_weight_decay <= end_weight_decay, got {ends}",
+            )
+
+    @staticmethod
+    def legacy(data: dict) -> dict:
+        """Keys of configs written before their replacement, translated (a checkpoint's manifest)."""
+        data = dict(data)
+        if "no_decay_norms_biases_embeddings" in data:
+            old = data.pop("no_decay_norms_biases_embeddings")
+            data.setdefault("weight_decay_exempt", "1d_and_embeddings" if old else "none")
+        return data
 
 
 @dataclass
@@ -865,6 +935,8 @@ def _convert(where: str, value, tp):
 
 
 def _build(cls, data: dict, where: str):
+    if hasattr(cls, "legacy"):
+        data = cls.legacy(data)
     hints = _field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -947,7 +1019,7 @@ def field_docs(cls) -> dict[str, str]:
     docs = {}
     for a, b in zip(body, body[1:], strict=False):
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-            docs[a.target.id] = str(b.value.value).strip()
+            docs[a.target.id] = " ".join(str(b.value.value).split())  # one line, however written
     return docs
 
 

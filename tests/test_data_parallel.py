@@ -151,7 +151,7 @@ def train(group, *, sharded: bool, reduce_dtype=torch.float32, num_micro: int = 
             CALLS.clear()
         if sharded:
             norms.append(opt.clip_grad_norm(CLIP))
-            opt.set_lr(LR)
+            opt.set_schedule(LR, WD)
             opt.step()
             opt.zero_grad()
         else:

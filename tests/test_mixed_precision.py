@@ -185,7 +185,7 @@ def _overlap_rank(rank, world, sets, overlap):
         pending["after forward"].append(len(dist_opt.gathers))
         opt.all_grads.finish()
         opt.clip(1.0)
-        opt.step(1e-2)
+        opt.step(1e-2, cfg.optimizer.weight_decay)
         opt.zero_grad()
         pending["after step"].append(len(dist_opt.gathers))
     opt.wait_for_params()
@@ -253,7 +253,7 @@ def _lazy_moe_rank(rank, world, sets, overlap):
             losses.append(float(pipe.train_step(micro, 0.5, opt.all_grads, contextlib.nullcontext)))
             opt.all_grads.finish()
             opt.clip(1.0)
-            opt.step(1e-2)
+            opt.step(1e-2, cfg.optimizer.weight_decay)
             opt.zero_grad()
         opt.wait_for_params()
     return losses, [p.detach().tolist() for p in model.parameters()]

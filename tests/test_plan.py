@@ -217,7 +217,7 @@ def _measure(cfg, mesh, autocast=None) -> dict:
     pipe.sync_tied_embedding()
     opt.all_grads.finish()
     opt.clip(1.0)
-    opt.step(1e-3)
+    opt.step(1e-3, cfg.optimizer.weight_decay)
     if opt.dists:  # one per gradient buffer (dense over dp, experts over edp)
         tensors = []
         for d in opt.dists:

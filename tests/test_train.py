@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,6 +180,25 @@ def test_lr_schedules():
     wsd = OptimizerConfig(lr=1.0, min_lr=0.0, decay_style="wsd", wsd_decay_iters=20)
     assert lr_at(79, wsd, 100) == 1.0 and lr_at(90, wsd, 100) == pytest.approx(0.5)
     assert lr_at(5, OptimizerConfig(lr=2.0, min_lr=0.0, decay_style="constant"), 100) == 2.0
+
+
+def test_schedule_settings_validate_and_old_configs_read():
+    """The schedule settings refuse what Megatron's scheduler would assert on, naming the field;
+    a config written before `weight_decay_exempt` (a checkpoint's manifest) still reads."""
+    for sets, words in [
+        (["optimizer.warmup_fraction=0.1", "optimizer.warmup_iters=5"], "give one or the other"),
+        (["optimizer.start_weight_decay=0.1"], "set optimizer.weight_decay_incr_style=linear or cosine"),
+        (["optimizer.weight_decay_incr_style=linear"], "needs 0 <= start_weight_decay <= end_weight_decay"),
+        (["optimizer.lr_warmup_init=1.0"], "optimizer.lr_warmup_init=1.0: must be within [0, lr=0.0003]"),
+        (["optimizer.wsd_decay_style=step"], "optimizer.wsd_decay_style='step': must be one of linear"),
+    ]:
+        with pytest.raises(MlmError, match=re.escape(words)):
+            load_config(None, ["data.seq_length=8", *sets])
+    for old, new in [(True, "1d_and_embeddings"), (False, "none")]:
+        cfg = load_config(
+            None, ["data.seq_length=8", f"optimizer.no_decay_norms_biases_embeddings={str(old).lower()}"]
+        )
+        assert cfg.optimizer.weight_decay_exempt == new
 
 
 def test_bad_input(tmp_path, tiny_data):

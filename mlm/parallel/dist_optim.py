@@ -27,7 +27,7 @@ Per step:
         (loss_fn(model, batch) / n).backward()
     grads.finish()                        # reduce-scatter done: this rank's gradient shard is ready
     grad_norm = opt.clip_grad_norm(clip)  # the norm of the full gradient, from the shards
-    opt.set_lr(lr)
+    opt.set_schedule(lr, wd)
     opt.step()                            # AdamW on the shard, then all-gather the parameters
     opt.zero_grad()
     opt.wait_for_params()                 # only with overlap_param_gather, before reading weights
@@ -102,11 +102,11 @@ class DistributedOptimizer:
         self.grads = grads
         self.placements: dict = {}
         """Parameter name → `mlm.parallel.placement.Placement` (global shape and offset in checkpoints)."""
-        wd_of = {}
+        wd_of = {}  # (weight decay, its multiplier) of each parameter's group
         for g in param_groups:
             for p in g["params"]:
                 assert id(p) not in wd_of, "a parameter is in two param groups"
-                wd_of[id(p)] = float(g.get("weight_decay", 0.0))
+                wd_of[id(p)] = (float(g.get("weight_decay", 0.0)), float(g.get("wd_mult", 1.0)))
         missing = [n for n, p in zip(grads.names, grads.params, strict=True) if id(p) not in wd_of]
         assert not missing and len(wd_of) == len(grads.params), (
             f"param groups and gradient buffer differ (missing from the groups: {missing[:3]})"
@@ -143,7 +143,7 @@ class DistributedOptimizer:
 
         # torch's AdamW over the segments (1-D views of the main shard), with the moments as
         # views of the flat tensors: the exact update rule of the single-process optimizer.
-        groups: dict[float, list[torch.Tensor]] = {}
+        groups: dict[tuple[float, float], list[torch.Tensor]] = {}
         self._masters = []
         self._params = []  # the parameter buffer's segments (the masters themselves in fp32)
         for seg in self.segments:
@@ -158,7 +158,7 @@ class DistributedOptimizer:
         self._adam = None
         if self.segments:  # a rank may own only padding (a tiny model over many ranks)
             self._adam = torch.optim.AdamW(
-                [{"params": ps, "weight_decay": wd} for wd, ps in groups.items()],
+                [{"params": ps, "weight_decay": wd, "wd_mult": mult} for (wd, mult), ps in groups.items()],
                 lr=lr,
                 betas=betas,
                 eps=eps,
@@ -195,6 +195,7 @@ class DistributedOptimizer:
                 {
                     "params": [p for p in g["params"] if not subset or id(p) in mine],
                     "weight_decay": g["weight_decay"],
+                    "wd_mult": g.get("wd_mult", 1.0),
                 }
                 for g in opt.param_groups
             ],
@@ -220,11 +221,11 @@ class DistributedOptimizer:
         clip_(grads, norm, max_norm)
         return float(norm)
 
-    def set_lr(self, lr: float) -> None:
+    def set_schedule(self, lr: float, weight_decay: float) -> None:
+        """This step's learning rate and weight decay (times each group's `wd_mult`)."""
         self.lr = lr
-        if self._adam is not None:
-            for g in self._adam.param_groups:
-                g["lr"] = lr
+        for g in self._adam.param_groups if self._adam is not None else ():
+            g["lr"], g["weight_decay"] = lr, weight_decay * g["wd_mult"]
 
     @torch.no_grad()
     def step(self) -> None:

@@ -1,4 +1,4 @@
-"""AdamW with Megatron's parameter groups, and its state as checkpoint tensors."""
+"""AdamW with its weight-decay groups, and its state as checkpoint tensors."""
 
 from __future__ import annotations
 
@@ -9,20 +9,26 @@ from mlm.checkpoint.keys import MOMENTS, moment_key
 from mlm.config import OptimizerConfig
 
 
-def no_decay(name: str, p: nn.Parameter) -> bool:
-    """Norm weights, biases (all 1-d) and embeddings are exempt from weight decay."""
-    return p.ndim < 2 or "embed" in name
+def exempt(name: str, p: nn.Parameter, rule: str) -> bool:
+    """Whether parameter `name` has no weight decay under `optimizer.weight_decay_exempt` `rule`:
+    1d (Megatron-LM's: biases and 1-d parameters, i.e. norms), 1d_and_embeddings (also the
+    embeddings) or none."""
+    if rule == "none":
+        return False
+    return p.ndim < 2 or name.endswith(".bias") or (rule == "1d_and_embeddings" and "embed" in name)
 
 
 def make_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
-    decay, exempt = [], []
+    """AdamW over the trainable parameters in two groups, decayed and exempt. Each group's
+    `wd_mult` (1 or 0) scales the step's weight decay (`TrainOptimizer.step`), as Megatron-LM's."""
+    decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:  # e.g. the MoE router's expert bias (updated by its own rule)
             continue
-        (exempt if cfg.no_decay_norms_biases_embeddings and no_decay(name, p) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
-    if exempt:
-        groups.append({"params": exempt, "weight_decay": 0.0})
+        (no_decay if exempt(name, p, cfg.weight_decay_exempt) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay, "wd_mult": 1.0}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0})
     return torch.optim.AdamW(
         groups,
         lr=cfg.lr,
@@ -30,6 +36,13 @@ def make_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device)
         eps=cfg.adam_eps,
         fused=device.type in ("cuda", "cpu"),
     )
+
+
+def set_schedule(opt: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:
+    """This step's learning rate and weight decay on every group of `opt` (scaled by its `wd_mult`)."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+        group["weight_decay"] = weight_decay * group["wd_mult"]
 
 
 def adam_state_tensors(model: nn.Module, opt: torch.optim.AdamW, step: int) -> dict[str, torch.Tensor]:

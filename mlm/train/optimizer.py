@@ -36,7 +36,7 @@ from mlm.parallel.grad_norm import any_nonfinite, clip_, global_grad_norm
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import model_shards
 from mlm.parallel.placement import placements
-from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step
+from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step, set_schedule
 
 
 class TrainOptimizer:
@@ -146,15 +146,15 @@ class TrainOptimizer:
         clip_([t for t, _ in self.pieces()], norm, max_norm)
         return float(norm)
 
-    def step(self, lr: float) -> None:
-        """AdamW; under the distributed optimizer the parameters' all-gathers are left in flight."""
+    def step(self, lr: float, weight_decay: float) -> None:
+        """AdamW at `lr`, each group's `weight_decay` times its `wd_mult`; under the distributed
+        optimizer the parameters' all-gathers are left in flight."""
         if self.dists:
             for d in self.dists:
-                d.set_lr(lr)
+                d.set_schedule(lr, weight_decay)
                 d.step()
             return
-        for group in self.adamw.param_groups:
-            group["lr"] = lr
+        set_schedule(self.adamw, lr, weight_decay)
         self.adamw.step()
         self._params_from_mains()
 

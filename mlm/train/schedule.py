@@ -1,5 +1,8 @@
-"""Learning-rate schedules: linear warm-up, then cosine / linear / constant / WSD decay to min_lr
-(Megatron's OptimizerParamScheduler semantics)."""
+"""The learning-rate and weight-decay schedules: Megatron-LM's `OptimizerParamScheduler` formulas
+(megatron/core/optimizer_param_scheduler.py, core_v0.16.1), evaluated at optimizer step `step`
+(from 0), as Megatron evaluates them after `step` scheduler steps. mlm's one difference is its
+default `warmup_offset` 1: warm-up step s runs at position s + 1, so the first step trains
+(docs/train.md, "Megatron-LM's schedule")."""
 
 from __future__ import annotations
 
@@ -8,23 +11,55 @@ import math
 from mlm.config import OptimizerConfig
 
 
-def lr_at(step: int, cfg: OptimizerConfig, total_iters: int) -> float:
-    """The LR for optimizer step `step` (0-based) of a run of `total_iters` steps."""
-    warmup = cfg.warmup_iters
-    if warmup > 0 and step < warmup:
-        return cfg.lr * (step + 1) / warmup
+def warmup_steps(cfg: OptimizerConfig, total_iters: int) -> float:
+    """The warm-up length: `warmup_iters`, or `warmup_fraction` of the decay iterations (a fraction
+    of a step, as Megatron-LM keeps it)."""
+    if cfg.warmup_fraction is not None:
+        return cfg.warmup_fraction * (cfg.decay_iters or total_iters)
+    return cfg.warmup_iters
+
+
+def _cosine(ratio: float) -> float:
+    return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+
+
+_WSD = {
+    "linear": lambda r: 1.0 - r,
+    "cosine": _cosine,
+    "exponential": lambda r: 2.0 * 0.5**r - 1.0,
+    "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
+}
+"""The final decay of wsd: coefficient of (lr - min_lr) at the fraction r of it done."""
+
+
+def lr_at(step: int, cfg: OptimizerConfig, total_iters: int, batch: int = 1) -> float:
+    """The learning rate of optimizer step `step` (from 0) of a run of `total_iters` steps of
+    `batch` samples. Megatron-LM counts its scheduler in samples; only inverse-square-root
+    without warm-up depends on the unit (its position is at least one sample)."""
+    lr, warmup = cfg.lr, warmup_steps(cfg, total_iters)
+    if warmup > 0 and step + cfg.warmup_offset <= warmup:
+        return cfg.lr_warmup_init + (lr - cfg.lr_warmup_init) * (step + cfg.warmup_offset) / warmup
     if cfg.decay_style == "constant":
-        return cfg.lr
-    decay_end = cfg.decay_iters or total_iters
+        return lr
+    decay = cfg.decay_iters or total_iters
+    if step > decay:
+        return cfg.min_lr
+    if cfg.decay_style == "inverse-square-root":
+        return max(cfg.min_lr, lr * math.sqrt(max(warmup * batch, 1) / max(step * batch, 1)))
     if cfg.decay_style == "wsd":
-        decay_start = max(warmup, decay_end - cfg.wsd_decay_iters)
-        if step < decay_start:
-            return cfg.lr
-        frac = min(1.0, (step - decay_start) / max(1, decay_end - decay_start))
-        return cfg.lr - (cfg.lr - cfg.min_lr) * frac
-    frac = min(1.0, max(0.0, (step - warmup) / max(1, decay_end - warmup)))
-    if cfg.decay_style == "linear":
-        coeff = 1.0 - frac
+        start = decay - cfg.wsd_decay_iters
+        coeff = 1.0 if step <= start else _WSD[cfg.wsd_decay_style]((step - start) / cfg.wsd_decay_iters)
     else:
-        coeff = 0.5 * (math.cos(math.pi * frac) + 1.0)
-    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+        ratio = min(1.0, max(0.0, (step - warmup) / max(decay - warmup, 1e-12)))
+        coeff = 1.0 - ratio if cfg.decay_style == "linear" else _cosine(ratio)
+    return cfg.min_lr + coeff * (lr - cfg.min_lr)
+
+
+def weight_decay_at(step: int, cfg: OptimizerConfig, total_iters: int) -> float:
+    """The weight decay of optimizer step `step` (before each group's exemption)."""
+    if cfg.weight_decay_incr_style == "constant":
+        return cfg.weight_decay
+    start, end = cfg.start_weight_decay, cfg.end_weight_decay
+    ratio = min(1.0, step / max(total_iters, 1))
+    coeff = ratio if cfg.weight_decay_incr_style == "linear" else _cosine(1.0 - ratio)
+    return start + coeff * (end - start)

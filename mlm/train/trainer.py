@@ -48,7 +48,7 @@ from mlm.train.faults import Fault, FaultMonitor, StepStart, expert_biases
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optimizer import TrainOptimizer
 from mlm.train.scaler import LossScaler
-from mlm.train.schedule import lr_at
+from mlm.train.schedule import lr_at, weight_decay_at
 from mlm.train.stragglers import StragglerDetector, WorkClock
 from mlm.train.watchdog import Watchdog, pg_timeout
 from mlm.units import DTYPES
@@ -240,7 +240,7 @@ class Trainer(TrainerCheckpoints):
         if self.scaler and not overflow:
             opt.unscale(1.0 / scale)
         self._beat("optimizer step")
-        lr = lr_at(self.iteration, self.cfg.optimizer, self.total_iters)
+        lr = lr_at(self.iteration, self.cfg.optimizer, self.total_iters, self.cfg.train.global_batch_size)
         grad_norm = float("nan")
         fault = None
         if not overflow:  # the norm is computed (and tested) whether or not it clips
@@ -256,7 +256,7 @@ class Trainer(TrainerCheckpoints):
             if not overflow:
                 # AdamW's arithmetic is own work (the distributed one also waits for its all-gathers)
                 with self.work_clock.span(on=not opt.dists):
-                    opt.step(lr)
+                    opt.step(lr, weight_decay_at(self.iteration, self.cfg.optimizer, self.total_iters))
                 self.optimizer_step += 1
                 self.faults.applied(loss)
             if self.scaler:
@@ -279,7 +279,7 @@ class Trainer(TrainerCheckpoints):
             highlight=False,
         )
         self.faults.counts["skipped"] += 1
-        lr = lr_at(self.iteration, self.cfg.optimizer, self.total_iters)
+        lr = lr_at(self.iteration, self.cfg.optimizer, self.total_iters, self.cfg.train.global_batch_size)
         nan = float("nan")
         return {
             "loss": nan,

@@ -349,6 +349,8 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
 _SAME = {  # Megatron-LM args → mlm fields of the same meaning
     "lr": "optimizer.lr",
     "min_lr": "optimizer.min_lr",
+    "lr_warmup_init": "optimizer.lr_warmup_init",
+    "lr_warmup_fraction": "optimizer.warmup_fraction",
     "adam_beta1": "optimizer.adam_beta1",
     "adam_beta2": "optimizer.adam_beta2",
     "adam_eps": "optimizer.adam_eps",
@@ -362,15 +364,22 @@ _SAME = {  # Megatron-LM args → mlm fields of the same meaning
 _IN_ITERS = {  # mlm fields counted in iterations ← Megatron-LM's args in iterations, or in samples
     "optimizer.warmup_iters": ("lr_warmup_iters", "lr_warmup_samples"),
     "optimizer.decay_iters": ("lr_decay_iters", "lr_decay_samples"),
+    "optimizer.wsd_decay_iters": ("lr_wsd_decay_iters", "lr_wsd_decay_samples"),
     "train.train_iters": ("train_iters", "train_samples"),
 }
+
+_DECAY_STYLES = {"constant": "constant", "linear": "linear", "cosine": "cosine",
+                 "inverse-square-root": "inverse-square-root", "WSD": "wsd"}  # fmt: skip
+"""Megatron-LM's --lr-decay-style → mlm's optimizer.decay_style (the same formula, mlm.train.schedule)."""
 
 
 def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
     """({"optimizer.lr": …, "train.train_iters": …}: the mlm settings that mean what Megatron-LM's
-    `args` mean; notes naming what is not carried). Iteration counts come from `*_iters`, or from
-    `*_samples` divided by global_batch_size where it divides."""
+    `args` mean, Megatron's schedule and weight-decay groups included; notes naming what is not
+    carried). Iteration counts come from `*_iters`, or from `*_samples` divided by
+    global_batch_size where it divides."""
     out = {ours: args[theirs] for theirs, ours in _SAME.items() if args.get(theirs) is not None}
+    out |= {"optimizer.warmup_offset": 0, "optimizer.weight_decay_exempt": "1d"}  # Megatron's
     notes = []
     gbs = args.get("global_batch_size")
     for ours, (iters, samples) in _IN_ITERS.items():
@@ -382,35 +391,22 @@ def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
             notes.append(
                 f"args.{samples}={args[samples]} is not a whole number of global batches ({gbs}): not carried"
             )
-    if args.get("lr_warmup_fraction") is not None:
-        decay = out.get("optimizer.decay_iters") or out.get("train.train_iters")
-        if decay:
-            warmup = args["lr_warmup_fraction"] * decay
-            out["optimizer.warmup_iters"] = round(warmup)
-            if warmup != round(warmup):  # Megatron warms up over that many samples' worth, fractions included
-                notes.append(
-                    f"args.lr_warmup_fraction={args['lr_warmup_fraction']} × {decay} decay iterations = {warmup:g} "
-                    f"warm-up iterations, rounded to optimizer.warmup_iters={round(warmup)}"
-                )
     style = args.get("lr_decay_style")
-    if style in ("cosine", "linear", "constant"):
-        out["optimizer.decay_style"] = style
-    elif style == "WSD" and args.get("lr_wsd_decay_style") == "linear" and args.get("lr_wsd_decay_iters"):
-        out |= {"optimizer.decay_style": "wsd", "optimizer.wsd_decay_iters": int(args["lr_wsd_decay_iters"])}
+    if style in _DECAY_STYLES:
+        out["optimizer.decay_style"] = _DECAY_STYLES[style]
     elif style is not None:
         notes.append(f"args.lr_decay_style={style} has no mlm equal: optimizer.decay_style is mlm's (set it)")
-    start, end = args.get("start_weight_decay"), args.get("end_weight_decay")
-    if args.get("weight_decay") is not None and (start is None or start == end):
+    if style == "WSD" and args.get("lr_wsd_decay_style"):
+        out["optimizer.wsd_decay_style"] = args["lr_wsd_decay_style"]
+    incr = args.get("weight_decay_incr_style") or "constant"
+    if incr == "constant" and args.get("weight_decay") is not None:
         out["optimizer.weight_decay"] = args["weight_decay"]
-    elif args.get("weight_decay") is not None:
-        notes.append(f"args weight decay {start} → {end} (incremented) has no mlm equal: not carried")
-    if out.get("optimizer.warmup_iters"):
-        notes.append(
-            "warm-up: Megatron's step k (from 0) uses lr·k/warmup (lr_warmup_init 0), mlm's lr·(k+1)/warmup; "
-            "equal after the warm-up"
-        )
-    notes.append(
-        "weight decay groups: Megatron exempts biases and 1-d parameters, mlm also the embeddings "
-        "(optimizer.no_decay_norms_biases_embeddings)"
-    )
+    elif incr in ("linear", "cosine"):
+        out["optimizer.weight_decay_incr_style"] = incr
+        out |= {f"optimizer.{k}": args[k] for k in ("start_weight_decay", "end_weight_decay")}
+    for name in ("decoupled_lr", "decoupled_min_lr"):
+        if args.get(name) is not None:
+            notes.append(
+                f"args.{name}={args[name]} (the embeddings' own learning rate) has no mlm equal: not carried"
+            )
     return out, notes

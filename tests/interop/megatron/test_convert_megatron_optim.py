@@ -326,36 +326,32 @@ def test_command_line(imported, tmp_path):
 
 
 def test_run_settings_carry_equal_meanings_only():
-    """Sample counts become iterations where whole global batches; what mlm has no equal for is
-    named in a note, not carried."""
+    """Sample counts become iterations where whole global batches; Megatron's schedule, warm-up
+    position and weight-decay groups are carried as settings; what mlm has no equal for is named
+    in a note, not carried."""
     settings, notes = run_settings(
         {"lr": 3e-4, "min_lr": 3e-5, "global_batch_size": 8, "lr_warmup_samples": 80, "lr_decay_samples": 801,
          "train_samples": 1600, "lr_decay_style": "inverse-square-root", "weight_decay": 0.1,
-         "start_weight_decay": 0.0, "end_weight_decay": 0.1}
+         "weight_decay_incr_style": "linear", "start_weight_decay": 0.0, "end_weight_decay": 0.1,
+         "lr_warmup_init": 1e-5, "decoupled_lr": 1e-4}
     )  # fmt: skip
+    megatron = {"optimizer.warmup_offset": 0, "optimizer.weight_decay_exempt": "1d"}
     assert settings == {
         "optimizer.lr": 3e-4, "optimizer.min_lr": 3e-5, "train.global_batch_size": 8,
-        "optimizer.warmup_iters": 10, "train.train_iters": 200,
+        "optimizer.warmup_iters": 10, "train.train_iters": 200, "optimizer.decay_style": "inverse-square-root",
+        "optimizer.weight_decay_incr_style": "linear", "optimizer.start_weight_decay": 0.0,
+        "optimizer.end_weight_decay": 0.1, "optimizer.lr_warmup_init": 1e-5, **megatron,
     }  # fmt: skip
     text = " ".join(notes)
     assert "lr_decay_samples=801 is not a whole number of global batches (8)" in text
-    assert "lr_decay_style=inverse-square-root has no mlm equal" in text
-    assert "weight decay 0.0 → 0.1 (incremented)" in text and "warm-up" in text
-    wsd = {"lr_decay_style": "WSD", "lr_wsd_decay_style": "linear", "lr_wsd_decay_iters": 50, "lr_warmup_fraction": 0.1,
-           "train_iters": 1000}  # fmt: skip
-    assert run_settings(wsd)[0] == {
-        "optimizer.decay_style": "wsd", "optimizer.wsd_decay_iters": 50, "optimizer.warmup_iters": 100,
-        "train.train_iters": 1000,
-    }  # fmt: skip
-
-
-def test_warmup_fraction_rounding_is_said():
-    """A warm-up fraction of the decay that is not whole iterations is rounded, with a note."""
-    settings, notes = run_settings({"lr_warmup_fraction": 0.013, "train_iters": 1000})
-    assert settings["optimizer.warmup_iters"] == 13 and "rounded" not in " ".join(notes)
-    settings, notes = run_settings({"lr_warmup_fraction": 0.0125, "train_iters": 1000})
-    assert settings["optimizer.warmup_iters"] == 12
-    assert "12.5 warm-up iterations, rounded to optimizer.warmup_iters=12" in " ".join(notes)
+    assert "args.decoupled_lr=0.0001 (the embeddings' own learning rate) has no mlm equal" in text
+    wsd = {"lr_decay_style": "WSD", "lr_wsd_decay_style": "minus_sqrt", "lr_wsd_decay_iters": 50,
+           "lr_warmup_fraction": 0.0125, "train_iters": 1000}  # fmt: skip
+    assert run_settings(wsd) == (
+        {"optimizer.decay_style": "wsd", "optimizer.wsd_decay_iters": 50, "optimizer.wsd_decay_style": "minus_sqrt",
+         "optimizer.warmup_fraction": 0.0125, "train.train_iters": 1000, **megatron},
+        [],
+    )  # fmt: skip
 
 
 def test_refused_legacy_distrib_optim(imported):

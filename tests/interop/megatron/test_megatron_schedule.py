@@ -1,0 +1,103 @@
+"""mlm's learning-rate and weight-decay schedules against megatron-core's own
+`OptimizerParamScheduler` (skipped where megatron-core is not installed), and the weight-decay
+groups against Megatron's rule.
+
+Megatron counts its scheduler in samples: it is built with every length times the global batch
+(`get_optimizer_param_scheduler`), stepped once at construction and then by one global batch after
+each optimizer step. So optimizer step s runs at its value after s increments, which mlm's
+`lr_at(s)` with `optimizer.warmup_offset=0` must equal (relative 1e-12: the same formula in samples
+rather than iterations, rounding apart)."""
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mlm.config import OptimizerConfig, load_config
+from mlm.model.gpt import GPT
+from mlm.train.adamw import exempt, make_optimizer
+from mlm.train.schedule import lr_at, weight_decay_at
+
+TRAIN, GBS = 40, 4
+
+
+def _megatron(cfg: OptimizerConfig, style: str):
+    """megatron-core's scheduler for `cfg` over a run of TRAIN iterations of GBS samples, as
+    Megatron-LM's `get_optimizer_param_scheduler` builds it from iteration counts."""
+    sched = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    decay = (cfg.decay_iters or TRAIN) * GBS
+    warmup = cfg.warmup_fraction * decay if cfg.warmup_fraction is not None else cfg.warmup_iters * GBS
+    wd = (cfg.start_weight_decay, cfg.end_weight_decay)
+    if cfg.weight_decay_incr_style == "constant":
+        wd = (cfg.weight_decay, cfg.weight_decay)
+    return sched.OptimizerParamScheduler(
+        SimpleNamespace(param_groups=[{"wd_mult": 1.0}, {"wd_mult": 0.0}]),
+        init_lr=cfg.lr_warmup_init, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=decay, lr_decay_style=style, start_wd=wd[0], end_wd=wd[1], wd_incr_steps=TRAIN * GBS,
+        wd_incr_style=cfg.weight_decay_incr_style, wsd_decay_steps=cfg.wsd_decay_iters * GBS,
+        lr_wsd_decay_style=cfg.wsd_decay_style,
+    )  # fmt: skip
+
+
+STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant",
+          "inverse-square-root": "inverse-square-root", "wsd": "WSD"}  # fmt: skip
+WARMUPS = [{}, {"warmup_iters": 5}, {"warmup_iters": 5, "lr_warmup_init": 1e-4}, {"warmup_fraction": 0.13}]
+DECAYS = [{}, {"decay_iters": 30}]
+WSD = [
+    {"wsd_decay_iters": 10, "wsd_decay_style": s} for s in ("linear", "cosine", "exponential", "minus_sqrt")
+]
+WEIGHT_DECAYS = [{}, {"weight_decay_incr_style": "linear", "start_weight_decay": 0.0, "end_weight_decay": 0.1},
+                 {"weight_decay_incr_style": "cosine", "start_weight_decay": 0.01, "end_weight_decay": 0.2}]  # fmt: skip
+
+
+def _cases():
+    for style, warmup, decay, wd in itertools.product(STYLES, WARMUPS, DECAYS, WEIGHT_DECAYS):
+        for wsd in WSD if style == "wsd" else [{}]:
+            yield {"decay_style": style, **warmup, **decay, **wsd, **wd}
+
+
+@pytest.mark.parametrize("settings", list(_cases()), ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_schedules_equal_megatron_core(settings):
+    cfg = OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_offset=0, **settings)
+    theirs = _megatron(cfg, STYLES[cfg.decay_style])
+    decayed, exempted = theirs.optimizer.param_groups
+    for step in range(TRAIN + 3):  # past the decay's end too
+        assert lr_at(step, cfg, TRAIN, GBS) == pytest.approx(decayed["lr"], rel=1e-12, abs=1e-15), step
+        wd = weight_decay_at(step, cfg, TRAIN)
+        assert (
+            wd == pytest.approx(decayed["weight_decay"], rel=1e-12, abs=1e-15)
+            and exempted["weight_decay"] == 0
+        )
+        theirs.step(GBS)
+
+
+def test_mlm_warmup_is_one_step_ahead():
+    """mlm's default (warmup_offset 1) is Megatron's warm-up one step ahead, so the first step
+    trains; from the end of the warm-up on the two are the same."""
+    ours = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_iters=4)
+    megatron = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_iters=4, warmup_offset=0)
+    assert [lr_at(s, ours, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert [lr_at(s, megatron, 20) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert all(lr_at(s, ours, 20) == lr_at(s, megatron, 20) for s in range(4, 22))
+
+
+def test_weight_decay_groups():
+    """`1d` is Megatron's rule (biases and 1-d parameters, norms included, are exempt: the
+    embeddings and the output layer decay); mlm's default `1d_and_embeddings` also exempts the
+    embeddings; `none` decays everything. Each group's wd_mult scales the step's weight decay."""
+    model = GPT(load_config(None, ["preset=tiny-gpt2", "data.seq_length=8"]).model)
+    params = dict(model.named_parameters())
+    megatron = {n for n, p in params.items() if len(p.shape) == 1 or n.endswith(".bias")}
+    assert {n for n, p in params.items() if exempt(n, p, "1d")} == megatron
+    assert {"embed.weight", "pos_embed.weight"} <= set(params) - megatron
+    assert {n for n, p in params.items() if exempt(n, p, "1d_and_embeddings")} == megatron | {
+        "embed.weight",
+        "pos_embed.weight",
+    }
+    assert not any(exempt(n, p, "none") for n, p in params.items())
+    opt = make_optimizer(model, OptimizerConfig(weight_decay_exempt="1d"), torch.device("cpu"))
+    assert [(g["wd_mult"], len(g["params"])) for g in opt.param_groups] == [
+        (1.0, len(params) - len(megatron)),
+        (0.0, len(megatron)),
+    ]
