@@ -1,4 +1,4 @@
-"""`mlm config ...`: list presets, show a resolved config."""
+"""`mlm config ...`: list presets, show a resolved config, translate a Megatron-LM command line."""
 
 from __future__ import annotations
 
@@ -68,6 +68,40 @@ def show(
         )
     print(f"# training FLOPs per token at seq {cfg.data.seq_length}: {f:.4g}")
     print(to_toml(cfg), end="")
+
+
+@app.command("from-megatron", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def from_megatron(
+    out: Path = typer.Argument(..., help="The mlm run config to write (TOML); must not exist."),
+    argv: list[str] = typer.Argument(
+        None, help="After --: pretrain_gpt.py's arguments, as in the SLURM script."
+    ),
+) -> None:
+    """Write the mlm run config that trains what a Megatron-LM command line trains: model, schedule,
+    precision, parallel layout and data; every argument mlm does not honour is named."""
+    from mlm.config import load_config, to_toml
+    from mlm.console import console
+    from mlm.convert.megatron.command_line import command_line_sets
+    from mlm.errors import MlmError
+    from mlm.fileio import atomic_write_text
+    from mlm.model import parameter_counts
+
+    if out.exists():
+        raise MlmError(f"{out} exists; choose a new file name (mlm config from-megatron does not overwrite)")
+    if not argv:
+        raise MlmError("mlm config from-megatron OUT.toml -- ARGS: pass pretrain_gpt.py's arguments after --")
+    sets, notes = command_line_sets(argv)
+    cfg = load_config(None, sets)
+    atomic_write_text(out, to_toml(cfg))
+    counts = parameter_counts(cfg.model)
+    console.print(
+        f"[bold green]wrote[/] {out}: {counts.total:,} parameters, {cfg.model.num_layers} layers, "
+        f"{cfg.parallel.tp}-way tp, {cfg.parallel.pp}-way pp, {cfg.train.precision}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    for note in notes:
+        console.print(f"[bold yellow]note:[/] {note}", highlight=False, soft_wrap=True)
 
 
 def _symbols() -> str:

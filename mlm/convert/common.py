@@ -128,7 +128,8 @@ def write_import(
             report.tokenizer_files = names
             data = dataclasses.replace(config.data, tokenizer=str((out / TOKENIZER_DIR).resolve()))
             config = dataclasses.replace(config, data=data)
-            extra = {**extra, "tokenizer": {"path": TOKENIZER_DIR, "files": names}}
+        if tokenizer is not None:  # the record says the source had none
+            extra = {**extra, "tokenizer": {"path": TOKENIZER_DIR, "files": names} if names else None}
         save_streaming(tmp, iteration, tensors(), {**extra, "config": config.to_dict()}, groups)
         (tmp / "config.toml").write_text(to_toml(config))
         if check is not None:

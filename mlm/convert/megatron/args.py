@@ -41,7 +41,7 @@ normalization, swiglu (exact GELU otherwise), use_rope_scaling with rope_scaling
 coefficient by moe_router_load_balancing_type, and vocab_size; and the args it refuses)."""
 
 
-_REFUSED_ARGS = {
+REFUSED_ARGS = {
     "rotary_interleaved": "interleaved RoPE (mlm rotates halves)",
     "apply_layernorm_1p": "zero-centered norm weights (1 + weight)",
     "squared_relu": "the squared-ReLU MLP",
@@ -67,7 +67,7 @@ def saved_args(common: dict) -> dict:
 def args_overrides(common: dict) -> list[str]:
     """model.* fields from Megatron-LM's saved `args` (a Namespace in common.pt), as --set strings."""
     args = saved_args(common)
-    for name, what in _REFUSED_ARGS.items():
+    for name, what in REFUSED_ARGS.items():
         if args.get(name):
             raise MlmError(
                 f"Megatron args {name}={args[name]!r}: {what} is not imported by mlm convert from-megatron"
@@ -410,3 +410,15 @@ def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
                 f"args.{name}={args[name]} (the embeddings' own learning rate) has no mlm equal: not carried"
             )
     return out, notes
+
+
+READ = frozenset({
+    *_ARGS, *REFUSED_ARGS, *_MLA_ARGS, *_SAME, *(n for pair in _IN_ITERS.values() for n in pair),
+    "window_size", "no_rope_freq", "rotary_percent", "position_embedding_type", "multi_latent_attention",
+    "group_query_attention", "num_query_groups", "normalization", "swiglu", "use_rope_scaling",
+    "rope_scaling_factor", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "vocab_size",
+    "qk_layernorm", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "lr_decay_style",
+    "lr_wsd_decay_style", "weight_decay_incr_style", "weight_decay", "start_weight_decay",
+    "end_weight_decay", "decoupled_lr", "decoupled_min_lr",
+})  # fmt: skip
+"""Every Megatron-LM argument the translations here read (`args_overrides`, `run_settings`)."""
