@@ -214,6 +214,8 @@ def _structure(args: dict) -> dict:
         "num_query_groups": args.get("num_query_groups") or 1 if args.get("group_query_attention") else heads,
         "max_position_embeddings": args.get("max_position_embeddings") or args["seq_length"],
     }
+    if not args.get("multi_latent_attention"):  # Megatron-LM's default head dim, as an import sets it
+        out["kv_channels"] = args.get("kv_channels") or h // heads
     if args.get("num_experts"):
         moe = {"mlp_kind": "moe", "mlp_kind_freq": moe_layer_freq(args["moe_layer_freq"], args["num_layers"]),
                "moe.num_experts": args["num_experts"], "moe.ffn_hidden_size": args.get("moe_ffn_hidden_size") or ffn}  # fmt: skip

@@ -638,3 +638,78 @@ def save_mtp_reference(
     dist_checkpointing.save(model.sharded_state_dict(), out, sharded_strategy=strategy)
     ps.destroy_model_parallel()
     return loss, losses
+
+
+def init_and_train(rank: int, world: int, out: str, vocab: int, batches: list | None, args) -> dict | None:
+    """The tiny Llama-like GPTModel (`_gpt`, seed 0, `vocab` rows) of Megatron-LM's pretraining:
+    with `batches` None, its initial weights saved (torch_dist) into `out`; else those weights
+    loaded from `out` and trained one step per entry of `batches` (each a list of [micro, SEQ + 1]
+    token micro-batches) as Megatron-LM's `train_step` does at dp 1: per micro-batch the mean
+    token loss (GPTModel's own cross-entropy) divided by their number, DDP + Adam from
+    `get_megatron_optimizer` (its weight-decay groups), clipping, and the OptimizerParamScheduler
+    of `args` in samples, stepped after the optimizer. Returns {"loss", "lr", "grad_norm"} per step."""
+    apply_cpu_patches()
+    apply_optimizer_cpu_patches()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    core = _gpt(False, 1, vocab).train()
+    if batches is None:
+        os.makedirs(out, exist_ok=True)
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+        dist_checkpointing.save(core.sharded_state_dict(), out, sharded_strategy=strategy)
+        ps.destroy_model_parallel()
+        return None
+    dist_checkpointing.load(core.sharded_state_dict(), out)
+    core.output_layer.gather_output = (
+        False  # parallel output, as pretrain_gpt.py trains (the loss works in place)
+    )
+    ddp = DistributedDataParallel(core.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), core)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+        ),
+        [ddp],
+    )  # fmt: skip
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        opt, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+        wsd_decay_steps=args.lr_wsd_decay_iters * gbs, lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )  # fmt: skip
+    out_steps = {"loss": [], "lr": [], "grad_norm": []}
+    for micro in batches:
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        total = 0.0
+        for tokens in micro:
+            ids, labels = tokens[:, :-1], tokens[:, 1:]
+            pos = torch.arange(ids.shape[1]).expand_as(ids)
+            mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)[
+                None, None
+            ]
+            loss = ddp(ids, pos, mask.expand(ids.shape[0], 1, -1, -1), labels=labels).float().mean()
+            (loss / len(micro)).backward()
+            total += loss.item() / len(micro)
+        finalize_model_grads([ddp])
+        out_steps["lr"].append(opt.param_groups[0]["lr"])
+        applied, grad_norm, _ = opt.step()
+        assert applied
+        scheduler.step(increment=gbs)
+        out_steps["loss"].append(total)
+        out_steps["grad_norm"].append(float(grad_norm))
+    ps.destroy_model_parallel()
+    return out_steps
