@@ -640,14 +640,19 @@ def save_mtp_reference(
     return loss, losses
 
 
-def init_and_train(rank: int, world: int, out: str, vocab: int, batches: list | None, args) -> dict | None:
+def init_and_train(
+    rank: int, world: int, out: str, vocab: int, batches: list | None, args, save_at: int = 0
+) -> dict | None:
     """The tiny Llama-like GPTModel (`_gpt`, seed 0, `vocab` rows) of Megatron-LM's pretraining:
     with `batches` None, its initial weights saved (torch_dist) into `out`; else those weights
     loaded from `out` and trained one step per entry of `batches` (each a list of [micro, SEQ + 1]
     token micro-batches) as Megatron-LM's `train_step` does at dp 1: per micro-batch the mean
     token loss (GPTModel's own cross-entropy) divided by their number, DDP + Adam from
     `get_megatron_optimizer` (its weight-decay groups), clipping, and the OptimizerParamScheduler
-    of `args` in samples, stepped after the optimizer. Returns {"loss", "lr", "grad_norm"} per step."""
+    of `args` in samples, stepped after the optimizer. With `save_at`, after that many steps the run
+    is saved as Megatron-LM's save_checkpoint saves it into `out`-resumed/iter_N (torch_dist, the
+    distributed optimizer's state fully_reshardable, `args` with its consumed samples, the
+    scheduler). Returns {"loss", "lr", "grad_norm"} per step."""
     apply_cpu_patches()
     apply_optimizer_cpu_patches()
     from megatron.core import dist_checkpointing
@@ -673,12 +678,13 @@ def init_and_train(rank: int, world: int, out: str, vocab: int, batches: list | 
     core.output_layer.gather_output = (
         False  # parallel output, as pretrain_gpt.py trains (the loss works in place)
     )
-    ddp = DistributedDataParallel(core.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), core)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(core.config, ddp_config, core)
     opt = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad,
+            clip_grad=args.clip_grad, use_distributed_optimizer=True,
         ),
         [ddp],
     )  # fmt: skip
@@ -711,5 +717,32 @@ def init_and_train(rank: int, world: int, out: str, vocab: int, batches: list | 
         scheduler.step(increment=gbs)
         out_steps["loss"].append(total)
         out_steps["grad_norm"].append(float(grad_norm))
+        if len(out_steps["loss"]) == save_at:
+            _save_run(core, opt, scheduler, args, save_at, f"{out}-resumed")
     ps.destroy_model_parallel()
     return out_steps
+
+
+def _save_run(core, opt, scheduler, args, iteration: int, save: str) -> None:
+    """The run at `iteration` as Megatron-LM's save_checkpoint writes it (torch_dist; the
+    distributed optimizer's state fully_reshardable)."""
+    import argparse
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    md = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+          "chained_optim_avoid_prefix": True, "distrib_optim_fully_reshardable_mem_efficient": True}  # fmt: skip
+    msd = core.sharded_state_dict(prefix="", metadata=md)
+    saved = argparse.Namespace(**{**vars(args), "consumed_train_samples": iteration * args.global_batch_size})
+    state = {
+        "iteration": iteration, "checkpoint_version": 3.0, "args": saved, "num_floating_point_operations_so_far": 0,
+        "opt_param_scheduler": dict(scheduler.state_dict()), "model": msd,
+        "optimizer": opt.sharded_state_dict(msd, metadata=md),
+    }  # fmt: skip
+    folder = f"{save}/iter_{iteration:07d}"
+    os.makedirs(folder, exist_ok=True)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dist_checkpointing.save(state, folder, sharded_strategy=strategy, content_metadata=md)
+    with open(f"{save}/latest_checkpointed_iteration.txt", "w") as f:
+        f.write(str(iteration))
