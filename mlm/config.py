@@ -272,6 +272,8 @@ class ModelConfig:
     """Activation recompute: none, selective (attention core) or full (each layer)."""
     fused_cross_entropy: bool = False
     """Compute the loss with the chunked linear + cross-entropy (Liger/Megatron style, mlm.parallel.cross_entropy), never holding the [tokens, vocab] logits."""
+    train_padded_vocab: bool = False
+    """Megatron-LM's loss: the softmax covers the vocabulary's padding rows (make_vocab_size_divisible_by), which are initialised and trained like the others. Off (mlm): they stay zero and outside the softmax."""
     layer_pattern: str = ""
     """Every layer's kinds as Megatron's hybrid layer pattern: * gqa, + mla, - dense, E moe (and the symbols registered kinds add); a mixer and the MLP after it are one layer; /X per MTP depth. Empty: from the four fields below."""
     attention_kind: str = "gqa"

@@ -51,3 +51,23 @@ def test_too_long_sequence_is_a_clear_error():
     model = build_model(ModelConfig(max_position_embeddings=8, position_embedding="learned", vocab_size=50))
     with pytest.raises(MlmError, match="beyond model.max_position_embeddings=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_train_padded_vocab_is_megatrons_loss(fused):
+    """model.train_padded_vocab: the padding rows are drawn like the others and the loss's softmax
+    covers every padded logit (Megatron-LM's); off (mlm's default) they are zeros and left out.
+    Both the plain and the chunked (fused) loss, against F.cross_entropy on the model's logits."""
+    base = dict(
+        num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=100, make_vocab_size_divisible_by=64
+    )
+    tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    for padded in (True, False):
+        model = build_model(ModelConfig(**base, fused_cross_entropy=fused, train_padded_vocab=padded), seed=3)
+        rows = model.embed.weight[100:]
+        assert rows.shape[0] == 28 and bool(rows.abs().sum() > 0) is padded
+        with torch.no_grad():
+            h = model.hidden_states(tokens[:, :-1])
+            logits = model.logits(h)[..., : 128 if padded else 100]
+            want = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            torch.testing.assert_close(model.head_loss(h, tokens[:, 1:]), want, rtol=1e-6, atol=1e-6)

@@ -174,7 +174,7 @@ class GPT(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Megatron's init, each rank drawing only its own slices (`placements`) so that every
         mesh starts from the weights of one process (`mlm.model.init`)."""
-        init_parameters(self, seed, self.cfg, VOCAB_ROWS)
+        init_parameters(self, seed, self.cfg, () if self.cfg.train_padded_vocab else VOCAB_ROWS)
 
     # ------------------------------------------------------------------ forward
 
@@ -269,7 +269,7 @@ class GPT(nn.Module):
         """Cross-entropy of the output layer on normed hidden states: the mean, or with
         `weights_BT` the weighted sum; from the logits, or with model.fused_cross_entropy chunked
         over the tokens without ever holding them (`mlm.parallel.cross_entropy`)."""
-        V = self.cfg.vocab_size
+        V = self.padded_vocab if self.cfg.train_padded_vocab else self.cfg.vocab_size
         if self.cfg.fused_cross_entropy:
             return self.linear_cross_entropy(
                 self.enter_output(h_BTD), self.output_weight(), labels_BT, V, weights_BT

@@ -7,7 +7,8 @@ the global weights are the same under every layout (tp, pp, vpp, dp, cp, ep) as 
 Megatron's rule: normal(0, init_std); output projections (the linears a module declares in its
 `residual_projections`, `mlm.model.contract`: attention's out, the MLP's down) init_std /
 √(2 · layers); norm weights 1, biases 0. The vocabulary's padding rows
-(beyond `cfg.vocab_size`; their number depends on tp) are zeros drawn from no stream.
+(beyond `cfg.vocab_size`; their number depends on tp) are zeros drawn from no stream, unless
+`model.train_padded_vocab` (Megatron's loss), where they are drawn like every row.
 
 How a slice is drawn: a parameter's global tensor, seen as rows × columns (dim 0 × the other
 dims flattened), is cut into blocks that depend only on its global shape (the vocabulary's: on

@@ -641,9 +641,17 @@ def save_mtp_reference(
 
 
 def init_and_train(
-    rank: int, world: int, out: str, vocab: int, batches: list | None, args, save_at: int = 0
+    rank: int,
+    world: int,
+    out: str,
+    vocab: int,
+    batches: list | None,
+    args,
+    save_at: int = 0,
+    gpt2: bool = False,
 ) -> dict | None:
-    """The tiny Llama-like GPTModel (`_gpt`, seed 0, `vocab` rows) of Megatron-LM's pretraining:
+    """The tiny Llama-like GPTModel (`_gpt`, seed 0, `vocab` rows; `gpt2`: the GPT-2-like one) of
+    Megatron-LM's pretraining:
     with `batches` None, its initial weights saved (torch_dist) into `out`; else those weights
     loaded from `out` and trained one step per entry of `batches` (each a list of [micro, SEQ + 1]
     token micro-batches) as Megatron-LM's `train_step` does at dp 1: per micro-batch the mean
@@ -667,7 +675,7 @@ def init_and_train(
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    core = _gpt(False, 1, vocab).train()
+    core = _gpt(False, 1, vocab, gpt2=gpt2).train()
     if batches is None:
         os.makedirs(out, exist_ok=True)
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)

@@ -335,7 +335,11 @@ def test_run_settings_carry_equal_meanings_only():
          "weight_decay_incr_style": "linear", "start_weight_decay": 0.0, "end_weight_decay": 0.1,
          "lr_warmup_init": 1e-5, "decoupled_lr": 1e-4}
     )  # fmt: skip
-    megatron = {"optimizer.warmup_offset": 0, "optimizer.weight_decay_exempt": "1d"}
+    megatron = {
+        "optimizer.warmup_offset": 0,
+        "optimizer.weight_decay_exempt": "1d",
+        "model.train_padded_vocab": True,
+    }
     assert settings == {
         "optimizer.lr": 3e-4, "optimizer.min_lr": 3e-5, "train.global_batch_size": 8,
         "optimizer.warmup_iters": 10, "train.train_iters": 200, "optimizer.decay_style": "inverse-square-root",

@@ -8,8 +8,9 @@ argument list. Skipped where megatron-core is not installed.
 Tolerance: per-step |Δloss| / loss ≤ 1e-5 (measured 7.8e-8 with cosine, 1.2e-7 with WSD, over a
 loss going 6.21 → 6.05 / 5.90), gradient norms within 1e-4 relative, and the learning rate equal
 (relative 1e-12) at every step, for a cosine schedule with warm-up and weight decay 0.1, for WSD
-with a cosine final decay, and for the cosine run resumed in mlm from Megatron's checkpoint at
-step 3, mid-warm-up. About 11 s a case on 2 cores, 17 s with the resume."""
+with a cosine final decay, for the cosine run resumed in mlm from Megatron's checkpoint at step 3,
+mid-warm-up, and for a GPT-2-like model whose 512-token vocabulary Megatron pads to 640 (measured
+1.1e-7; 3.5e-2 without model.train_padded_vocab). About 11 s a case on 2 cores, 17 s with the resume."""
 
 import argparse
 import shlex
@@ -26,17 +27,20 @@ from distributed import run_ranks  # noqa: E402
 from megatron_helpers import SETS, megatron  # noqa: E402, F401 (the fixture)
 from megatron_ref import SEQ, init_and_train  # noqa: E402
 
-MODEL = f"""--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2
---ffn-hidden-size 96 --normalization RMSNorm --norm-epsilon 1e-5 --swiglu --position-embedding-type rope
---rotary-base 10000 --disable-bias-linear --untie-embeddings-and-output-weights --seq-length {SEQ}
---max-position-embeddings {SEQ} --vocab-size 512 --make-vocab-size-divisible-by 128 --attention-dropout 0.0
---hidden-dropout 0.0 --micro-batch-size 2 --global-batch-size 4 --train-iters 20 --lr 1e-3 --min-lr 1e-4
---weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 --split 100,0,0"""
-
-SCHEDULES = {
-    "cosine": "--lr-warmup-iters 5 --lr-decay-iters 20 --lr-decay-style cosine",
-    "wsd": "--lr-warmup-iters 3 --lr-decay-iters 20 --lr-decay-style WSD --lr-wsd-decay-style cosine "
-    "--lr-wsd-decay-iters 8",
+TRAINING = """--attention-dropout 0.0 --hidden-dropout 0.0 --micro-batch-size 2 --global-batch-size 4
+--train-iters 20 --lr 1e-3 --min-lr 1e-4 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8
+--clip-grad 1.0 --split 100,0,0 --norm-epsilon 1e-5"""
+SIZES = f"""--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2
+--ffn-hidden-size 96 --seq-length {SEQ} --max-position-embeddings {SEQ} --vocab-size 512 {TRAINING}"""
+LLAMA = """--normalization RMSNorm --swiglu --position-embedding-type rope --rotary-base 10000 --disable-bias-linear
+--untie-embeddings-and-output-weights --make-vocab-size-divisible-by 128"""
+GPT2 = "--make-vocab-size-divisible-by 640"  # Megatron's defaults: LayerNorm, GELU, biases, learned positions, tied
+COSINE = "--lr-warmup-iters 5 --lr-decay-iters 20 --lr-decay-style cosine"
+WSD = "--lr-warmup-iters 3 --lr-decay-iters 20 --lr-decay-style WSD --lr-wsd-decay-style cosine --lr-wsd-decay-iters 8"
+CASES = {  # (arguments, Megatron's padded vocabulary, megatron_ref's GPT-2-like model)
+    "cosine": (f"{SIZES} {LLAMA} {COSINE}", 512, False),
+    "wsd": (f"{SIZES} {LLAMA} {WSD}", 512, False),
+    "gpt2-padded-vocab": (f"{SIZES} {GPT2} {COSINE}", 640, True),  # 512 tokens, 128 padding rows
 }
 
 
@@ -66,26 +70,30 @@ def _assert_same(steps, theirs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("megatron")
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_twenty_steps_as_megatron(tmp_path, tiny_data, monkeypatch, schedule):
+@pytest.mark.parametrize("case", list(CASES))
+def test_twenty_steps_as_megatron(tmp_path, tiny_data, monkeypatch, case):
     """From the same weights: the 20 steps of each side. For cosine, Megatron's run is also saved
     at step 3 (mid-warm-up) with its optimizer, imported with `mlm convert from-megatron`, and
     `mlm train` goes on from it: steps 4 to 20 as Megatron's."""
-    argv = shlex.split(f"{MODEL} {SCHEDULES[schedule]}")
-    run_ranks(1, init_and_train, str(tmp_path / "init"), 512, None, None)
-    import_megatron(tmp_path / "init", tmp_path / "ckpt", SETS, weights_only=True)
+    text, padded, gpt2 = CASES[case]
+    argv = shlex.split(text)
+    run_ranks(1, init_and_train, str(tmp_path / "init"), padded, None, None, 0, gpt2)
+    vocab = ["model.vocab_size=512", f"model.make_vocab_size_divisible_by={padded}"]
+    import_megatron(tmp_path / "init", tmp_path / "ckpt", [*SETS, *vocab], weights_only=True)
     sets, _ = command_line_sets([*argv, "--data-path", tiny_data])
     run = [f"run_dir='{tmp_path / 'run'}'", "train.eval_interval=0", "logging.tensorboard=false"]
     cfg = load_config(None, [*sets, *run])
-    assert (cfg.optimizer.warmup_offset, cfg.optimizer.weight_decay_exempt) == (0, "1d")
+    o = cfg.optimizer
+    assert (o.warmup_offset, o.weight_decay_exempt, cfg.model.train_padded_vocab) == (0, "1d", True)
+    assert cfg.model.padded_vocab_size() == padded and (cfg.model.activation == "gelu") is gpt2
     steps = _mlm_run(cfg, tmp_path / "ckpt", monkeypatch)
     assert len(steps) == 20 and steps[0][0][0].shape == (2, SEQ + 1)
     args = argparse.Namespace(
         **{"lr_warmup_init": 0.0, "lr_wsd_decay_iters": 0, "lr_wsd_decay_style": None, **parse(argv)}
     )
-    save_at = 3 if schedule == "cosine" else 0
+    save_at = 3 if case == "cosine" else 0
     batches = [b for b, _ in steps]
-    theirs = run_ranks(1, init_and_train, str(tmp_path / "init"), 512, batches, args, save_at)[0]
+    theirs = run_ranks(1, init_and_train, str(tmp_path / "init"), padded, batches, args, save_at, gpt2)[0]
     assert theirs["lr"][0] == 0.0  # Megatron's first step runs at lr_warmup_init
     _assert_same(steps, theirs)
     if not save_at:
