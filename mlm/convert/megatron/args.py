@@ -379,7 +379,11 @@ def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
     carried). Iteration counts come from `*_iters`, or from `*_samples` divided by
     global_batch_size where it divides."""
     out = {ours: args[theirs] for theirs, ours in _SAME.items() if args.get(theirs) is not None}
-    out |= {"optimizer.warmup_offset": 0, "optimizer.weight_decay_exempt": "1d", "model.train_padded_vocab": True}
+    out |= {
+        "optimizer.warmup_offset": 0,
+        "optimizer.weight_decay_exempt": "1d",
+        "model.train_padded_vocab": True,
+    }
     notes = []
     gbs = args.get("global_batch_size")
     for ours, (iters, samples) in _IN_ITERS.items():

@@ -58,7 +58,8 @@ TRANSLATED = {
     "reset_position_ids", "reset_attention_mask", "eval_interval", "eval_iters", "log_interval",
     "save", "load", "save_interval", "recompute_granularity", "multi_latent_attention",
     "weight_decay_incr_style", "start_weight_decay", "end_weight_decay", "lr_warmup_init", "fp8_format",
-    "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
+    "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "recompute_method",
+    "recompute_num_layers",
 }  # fmt: skip
 """Arguments translated here (`args.READ`: those `args_overrides` and `run_settings` translate)."""
 
@@ -189,11 +190,16 @@ def _unsupported(args: dict) -> list[str]:
         out.append(
             "--no-position-embedding without --position-embedding-type rope (mlm has no position-free model)"
         )
-    for name in ("decoupled_lr", "decoupled_min_lr", "expert_tensor_parallel_size", "mock_data"):
-        if args.get(name) not in (None, False, 1) or (name == "mock_data" and args.get(name)):
-            out.append(f"--{name.replace('_', '-')} {args[name]}")
-    if args.get("recompute_granularity") == "full" and args.get("recompute_method") not in (None, "uniform"):
-        out.append(f"--recompute-method {args['recompute_method']} (mlm recomputes every layer: uniform)")
+    bad = {
+        "decoupled_lr": args.get("decoupled_lr") is not None,
+        "decoupled_min_lr": args.get("decoupled_min_lr") is not None,
+        "expert_tensor_parallel_size": args.get("expert_tensor_parallel_size") not in (None, 1),
+        "mock_data": bool(args.get("mock_data")),
+        "recompute_method": args.get("recompute_method") not in (None, "uniform"),
+    }
+    out += [
+        f"--{n.replace('_', '-')}" + ("" if args[n] is True else f" {args[n]}") for n, b in bad.items() if b
+    ]
     return out
 
 
