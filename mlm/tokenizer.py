@@ -270,6 +270,9 @@ TOKENIZER_FILES = (
 )
 """What a tokenizer folder may hold, as Hugging Face names the files: copied with the model."""
 
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""The files of `TOKENIZER_FILES` a tokenizer loads from (the rest only configure one)."""
+
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
     """Copy the tokenizer files found in `src` to `dst` (created if any); their names."""

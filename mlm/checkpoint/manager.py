@@ -459,7 +459,6 @@ def read_group(
 TOKENIZER_DIR = "tokenizer"
 """The checkpoint's own copy of its tokenizer files, beside the iter dirs (manifest `tokenizer`:
 {"path": TOKENIZER_DIR, "files": [...]}), written by `mlm convert from-hf` and `mlm train`."""
-_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # a tokenizer loads from these
 
 
 def checkpoint_tokenizer(manifest: dict, it_dir: Path, vocabulary: bool = True) -> Path | None:
@@ -481,8 +480,10 @@ def checkpoint_tokenizer(manifest: dict, it_dir: Path, vocabulary: bool = True) 
             f"{it_dir / MANIFEST}: the tokenizer record {str(recorded)[:120]} does not name the checkpoint's "
             f"own folder {TOKENIZER_DIR!r} (or that folder links out of it); the manifest is damaged or not mlm's"
         )
+    from mlm.tokenizer import VOCABULARY_FILES
+
     files = recorded.get("files") or []
-    return path if not vocabulary or set(files) & set(_VOCABULARY_FILES) else None
+    return path if not vocabulary or set(files) & set(VOCABULARY_FILES) else None
 
 
 def tokenizer_path(manifest: dict, it_dir: Path) -> Path | None:

@@ -22,7 +22,7 @@ from mlm.config import Config, ModelConfig, to_toml
 from mlm.errors import MlmError
 from mlm.fileio import staged_dir
 from mlm.model.gpt import GPT
-from mlm.tokenizer import copy_tokenizer_files
+from mlm.tokenizer import VOCABULARY_FILES, copy_tokenizer_files
 from mlm.verify import prompt_logits
 
 # Max |logit difference| allowed, relative to max(1, max |logit|) (both sides computed in fp32 on
@@ -124,8 +124,8 @@ def write_import(
 
     with staged_dir(out) as tmp:
         names = copy_tokenizer_files(tokenizer, tmp / TOKENIZER_DIR) if tokenizer is not None else []
-        if names:
-            report.tokenizer_files = names
+        report.tokenizer_files = names
+        if set(names) & set(VOCABULARY_FILES):  # not for a generation_config.json alone
             data = dataclasses.replace(config.data, tokenizer=str((out / TOKENIZER_DIR).resolve()))
             config = dataclasses.replace(config, data=data)
         if tokenizer is not None:  # the record says the source had none

@@ -141,7 +141,8 @@ class TrainerCheckpoints:
         diffs = [
             f"model.{k}: {v!r} in the checkpoint, {getattr(self.cfg.model, k)!r} here"
             for k, v in vars(saved).items()
-            if v != getattr(self.cfg.model, k) and k not in ("attention_backend", "kernels", "recompute", "train_padded_vocab")
+            if v != getattr(self.cfg.model, k)
+            and k not in ("attention_backend", "kernels", "recompute", "train_padded_vocab")
         ]
         if diffs:
             raise MlmError(f"{iter_dir} was saved from another model: " + "; ".join(diffs))

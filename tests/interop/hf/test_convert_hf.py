@@ -146,6 +146,17 @@ def test_tokenizer_files_travel_and_generation_config(tmp_path):
     manifest = read_manifest(resolve_checkpoint(tmp_path / "ckpt"))
     assert manifest["tokenizer"] == {"path": "tokenizer", "files": files}
     assert all((tmp_path / "ckpt" / "tokenizer" / f).is_file() for f in files)
+    assert manifest["config"]["data"]["tokenizer"] == str((tmp_path / "ckpt" / "tokenizer").resolve())
+    # a generation_config.json alone travels, but names no tokenizer for mlm train to load
+    (tmp_path / "gen").mkdir()
+    for f in (tmp_path / "hf").iterdir():
+        if f.name not in files[:2]:
+            (tmp_path / "gen" / f.name).write_bytes(f.read_bytes())
+    r = convert.import_hf(tmp_path / "gen", tmp_path / "gen-ckpt", verify=False)
+    gen_manifest = read_manifest(resolve_checkpoint(tmp_path / "gen-ckpt"))
+    assert (
+        r.tokenizer_files == ["generation_config.json"] and gen_manifest["config"]["data"]["tokenizer"] == ""
+    )
 
     convert.export_hf(tmp_path / "ckpt", tmp_path / "back", verify=False)
     for f in files:  # generation_config.json as the source had it
