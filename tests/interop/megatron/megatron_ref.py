@@ -754,3 +754,25 @@ def _save_run(core, opt, scheduler, args, iteration: int, save: str) -> None:
     dist_checkpointing.save(state, folder, sharded_strategy=strategy, content_metadata=md)
     with open(f"{save}/latest_checkpointed_iteration.txt", "w") as f:
         f.write(str(iteration))
+
+
+def scheduler_values(
+    rank: int, world: int, cases: list[dict], steps: int, increment: int
+) -> list[list[tuple]]:
+    """megatron-core's OptimizerParamScheduler for each of `cases` (its keyword arguments, an
+    optimizer of two groups with wd_mult 1 and 0 given here): (lr, the groups' weight decays)
+    before each of `steps` optimizer steps, stepped by `increment` samples after each."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    out = []
+    for kwargs in cases:
+        groups = [{"wd_mult": 1.0}, {"wd_mult": 0.0}]
+        scheduler = OptimizerParamScheduler(SimpleNamespace(param_groups=groups), **kwargs)
+        values = []
+        for _ in range(steps):
+            values.append((groups[0]["lr"], groups[0]["weight_decay"], groups[1]["weight_decay"]))
+            scheduler.step(increment)
+        out.append(values)
+    return out

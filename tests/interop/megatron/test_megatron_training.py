@@ -78,7 +78,10 @@ def test_twenty_steps_as_megatron(tmp_path, tiny_data, monkeypatch, case):
     text, padded, gpt2 = CASES[case]
     argv = shlex.split(text)
     run_ranks(1, init_and_train, str(tmp_path / "init"), padded, None, None, 0, gpt2)
-    vocab = ["model.vocab_size=512", f"model.make_vocab_size_divisible_by={padded}"]
+    vocab = [
+        "model.vocab_size=512",
+        f"model.make_vocab_size_divisible_by={parse(argv)['make_vocab_size_divisible_by']}",
+    ]
     import_megatron(tmp_path / "init", tmp_path / "ckpt", [*SETS, *vocab], weights_only=True)
     sets, _ = command_line_sets([*argv, "--data-path", tiny_data])
     run = [f"run_dir='{tmp_path / 'run'}'", "train.eval_interval=0", "logging.tensorboard=false"]
