@@ -98,7 +98,7 @@ def mlm_step(model, cfg, state, autocast):
             fp8.finish_step()
         opt.all_grads.finish()
         opt.clip(cfg.optimizer.clip_grad)
-        opt.step(cfg.optimizer.lr)
+        opt.step(cfg.optimizer.lr, cfg.optimizer.weight_decay)
         opt.zero_grad()
         return loss.item()
 
