@@ -56,7 +56,7 @@ TRANSLATED = {
     "expert_model_parallel_size", "sequence_parallel", "use_distributed_optimizer", "bf16", "fp16",
     "initial_loss_scale", "loss_scale_window", "data_path", "split", "tokenizer_model", "seed",
     "reset_position_ids", "reset_attention_mask", "eval_interval", "eval_iters", "log_interval",
-    "save", "load", "save_interval", "recompute_granularity", "multi_latent_attention",
+    "save_interval", "recompute_granularity", "multi_latent_attention",
     "weight_decay_incr_style", "start_weight_decay", "end_weight_decay", "lr_warmup_init", "fp8_format",
     "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "recompute_method",
     "recompute_num_layers",
@@ -136,7 +136,7 @@ def command_line_sets(argv: list[str]) -> tuple[list[str], list[str]]:
     trains, notes). MlmError naming every argument mlm does not honour."""
     given = parse(argv)
     args = {**DEFAULTS, **given}
-    known = TRANSLATED | NO_EFFECT | READ | set(DEFAULTS)
+    known = TRANSLATED | NO_EFFECT | READ | set(DEFAULTS) | {"save", "load"}
     refused = [
         f"--{n.replace('_', '-')} ({REFUSED_ARGS[n]})" for n in given if n in REFUSED_ARGS and given[n]
     ]
@@ -151,6 +151,12 @@ def command_line_sets(argv: list[str]) -> tuple[list[str], list[str]]:
     sets += [f"model.{k}={toml_value(v)}" for k, v in _structure(args).items()]
     settings, notes = run_settings(args)
     sets += [f"{k}={toml_value(v)}" for k, v in {**settings, **_run(args)}.items()]
+    for name in ("save", "load"):  # Megatron's checkpoint folders: mlm writes and reads its own format
+        if given.get(name):
+            notes.append(
+                f"--{name} {given[name]} is Megatron-LM's checkpoint folder, not carried: set checkpoint.{name} to a "
+                f"folder of mlm's own{'; import a Megatron checkpoint with mlm convert from-megatron' if name == 'load' else ''}"
+            )
     if "vocab_size" not in given:
         notes.append(
             "no --vocab-size: model.vocab_size is mlm's default; set it to the tokenizer's vocabulary"
@@ -261,8 +267,7 @@ def _run(args: dict) -> dict:
             out |= {"train.precision": kind, "train.param_dtype": kind}
     for theirs, ours in (("initial_loss_scale", "train.initial_loss_scale"), ("loss_scale_window", "train.loss_scale_window"),
                          ("eval_interval", "train.eval_interval"), ("eval_iters", "train.eval_iters"),
-                         ("log_interval", "logging.log_interval"), ("save", "checkpoint.save"),
-                         ("load", "checkpoint.load"), ("save_interval", "checkpoint.save_interval"),
+                         ("log_interval", "logging.log_interval"), ("save_interval", "checkpoint.save_interval"),
                          ("tokenizer_model", "data.tokenizer"), ("reset_position_ids", "data.reset_position_ids"),
                          ("reset_attention_mask", "data.reset_attention_mask"), ("fp8_format", "train.fp8"),
                          ("fp8_recipe", "train.fp8_recipe"), ("fp8_margin", "train.fp8_margin"),
@@ -275,6 +280,4 @@ def _run(args: dict) -> dict:
         out["data.data_path"] = [str(p) for p in (path if isinstance(path, list) else [path])]
     if args.get("recompute_granularity"):
         out["model.recompute"] = args["recompute_granularity"]
-    if "train.train_iters" not in out and args.get("train_iters"):
-        out["train.train_iters"] = args["train_iters"]
     return out

@@ -138,12 +138,15 @@ def test_unhonoured_arguments_named_in_one_message(tmp_path, monkeypatch, capsys
         assert arg in text, arg
     assert "4 argument(s) mlm does not honour" in text and "--bf16" not in text and "--fp8" not in text
     honoured = LLAMA3_EXAMPLE.replace("--apply-layernorm-1p", "").replace("--calculate-per-token-loss", "")
-    cfg, _ = _config(honoured.replace("--decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5", ""))
-    assert (cfg.train.fp8, cfg.train.fp8_amax_history_len, cfg.model.normalization) == (
-        "hybrid",
-        1024,
-        "layernorm",
+    cfg, notes = _config(honoured.replace("--decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5", ""))
+    fp8 = (cfg.train.fp8, cfg.train.fp8_amax_history_len, cfg.model.normalization)
+    assert fp8 == ("hybrid", 1024, "layernorm")
+    # Megatron's checkpoint folders are not mlm's: named in a note, not carried
+    assert (cfg.checkpoint.save, cfg.checkpoint.load) == (
+        type(cfg.checkpoint)().save,
+        type(cfg.checkpoint)().load,
     )
+    assert "--load /ckpt is Megatron-LM's checkpoint folder, not carried" in " ".join(notes)
     r = cli(
         monkeypatch,
         capsys,
