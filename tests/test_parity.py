@@ -166,6 +166,46 @@ def test_a_weight_tensor_off_fails_and_is_named():
         compare("tp2", TP2, Measured([8.0, 7.0], 7.9, ref_w), ref, tol)
 
 
+def test_a_gradient_norm_or_learning_rate_off_fails(capsys):
+    tol, w = TOLERANCES["fp32"], _weights(0)
+    ref = Measured([8.0, 7.5], 7.0, w, lrs=[0.0, 1e-3], grad_norms=[2.0, 1.5])
+    near = compare(
+        "tp2", TP2, Measured([8.0, 7.5], 7.0, w, [0.0, 1e-3 * (1 + 1e-13)], [2.0, 1.5 * 1.00001]), ref, tol
+    )
+    grad = compare("dp2", DP2, Measured([8.0, 7.5], 7.0, w, [0.0, 1e-3], [2.0, 1.5 * 1.01]), ref, tol)
+    lr = compare("megatron", ONE, Measured([8.0, 7.5], 7.0, w, [0.0, 1.01e-3], [2.0, 1.5]), ref, tol)
+    assert near.passed and not grad.passed and not lr.passed and grad.max_loss_rel == lr.max_loss_rel == 0.0
+    assert grad.max_grad_rel == pytest.approx(0.01) and lr.max_lr_rel == pytest.approx(0.01)
+    assert lr.to_json()["lrs"] == [0.0, 1.01e-3] and grad.to_json()["grad_rel"][0] == 0.0
+    parity.render(ParityResult("fp32", tol, 2, [compare("tp1", ONE, ref, ref, tol), near, grad, lr]))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FAIL: dp2, megatron;" in out and "|Δ‖g‖|/‖g‖ ≤ 1e-03 at every step, |Δlr|/lr ≤ 1e-12" in out
+    assert "│ 2 │ 1.0000e-03 │ 1.5000 │ 7.500000 │" in out  # the reference's lr, gradient norm and loss
+
+
+def test_against_megatron_names_what_it_cannot_compare(tmp_path, tiny_data, monkeypatch):
+    from mlm.train.parity import megatron
+
+    monkeypatch.setattr(megatron, "available", lambda: True)
+    sets = _sets(tmp_path, tiny_data, **{"train.precision": "bf16", "model.activation": "gelu_tanh"})
+    with pytest.raises(MlmError) as e:
+        parity.run_parity(None, sets, parse_layouts("tp1"), 2, tmp_path / "out", "megatron")
+    assert str(e.value).startswith("--against megatron cannot compare this run: model.activation=gelu_tanh")
+    assert "train.precision=bf16: the reference trains in fp32 only" in str(e.value)
+    with pytest.raises(MlmError, match="--against 'titan': the one reference framework is megatron"):
+        parity.run_parity(None, sets, parse_layouts("tp1"), 2, tmp_path / "out", "titan")
+    monkeypatch.setattr(megatron, "available", lambda: False)
+    with pytest.raises(MlmError, match="needs megatron-core, which is not installed here; pip install"):
+        parity.run_parity(
+            None, _sets(tmp_path, tiny_data), parse_layouts("tp1"), 2, tmp_path / "out", "megatron"
+        )
+    assert not (tmp_path / "out").exists()
+    r = CliRunner().invoke(app, ["parity", "--steps", "1"])
+    assert r.exit_code == 1 and "give --layouts (e.g. --layouts tp1,tp2,dp2), --against megatron" in str(
+        r.exception
+    )
+
+
 def _sets(tmp_path, data, **extra) -> list[str]:
     return tiny_sets(
         tmp_path / "unused", data, **{"model.hidden_dropout": 0.0, "train.device": "cpu", **extra}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlm.config import Config
 from mlm.datasets.blended import BlendedDataset, samples_per_dataset
 from mlm.datasets.gpt import SPLIT_NAMES, GPTDataset, GPTDatasetConfig
 from mlm.datasets.indexed import IndexedDataset
@@ -81,3 +82,14 @@ def build_split_datasets(
         description = {"split": split, "datasets": [d.description for d in parts]}
         out[split] = BlendedDataset(parts, weights, n, cache_dir, description, build=build)
     return out
+
+
+def run_datasets(cfg: Config, total_iters: int, build: bool = True) -> dict:
+    """{"train": ..., "valid": ...} of a run of `total_iters` steps, as `mlm train` reads them: the
+    train split sized for every step's global batch, the valid split for `train.eval_iters` global
+    batches where the run evaluates (`build` False: load the index cache another process built)."""
+    t = cfg.train
+    counts = {"train": total_iters * t.global_batch_size}
+    counts["valid"] = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    gcfg = GPTDatasetConfig(cfg.data.seq_length, t.seed, cfg.data.split, cfg.data.cache_dir or None)
+    return build_split_datasets(parse_blend(cfg.data.data_path), gcfg, counts, build=build)

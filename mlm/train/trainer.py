@@ -28,9 +28,8 @@ from mlm.checkpoint import read_manifest, resolve_checkpoint
 from mlm.checkpoint.rng import seed_everything
 from mlm.config import Config, to_toml
 from mlm.console import console
-from mlm.datasets.builder import build_split_datasets, check_same_tokenizer, parse_blend
+from mlm.datasets.builder import check_same_tokenizer, parse_blend, run_datasets
 from mlm.datasets.documents import DocumentLayout
-from mlm.datasets.gpt import GPTDatasetConfig
 from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.sampler import PretrainingSampler
 from mlm.errors import MlmError
@@ -148,16 +147,11 @@ class Trainer(TrainerCheckpoints):
             top = int(np.asarray(IndexedDataset(p)._bin[:1_000_000]).max(initial=0))
             if top >= cfg.model.vocab_size:
                 raise MlmError(f"{p} holds token id {top}, beyond model.vocab_size={cfg.model.vocab_size}")
-        t = cfg.train
-        n_train = self.total_iters * t.global_batch_size
-        n_valid = t.eval_iters * t.global_batch_size if t.eval_interval else 0
-        gcfg = GPTDatasetConfig(cfg.data.seq_length, t.seed, cfg.data.split, cfg.data.cache_dir or None)
-        counts = {"train": n_train, "valid": n_valid}
         if self.rank0:  # rank 0 builds the index cache; the others wait, then load it
-            splits = build_split_datasets(blend, gcfg, counts)
+            splits = run_datasets(cfg, self.total_iters)
         self._barrier()
         if not self.rank0:
-            splits = build_split_datasets(blend, gcfg, counts, build=False)
+            splits = run_datasets(cfg, self.total_iters, build=False)
         self.train_data, self.valid_data = splits["train"], splits.get("valid")
         return tok
 

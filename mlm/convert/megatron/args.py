@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlm.config import Config, ModelConfig, toml_value
+from mlm.config import Config, ModelConfig, OptimizerConfig, toml_value
 from mlm.errors import MlmError
 
 _ARGS = {
@@ -371,6 +371,26 @@ _IN_ITERS = {  # mlm fields counted in iterations ← Megatron-LM's args in iter
 _DECAY_STYLES = {"constant": "constant", "linear": "linear", "cosine": "cosine",
                  "inverse-square-root": "inverse-square-root", "WSD": "wsd"}  # fmt: skip
 """Megatron-LM's --lr-decay-style → mlm's optimizer.decay_style (the same formula, mlm.train.schedule)."""
+
+
+def scheduler_arguments(cfg: OptimizerConfig, total_iters: int, global_batch: int) -> dict:
+    """megatron-core's `OptimizerParamScheduler` arguments for mlm's optimizer settings over a run of
+    `total_iters` steps of `global_batch` samples, in samples as Megatron-LM's
+    `get_optimizer_param_scheduler` builds them (the inverse of `run_settings`' schedule)."""
+    decay = (cfg.decay_iters or total_iters) * global_batch
+    warmup = (
+        cfg.warmup_fraction * decay if cfg.warmup_fraction is not None else cfg.warmup_iters * global_batch
+    )
+    wd = (cfg.weight_decay, cfg.weight_decay)
+    if cfg.weight_decay_incr_style != "constant":
+        wd = (cfg.start_weight_decay, cfg.end_weight_decay)
+    style = {ours: theirs for theirs, ours in _DECAY_STYLES.items()}[cfg.decay_style]
+    return dict(
+        init_lr=cfg.lr_warmup_init, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=decay, lr_decay_style=style, start_wd=wd[0], end_wd=wd[1],
+        wd_incr_steps=total_iters * global_batch, wd_incr_style=cfg.weight_decay_incr_style,
+        wsd_decay_steps=cfg.wsd_decay_iters * global_batch, lr_wsd_decay_style=cfg.wsd_decay_style,
+    )  # fmt: skip
 
 
 def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:

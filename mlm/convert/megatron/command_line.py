@@ -59,7 +59,7 @@ TRANSLATED = {
     "save_interval", "recompute_granularity", "multi_latent_attention",
     "weight_decay_incr_style", "start_weight_decay", "end_weight_decay", "lr_warmup_init", "fp8_format",
     "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "recompute_method",
-    "recompute_num_layers",
+    "recompute_num_layers", "calculate_per_token_loss",
 }  # fmt: skip
 """Arguments translated here (`args.READ`: those `args_overrides` and `run_settings` translate)."""
 
@@ -157,6 +157,11 @@ def command_line_sets(argv: list[str]) -> tuple[list[str], list[str]]:
                 f"--{name} {given[name]} is Megatron-LM's checkpoint folder, not carried: set checkpoint.{name} to a "
                 f"folder of mlm's own{'; import a Megatron checkpoint with mlm convert from-megatron' if name == 'load' else ''}"
             )
+    if given.get("calculate_per_token_loss") and not refused:
+        notes.append(
+            "--calculate-per-token-loss: the same loss and gradients (up to rounding) as mlm's mean over the global batch, as "
+            "every token counts and every micro-batch holds the same number of tokens"
+        )
     if "vocab_size" not in given:
         notes.append(
             "no --vocab-size: model.vocab_size is mlm's default; set it to the tokenizer's vocabulary"
@@ -206,6 +211,11 @@ def _unsupported(args: dict) -> list[str]:
     out += [
         f"--{n.replace('_', '-')}" + ("" if args[n] is True else f" {args[n]}") for n, b in bad.items() if b
     ]
+    if args.get("calculate_per_token_loss") and (args.get("num_experts") or args.get("mtp_num_layers")):
+        out.append(
+            "--calculate-per-token-loss with MoE or MTP layers (Megatron then weighs their auxiliary losses by "
+            "1 / the global batch's tokens rather than 1 / its micro-batches; mlm weighs them as without it)"
+        )
     return out
 
 

@@ -39,7 +39,7 @@ _LINEAR = re.compile(r"(.*(?:linear_\w+|eh_proj))\.weight$")
 """A Megatron linear layer's weight key; its module saves an `_extra_state` object beside it."""
 
 
-def _unsupported(cfg: ModelConfig) -> list[str]:
+def unsupported(cfg: ModelConfig) -> list[str]:
     """What of `cfg` a Megatron GPTModel with this name table cannot hold, each naming the field."""
     out = []
     specs = cfg.layer_specs()
@@ -176,7 +176,7 @@ def export_megatron(
     state, manifest, it_dir = read_group(ckpt, verify=verify)
     config = checkpoint_config(manifest, it_dir)
     cfg = config.model
-    refused = _unsupported(cfg)
+    refused = unsupported(cfg)
     if refused:
         raise MlmError(f"{it_dir}: cannot export to a Megatron GPTModel: {'; '.join(refused)}")
     tensors = megatron_tensors(state, cfg)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mlm.errors import MlmError
 from mlm.layout import Layout
-from mlm.train.parity.tolerances import Tolerance
+from mlm.train.parity.tolerances import LR_REL, Tolerance
 
 
 @dataclass
@@ -27,6 +27,10 @@ class Measured:
     """Validation loss after the last step (split "valid"); None where data.split has no validation."""
     weights: dict
     """Model tensor name → final weights in their global shape."""
+    lrs: list[float] = field(default_factory=list)
+    """Learning rate per step."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Gradient norm (before clipping) per step."""
 
 
 @dataclass
@@ -44,6 +48,12 @@ class LayoutResult:
     weight_rel: dict[str, float]
     """‖w − w_ref‖ / ‖w_ref‖ per model tensor (absolute norm where ‖w_ref‖ = 0)."""
     passed: bool
+    grad_norms: list[float] = field(default_factory=list)
+    grad_rel: list[float] = field(default_factory=list)
+    """|‖g‖ − ‖g_ref‖| / ‖g_ref‖ per step."""
+    lrs: list[float] = field(default_factory=list)
+    lr_rel: list[float] = field(default_factory=list)
+    """|lr − lr_ref| / lr_ref per step."""
     seconds: float = 0.0
     run_dir: str = ""
     checkpoint: str = ""
@@ -56,6 +66,14 @@ class LayoutResult:
     @property
     def worst_step(self) -> int:
         return 1 + max(range(len(self.loss_rel)), key=self.loss_rel.__getitem__) if self.loss_rel else 0
+
+    @property
+    def max_grad_rel(self) -> float:
+        return max(self.grad_rel, default=0.0)
+
+    @property
+    def max_lr_rel(self) -> float:
+        return max(self.lr_rel, default=0.0)
 
     @property
     def max_weight_rel(self) -> float:
@@ -75,6 +93,12 @@ class LayoutResult:
             "loss_rel": self.loss_rel,
             "max_loss_rel": self.max_loss_rel,
             "worst_step": self.worst_step,
+            "grad_norms": self.grad_norms,
+            "grad_rel": self.grad_rel,
+            "max_grad_rel": self.max_grad_rel,
+            "lrs": self.lrs,
+            "lr_rel": self.lr_rel,
+            "max_lr_rel": self.max_lr_rel,
             "eval_loss": self.eval_loss,
             "eval_rel": self.eval_rel,
             "max_weight_rel": self.max_weight_rel,
@@ -106,17 +130,23 @@ def compare(name: str, layout: Layout, got: Measured, ref: Measured, tol: Tolera
     if missing := sorted(ref.weights.keys() ^ got.weights.keys()):
         raise MlmError(f"layout {name!r}: tensors {', '.join(missing[:5])} are not in both checkpoints")
     loss_rel = [_rel(a, b) for a, b in zip(got.losses, ref.losses, strict=True)]
+    grad_rel = [_rel(a, b) for a, b in zip(got.grad_norms, ref.grad_norms, strict=True)]
+    lr_rel = [_rel(a, b) for a, b in zip(got.lrs, ref.lrs, strict=True)]
     eval_rel = None if ref.eval_loss is None else _rel(got.eval_loss, ref.eval_loss)
     weight_rel = {}
     for key, w_ref in ref.weights.items():
         ref64 = w_ref.double()
         norm = float(torch.linalg.vector_norm(ref64))
         weight_rel[key] = float(torch.linalg.vector_norm(got.weights[key].double() - ref64)) / (norm or 1.0)
-    evals = [] if eval_rel is None else [got.eval_loss, eval_rel]
-    ok = all(r <= tol.loss_rel for r in loss_rel) and all(r <= tol.weight_rel for r in weight_rel.values())
-    ok = ok and (eval_rel is None or eval_rel <= tol.eval_rel)
-    ok = ok and all(math.isfinite(x) for x in [*got.losses, *loss_rel, *evals, *weight_rel.values()])
-    return LayoutResult(name, layout, list(got.losses), loss_rel, got.eval_loss, eval_rel, weight_rel, ok)
+    within = [(loss_rel, tol.loss_rel), (grad_rel, tol.grad_rel), (lr_rel, LR_REL)]
+    within += [(weight_rel.values(), tol.weight_rel), ([] if eval_rel is None else [eval_rel], tol.eval_rel)]
+    ok = all(r <= bound for values, bound in within for r in values)
+    measured = [*got.losses, *got.grad_norms, *got.lrs, *([] if eval_rel is None else [got.eval_loss])]
+    ok = ok and all(math.isfinite(x) for x in [*measured, *(r for values, _ in within for r in values)])
+    return LayoutResult(
+        name, layout, list(got.losses), loss_rel, got.eval_loss, eval_rel, weight_rel, ok,
+        list(got.grad_norms), grad_rel, list(got.lrs), lr_rel,
+    )  # fmt: skip
 
 
 def _rel(a: float, b: float) -> float:

@@ -52,12 +52,17 @@ def world(layout: Layout) -> int:
 
 
 def resolve(config: str | Path | None, overrides: list[str], steps: int, out: Path) -> Config:
-    """The user's config with the parity settings forced: K steps, a record every step, one
-    evaluation after the last step (over at most K batches) where data.split has a validation
-    share, no samples, TensorBoard or intermediate checkpoints."""
+    """The user's config with the parity settings forced: K steps (the first K of the run: the
+    learning rate decays over the run's length), a record every step, one evaluation after the last
+    step (over at most K batches) where data.split has a validation share, no samples, TensorBoard
+    or intermediate checkpoints."""
     if steps < 1:
         raise MlmError(f"--steps {steps}: must be at least 1")
+    run = load_config(config, overrides)
+    t = run.train
+    length = t.train_iters or math.ceil(t.train_tokens / (t.global_batch_size * run.data.seq_length))
     forced = [
+        f"optimizer.decay_iters={run.optimizer.decay_iters or length}",  # the run's schedule, not K steps'
         f"train.train_iters={steps}",
         "train.train_tokens=none",
         "train.eval_interval=0",
@@ -171,21 +176,24 @@ def train_command(layout: Layout, resolved: Path, seed: Path, run_dir: Path, ckp
         f"run_dir={toml_value(str(run_dir))}",
         f"checkpoint.save={toml_value(str(ckpt))}",
     ]
+    return torchrun(
+        layout.gpus, "cli.main", "train", "--config", str(resolved), *[a for s in sets for a in ("--set", s)],
+        "--load", str(seed),
+    )  # fmt: skip
+
+
+def torchrun(world: int, module: str, *args: str) -> list[str]:
+    """`python -m module args` under torchrun in `world` processes on this machine."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc-per-node={layout.gpus}",
+        f"--nproc-per-node={world}",
         "--local-addr=127.0.0.1",  # the workers meet on loopback, whatever the host name resolves to
         "-m",
-        "cli.main",
-        "train",
-        "--config",
-        str(resolved),
-        *[a for s in sets for a in ("--set", s)],
-        "--load",
-        str(seed),
+        module,
+        *args,
     ]
 
 
@@ -213,7 +221,8 @@ def _records(run_dir: Path, split: str) -> list[dict]:
 
 def _measured(name: str, run_dir: Path, ckpt: Path, log: Path, steps: int, evaluated: bool) -> Measured:
     """A finished layout's losses, eval loss (after step K, where `evaluated`) and final weights."""
-    losses = [float(r["loss"]) for r in _records(run_dir, "train")]
+    records = _records(run_dir, "train")
+    losses = [float(r["loss"]) for r in records]
     if len(losses) != steps:
         raise MlmError(f"layout {name!r} logged {len(losses)} of {steps} steps; see {log}")
     eval_loss = None
@@ -222,25 +231,28 @@ def _measured(name: str, run_dir: Path, ckpt: Path, log: Path, steps: int, evalu
         if not last:
             raise MlmError(f"layout {name!r} logged no eval loss at step {steps}; see {log}")
         eval_loss = last[-1]
-    return Measured(losses, eval_loss, _weights(ckpt))
+    lrs, grads = ([float(r[k]) for r in records] for k in ("lr", "grad_norm"))
+    return Measured(losses, eval_loss, _weights(ckpt), lrs, grads)
 
 
 def _tail(log: Path, n: int = 30) -> str:
     lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
     errors = [x for x in lines if x.lstrip().startswith("error:")]  # mlm's own message, if there was one
-    return "\n".join([*errors[:3], *(["..."] if errors else []), *lines[-n:]])
+    ranks = [x for x in lines if x.startswith("[rank")]  # a rank's traceback, before torchrun's own
+    return "\n".join([*errors[:3], *(["..."] if errors else []), *(ranks or lines)[-n:]])
 
 
-def _run_layout(
-    name: str, ranks: int, cmd: list[str], log: Path, run_dir: Path, steps: int, progress
-) -> float:
+def _run_layout(name: str, ranks: int, cmd: list[str], log: Path, done, steps: int, progress) -> float:
+    """Run `cmd` (torchrun of `ranks` processes), its output in `log`; `done()` counts the steps
+    finished so far, for the progress bar. The seconds it took; MlmError with the end of its log
+    where it fails."""
     task = progress.add_task(f"{name} (world {ranks})", total=steps)
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=_env(ranks), stdin=subprocess.DEVNULL, stdout=f, stderr=f)
         try:
             while proc.poll() is None:
-                progress.update(task, completed=len(_records(run_dir, "train")))
+                progress.update(task, completed=done())
                 time.sleep(0.25)
         finally:
             if proc.poll() is None:  # Ctrl-C or an error here: torchrun passes SIGTERM on to the ranks
@@ -250,11 +262,11 @@ def _run_layout(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-    progress.update(task, completed=len(_records(run_dir, "train")))
+    progress.update(task, completed=done())
     if proc.returncode != 0:
+        what = "megatron-core's run" if name == "megatron" else f"layout {name!r}: `mlm train`"
         raise MlmError(
-            f"layout {name!r}: `mlm train` under torchrun exited with code {proc.returncode}; "
-            f"last lines of {log}:\n{_tail(log)}"
+            f"{what} under torchrun exited with code {proc.returncode}; last lines of {log}:\n{_tail(log)}"
         )
     return time.perf_counter() - t0
 
@@ -293,29 +305,82 @@ def _warnings(cfg: Config) -> list[str]:
     return found
 
 
+def _megatron_sets(cfg: Config) -> list[str]:
+    """`megatron.SETTINGS` as --set items, or MlmError naming what megatron-core cannot train as mlm."""
+    from mlm.train.parity import megatron
+
+    if not megatron.available():
+        raise MlmError(
+            "--against megatron needs megatron-core, which is not installed here; "
+            "pip install megatron-core==0.16.1 (Python 3.11, or pip install -e '.[dev]')"
+        )
+    if refused := megatron.unsupported(cfg):
+        raise MlmError(f"--against megatron cannot compare this run: {'; '.join(refused)}")
+    return [f"{k}={toml_value(v)}" for k, v in megatron.SETTINGS.items()]
+
+
+def _run_megatron(resolved: Path, seed: Path, out: Path, steps: int, evaluated: bool, progress) -> tuple:
+    """megatron-core's run (`mlm.train.parity.megatron`) from the seed, exported to torch_dist, in
+    OUT/megatron/; (what it measured, its final weights imported back, the seconds it took)."""
+    from mlm.checkpoint.manager import iter_dir_name
+    from mlm.convert.megatron.exporter import export_megatron
+    from mlm.convert.megatron.importer import import_megatron
+
+    d = out / "megatron"
+    d.mkdir()
+    export_megatron(seed, d / "seed")  # the same initial weights, as Megatron-LM loads them
+    spec = {
+        "config": str(resolved),
+        "seed": str(d / "seed" / iter_dir_name(0)),
+        "steps": steps,
+        "out": str(d),
+    }
+    atomic_write_text(d / "spec.json", json.dumps(spec, indent=1) + "\n")
+    cmd = torchrun(1, "mlm.train.parity.megatron", str(d / "spec.json"))
+    done = lambda: steps if (d / "steps.json").exists() else 0  # noqa: E731
+    seconds = _run_layout("megatron", 1, cmd, d / "train.log", done, steps, progress)
+    r = json.loads((d / "steps.json").read_text())
+    import_megatron(d / "ckpt", d / "mlm-ckpt", weights_only=True)  # its final weights in mlm's names
+    eval_loss = r["eval_loss"] if evaluated else None
+    return Measured(r["loss"], eval_loss, _weights(d / "mlm-ckpt"), r["lr"], r["grad_norm"]), seconds
+
+
 def run_parity(
     config: str | Path | None,
     overrides: list[str],
     layouts: list[Layout],
     steps: int = 5,
     out: str | Path | None = None,
+    against: str | None = None,
 ) -> ParityResult:
     """Run every layout from one seed checkpoint and compare it with the first; writes OUT/parity.json.
+    `against="megatron"`: megatron-core trains the same run in one process as well, compared with
+    the first layout (mlm run with `megatron.SETTINGS`).
 
     OUT holds config.toml (the resolved config each run reads), seed/ (the step-0 checkpoint) and
-    per layout LAYOUT/train.log, LAYOUT/run/metrics.jsonl (its train and eval losses) and LAYOUT/ckpt/.
+    per layout LAYOUT/train.log, LAYOUT/run/metrics.jsonl (its train and eval losses) and LAYOUT/ckpt/;
+    with `against`, megatron/ (its log, spec, seed and final checkpoint in torch_dist, steps.json).
     """
     from mlm.console import console
 
     if not layouts:
         raise MlmError("--layouts is empty; e.g. --layouts tp1,tp2,dp2")
+    if against not in (None, "megatron"):
+        raise MlmError(f"--against {against!r}: the one reference framework is megatron")
     shown = Path(out or f"runs/parity-{time.strftime('%Y%m%d-%H%M%S')}")
     out = shown.absolute()  # every path handed to the runs is absolute
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MlmError(f"{shown} already exists and is not empty; pass a new --out DIR")
     cfg = resolve(config, overrides, steps, out)
+    forced = _megatron_sets(cfg) if against else []
+    overrides = [*overrides, *forced]
+    cfg = resolve(config, overrides, steps, out)
     names = [str(lay) for lay in layouts]
     runs = _check_layouts(cfg, layouts, lambda sets: resolve(config, [*overrides, *sets], steps, out))
+    if against:  # megatron-core runs in one process
+        one = _check_layouts(
+            cfg, [Layout.parse("tp1")], lambda sets: resolve(config, [*overrides, *sets], steps, out)
+        )
     tol = TOLERANCES[cfg.train.precision]
     out.mkdir(parents=True, exist_ok=True)
     resolved = out / "config.toml"
@@ -325,10 +390,13 @@ def run_parity(
     assert load_config(resolved) == cfg, "the resolved config does not read back the same"
 
     console.print(
-        f"[bold]mlm parity[/] {len(layouts)} layouts × {steps} steps, {cfg.train.precision}, "
-        f"reference {names[0]}; writing {shown}",
+        f"[bold]mlm parity[/] {len(layouts)} layout{'s' if len(layouts) > 1 else ''}"
+        f"{' and megatron-core' if against else ''} × {steps} steps, "
+        f"{cfg.train.precision}, reference {names[0]}; writing {shown}",
         highlight=False,
     )
+    if forced:
+        console.print(f"Megatron-LM's semantics in mlm: {', '.join(forced)}", highlight=False)
     seed = _write_seed(cfg, shown).absolute()  # the folder as the user named it, in the "saved" line
     results: list[LayoutResult] = []
     ref: Measured | None = None
@@ -338,22 +406,34 @@ def run_parity(
             d.mkdir()
             run_dir, ckpt, log = d / "run", d / "ckpt", d / "train.log"
             cmd = train_command(lay, resolved, seed, run_dir, ckpt)
-            seconds = _run_layout(name, lay.gpus, cmd, log, run_dir, steps, progress)
+            done = lambda d=run_dir: len(_records(d, "train"))  # noqa: E731
+            seconds = _run_layout(name, lay.gpus, cmd, log, done, steps, progress)
             got = _measured(name, run_dir, ckpt, log, steps, evaluated=bool(cfg.train.eval_interval))
             ref = ref or got
             r = compare(name, lay, got, ref, tol)
             r.seconds, r.run_dir, r.checkpoint, r.log = seconds, str(run_dir), str(ckpt), str(log)
-            results.append(r)
-            verdict = "reference" if len(results) == 1 else "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
-            eval_text = "" if got.eval_loss is None else f", eval loss {got.eval_loss:.6f}"
-            progress.console.print(
-                f"{name}: {steps} steps in {seconds:.1f} s, final loss {got.losses[-1]:.6f}{eval_text}, "
-                f"{verdict}",
-                highlight=False,
-            )
+            results.append(_reported(r, got, len(results) == 0, progress))
+        if against:
+            got, seconds = _run_megatron(resolved, seed, out, steps, bool(cfg.train.eval_interval), progress)
+            r = compare("megatron", one[0], got, ref, tol)
+            d = out / "megatron"
+            r.seconds, r.run_dir, r.checkpoint, r.log = seconds, str(d), str(d / "ckpt"), str(d / "train.log")
+            results.append(_reported(r, got, False, progress))
     result = ParityResult(cfg.train.precision, tol, steps, results, _warnings(cfg), str(shown))
     atomic_write_text(out / "parity.json", json.dumps(result.to_json(), indent=2) + "\n")
     return result
+
+
+def _reported(r: LayoutResult, got: Measured, reference: bool, progress) -> LayoutResult:
+    """`r`, its line printed."""
+    verdict = "reference" if reference else "[green]PASS[/]" if r.passed else "[red]FAIL[/]"
+    eval_text = "" if got.eval_loss is None else f", eval loss {got.eval_loss:.6f}"
+    progress.console.print(
+        f"{r.name}: {len(got.losses)} steps in {r.seconds:.1f} s, final loss {got.losses[-1]:.6f}{eval_text}, "
+        f"{verdict}",
+        highlight=False,
+    )
+    return r
 
 
 def _progress():

@@ -10,119 +10,26 @@ of `apply_optimizer_cpu_patches` on CPU. `save_mla_reference` / `load_mla_refere
 for a GPTModel with multi-latent attention (patches P7, P7b of `apply_mla_local_patch`),
 `save_mtp_reference` for one with multi-token prediction depths (its token and MTP losses).
 
-megatron-core runs on CPU given the patches of `apply_cpu_patches` (each says why); they change
-process-wide state (e.g. torch.cuda.current_device), so they run only in the rank processes of
-tests/distributed.py, never in the pytest process.
+megatron-core runs on CPU given the patches of `mlm.train.parity.megatron_cpu` (each says why);
+they change process-wide state (e.g. torch.cuda.current_device), so they run only in the rank
+processes of tests/distributed.py, never in the pytest process. `init_and_train` steps as
+`mlm parity --against megatron` does (`mlm.train.parity.megatron.train_steps`), from Megatron-LM's
+own arguments rather than mlm's config.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import re
-import warnings
 
 import torch
 import torch.nn.functional as F
 
+from mlm.train.parity.megatron import train_steps
+from mlm.train.parity.megatron_cpu import apply_cpu_patches, apply_optimizer_cpu_patches
+
 VOCAB, SEQ, HIDDEN, HEADS, GROUPS, FFN, LAYERS = 128, 16, 64, 4, 2, 96, 2
 NUM_EXPERTS, TOPK, MOE_FFN, SHARED_FFN = 4, 2, 48, 32
-
-
-def apply_cpu_patches() -> None:
-    """Make megatron-core 0.16.1's GPTModel forward and dist_checkpointing.save run without CUDA."""
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    import megatron.core.tensor_parallel.random as mrandom
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
-
-    # P1: the RNG tracker (CudaRNGStatesTracker.add, and fork() around attention dropout in every
-    # forward) reads and sets torch.cuda RNG states ("Torch not compiled with CUDA enabled"); keep
-    # its logic on the CPU generator.
-    def _add(self, name, seed):
-        self._is_initialized = True
-        if seed in self.seeds_ or name in self.states_:
-            raise Exception(f"rng state {name} / seed {seed} already exists")
-        self.seeds_.add(seed)
-        orig = torch.get_rng_state()
-        torch.manual_seed(seed)
-        self.states_[name] = torch.get_rng_state()
-        torch.set_rng_state(orig)
-
-    mrandom._get_cuda_rng_state = lambda *_a, **_k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *_a, **_k: torch.set_rng_state(state)
-    mrandom.CudaRNGStatesTracker.add = _add
-
-    # P2: buffers all over the forward path (RoPE's inv_freq, the attention-score buffer, the tp
-    # all-gathers, the MoE router and experts) are allocated on torch.cuda.current_device():
-    # answer "cpu" (torch.cuda.is_available() stays False).
-    torch.cuda.current_device = lambda: "cpu"
-
-    # P3: the MoE router tests `te_general_gemm is not None`, a name moe_utils defines only when
-    # Transformer Engine imports (NameError otherwise); None selects the torch matmul path.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-    # P4: every torch_dist save goes through FileSystemWriterAsync.preload_tensors(non_blocking=True),
-    # which ends in torch.cuda.synchronize(); plain blocking copies need no synchronize.
-    preload = fsa.FileSystemWriterAsync.preload_tensors
-    fsa.FileSystemWriterAsync.preload_tensors = staticmethod(
-        lambda write_buckets, non_blocking=True: preload(write_buckets, non_blocking=False)
-    )
-
-    # P5: the writer's results queue comes from a spawn-context multiprocessing.Manager, whose server
-    # re-imports __main__ and dies under a test runner (EOFError). A synchronous save uses the queue
-    # only in this process (the forked per-bucket writers report on their own queue): a queue.Queue.
-    if fsa._results_queue is None:
-        fsa._results_queue = queue.Queue()
-
-    # P6: the forked writer measures its memory with psutil, not a megatron-core dependency; without
-    # it the writer raises and the parent waits forever. Report 0 bytes instead.
-    if not fsa.HAVE_PSUTIL:
-        fsa._process_memory = lambda: 0
-
-
-def apply_optimizer_cpu_patches() -> None:
-    """Make megatron-core 0.16.1's DistributedOptimizer (Adam) step and save on CPU as well."""
-    import megatron.core.optimizer.clip_grads as mclip
-    import megatron.core.optimizer.distrib_optimizer as dopt
-    import megatron.core.optimizer.optimizer as mopt
-    import megatron.core.pipeline_parallel.schedules as schedules
-    import megatron.core.utils as mutils
-
-    # P8: MixedPrecisionOptimizer.__init__ (optimizer.py:473-485, 907), the grad-norm code
-    # (clip_grads.py:90-115, 174, 207) and local_multi_tensor_l2_norm (utils.py:1207) create tensors
-    # with device="cuda" literals: give those modules a `torch` whose factories map "cuda" to "cpu".
-    def _cpu(factory):
-        return lambda *a, device=None, **k: factory(*a, device="cpu" if device == "cuda" else device, **k)
-
-    class _TorchOnCpu:
-        tensor, zeros, empty, ones = (
-            staticmethod(_cpu(f)) for f in (torch.tensor, torch.zeros, torch.empty, torch.ones)
-        )
-
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-    for module in (mopt, mclip, dopt, mutils, schedules):
-        module.torch = _TorchOnCpu()
-
-    # P9: the distributed optimizer sorts parameters by `param.type()` against
-    # "torch.cuda.FloatTensor" etc. (distrib_optimizer.py:361-435, 582) and raises TypeError on CPU
-    # names: report CPU float tensors under their CUDA names.
-    plain_type = torch.Tensor.type
-
-    def _type(self, *a, **k):
-        name = plain_type(self, *a, **k)
-        if not a and not k and name in ("torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor"):
-            return name.replace("torch.", "torch.cuda.", 1)
-        return name
-
-    torch.Tensor.type = _type
-
-    # P10: at pp > 1 a tied embedding's last-stage copy is moved with `weight.data.cuda()` before the
-    # all-reduce that gives it the first stage's values (language_module.py:244): it stays on CPU.
-    torch.Tensor.cuda = lambda self, *a, **k: self
 
 
 def _config(moe: bool, ep: int, gpt2: bool = False, dtype: torch.dtype = torch.float32):
@@ -666,11 +573,7 @@ def init_and_train(
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -704,29 +607,11 @@ def init_and_train(
         wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
         wsd_decay_steps=args.lr_wsd_decay_iters * gbs, lr_wsd_decay_style=args.lr_wsd_decay_style,
     )  # fmt: skip
-    out_steps = {"loss": [], "lr": [], "grad_norm": []}
-    for micro in batches:
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        total = 0.0
-        for tokens in micro:
-            ids, labels = tokens[:, :-1], tokens[:, 1:]
-            pos = torch.arange(ids.shape[1]).expand_as(ids)
-            mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)[
-                None, None
-            ]
-            loss = ddp(ids, pos, mask.expand(ids.shape[0], 1, -1, -1), labels=labels).float().mean()
-            (loss / len(micro)).backward()
-            total += loss.item() / len(micro)
-        finalize_model_grads([ddp])
-        out_steps["lr"].append(opt.param_groups[0]["lr"])
-        applied, grad_norm, _ = opt.step()
-        assert applied
-        scheduler.step(increment=gbs)
-        out_steps["loss"].append(total)
-        out_steps["grad_norm"].append(float(grad_norm))
-        if len(out_steps["loss"]) == save_at:
-            _save_run(core, opt, scheduler, args, save_at, f"{out}-resumed")
+    first = train_steps(ddp, opt, scheduler, batches[:save_at], gbs)
+    if save_at:
+        _save_run(core, opt, scheduler, args, save_at, f"{out}-resumed")
+    rest = train_steps(ddp, opt, scheduler, batches[save_at:], gbs)
+    out_steps = {k: first[k] + rest[k] for k in first}
     ps.destroy_model_parallel()
     return out_steps
 

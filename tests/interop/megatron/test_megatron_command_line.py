@@ -133,12 +133,22 @@ def test_unhonoured_arguments_named_in_one_message(tmp_path, monkeypatch, capsys
     with pytest.raises(MlmError) as e:
         _config(LLAMA3_EXAMPLE)
     text = str(e.value)
-    for arg in ("--apply-layernorm-1p (zero-centered norm weights", "--decoupled-lr 0.0005", "--decoupled-min-lr",
-                "--calculate-per-token-loss"):  # fmt: skip
+    for arg in (
+        "--apply-layernorm-1p (zero-centered norm weights",
+        "--decoupled-lr 0.0005",
+        "--decoupled-min-lr",
+    ):
         assert arg in text, arg
-    assert "4 argument(s) mlm does not honour" in text and "--bf16" not in text and "--fp8" not in text
-    honoured = LLAMA3_EXAMPLE.replace("--apply-layernorm-1p", "").replace("--calculate-per-token-loss", "")
+    assert "3 argument(s) mlm does not honour" in text and "--bf16" not in text and "--fp8" not in text
+    # a dense model without MTP: per-token averaging is mlm's (every token counts, equal micro-batches)
+    assert "--calculate-per-token-loss" not in text
+    honoured = LLAMA3_EXAMPLE.replace("--apply-layernorm-1p", "")
     cfg, notes = _config(honoured.replace("--decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5", ""))
+    assert "--calculate-per-token-loss: the same loss and gradients as mlm's mean" in " ".join(notes)
+    with pytest.raises(
+        MlmError, match=r"--calculate-per-token-loss with MoE or MTP layers \(Megatron then weighs"
+    ):
+        _config(f"{honoured} --num-experts 4 --moe-router-topk 2".replace("--decoupled-lr 5.0e-4", ""))
     fp8 = (cfg.train.fp8, cfg.train.fp8_amax_history_len, cfg.model.normalization)
     assert fp8 == ("hybrid", 1024, "layernorm")
     # Megatron's checkpoint folders are not mlm's: named in a note, not carried

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mlm.config import OptimizerConfig, load_config
+from mlm.convert.megatron.args import scheduler_arguments
 from mlm.model.gpt import GPT
 from mlm.train.adamw import exempt, make_optimizer
 from mlm.train.schedule import lr_at, weight_decay_at
@@ -24,8 +25,7 @@ from megatron_ref import scheduler_values  # noqa: E402
 
 TRAIN, GBS = 40, 4
 
-STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant",
-          "inverse-square-root": "inverse-square-root", "wsd": "WSD"}  # fmt: skip
+STYLES = ("cosine", "linear", "constant", "inverse-square-root", "wsd")
 WARMUPS = [{}, {"warmup_iters": 5}, {"warmup_iters": 5, "lr_warmup_init": 1e-4}, {"warmup_fraction": 0.13}]
 DECAYS = [{}, {"decay_iters": 30}]
 WSD = [
@@ -44,29 +44,13 @@ def _config(settings: dict) -> OptimizerConfig:
     return OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_offset=0, **settings)
 
 
-def _scheduler_arguments(cfg: OptimizerConfig) -> dict:
-    """megatron-core's OptimizerParamScheduler arguments for `cfg` over a run of TRAIN iterations
-    of GBS samples, as Megatron-LM's `get_optimizer_param_scheduler` builds them."""
-    decay = (cfg.decay_iters or TRAIN) * GBS
-    warmup = cfg.warmup_fraction * decay if cfg.warmup_fraction is not None else cfg.warmup_iters * GBS
-    wd = (cfg.start_weight_decay, cfg.end_weight_decay)
-    if cfg.weight_decay_incr_style == "constant":
-        wd = (cfg.weight_decay, cfg.weight_decay)
-    return dict(
-        init_lr=cfg.lr_warmup_init, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=decay, lr_decay_style=STYLES[cfg.decay_style], start_wd=wd[0], end_wd=wd[1],
-        wd_incr_steps=TRAIN * GBS, wd_incr_style=cfg.weight_decay_incr_style,
-        wsd_decay_steps=cfg.wsd_decay_iters * GBS, lr_wsd_decay_style=cfg.wsd_decay_style,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def megatrons():
     """Every case's (lr, weight decays) per step from megatron-core's scheduler, in one rank process
     (megatron-core is never imported into the test process: it registers torch.load globals)."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("megatron-core is not installed (pinned for Python 3.11: pip install -e '.[dev]')")
-    arguments = [_scheduler_arguments(_config(s)) for s in CASES]
+    arguments = [scheduler_arguments(_config(s), TRAIN, GBS) for s in CASES]
     return run_ranks(1, scheduler_values, arguments, TRAIN + 3, GBS)[0]  # past the decay's end too
 
 

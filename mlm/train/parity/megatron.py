@@ -1,0 +1,295 @@
+"""The megatron-core side of `mlm parity --against megatron`: megatron-core's own GPTModel, DDP,
+Adam (`get_megatron_optimizer`, its weight-decay groups and clipping), `OptimizerParamScheduler`
+and loss, trained on mlm's batches from mlm's seed checkpoint.
+
+The runner (`mlm.train.parity.runner`) exports the seed to torch_dist (`mlm export megatron`) and
+starts this module under torchrun (one process) with a spec file:
+
+    python -m torch.distributed.run --standalone --nproc-per-node=1 -m mlm.train.parity.megatron OUT/megatron/spec.json
+
+It builds the model from `megatron_args` of the run config (the export's own translation), loads
+the seed, trains `steps` steps on the global batches `mlm train` reads (the same datasets and
+sampler), evaluates as `mlm train` does, writes `steps.json` (loss, lr, grad norm per step, eval
+loss) and saves the final weights as Megatron-LM does (`dist_checkpointing.save`, torch_dist, with
+its args) into `ckpt/`. On CPU it applies the patches of `mlm.train.parity.megatron_cpu` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mlm.config import Config, load_config
+from mlm.convert.megatron.args import megatron_args, scheduler_arguments
+from mlm.convert.megatron.exporter import unsupported as export_unsupported
+from mlm.errors import MlmError
+from mlm.train.schedule import warmup_steps
+
+SETTINGS = {
+    "optimizer.warmup_offset": 0,
+    "optimizer.weight_decay_exempt": "1d",
+    "model.train_padded_vocab": True,
+}
+"""mlm's settings with Megatron-LM's semantics (docs/train.md, "Megatron-LM's schedule"), forced on the
+mlm side of the comparison: the first step at lr_warmup_init, weight decay on every matrix
+(the embedding's included), the loss over every padded vocabulary row."""
+
+_ACTIVATIONS = {"swiglu": "silu", "gelu": "gelu"}
+"""mlm's model.activation → the function of Megatron's MLP (gated with swiglu)."""
+
+
+def available() -> bool:
+    return (
+        importlib.util.find_spec("megatron") is not None
+        and importlib.util.find_spec("megatron.core") is not None
+    )
+
+
+def unsupported(cfg: Config) -> list[str]:
+    """What of the run `cfg` the megatron-core reference does not train as mlm does, each naming the field."""
+    m, t, d = cfg.model, cfg.train, cfg.data
+    out = export_unsupported(m)
+    if any(spec.mlp == "moe" for spec in m.layer_specs()):
+        out.append(
+            f"model.mlp_kind={m.mlp_kind}: the reference builds dense MLPs only (MoE is not built yet)"
+        )
+    if m.mtp_num_layers:
+        out.append(f"model.mtp_num_layers={m.mtp_num_layers}: the reference has no multi-token prediction")
+    if m.activation not in _ACTIVATIONS:
+        out.append(
+            f"model.activation={m.activation}: megatron-core's GPTModel computes exact GELU, not the tanh form"
+        )
+    if t.precision != "fp32":
+        out.append(
+            f"train.precision={t.precision}: the reference trains in fp32 only (Megatron's bf16 keeps bf16 "
+            "weights and fp32 main copies, mlm autocasts fp32 weights); compare with --set train.precision=fp32"
+        )
+    if t.fp8:
+        out.append(f"train.fp8={t.fp8!r}: the reference trains in fp32 only")
+    if t.skip_iterations or t.loss_spike_zscore:
+        out.append("train.skip_iterations / loss_spike_zscore: the reference trains every step")
+    o = cfg.optimizer
+    warmup, decay = warmup_steps(o, t.train_iters), o.decay_iters or t.train_iters
+    if warmup >= decay:
+        out.append(
+            f"optimizer warm-up {warmup:g} steps, decay_iters {decay}: Megatron's scheduler needs the warm-up "
+            "shorter than the decay"
+        )
+    if d.reset_position_ids or d.reset_attention_mask:
+        out.append(
+            "data.reset_position_ids / reset_attention_mask: the reference trains on whole sequences "
+            "(Megatron-LM builds those masks outside megatron-core)"
+        )
+    return out
+
+
+def transformer_config(args: argparse.Namespace, dtype: torch.dtype = torch.float32):
+    """megatron-core's TransformerConfig for Megatron-LM `args` (as `megatron_args` writes them), as
+    Megatron-LM's `core_transformer_config_from_args` builds it for a dense GPTModel on the local
+    spec, with its CUDA-only fusions off."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    gelu = {"silu": F.silu, "gelu": F.gelu}["silu" if args.swiglu else "gelu"]
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        ffn_hidden_size=args.ffn_hidden_size,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=gelu,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        params_dtype=dtype,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def gpt_model(args: argparse.Namespace):
+    """The GPTModel of `args` (local spec; one process: no tensor or pipeline parallelism)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = transformer_config(args)
+    spec = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        parallel_output=True,  # as pretrain_gpt.py trains: the loss takes the logits in place
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+    )
+
+
+def megatron_optimizer(model, cfg: Config, total_iters: int):
+    """(DDP-wrapped model, Megatron's optimizer, its OptimizerParamScheduler in samples) for mlm's
+    optimizer settings, as Megatron-LM's `setup_model_and_optimizer` builds them (Adam; the
+    distributed optimizer, gradients reduced in fp32)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optimizer
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, use_distributed_optimizer=True,
+        ),
+        [ddp],
+    )  # fmt: skip
+    schedule = scheduler_arguments(o, total_iters, cfg.train.global_batch_size)
+    return ddp, opt, OptimizerParamScheduler(opt, **schedule)
+
+
+def _token_losses(model, tokens: torch.Tensor) -> torch.Tensor:
+    """GPTModel's own per-token cross-entropy [b, s] for [b, s + 1] tokens (a causal mask: True = masked)."""
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    s = ids.shape[1]
+    pos = torch.arange(s, device=ids.device).expand_as(ids)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), diagonal=1)[None, None]
+    return model(ids, pos, mask.expand(ids.shape[0], 1, s, s), labels=labels).float()
+
+
+def train_steps(ddp, opt, scheduler, steps, increment: int) -> dict[str, list[float]]:
+    """Megatron-LM's `train_step` at dp 1, once per entry of `steps` (each a list of [micro, s + 1]
+    token micro-batches): per micro-batch the mean token loss (GPTModel's own cross-entropy) over
+    their number, backward, `finalize_model_grads`, the optimizer step (clipping included), then the
+    scheduler stepped by `increment` samples. {"loss", "lr", "grad_norm"} per step."""
+    from megatron.core.distributed import finalize_model_grads
+
+    out = {"loss": [], "lr": [], "grad_norm": []}
+    for micro in steps:
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        total = 0.0
+        for tokens in micro:
+            loss = _token_losses(ddp, tokens).mean()
+            (loss / len(micro)).backward()
+            total += loss.item() / len(micro)
+        finalize_model_grads([ddp])
+        out["lr"].append(opt.param_groups[0]["lr"])
+        applied, grad_norm, _ = opt.step()
+        if not applied:
+            raise MlmError("megatron-core's optimizer skipped a step (a non-finite gradient)")
+        scheduler.step(increment=increment)
+        out["loss"].append(total)
+        out["grad_norm"].append(float(grad_norm))
+    return out
+
+
+def _evaluate(model, micro) -> float:
+    """The mean over `micro` of each micro-batch's mean token loss, as `mlm train` evaluates."""
+    model.eval()
+    with torch.no_grad():
+        losses = [float(_token_losses(model, tokens).mean()) for tokens in micro]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _batches(cfg: Config, steps: int, device: torch.device) -> tuple[list, list]:
+    """([per step: its micro-batches], [the evaluation's micro-batches]) as `mlm train` reads them at dp 1."""
+    from mlm.datasets.builder import run_datasets
+    from mlm.datasets.sampler import PretrainingSampler
+
+    t = cfg.train
+    splits = run_datasets(cfg, steps, build=False)
+    per_step = t.global_batch_size // t.micro_batch_size
+
+    def batch(dataset, indices):  # int64, as Megatron-LM's get_batch reads the tokens
+        return torch.from_numpy(np.stack([dataset[int(i)] for i in indices]).astype(np.int64)).to(device)
+
+    sampler = iter(PretrainingSampler(steps * t.global_batch_size, 0, t.micro_batch_size, 0, 1))
+    train = [[batch(splits["train"], next(sampler)) for _ in range(per_step)] for _ in range(steps)]
+    valid = splits.get("valid")
+    m, g = t.micro_batch_size, t.global_batch_size
+    evaluation = [] if valid is None else [
+        batch(valid, range(start, start + m)) for i in range(t.eval_iters) for start in range(i * g, (i + 1) * g, m)
+    ]  # fmt: skip
+    return train, evaluation
+
+
+def save_megatron(model, args: argparse.Namespace, iteration: int, save: Path) -> None:
+    """The model's weights at `iteration` as Megatron-LM's save_checkpoint writes them without an
+    optimizer (torch_dist, `args` in common.pt) into the save folder `save`."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    folder = save / f"iter_{iteration:07d}"
+    folder.mkdir(parents=True)
+    saved = argparse.Namespace(**{**vars(args), "iteration": iteration})
+    state = {
+        "iteration": iteration,
+        "checkpoint_version": 3.0,
+        "args": saved,
+        "model": model.sharded_state_dict(),
+    }
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dist_checkpointing.save(state, str(folder), sharded_strategy=strategy)
+    (save / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def run(spec: dict) -> None:
+    """Train the reference as `spec` says ({"config", "seed", "steps", "out"}), in this process."""
+    import torch.distributed as dist
+
+    cfg = load_config(spec["config"])
+    device = torch.device("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        from mlm.train.parity.megatron_cpu import apply_cpu_patches, apply_optimizer_cpu_patches
+
+        apply_cpu_patches()
+        apply_optimizer_cpu_patches()
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://")
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(cfg.train.seed)
+    steps, out = int(spec["steps"]), Path(spec["out"])
+    args = megatron_args(cfg, cfg.model.padded_vocab_size(), 0, 0)
+    model = gpt_model(args)
+    dist_checkpointing.load(model.sharded_state_dict(), spec["seed"])
+    model = model.to(device).train()
+    ddp, opt, scheduler = megatron_optimizer(model, cfg, steps)
+    train, evaluation = _batches(cfg, steps, device)
+    result = train_steps(ddp, opt, scheduler, train, cfg.train.global_batch_size)
+    result["eval_loss"] = _evaluate(model, evaluation) if evaluation else None
+    save_megatron(model, args, steps, out / "ckpt")
+    (out / "steps.json").write_text(json.dumps(result, indent=1) + "\n")
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run(json.loads(Path(sys.argv[1]).read_text()))
