@@ -525,6 +525,9 @@ class OptimizerConfig:
     """Clip gradients to this global L2 norm; 0 disables."""
     warmup_iters: int = 0
     """Linear warm-up iterations."""
+    warmup_samples: int | None = None
+    """Warm-up over this many samples instead, a fraction of a step included (Megatron-LM's
+    --lr-warmup-samples; its scheduler counts samples)."""
     warmup_fraction: float | None = None
     """Warm-up over this fraction of the decay iterations instead (Megatron-LM's --lr-warmup-fraction)."""
     lr_warmup_init: float = 0.0
@@ -537,8 +540,12 @@ class OptimizerConfig:
     """cosine, linear, constant, inverse-square-root or wsd (warmup-stable-decay)."""
     decay_iters: int | None = None
     """Iterations over which the LR decays; unset means the whole run."""
+    decay_samples: int | None = None
+    """Samples over which the LR decays instead (Megatron-LM's --lr-decay-samples)."""
     wsd_decay_iters: int = 0
     """wsd: iterations of the final decay, which ends at decay_iters."""
+    wsd_decay_samples: int | None = None
+    """wsd: the final decay in samples instead (Megatron-LM's --lr-wsd-decay-samples)."""
     wsd_decay_style: str = "linear"
     """wsd: the final decay's shape: linear, cosine, exponential or minus_sqrt (Megatron-LM's
     --lr-wsd-decay-style)."""
@@ -578,6 +585,21 @@ class OptimizerConfig:
                 "optimizer.warmup_iters=0 (give one or the other)",
             )
         ensure(self.wsd_decay_iters >= 0, f"optimizer.wsd_decay_iters={self.wsd_decay_iters}: must be >= 0")
+        for name, other, unset in (
+            ("warmup_samples", "warmup_iters", 0),
+            ("decay_samples", "decay_iters", None),
+            ("wsd_decay_samples", "wsd_decay_iters", 0),
+        ):
+            samples = getattr(self, name)
+            if samples is None:
+                continue
+            ensure(samples > 0, f"optimizer.{name}={samples}: must be positive")
+            ensure(
+                getattr(self, other) == unset and (name != "warmup_samples" or self.warmup_fraction is None),
+                f"optimizer.{name}={samples} with optimizer.{other}={getattr(self, other)}"
+                f"{' or warmup_fraction' if name == 'warmup_samples' else ''}: give one length, in samples or "
+                "in iterations",
+            )
         ends = (self.start_weight_decay, self.end_weight_decay)
         if self.weight_decay_incr_style == "constant":
             ensure(

@@ -187,6 +187,12 @@ def test_schedule_settings_validate_and_old_configs_read():
     a config written before `weight_decay_exempt` (a checkpoint's manifest) still reads."""
     for sets, words in [
         (["optimizer.warmup_fraction=0.1", "optimizer.warmup_iters=5"], "give one or the other"),
+        (["optimizer.warmup_samples=10", "optimizer.warmup_iters=5"], "give one length, in samples or in"),
+        (
+            ["optimizer.decay_samples=10", "optimizer.decay_iters=5"],
+            "optimizer.decay_samples=10 with optimizer",
+        ),
+        (["optimizer.wsd_decay_samples=0"], "optimizer.wsd_decay_samples=0: must be positive"),
         (["optimizer.start_weight_decay=0.1"], "set optimizer.weight_decay_incr_style=linear or cosine"),
         (["optimizer.weight_decay_incr_style=linear"], "needs 0 <= start_weight_decay <= end_weight_decay"),
         (["optimizer.lr_warmup_init=1.0"], "optimizer.lr_warmup_init=1.0: must be within [0, lr=0.0003]"),

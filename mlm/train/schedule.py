@@ -11,12 +11,17 @@ import math
 from mlm.config import OptimizerConfig
 
 
-def warmup_steps(cfg: OptimizerConfig, total_iters: int) -> float:
-    """The warm-up length: `warmup_iters`, or `warmup_fraction` of the decay iterations (a fraction
-    of a step, as Megatron-LM keeps it)."""
+def lengths(cfg: OptimizerConfig, total_iters: int, batch: int = 1) -> tuple[float, float, float]:
+    """(warm-up, decay, wsd's final decay) in optimizer steps: from `*_iters`, or `*_samples` over
+    `batch` samples a step, or the warm-up as `warmup_fraction` of the decay (a fraction of a step
+    included, as Megatron-LM keeps them: its scheduler counts samples)."""
+    decay = cfg.decay_samples / batch if cfg.decay_samples is not None else cfg.decay_iters or total_iters
     if cfg.warmup_fraction is not None:
-        return cfg.warmup_fraction * (cfg.decay_iters or total_iters)
-    return cfg.warmup_iters
+        warmup = cfg.warmup_fraction * decay
+    else:
+        warmup = cfg.warmup_samples / batch if cfg.warmup_samples is not None else cfg.warmup_iters
+    wsd = cfg.wsd_decay_samples / batch if cfg.wsd_decay_samples is not None else cfg.wsd_decay_iters
+    return warmup, decay, wsd
 
 
 def _cosine(ratio: float) -> float:
@@ -34,21 +39,21 @@ _WSD = {
 
 def lr_at(step: int, cfg: OptimizerConfig, total_iters: int, batch: int = 1) -> float:
     """The learning rate of optimizer step `step` (from 0) of a run of `total_iters` steps of
-    `batch` samples. Megatron-LM counts its scheduler in samples; only inverse-square-root
-    without warm-up depends on the unit (its position is at least one sample)."""
-    lr, warmup = cfg.lr, warmup_steps(cfg, total_iters)
+    `batch` samples. Megatron-LM counts its scheduler in samples: lengths given in samples
+    (`lengths`) and inverse-square-root without warm-up (its position is at least one sample)
+    depend on `batch`."""
+    lr, (warmup, decay, wsd) = cfg.lr, lengths(cfg, total_iters, batch)
     if warmup > 0 and step + cfg.warmup_offset <= warmup:
         return cfg.lr_warmup_init + (lr - cfg.lr_warmup_init) * (step + cfg.warmup_offset) / warmup
     if cfg.decay_style == "constant":
         return lr
-    decay = cfg.decay_iters or total_iters
     if step > decay:
         return cfg.min_lr
     if cfg.decay_style == "inverse-square-root":
         return max(cfg.min_lr, lr * math.sqrt(max(warmup * batch, 1) / max(step * batch, 1)))
     if cfg.decay_style == "wsd":
-        start = decay - cfg.wsd_decay_iters
-        coeff = 1.0 if step <= start else _WSD[cfg.wsd_decay_style]((step - start) / cfg.wsd_decay_iters)
+        start = decay - wsd
+        coeff = 1.0 if step <= start else _WSD[cfg.wsd_decay_style]((step - start) / wsd)
     else:
         ratio = min(1.0, max(0.0, (step - warmup) / max(decay - warmup, 1e-12)))
         coeff = 1.0 - ratio if cfg.decay_style == "linear" else _cosine(ratio)

@@ -9,6 +9,7 @@ import argparse
 
 from mlm.config import Config, ModelConfig, OptimizerConfig, toml_value
 from mlm.errors import MlmError
+from mlm.train.schedule import lengths
 
 _ARGS = {
     "num_attention_heads": "num_attention_heads",
@@ -377,10 +378,7 @@ def scheduler_arguments(cfg: OptimizerConfig, total_iters: int, global_batch: in
     """megatron-core's `OptimizerParamScheduler` arguments for mlm's optimizer settings over a run of
     `total_iters` steps of `global_batch` samples, in samples as Megatron-LM's
     `get_optimizer_param_scheduler` builds them (the inverse of `run_settings`' schedule)."""
-    decay = (cfg.decay_iters or total_iters) * global_batch
-    warmup = (
-        cfg.warmup_fraction * decay if cfg.warmup_fraction is not None else cfg.warmup_iters * global_batch
-    )
+    warmup, decay, wsd = (n * global_batch for n in lengths(cfg, total_iters, global_batch))
     wd = (cfg.weight_decay, cfg.weight_decay)
     if cfg.weight_decay_incr_style != "constant":
         wd = (cfg.start_weight_decay, cfg.end_weight_decay)
@@ -389,7 +387,7 @@ def scheduler_arguments(cfg: OptimizerConfig, total_iters: int, global_batch: in
         init_lr=cfg.lr_warmup_init, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=decay, lr_decay_style=style, start_wd=wd[0], end_wd=wd[1],
         wd_incr_steps=total_iters * global_batch, wd_incr_style=cfg.weight_decay_incr_style,
-        wsd_decay_steps=cfg.wsd_decay_iters * global_batch, lr_wsd_decay_style=cfg.wsd_decay_style,
+        wsd_decay_steps=wsd, lr_wsd_decay_style=cfg.wsd_decay_style,
     )  # fmt: skip
 
 
@@ -411,10 +409,16 @@ def run_settings(args: dict) -> tuple[dict[str, object], list[str]]:
             out[ours] = int(args[iters])
         if args.get(samples) and gbs and args[samples] % gbs == 0:
             out[ours] = args[samples] // gbs
-        elif args.get(samples):
+        elif args.get(samples) and ours == "train.train_iters" and gbs:
+            out[ours] = args[samples] // gbs  # as Megatron-LM's update_train_iters: whole steps
             notes.append(
-                f"args.{samples}={args[samples]} is not a whole number of global batches ({gbs}): not carried"
+                f"args.train_samples={args[samples]} is not a whole number of global batches ({gbs}): "
+                f"{out[ours]} steps, as Megatron-LM trains"
             )
+        elif args.get(samples) and gbs:  # Megatron's scheduler counts samples: a fraction of a step
+            out[ours.replace("_iters", "_samples")] = int(args[samples])
+        elif args.get(samples):
+            notes.append(f"args.{samples}={args[samples]} without args.global_batch_size: not carried")
     style = args.get("lr_decay_style")
     if style in _DECAY_STYLES:
         out["optimizer.decay_style"] = _DECAY_STYLES[style]

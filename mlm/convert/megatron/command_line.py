@@ -63,6 +63,9 @@ TRANSLATED = {
 }  # fmt: skip
 """Arguments translated here (`args.READ`: those `args_overrides` and `run_settings` translate)."""
 
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+"""Arguments without a Megatron-LM default that every GPT run gives."""
+
 NO_EFFECT = {
     "use_mcore_models", "transformer_impl", "attention_backend", "use_flash_attn", "masked_softmax_fusion",
     "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion", "gradient_accumulation_fusion",
@@ -135,6 +138,13 @@ def command_line_sets(argv: list[str]) -> tuple[list[str], list[str]]:
     """(--set strings of the mlm run config that trains what the Megatron-LM command line `argv`
     trains, notes). MlmError naming every argument mlm does not honour."""
     given = parse(argv)
+    missing = [f"--{n.replace('_', '-')}" for n in REQUIRED if given.get(n) is None]
+    if missing:
+        one = len(missing) == 1
+        raise MlmError(
+            f"the Megatron-LM command line lacks {', '.join(missing)}, which Megatron-LM has no "
+            f"default for; add {'it' if one else 'them'} as pretrain_gpt.py needs {'it' if one else 'them'}"
+        )
     args = {**DEFAULTS, **given}
     known = TRANSLATED | NO_EFFECT | READ | set(DEFAULTS) | {"save", "load"}
     refused = [

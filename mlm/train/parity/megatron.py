@@ -30,7 +30,7 @@ from mlm.config import Config, load_config
 from mlm.convert.megatron.args import megatron_args, scheduler_arguments
 from mlm.convert.megatron.exporter import unsupported as export_unsupported
 from mlm.errors import MlmError
-from mlm.train.schedule import warmup_steps
+from mlm.train.schedule import lengths
 
 SETTINGS = {
     "optimizer.warmup_offset": 0,
@@ -76,11 +76,11 @@ def unsupported(cfg: Config) -> list[str]:
     if t.skip_iterations or t.loss_spike_zscore:
         out.append("train.skip_iterations / loss_spike_zscore: the reference trains every step")
     o = cfg.optimizer
-    warmup, decay = warmup_steps(o, t.train_iters), o.decay_iters or t.train_iters
+    warmup, decay, _ = lengths(o, t.train_iters, t.global_batch_size)
     if warmup >= decay:
         out.append(
-            f"optimizer warm-up {warmup:g} steps, decay_iters {decay}: Megatron's scheduler needs the warm-up "
-            "shorter than the decay"
+            f"optimizer: a warm-up of {warmup:g} steps, a decay of {decay:g}: Megatron's scheduler needs the "
+            "warm-up shorter than the decay"
         )
     if d.reset_position_ids or d.reset_attention_mask:
         out.append(

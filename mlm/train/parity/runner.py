@@ -61,8 +61,9 @@ def resolve(config: str | Path | None, overrides: list[str], steps: int, out: Pa
     run = load_config(config, overrides)
     t = run.train
     length = t.train_iters or math.ceil(t.train_tokens / (t.global_batch_size * run.data.seq_length))
-    forced = [
-        f"optimizer.decay_iters={run.optimizer.decay_iters or length}",  # the run's schedule, not K steps'
+    o = run.optimizer  # the run's schedule, not K steps'
+    forced = [] if o.decay_iters or o.decay_samples else [f"optimizer.decay_iters={length}"]
+    forced += [
         f"train.train_iters={steps}",
         "train.train_tokens=none",
         "train.eval_interval=0",

@@ -326,12 +326,13 @@ def test_command_line(imported, tmp_path):
 
 
 def test_run_settings_carry_equal_meanings_only():
-    """Sample counts become iterations where whole global batches; Megatron's schedule, warm-up
+    """Sample counts become iterations where whole global batches, else sample settings (the train
+    length whole steps, as Megatron-LM trains); Megatron's schedule, warm-up
     position and weight-decay groups are carried as settings; what mlm has no equal for is named
     in a note, not carried."""
     settings, notes = run_settings(
         {"lr": 3e-4, "min_lr": 3e-5, "global_batch_size": 8, "lr_warmup_samples": 80, "lr_decay_samples": 801,
-         "train_samples": 1600, "lr_decay_style": "inverse-square-root", "weight_decay": 0.1,
+         "train_samples": 1605, "lr_decay_style": "inverse-square-root", "weight_decay": 0.1,
          "weight_decay_incr_style": "linear", "start_weight_decay": 0.0, "end_weight_decay": 0.1,
          "lr_warmup_init": 1e-5, "decoupled_lr": 1e-4}
     )  # fmt: skip
@@ -342,12 +343,16 @@ def test_run_settings_carry_equal_meanings_only():
     }
     assert settings == {
         "optimizer.lr": 3e-4, "optimizer.min_lr": 3e-5, "train.global_batch_size": 8,
-        "optimizer.warmup_iters": 10, "train.train_iters": 200, "optimizer.decay_style": "inverse-square-root",
+        "optimizer.warmup_iters": 10, "optimizer.decay_samples": 801, "train.train_iters": 200,
+        "optimizer.decay_style": "inverse-square-root",
         "optimizer.weight_decay_incr_style": "linear", "optimizer.start_weight_decay": 0.0,
         "optimizer.end_weight_decay": 0.1, "optimizer.lr_warmup_init": 1e-5, **megatron,
     }  # fmt: skip
     text = " ".join(notes)
-    assert "lr_decay_samples=801 is not a whole number of global batches (8)" in text
+    assert (
+        "args.train_samples=1605 is not a whole number of global batches (8): 200 steps, as Megatron-LM"
+        in text
+    )
     assert "args.decoupled_lr=0.0001 (the embeddings' own learning rate) has no mlm equal" in text
     wsd = {"lr_decay_style": "WSD", "lr_wsd_decay_style": "minus_sqrt", "lr_wsd_decay_iters": 50,
            "lr_warmup_fraction": 0.0125, "train_iters": 1000}  # fmt: skip

@@ -13,6 +13,7 @@ from mlm.config import load_config
 from mlm.convert.megatron.command_line import command_line_sets, moe_layer_freq, parse
 from mlm.errors import MlmError
 from mlm.model import parameter_counts
+from mlm.train.schedule import lr_at
 
 from helpers import cli
 
@@ -144,7 +145,7 @@ def test_unhonoured_arguments_named_in_one_message(tmp_path, monkeypatch, capsys
     assert "--calculate-per-token-loss" not in text
     honoured = LLAMA3_EXAMPLE.replace("--apply-layernorm-1p", "")
     cfg, notes = _config(honoured.replace("--decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5", ""))
-    assert "--calculate-per-token-loss: the same loss and gradients as mlm's mean" in " ".join(notes)
+    assert "--calculate-per-token-loss: the same loss and gradients (up to rounding) as mlm's mean" in " ".join(notes)
     with pytest.raises(
         MlmError, match=r"--calculate-per-token-loss with MoE or MTP layers \(Megatron then weighs"
     ):
@@ -176,6 +177,30 @@ def test_unhonoured_arguments_named_in_one_message(tmp_path, monkeypatch, capsys
         monkeypatch, capsys, "config", "from-megatron", tmp_path / "run.toml", "--", *shlex.split(LLAMA3_8B)
     )
     assert r.returncode == 2 and "does not overwrite" in r.stderr
+
+
+GPT3_SCHEDULE = """--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1
+--global-batch-size 1536 --train-samples 146484375 --lr-decay-samples 126953125 --lr-warmup-samples 183105
+--lr 6.0e-5 --min-lr 6.0e-6 --lr-decay-style cosine"""
+"""The sample counts of Megatron-LM's GPT-3 175B example (examples/gpt3/train_gpt3_175b_distributed.sh)."""
+
+
+def test_sample_counts_that_are_not_whole_global_batches():
+    """Megatron's scheduler counts samples, so a warm-up of 183105 samples is 119.2 steps of 1536:
+    carried in samples; its train length is whole steps, as Megatron-LM's update_train_iters floors it."""
+    sets, notes = command_line_sets(GPT3_SCHEDULE.split())
+    cfg = load_config(None, sets)
+    o = cfg.optimizer
+    assert (o.warmup_samples, o.decay_samples, o.warmup_iters, o.decay_iters) == (183105, 126953125, 0, None)
+    assert cfg.train.train_iters == 146484375 // 1536 == 95367
+    assert (
+        "args.train_samples=146484375 is not a whole number of global batches (1536): 95367 steps" in notes[0]
+    )
+    # the learning rate of step s is Megatron's after s increments of 1536 samples
+    assert lr_at(119, o, 95367, 1536) == pytest.approx(6e-5 * 119 * 1536 / 183105, rel=1e-12)
+    assert lr_at(120, o, 95367, 1536) < 6e-5 and lr_at(82652, o, 95367, 1536) == 6e-6  # past the decay (82651.8 steps)
+    with pytest.raises(MlmError, match="lacks --seq-length, which Megatron-LM has no default for; add it"):
+        command_line_sets(GPT3_SCHEDULE.replace("--seq-length 32", "").split())
 
 
 def test_parse_as_megatron_argparse():

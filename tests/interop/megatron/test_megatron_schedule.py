@@ -26,11 +26,12 @@ from megatron_ref import scheduler_values  # noqa: E402
 TRAIN, GBS = 40, 4
 
 STYLES = ("cosine", "linear", "constant", "inverse-square-root", "wsd")
-WARMUPS = [{}, {"warmup_iters": 5}, {"warmup_iters": 5, "lr_warmup_init": 1e-4}, {"warmup_fraction": 0.13}]
-DECAYS = [{}, {"decay_iters": 30}]
+WARMUPS = [{}, {"warmup_iters": 5}, {"warmup_iters": 5, "lr_warmup_init": 1e-4}, {"warmup_fraction": 0.13},
+           {"warmup_samples": 10}]  # fmt: skip
+DECAYS = [{}, {"decay_iters": 30}, {"decay_samples": 110}]  # samples: 2.5 and 27.5 steps of GBS
 WSD = [
     {"wsd_decay_iters": 10, "wsd_decay_style": s} for s in ("linear", "cosine", "exponential", "minus_sqrt")
-]
+] + [{"wsd_decay_samples": 30, "wsd_decay_style": "cosine"}]
 WEIGHT_DECAYS = [{}, {"weight_decay_incr_style": "linear", "start_weight_decay": 0.0, "end_weight_decay": 0.1},
                  {"weight_decay_incr_style": "cosine", "start_weight_decay": 0.01, "end_weight_decay": 0.2}]  # fmt: skip
 CASES = [
