@@ -145,7 +145,10 @@ def test_unhonoured_arguments_named_in_one_message(tmp_path, monkeypatch, capsys
     assert "--calculate-per-token-loss" not in text
     honoured = LLAMA3_EXAMPLE.replace("--apply-layernorm-1p", "")
     cfg, notes = _config(honoured.replace("--decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5", ""))
-    assert "--calculate-per-token-loss: the same loss and gradients (up to rounding) as mlm's mean" in " ".join(notes)
+    assert (
+        "--calculate-per-token-loss: the same loss and gradients (up to rounding) as mlm's mean"
+        in " ".join(notes)
+    )
     with pytest.raises(
         MlmError, match=r"--calculate-per-token-loss with MoE or MTP layers \(Megatron then weighs"
     ):
@@ -198,7 +201,9 @@ def test_sample_counts_that_are_not_whole_global_batches():
     )
     # the learning rate of step s is Megatron's after s increments of 1536 samples
     assert lr_at(119, o, 95367, 1536) == pytest.approx(6e-5 * 119 * 1536 / 183105, rel=1e-12)
-    assert lr_at(120, o, 95367, 1536) < 6e-5 and lr_at(82652, o, 95367, 1536) == 6e-6  # past the decay (82651.8 steps)
+    assert (
+        lr_at(120, o, 95367, 1536) < 6e-5 and lr_at(82652, o, 95367, 1536) == 6e-6
+    )  # past the decay (82651.8 steps)
     with pytest.raises(MlmError, match="lacks --seq-length, which Megatron-LM has no default for; add it"):
         command_line_sets(GPT3_SCHEDULE.replace("--seq-length 32", "").split())
 
