@@ -1,4 +1,5 @@
-"""`mlm parity`: does the same training run give the same losses and weights on every parallel layout?
+"""`mlm parity`: does the same training run give the same losses and weights on every parallel
+layout, and in megatron-core?
 
 From one seed checkpoint (written once, in this process, at step 0) and one data order, each
 layout (`tp2`, `tp2dp2`, `pp2vpp2`, ...) runs K steps of `mlm train` under torchrun and one
@@ -10,10 +11,11 @@ tolerance that depends on `train.precision`. See docs/parity.md.
     result = run_parity("run.toml", [], parse_layouts("tp1,tp2,dp2"), steps=5, out="runs/parity")
     render(result)              # the report; result.passed is False when a layout is out of tolerance
 
-A layout is an `mlm.layout.Layout` in its text form (`tp2pp2dp2sp`, docs/layout.md). The package,
+A layout is an `mlm.layout.Layout` in its text form (`tp2pp2dp2sp`, docs/layout.md). With
+`against="megatron"`, megatron-core trains the run too and is compared like a layout. The package,
 one responsibility a module: `tolerances` (the bounds per precision), `results` (the comparison and
-its verdict), `runner` (the layouts checked, seed checkpoint, torchrun per layout) and `report`
-(the tables).
+its verdict), `runner` (the layouts checked, seed checkpoint, torchrun per layout), `report`
+(the tables), `megatron` (megatron-core's side) and `megatron_cpu` (its patches for CPU).
 """
 
 from mlm.train.parity.report import render

@@ -56,10 +56,6 @@ def unsupported(cfg: Config) -> list[str]:
     """What of the run `cfg` the megatron-core reference does not train as mlm does, each naming the field."""
     m, t, d = cfg.model, cfg.train, cfg.data
     out = export_unsupported(m)
-    if any(spec.mlp == "moe" for spec in m.layer_specs()):
-        out.append(
-            f"model.mlp_kind={m.mlp_kind}: the reference builds dense MLPs only (MoE is not built yet)"
-        )
     if m.mtp_num_layers:
         out.append(f"model.mtp_num_layers={m.mtp_num_layers}: the reference has no multi-token prediction")
     if m.activation not in _ACTIVATIONS:
@@ -90,32 +86,23 @@ def unsupported(cfg: Config) -> list[str]:
     return out
 
 
-def transformer_config(args: argparse.Namespace, dtype: torch.dtype = torch.float32):
+def transformer_config(args: argparse.Namespace):
     """megatron-core's TransformerConfig for Megatron-LM `args` (as `megatron_args` writes them), as
-    Megatron-LM's `core_transformer_config_from_args` builds it for a dense GPTModel on the local
-    spec, with its CUDA-only fusions off."""
+    Megatron-LM's `core_transformer_config_from_args` builds it: every arg named as a config field,
+    the renamed ones, fp32 parameters, and its CUDA-only fusions off."""
+    import dataclasses
+
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    gelu = {"silu": F.silu, "gelu": F.gelu}["silu" if args.swiglu else "gelu"]
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        ffn_hidden_size=args.ffn_hidden_size,
-        normalization=args.normalization,
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    kw.update(
+        num_moe_experts=args.num_experts,
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,
-        activation_func=gelu,
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        qk_layernorm=args.qk_layernorm,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        params_dtype=dtype,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        params_dtype=torch.float32,
         use_cpu_initialization=True,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -124,15 +111,17 @@ def transformer_config(args: argparse.Namespace, dtype: torch.dtype = torch.floa
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    return TransformerConfig(**kw)
 
 
 def gpt_model(args: argparse.Namespace):
-    """The GPTModel of `args` (local spec; one process: no tensor or pipeline parallelism)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """The GPTModel of `args` on megatron-core's local layer specs (`get_gpt_decoder_block_spec`:
+    dense and MoE layers by moe_layer_freq), in one process: no tensor or pipeline parallelism."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = transformer_config(args)
-    spec = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -175,32 +164,50 @@ def _token_losses(model, tokens: torch.Tensor) -> torch.Tensor:
     s = ids.shape[1]
     pos = torch.arange(s, device=ids.device).expand_as(ids)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), diagonal=1)[None, None]
-    return model(ids, pos, mask.expand(ids.shape[0], 1, s, s), labels=labels).float()
+    return model(ids, pos, mask.expand(ids.shape[0], 1, s, s), labels=labels)
+
+
+def _forward_step(data, model):
+    """Megatron-LM's pretrain_gpt `forward_step`: the next micro-batch's per-token losses and its
+    `loss_func` (the sum over every token, their number, and both to report)."""
+    losses = _token_losses(model, next(data))
+
+    def loss_func(output: torch.Tensor):
+        loss = output.float().sum()
+        tokens = torch.tensor(output.numel(), dtype=torch.int, device=output.device)
+        return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1)])}
+
+    return losses, loss_func
 
 
 def train_steps(ddp, opt, scheduler, steps, increment: int) -> dict[str, list[float]]:
-    """Megatron-LM's `train_step` at dp 1, once per entry of `steps` (each a list of [micro, s + 1]
-    token micro-batches): per micro-batch the mean token loss (GPTModel's own cross-entropy) over
-    their number, backward, `finalize_model_grads`, the optimizer step (clipping included), then the
-    scheduler stepped by `increment` samples. {"loss", "lr", "grad_norm"} per step."""
+    """Megatron-LM's `train_step`, once per entry of `steps` (each a list of [micro, s + 1] token
+    micro-batches): megatron-core's own schedule (`get_forward_backward_func`: each micro-batch's
+    loss over its tokens and their number, the MoE auxiliary losses scaled to match,
+    `finalize_model_grads`), the optimizer step (clipping included), then the scheduler stepped by
+    `increment` samples. {"loss" (over the global batch's tokens, as Megatron-LM logs it), "lr",
+    "grad_norm"} per step."""
     from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    ddp.config.finalize_model_grads_func = finalize_model_grads  # as Megatron-LM's train() sets them
+    ddp.config.grad_scale_func = opt.scale_loss
+    forward_backward = get_forward_backward_func()
     out = {"loss": [], "lr": [], "grad_norm": []}
     for micro in steps:
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        total = 0.0
-        for tokens in micro:
-            loss = _token_losses(ddp, tokens).mean()
-            (loss / len(micro)).backward()
-            total += loss.item() / len(micro)
-        finalize_model_grads([ddp])
+        reports = forward_backward(
+            forward_step_func=_forward_step, data_iterator=iter(micro), model=[ddp], num_microbatches=len(micro),
+            seq_length=micro[0].shape[1] - 1, micro_batch_size=micro[0].shape[0], forward_only=False,
+        )  # fmt: skip
         out["lr"].append(opt.param_groups[0]["lr"])
         applied, grad_norm, _ = opt.step()
         if not applied:
             raise MlmError("megatron-core's optimizer skipped a step (a non-finite gradient)")
         scheduler.step(increment=increment)
-        out["loss"].append(total)
+        loss, tokens = torch.stack([r["lm loss"] for r in reports]).sum(0).tolist()
+        out["loss"].append(loss / tokens)
         out["grad_norm"].append(float(grad_norm))
     return out
 
@@ -209,7 +216,7 @@ def _evaluate(model, micro) -> float:
     """The mean over `micro` of each micro-batch's mean token loss, as `mlm train` evaluates."""
     model.eval()
     with torch.no_grad():
-        losses = [float(_token_losses(model, tokens).mean()) for tokens in micro]
+        losses = [float(_token_losses(model, tokens).float().mean()) for tokens in micro]
     model.train()
     return sum(losses) / len(losses)
 
@@ -236,23 +243,29 @@ def _batches(cfg: Config, steps: int, device: torch.device) -> tuple[list, list]
     return train, evaluation
 
 
-def save_megatron(model, args: argparse.Namespace, iteration: int, save: Path) -> None:
-    """The model's weights at `iteration` as Megatron-LM's save_checkpoint writes them without an
-    optimizer (torch_dist, `args` in common.pt) into the save folder `save`."""
+def save_megatron(
+    model, args: argparse.Namespace, iteration: int, save: Path, opt=None, scheduler=None
+) -> None:
+    """The run at `iteration` as Megatron-LM's save_checkpoint writes it (torch_dist, `args` in
+    common.pt) into the save folder `save`: the model's weights, and with `opt` the distributed
+    optimizer's state (fully_reshardable) and the scheduler's."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     folder = save / f"iter_{iteration:07d}"
     folder.mkdir(parents=True)
-    saved = argparse.Namespace(**{**vars(args), "iteration": iteration})
-    state = {
-        "iteration": iteration,
-        "checkpoint_version": 3.0,
-        "args": saved,
-        "model": model.sharded_state_dict(),
-    }
+    md = None
+    if opt is not None:
+        md = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+              "chained_optim_avoid_prefix": True, "distrib_optim_fully_reshardable_mem_efficient": True}  # fmt: skip
+    msd = model.sharded_state_dict(prefix="", metadata=md)
+    state = {"iteration": iteration, "checkpoint_version": 3.0, "model": msd,
+             "args": argparse.Namespace(**{**vars(args), "iteration": iteration})}  # fmt: skip
+    if opt is not None:
+        state |= {"optimizer": opt.sharded_state_dict(msd, metadata=md), "num_floating_point_operations_so_far": 0,
+                  "opt_param_scheduler": dict(scheduler.state_dict())}  # fmt: skip
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-    dist_checkpointing.save(state, str(folder), sharded_strategy=strategy)
+    dist_checkpointing.save(state, str(folder), sharded_strategy=strategy, content_metadata=md)
     (save / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
@@ -278,6 +291,10 @@ def run(spec: dict) -> None:
     model_parallel_cuda_manual_seed(cfg.train.seed)
     steps, out = int(spec["steps"]), Path(spec["out"])
     args = megatron_args(cfg, cfg.model.padded_vocab_size(), 0, 0)
+    if device.type == "cpu" and getattr(args, "moe_token_dispatcher_type", None) == "alltoall":
+        # its all-to-all dispatcher needs CUDA streams; in one process no token leaves the rank, and
+        # the all-gather dispatcher computes the same token-expert pairs
+        args.moe_token_dispatcher_type = "allgather"
     model = gpt_model(args)
     dist_checkpointing.load(model.sharded_state_dict(), spec["seed"])
     model = model.to(device).train()

@@ -8,8 +8,10 @@ over (ep / gcd(ep, tp × cp): `ep2` is dp 2, `tp2ep2` and `cp2ep2` dp 1). What i
 `run_parity` resolves the run config with the parity settings forced, checks every layout before
 anything runs, writes the step-0 seed checkpoint once in this process, trains each layout from it
 (its log, metrics and final checkpoint under OUT/LAYOUT/) with one evaluation after the last step,
-reads back its losses, eval loss and whole weights, compares them with the first layout's and
-writes OUT/parity.json.
+reads back its losses, gradient norms, learning rates, eval loss and whole weights, compares them
+with the first layout's and writes OUT/parity.json. With `against="megatron"` it also exports the
+seed to torch_dist, trains it in megatron-core (`mlm.train.parity.megatron`, torchrun of one
+process), imports megatron-core's final weights back and compares them the same way.
 """
 
 from __future__ import annotations

@@ -19,13 +19,15 @@ own arguments rather than mlm's config.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mlm.train.parity.megatron import train_steps
+from mlm.train.parity.megatron import save_megatron, train_steps
 from mlm.train.parity.megatron_cpu import apply_cpu_patches, apply_optimizer_cpu_patches
 
 VOCAB, SEQ, HIDDEN, HEADS, GROUPS, FFN, LAYERS = 128, 16, 64, 4, 2, 96, 2
@@ -609,36 +611,12 @@ def init_and_train(
     )  # fmt: skip
     first = train_steps(ddp, opt, scheduler, batches[:save_at], gbs)
     if save_at:
-        _save_run(core, opt, scheduler, args, save_at, f"{out}-resumed")
+        consumed = argparse.Namespace(**{**vars(args), "consumed_train_samples": save_at * gbs})
+        save_megatron(core, consumed, save_at, Path(f"{out}-resumed"), opt, scheduler)
     rest = train_steps(ddp, opt, scheduler, batches[save_at:], gbs)
     out_steps = {k: first[k] + rest[k] for k in first}
     ps.destroy_model_parallel()
     return out_steps
-
-
-def _save_run(core, opt, scheduler, args, iteration: int, save: str) -> None:
-    """The run at `iteration` as Megatron-LM's save_checkpoint writes it (torch_dist; the
-    distributed optimizer's state fully_reshardable)."""
-    import argparse
-
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    md = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
-          "chained_optim_avoid_prefix": True, "distrib_optim_fully_reshardable_mem_efficient": True}  # fmt: skip
-    msd = core.sharded_state_dict(prefix="", metadata=md)
-    saved = argparse.Namespace(**{**vars(args), "consumed_train_samples": iteration * args.global_batch_size})
-    state = {
-        "iteration": iteration, "checkpoint_version": 3.0, "args": saved, "num_floating_point_operations_so_far": 0,
-        "opt_param_scheduler": dict(scheduler.state_dict()), "model": msd,
-        "optimizer": opt.sharded_state_dict(msd, metadata=md),
-    }  # fmt: skip
-    folder = f"{save}/iter_{iteration:07d}"
-    os.makedirs(folder, exist_ok=True)
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-    dist_checkpointing.save(state, folder, sharded_strategy=strategy, content_metadata=md)
-    with open(f"{save}/latest_checkpointed_iteration.txt", "w") as f:
-        f.write(str(iteration))
 
 
 def scheduler_values(
