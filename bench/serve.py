@@ -293,7 +293,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def http_bench(a, ours) -> None:
-    from mlm.inference.chat import load_chat_template
+    from mlm.chat import load_chat_template
     from mlm.serve.app import ServerState, create_app
     from mlm.serve.server import ServerThread
 

@@ -161,8 +161,8 @@ def generate(
     Under torchrun, tensor-parallel over the processes; rank 0 prints."""
     import time
 
+    from mlm.chat import load_chat_template
     from mlm.console import console
-    from mlm.inference.chat import load_chat_template
     from mlm.inference.engine import Engine, EngineConfig, build_runner
     from mlm.inference.host_memory import keep_freed_memory
     from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config

@@ -61,6 +61,10 @@ class Tokenizer(ABC):
         return self.encode(text)
 
     @abstractmethod
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(`encode_plain(text)`, each token's [start, end) character span in `text`)."""
+
+    @abstractmethod
     def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         """Token ids of each text; `num_threads` native threads share the work."""
 
@@ -125,6 +129,17 @@ class SentencePieceTokenizer(Tokenizer):
     def encode_batch(self, texts, num_threads=1):
         return self.sp.encode(list(texts), out_type=int, num_threads=num_threads)
 
+    def encode_offsets(self, text):
+        try:  # sentencepiece ≥ 0.2.1 names the proto "proto", 0.2.0 "immutable_proto"
+            pieces = self.sp.encode(text, out_type="proto").pieces
+        except (ValueError, TypeError, RuntimeError):
+            pieces = self.sp.encode(text, out_type="immutable_proto").pieces
+        char_of = []  # the character index of each UTF-8 byte offset of `text`
+        for i, c in enumerate(text):
+            char_of += [i] * len(c.encode())
+        char_of.append(len(text))
+        return [p.id for p in pieces], [(char_of[p.begin], char_of[p.end]) for p in pieces]
+
     def decode(self, ids):
         return self.sp.decode([int(i) for i in ids])
 
@@ -150,6 +165,10 @@ class _TokenizersLibTokenizer(Tokenizer):
 
     def encode_plain(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text):
+        e = self.tok.encode(text, add_special_tokens=False)
+        return e.ids, [tuple(o) for o in e.offsets]
 
     def decode(self, ids):
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -263,6 +282,7 @@ TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer.model",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",

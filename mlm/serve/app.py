@@ -24,8 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from mlm.chat import ChatTemplate
 from mlm.errors import MlmError
-from mlm.inference.chat import ChatTemplate
 from mlm.inference.engine import Completion, Engine, QueueFull, RequestOutput
 from mlm.inference.sampling import SamplingParams, TokenLogprob
 from mlm.serve import megatron

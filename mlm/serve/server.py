@@ -14,8 +14,8 @@ from pathlib import Path
 
 import uvicorn
 
+from mlm.chat import load_chat_template
 from mlm.errors import MlmError
-from mlm.inference.chat import load_chat_template
 from mlm.inference.engine import Engine, EngineConfig, build_runner
 from mlm.inference.host_memory import keep_freed_memory
 from mlm.inference.loader import load_checkpoint_tokenizer, load_model, model_config
