@@ -93,7 +93,7 @@ class ChatTemplate:
         )
         """Whether the template marks the assistant's text with {% generation %}."""
         self.special_tokens = {k: special_tokens.get(k, "") for k in SPECIAL_TOKENS}
-        self.origin = origin
+        self.source, self.origin = source, origin
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text; raises MlmError when the template refuses the messages."""

@@ -76,6 +76,10 @@ class Tokenizer(ABC):
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string, or None when the vocabulary lacks it."""
 
+    @abstractmethod
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary's string of a token id (a special token's own text, e.g. "</s>")."""
+
     def _files(self) -> list[Path]:
         return [self.path]
 
@@ -147,6 +151,9 @@ class SentencePieceTokenizer(Tokenizer):
         tid = self.sp.piece_to_id(token)
         return None if tid == self.sp.unk_id() and token != self.sp.id_to_piece(tid) else tid
 
+    def token_text(self, token_id):
+        return self.sp.id_to_piece(int(token_id))
+
 
 class _TokenizersLibTokenizer(Tokenizer):
     """Shared code for tokenizers built on the Hugging Face `tokenizers` library."""
@@ -175,6 +182,9 @@ class _TokenizersLibTokenizer(Tokenizer):
 
     def token_to_id(self, token):
         return self.tok.token_to_id(token)
+
+    def token_text(self, token_id):
+        return self.tok.id_to_token(int(token_id))
 
     def _find_end_token(self) -> int | None:
         for t in _END_TOKENS:

@@ -175,6 +175,59 @@ def test_error_cases_over_plain_http(served):
     assert state.engine.cache.allocator.num_used == 0
 
 
+def test_tokenizer_endpoints_echo_and_several_prompts(served):
+    """What lm-evaluation-harness's `local-completions` sends besides the plain completion: vLLM's
+    tokenizer endpoints (its remote tokenizer), token-id prompts in a list, and `echo`."""
+    server, state = served
+    tok = state.tokenizer
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        info = http.get("/tokenizer_info").json()
+        assert (
+            info["eos_token"] == tok.token_text(tok.eod_id)
+            and tok.token_to_id(info["eos_token"]) == tok.eod_id
+        )
+        assert info["chat_template"] == state.chat.source and info["model_max_length"] == state.context
+        text = "def main(argv):\n    return 0"
+        r = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+        assert r["tokens"] == tok.encode_plain(text) and r["count"] == len(r["tokens"])
+        assert http.post("/tokenize", json={"prompt": text}).json()["tokens"] == tok.encode(text)
+        assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {
+            "prompt": tok.decode(r["tokens"])
+        }
+        assert_error(http.post("/detokenize", json={"tokens": [1, 10**6]}), 400, param="tokens")
+        assert_error(httpx.get(f"{server.url}/tokenizer_info"), 401, code="invalid_api_key")
+
+        prompts = [tok.encode("x = "), tok.encode("class A:")]
+        body = {"model": NAME, "prompt": prompts, "max_tokens": 5, "temperature": 0, "n": 2, "echo": True}
+        r = http.post("/v1/completions", json=body).json()
+        assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]  # prompt by prompt, n each
+        for c in r["choices"]:
+            ids = prompts[c["index"] // 2]
+            assert c["text"] == tok.decode(ids) + expected(state, ids, 5)
+        assert r["usage"]["prompt_tokens"] == len(prompts[0]) + len(prompts[1])
+        texts = http.post(
+            "/v1/completions", json={**body, "prompt": ["x = ", "y"], "n": 1, "echo": False}
+        ).json()
+        assert [c["text"] for c in texts["choices"]] == [
+            expected(state, tok.encode(p), 5) for p in ("x = ", "y")
+        ]
+        # a loglikelihood request as lm-eval sends it: the prompt's log-probs are not built
+        score = {
+            "model": NAME,
+            "prompt": prompts[:1],
+            "max_tokens": 1,
+            "logprobs": 1,
+            "echo": True,
+            "seed": 1234,
+        }
+        err = assert_error(http.post("/v1/completions", json=score), 400, param="echo")
+        assert "echo with logprobs is not built" in err["message"]
+        stream = {**body, "stream": True, "echo": False}
+        assert_error(http.post("/v1/completions", json=stream), 400, param="stream")
+    wait_idle(state.engine)
+    assert state.engine.cache.allocator.num_used == 0
+
+
 def test_busy_429_and_loading_503(served):
     _, state = served
     loading = ServerState(NAME)

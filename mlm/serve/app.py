@@ -31,7 +31,14 @@ from mlm.inference.sampling import SamplingParams, TokenLogprob
 from mlm.serve import megatron
 from mlm.serve.errors import ApiError
 from mlm.serve.metrics import Metrics
-from mlm.serve.schemas import ChatRequest, CompletionRequest, check_text, parse
+from mlm.serve.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_text,
+    parse,
+)
 from mlm.tokenizer import Tokenizer
 
 log = logging.getLogger("mlm.serve")
@@ -244,19 +251,32 @@ def _max_tokens(state: ServerState, prompt_len: int, asked: int | None, default:
     return asked
 
 
+def _prompts(prompt) -> list[str | list[int]]:
+    """The prompts of a completion request: one text or token list, or a list of either."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _check_queue(state: ServerState, count: int, what: str | None = None, req=None) -> None:
+    """A 400 where `count` engine requests (choices) could never all wait in the queue: a 429
+    would have the client retry in vain. `what` names the count (else n or best_of)."""
+    limit = state.engine.config.max_waiting
+    if count > limit:
+        field = "best_of" if getattr(req, "best_of", None) else "n"
+        raise ApiError(
+            400,
+            f"{what or field}={count}: more choices than may wait in the server's queue (--max-waiting "
+            f"{limit}); ask for at most {limit}",
+            param="prompt" if what else field,
+        )
+
+
 def _params(
     state: ServerState, req, max_tokens: int, logprobs: int | None, count: int
 ) -> list[SamplingParams]:
     """The params of `count` choices (n, or best_of candidates), each an engine request."""
-    limit = state.engine.config.max_waiting
-    if count > limit:  # could never all be queued: a 429 would have the client retry in vain
-        field = "best_of" if getattr(req, "best_of", None) else "n"
-        raise ApiError(
-            400,
-            f"{field}={count}: more choices than may wait in the server's queue (--max-waiting {limit}); "
-            f"ask for at most {limit}",
-            param=field,
-        )
+    _check_queue(state, count, req=req)
     try:
         return req.sampling(max_tokens, logprobs, state.engine.model.cfg.vocab_size, count)
     except MlmError as e:
@@ -438,43 +458,107 @@ def create_app(state: ServerState) -> FastAPI:
         _check_access(state, request)
         req = parse(CompletionRequest, await _read_json(state, request))
         _check_model(state, req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, f"prompt: one prompt per request, got {len(prompt)}", param="prompt")
-            prompt = prompt[0]
+        prompts = _prompts(req.prompt)
         best_of = req.best_of or req.n
         if best_of < req.n:
             raise ApiError(400, f"best_of={best_of} is less than n={req.n}", param="best_of")
         if req.stream and best_of > req.n:
             raise ApiError(400, "best_of > n cannot be streamed: set stream to false", param="best_of")
-        ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = _max_tokens(state, len(ids), req.max_tokens, 16)
+        if req.stream and len(prompts) > 1:
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompts cannot be streamed: send one, or set stream to false",
+                param="stream",
+            )
+        if req.echo and (req.stream or req.logprobs is not None):
+            what = "stream" if req.stream else "logprobs"
+            raise ApiError(
+                400,
+                f"echo with {what} is not built: the prompt's log-probs are not computed; ask without {what}",
+                param="echo",
+            )
+        ids = [state.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        if len(prompts) > 1:
+            _check_queue(state, len(prompts) * best_of, f"{len(prompts)} prompts × {best_of} choices")
         # best_of ranks the candidates by their tokens' log-probs: they are computed, shown if asked
         logprobs = req.logprobs if req.logprobs is not None or best_of == req.n else 0
-        stream = EngineStream(state, ids, _params(state, req, max_tokens, logprobs, best_of))
+        streams: list[EngineStream] = []
+        try:
+            for p in ids:
+                max_tokens = _max_tokens(state, len(p), req.max_tokens, 16)
+                streams.append(EngineStream(state, p, _params(state, req, max_tokens, logprobs, best_of)))
+        except ApiError:
+            for st in streams:
+                st.cancel()
+            raise
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
         head["model"] = state.model_name
-        offsets = [0] * best_of  # of each choice's text so far
+        offsets = [0] * best_of  # of each choice's text so far (one prompt when streamed)
 
-        def choice(i: int, out: RequestOutput | Completion) -> dict:
+        def choice(i: int, out: RequestOutput | Completion, echoed: str = "") -> dict:
             lp = (
                 _completion_logprobs(state.tokenizer, out.logprobs, offsets[i])
                 if req.logprobs is not None
                 else None
             )
             offsets[i] += len(out.text)
-            return {"index": i, "text": out.text, "logprobs": lp, "finish_reason": _reason(out)}
+            return {"index": i, "text": echoed + out.text, "logprobs": lp, "finish_reason": _reason(out)}
 
         if req.stream:
-            events = _event_stream(stream, head, choice, req.include_usage, None)
-            return EventStreamResponse(events, stream)
-        (results,) = await collect(request, [stream])
-        best = results
-        if best_of > req.n:  # the n of highest summed log-prob, best first (ties keep their order)
-            best = sorted(results, key=lambda c: -sum(lp.logprob for lp in c.logprobs))[: req.n]
-        # usage counts every candidate generated
-        return {**head, "choices": [choice(i, c) for i, c in enumerate(best)], "usage": _usage(results)}
+            events = _event_stream(streams[0], head, choice, req.include_usage, None)
+            return EventStreamResponse(events, streams[0])
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for k, results in enumerate(await collect(request, streams)):
+            best = results
+            if best_of > req.n:  # the n of highest summed log-prob, best first (ties keep their order)
+                best = sorted(results, key=lambda c: -sum(lp.logprob for lp in c.logprobs))[: req.n]
+            echoed = (
+                ""
+                if not req.echo
+                else prompts[k]
+                if isinstance(prompts[k], str)
+                else state.tokenizer.decode(ids[k])
+            )
+            offsets[:] = [0] * best_of
+            choices += [choice(i, c, echoed) | {"index": k * req.n + i} for i, c in enumerate(best)]
+            for key, v in _usage(results).items():  # every candidate generated counts
+                usage[key] += v
+        return {**head, "choices": choices, "usage": usage}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        """The tokenizer's special tokens, chat template and context (vLLM's endpoint, which
+        lm-evaluation-harness's remote tokenizer reads)."""
+        _check_access(state, request)
+        tok = state.tokenizer
+        special = {"eos_token": tok.eod_id, "bos_token": tok.bos_id, "pad_token": tok.pad_id}
+        return {
+            **{k: None if i is None else tok.token_text(i) for k, i in special.items()},
+            "chat_template": state.chat.source,
+            "model_max_length": state.context,
+            "tokenizer_class": tok.kind,
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        _check_access(state, request)
+        req = parse(TokenizeRequest, await _read_json(state, request))
+        _check_model(state, req.model)
+        tok = state.tokenizer
+        tokens = tok.encode(req.prompt) if req.add_special_tokens else tok.encode_plain(req.prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        _check_access(state, request)
+        req = parse(DetokenizeRequest, await _read_json(state, request))
+        _check_model(state, req.model)
+        vocab = state.tokenizer.vocab_size
+        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+            raise ApiError(
+                400, f"tokens: {bad[0]} is not a token id (the vocabulary has {vocab})", param="tokens"
+            )
+        return {"prompt": state.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -115,12 +115,33 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str]
-    """Text, token ids, or a list of one text."""
+    prompt: str | list[int] | list[str] | list[list[int]]
+    """Text, token ids, or a list of prompts (texts, or lists of token ids), each its own choices."""
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: Literal[False] = False
+    echo: bool = False
+    """Put the prompt's text before each choice's."""
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     """Generate this many candidates and return the n whose chosen tokens' log-probs sum highest."""
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize` (vLLM's, which lm-evaluation-harness's remote tokenizer calls)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    """Let the tokenizer add its special tokens (a Llama tokenizer's BOS), as `tokenizer(text)` does."""
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class TextPart(BaseModel):
