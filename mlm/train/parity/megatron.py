@@ -41,8 +41,8 @@ SETTINGS = {
 mlm side of the comparison: the first step at lr_warmup_init, weight decay on every matrix
 (the embedding's included), the loss over every padded vocabulary row."""
 
-_ACTIVATIONS = {"swiglu": "silu", "gelu": "gelu"}
-"""mlm's model.activation → the function of Megatron's MLP (gated with swiglu)."""
+_ACTIVATIONS = ("swiglu", "gelu")
+"""The model.activation values megatron-core's MLP computes as mlm does (silu gated, exact GELU)."""
 
 
 def available() -> bool:

@@ -563,8 +563,8 @@ def init_and_train(
     Megatron-LM's pretraining:
     with `batches` None, its initial weights saved (torch_dist) into `out`; else those weights
     loaded from `out` and trained one step per entry of `batches` (each a list of [micro, SEQ + 1]
-    token micro-batches) as Megatron-LM's `train_step` does at dp 1: per micro-batch the mean
-    token loss (GPTModel's own cross-entropy) divided by their number, DDP + Adam from
+    token micro-batches) as Megatron-LM's `train_step` does at dp 1 (`mlm.train.parity.megatron.
+    train_steps`: megatron-core's schedule and pretrain_gpt's loss function), DDP + Adam from
     `get_megatron_optimizer` (its weight-decay groups), clipping, and the OptimizerParamScheduler
     of `args` in samples, stepped after the optimizer. With `save_at`, after that many steps the run
     is saved as Megatron-LM's save_checkpoint saves it into `out`-resumed/iter_N (torch_dist, the
