@@ -211,19 +211,53 @@ def test_tokenizer_endpoints_echo_and_several_prompts(served):
         assert [c["text"] for c in texts["choices"]] == [
             expected(state, tok.encode(p), 5) for p in ("x = ", "y")
         ]
-        # a loglikelihood request as lm-eval sends it: the prompt's log-probs are not built
-        score = {
-            "model": NAME,
-            "prompt": prompts[:1],
-            "max_tokens": 1,
-            "logprobs": 1,
-            "echo": True,
-            "seed": 1234,
-        }
-        err = assert_error(http.post("/v1/completions", json=score), 400, param="echo")
-        assert "echo with logprobs is not built" in err["message"]
         stream = {**body, "stream": True, "echo": False}
         assert_error(http.post("/v1/completions", json=stream), 400, param="stream")
+        assert_error(
+            http.post("/v1/completions", json={**body, "prompt": "x", "stream": True}), 400, param="echo"
+        )
+    wait_idle(state.engine)
+    assert state.engine.cache.allocator.num_used == 0
+
+
+def test_prompt_logprobs_equal_transformers(served):
+    """A loglikelihood request as lm-evaluation-harness's `local-completions` sends it (token-id
+    prompts, echo, logprobs 1, max_tokens 1): every prompt token's log-prob after the first equals
+    transformers' log-softmax on the same weights (1e-4 absolute; the served model is the one
+    `tiny_llama_checkpoint` imported, rebuilt here from its seed), the first is null, and the top
+    entry is the most likely token (how lm-eval decides `is_greedy`)."""
+    import torch
+    from test_inference import hf_llama
+
+    server, state = served
+    tok = state.tokenizer
+    hf = hf_llama(
+        tie=False, seed=3, vocab_size=state.engine.model.cfg.vocab_size, rms_norm_eps=1e-6, rope_scaling=None
+    )
+    prompts = [tok.encode("def main(argv):\n    return 0"), tok.encode("x = [1, 2, 3]")]
+    body = {
+        "model": NAME,
+        "prompt": prompts,
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": 1,
+        "echo": True,
+        "seed": 1234,
+    }
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    for ids, c in zip(prompts, sorted(r.json()["choices"], key=lambda c: c["index"]), strict=True):
+        lp = c["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        assert lp["tokens"][: len(ids)] == [tok.decode([i]) for i in ids]
+        with torch.no_grad():
+            theirs = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+        want = [float(theirs[j, ids[j + 1]]) for j in range(len(ids) - 1)]
+        assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(want, abs=1e-4)
+        for j, top in enumerate(lp["top_logprobs"][1 : len(ids)]):
+            (value,) = top.values()
+            assert value == pytest.approx(float(theirs[j].max()), abs=1e-4)
     wait_idle(state.engine)
     assert state.engine.cache.allocator.num_used == 0
 

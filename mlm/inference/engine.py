@@ -221,6 +221,8 @@ class Engine:
         self._live: dict[str, Sequence] = {}
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
+        self._scores: list[tuple[list[int], int, Callable]] = []
+        """Prompts whose log-probs are asked for (`score`), run before the next step."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -244,17 +246,7 @@ class Engine:
     ) -> str:
         """Queue a request; its outputs go to `on_output` (on the engine's thread). Raises MlmError
         for a request that can never run and QueueFull when max_waiting requests already wait."""
-        vocab = self.model.cfg.vocab_size
-        if not prompt_ids:
-            raise MlmError("the prompt is empty: give at least one token")
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
-            raise MlmError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.context:
-            raise MlmError(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.context}, "
-                "which leaves no room to generate"
-            )
+        self._check_prompt(prompt_ids)
         request_id = request_id or f"req-{next(self._ids)}"
         seq = Sequence(request_id, list(prompt_ids), params, on_output, self.tokenizer, self.context)
         need, total = self.scheduler.blocks_for(seq), self.cache.allocator.num_blocks
@@ -269,6 +261,34 @@ class Engine:
             self._inbox.append(seq)
         self._wake.set()
         return request_id
+
+    def score(
+        self, prompt_ids: list[int], top: int, on_done: Callable[[list[TokenLogprob] | Exception], None]
+    ) -> None:
+        """Queue the log-prob of every prompt token after the first, given the tokens before it,
+        with its `top` most likely alternatives (the model's own distribution: no temperature or
+        penalty); `on_done` gets them, or the exception that failed them (on the engine's thread).
+        One forward over the whole prompt, without the cache. MlmError for a prompt that can never
+        run, or under tensor parallelism (not built)."""
+        self._check_prompt(prompt_ids)
+        if self.runner.mesh.tp > 1:
+            raise MlmError("prompt log-probs are not built under tensor parallelism; serve at tp 1")
+        with self._lock:
+            self._scores.append((list(prompt_ids), top, on_done))
+        self._wake.set()
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        vocab = self.model.cfg.vocab_size
+        if not prompt_ids:
+            raise MlmError("the prompt is empty: give at least one token")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+            raise MlmError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.context:
+            raise MlmError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.context}, "
+                "which leaves no room to generate"
+            )
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; it leaves at the next step with finish_reason "abort"."""
@@ -287,10 +307,12 @@ class Engine:
     # ------------------------------------------------------------------ the engine's thread
 
     def has_work(self) -> bool:
-        return bool(self._live or self._inbox or self._aborts)
+        return bool(self._live or self._inbox or self._aborts or self._scores)
 
     def step(self) -> int:
-        """Admit, run and sample one step; the number of sequences it ran."""
+        """Score the prompts asked for, then admit, run and sample one step; the number of
+        sequences it ran."""
+        self._run_scores()
         self._take_inbox()
         batch = self.scheduler.schedule()
         if not batch:
@@ -330,6 +352,17 @@ class Engine:
         if self.on_step is not None:
             self.on_step(len(batch), sum(len(c.tokens) for c in segments))
         return len(batch)
+
+    def _run_scores(self) -> None:
+        with self._lock:
+            scores, self._scores = self._scores, []
+        for ids, top, on_done in scores:
+            try:
+                result = self.runner.score(ids, top)
+            except Exception as e:  # a failed forward fails its request, never the engine
+                log.exception("scoring a prompt failed")
+                result = e
+            on_done(result)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -403,7 +436,7 @@ class Engine:
                 for seq in list(self._live.values()):
                     self._finish(seq, RequestOutput(seq.id), "error", error=f"{type(e).__name__}: {e}")
                 ran = 0
-            if ran == 0 and not self._inbox and not self._aborts:
+            if ran == 0 and not self._inbox and not self._aborts and not self._scores:
                 self._wake.wait(timeout=1.0)
 
     def generate(

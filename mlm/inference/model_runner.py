@@ -33,6 +33,7 @@ from mlm.inference.decode_graphs import DecodeGraphs
 from mlm.inference.kv_cache import PagedKVCache
 from mlm.inference.lockstep import broadcast_step, receive_step, stop_followers
 from mlm.inference.paged_attention import PagedAttention
+from mlm.inference.sampling import TokenLogprob, token_logprob
 from mlm.inference.state_cache import StatePool
 from mlm.model.gpt import GPT
 from mlm.parallel.mesh import Mesh
@@ -110,6 +111,19 @@ class ModelRunner:
         if self.mesh.tp > 1 and not self._closed:
             stop_followers(self.mesh, self.device)
             self._closed = True
+
+    @torch.inference_mode()
+    def score(self, ids: list[int], top: int, rows: int = 256) -> list[TokenLogprob]:
+        """The log-prob of each of `ids` after the first given those before it, with its `top` most
+        likely alternatives: one forward over the whole sequence without the cache (tp = 1), the
+        logits `rows` positions at a time."""
+        assert self.mesh.tp == 1, "prompt log-probs run at tp = 1"
+        h_1TD = self.model.hidden_states(torch.tensor([ids], device=self.device))
+        out = []
+        for s in range(0, len(ids) - 1, rows):
+            logits_RV = self.model.logits(h_1TD[0, s : min(s + rows, len(ids) - 1)])[:, : self.vocab].float()
+            out += [token_logprob(row, t, top) for row, t in zip(logits_RV, ids[s + 1 :], strict=False)]
+        return out
 
     @torch.inference_mode()
     def _run(self, segments: list[Segment]) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -302,6 +303,35 @@ def _completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob], offset: int) -
     }
 
 
+def _score(state: ServerState, ids: list[int], top: int) -> asyncio.Future:
+    """The engine's log-probs of `ids`' tokens after the first (`Engine.score`), as a future."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    try:
+        state.engine.score(ids, top, lambda r: loop.call_soon_threadsafe(done.set_result, r))
+    except MlmError as e:
+        raise ApiError(400, str(e), param="prompt") from None
+
+    async def result() -> list[TokenLogprob]:
+        r = await done
+        if isinstance(r, Exception):
+            raise ApiError(500, f"scoring the prompt failed: {type(r).__name__}: {r}")
+        return r
+
+    return asyncio.ensure_future(result())
+
+
+def _prompt_logprobs(tok: Tokenizer, ids: list[int], lps: list[TokenLogprob]) -> dict:
+    """The echoed prompt's part of a choice's `logprobs`: its first token has none (null)."""
+    tokens = [tok.decode([i]) for i in ids]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None] + [lp.logprob for lp in lps],
+        "top_logprobs": [None] + [{tok.decode([i]): v for i, v in lp.top} for lp in lps],
+        "text_offset": list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]])),
+    }
+
+
 def _chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob]) -> dict | None:
     if not lps:
         return None
@@ -470,14 +500,11 @@ def create_app(state: ServerState) -> FastAPI:
                 f"{len(prompts)} prompts cannot be streamed: send one, or set stream to false",
                 param="stream",
             )
-        if req.echo and (req.stream or req.logprobs is not None):
-            what = "stream" if req.stream else "logprobs"
-            raise ApiError(
-                400,
-                f"echo with {what} is not built: the prompt's log-probs are not computed; ask without {what}",
-                param="echo",
-            )
+        if req.echo and req.stream:
+            raise ApiError(400, "echo cannot be streamed: set stream to false", param="echo")
         ids = [state.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        scored = req.echo and req.logprobs is not None  # the prompt's own log-probs, as lm-eval reads them
+        scores = [_score(state, p, req.logprobs) for p in ids] if scored else []
         if len(prompts) > 1:
             _check_queue(state, len(prompts) * best_of, f"{len(prompts)} prompts × {best_of} choices")
         # best_of ranks the candidates by their tokens' log-probs: they are computed, shown if asked
@@ -495,12 +522,16 @@ def create_app(state: ServerState) -> FastAPI:
         head["model"] = state.model_name
         offsets = [0] * best_of  # of each choice's text so far (one prompt when streamed)
 
-        def choice(i: int, out: RequestOutput | Completion, echoed: str = "") -> dict:
+        def choice(
+            i: int, out: RequestOutput | Completion, echoed: str = "", prompt_lp: dict | None = None
+        ) -> dict:
             lp = (
                 _completion_logprobs(state.tokenizer, out.logprobs, offsets[i])
                 if req.logprobs is not None
                 else None
             )
+            if prompt_lp is not None:  # the echoed prompt's tokens first
+                lp = {k: v + (lp[k] if lp else []) for k, v in prompt_lp.items()}
             offsets[i] += len(out.text)
             return {"index": i, "text": echoed + out.text, "logprobs": lp, "finish_reason": _reason(out)}
 
@@ -519,8 +550,11 @@ def create_app(state: ServerState) -> FastAPI:
                 if isinstance(prompts[k], str)
                 else state.tokenizer.decode(ids[k])
             )
-            offsets[:] = [0] * best_of
-            choices += [choice(i, c, echoed) | {"index": k * req.n + i} for i, c in enumerate(best)]
+            offsets[:] = [len(echoed)] * best_of
+            prompt_lp = _prompt_logprobs(state.tokenizer, ids[k], await scores[k]) if scored else None
+            choices += [
+                choice(i, c, echoed, prompt_lp) | {"index": k * req.n + i} for i, c in enumerate(best)
+            ]
             for key, v in _usage(results).items():  # every candidate generated counts
                 usage[key] += v
         return {**head, "choices": choices, "usage": usage}
