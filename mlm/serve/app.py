@@ -504,7 +504,6 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(400, "echo cannot be streamed: set stream to false", param="echo")
         ids = [state.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         scored = req.echo and req.logprobs is not None  # the prompt's own log-probs, as lm-eval reads them
-        scores = [_score(state, p, req.logprobs) for p in ids] if scored else []
         if len(prompts) > 1:
             _check_queue(state, len(prompts) * best_of, f"{len(prompts)} prompts × {best_of} choices")
         # best_of ranks the candidates by their tokens' log-probs: they are computed, shown if asked
@@ -514,6 +513,7 @@ def create_app(state: ServerState) -> FastAPI:
             for p in ids:
                 max_tokens = _max_tokens(state, len(p), req.max_tokens, 16)
                 streams.append(EngineStream(state, p, _params(state, req, max_tokens, logprobs, best_of)))
+            scores = [_score(state, p, req.logprobs) for p in ids] if scored else []
         except ApiError:
             for st in streams:
                 st.cancel()
