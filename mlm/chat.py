@@ -7,7 +7,7 @@ Templates run in Jinja's sandbox with transformers' conventions: trim_blocks, ls
 tokenizer's special tokens (`bos_token`, `eos_token`, ...), `add_generation_prompt`,
 `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text.
 
-`{% generation %} ... {% endgeneration %}` marks what the assistant says; `tokens` turns the marks
+`{% generation %} ... {% endgeneration %}` marks what the assistant says; `chat_tokens` turns the marks
 into a per-token mask as transformers' `apply_chat_template(return_assistant_tokens_mask=True)`
 does: a token is the assistant's when its characters overlap a marked span. A template without
 the marks gets them from the messages (`assistant_spans`): each assistant turn is the text the

@@ -379,11 +379,13 @@ def run_parity(
     overrides = [*overrides, *forced]
     cfg = resolve(config, overrides, steps, out)
     names = [str(lay) for lay in layouts]
-    runs = _check_layouts(cfg, layouts, lambda sets: resolve(config, [*overrides, *sets], steps, out))
+
+    def resolve_with(sets: list[str]) -> Config:
+        return resolve(config, [*overrides, *sets], steps, out)
+
+    runs = _check_layouts(cfg, layouts, resolve_with)
     if against:  # megatron-core runs in one process
-        one = _check_layouts(
-            cfg, [Layout.parse("tp1")], lambda sets: resolve(config, [*overrides, *sets], steps, out)
-        )
+        one = _check_layouts(cfg, [Layout.parse("tp1")], resolve_with)
     tol = TOLERANCES[cfg.train.precision]
     out.mkdir(parents=True, exist_ok=True)
     resolved = out / "config.toml"
