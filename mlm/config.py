@@ -489,9 +489,16 @@ class DataConfig:
     """Positions restart after each end-of-document token (Megatron's --reset-position-ids)."""
     reset_attention_mask: bool = False
     """Attention stays within each document packed in a sequence (Megatron's --reset-attention-mask)."""
+    packing: str = "first_fit"
+    """Chat datasets: first_fit (conversations share sequences, each in the first with room) or
+    none (one conversation per sequence, padded)."""
 
     def __post_init__(self):
         ensure(self.seq_length > 0, f"data.seq_length={self.seq_length}: must be positive")
+        ensure(
+            self.packing in ("first_fit", "none"),
+            f"data.packing={self.packing!r}: must be first_fit or none",
+        )
 
 
 @dataclass

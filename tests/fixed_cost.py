@@ -51,7 +51,7 @@ class SleepStage(nn.Module):
 
     hidden_states = forward
 
-    def head_loss(self, h, labels):
+    def head_loss(self, h, labels, weights=None):
         return h.mean()
 
     def tied_weight(self):

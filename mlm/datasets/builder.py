@@ -1,4 +1,5 @@
-"""Train/valid/test datasets from a blend of indexed datasets (Megatron's `--data-path`).
+"""Train/valid/test datasets from a blend of indexed datasets (Megatron's `--data-path`): text
+(GPTDataset) or conversations (SFTDataset).
 
 A blend is `[(weight, prefix), ...]`; one prefix alone needs no weight. Each split is a
 GPTDataset of one prefix, or a BlendedDataset over one GPTDataset per prefix, each asked for
@@ -7,6 +8,7 @@ exactly the samples the blend takes from it.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from mlm.config import Config
@@ -14,6 +16,7 @@ from mlm.datasets.blended import BlendedDataset, samples_per_dataset
 from mlm.datasets.gpt import SPLIT_NAMES, GPTDataset, GPTDatasetConfig
 from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.meta import read_meta
+from mlm.datasets.sft import SFTDataset
 from mlm.errors import MlmError
 
 
@@ -53,16 +56,32 @@ def check_same_tokenizer(prefixes: list[str]) -> dict | None:
     return seen
 
 
+def is_chat(prefixes: list[str]) -> bool:
+    """Whether the datasets are conversations with loss masks (`mlm data build --chat`); all or
+    none must be."""
+    chat = [p for p in prefixes if ((read_meta(p) or {}).get("chat"))]
+    if chat and len(chat) != len(prefixes):
+        plain = next(p for p in prefixes if p not in chat)
+        raise MlmError(
+            f"{chat[0]} holds conversations (mlm data build --chat) but {plain} plain text; a run trains "
+            "on one kind: blend chat datasets only, or plain ones only"
+        )
+    return bool(chat)
+
+
 def build_split_datasets(
     blend: list[tuple[float, str]],
     config: GPTDatasetConfig,
     num_samples: dict[str, int],
     build: bool = True,
+    packing: str = "first_fit",
 ) -> dict:
-    """{split: dataset} for each split with a positive sample count in `num_samples`."""
+    """{split: dataset} for each split with a positive sample count in `num_samples`: GPTDatasets
+    of text, or SFTDatasets (`packing`) of conversations."""
     prefixes = [p for _, p in blend]
     check_same_tokenizer(prefixes)
     indexed = [IndexedDataset(p) for p in prefixes]
+    dataset = partial(SFTDataset, packing=packing) if is_chat(prefixes) else GPTDataset
     cache_dir = config.cache_dir or str(Path(prefixes[0]).parent / "cache")
     config = GPTDatasetConfig(config.seq_length, config.seed, config.split, cache_dir)
     out = {}
@@ -71,12 +90,12 @@ def build_split_datasets(
         if n <= 0:
             continue
         if len(blend) == 1:
-            out[split] = GPTDataset(indexed[0], split, n, config, build=build)
+            out[split] = dataset(indexed[0], split, n, config, build=build)
             continue
         weights = [w for w, _ in blend]
         counts = samples_per_dataset(weights, n)
         parts = [
-            GPTDataset(ds, split, max(c, 1), config, build=build)
+            dataset(ds, split, max(c, 1), config, build=build)
             for ds, c in zip(indexed, counts, strict=True)
         ]
         description = {"split": split, "datasets": [d.description for d in parts]}
@@ -92,4 +111,5 @@ def run_datasets(cfg: Config, total_iters: int, build: bool = True) -> dict:
     counts = {"train": total_iters * t.global_batch_size}
     counts["valid"] = t.eval_iters * t.global_batch_size if t.eval_interval else 0
     gcfg = GPTDatasetConfig(cfg.data.seq_length, t.seed, cfg.data.split, cfg.data.cache_dir or None)
-    return build_split_datasets(parse_blend(cfg.data.data_path), gcfg, counts, build=build)
+    blend = parse_blend(cfg.data.data_path)
+    return build_split_datasets(blend, gcfg, counts, build=build, packing=cfg.data.packing)

@@ -38,3 +38,8 @@ def new_meta(**fields) -> dict:
     import mlm
 
     return {"format": META_FORMAT, "format_version": META_VERSION, "mlm_version": mlm.__version__, **fields}
+
+
+def loss_mask_prefix(prefix: str | os.PathLike) -> str:
+    """The prefix of a chat dataset's loss mask (uint8, 1 where the token is a target), beside it."""
+    return f"{prefix}_loss_mask"

@@ -276,10 +276,13 @@ class GPT(nn.Module):
             )
         return self.cross_entropy(self.project(h_BTD), labels_BT, V, weights_BT)
 
-    def head_loss(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss: mean cross-entropy of the logits of `h_BTD` against `labels_BT`
-        (vocabulary-parallel under tp: the logits are never gathered)."""
-        return self.loss_of_normed(self.final_norm(h_BTD), labels_BT)
+    def head_loss(
+        self, h_BTD: torch.Tensor, labels_BT: torch.Tensor, weights_BT: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The last stage's loss: mean cross-entropy of the logits of `h_BTD` against `labels_BT`,
+        or with `weights_BT` the weighted sum (vocabulary-parallel under tp: the logits are never
+        gathered)."""
+        return self.loss_of_normed(self.final_norm(h_BTD), labels_BT, weights_BT)
 
     def mtp_losses(
         self,

@@ -24,7 +24,7 @@ micro-batch order), which NCCL needs and gloo then matches without tags.
 
 The executor knows the model only through what every stage model provides (`mlm.model.GPT`
 does): `chunks` (its model chunks, each `first` / `last`), `forward(x, chunk=c)` (tokens or
-hidden states in, hidden states or logits out), `hidden_states` and `head_loss(h, labels)` (the
+hidden states in, hidden states or logits out), `hidden_states` and `head_loss(h, labels, weights)` (the
 last stage's loss), `mtp_losses(h, targets, ...)` when `cfg.mtp_num_layers` > 0, `keep_chunks`,
 `tied_weight()`, `sequence_shards`, `padded_vocab`, `cfg`, and optionally `aux_losses`.
 """
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from mlm.config import ParallelConfig
+from mlm.datasets.documents import PackedBatch
 from mlm.errors import MlmError
 from mlm.model import Chunk
 from mlm.model.kinds.mtp.module import MTPTargets
@@ -46,6 +47,14 @@ from mlm.parallel.context import whole_sequences, zigzag_indices
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.schedules import Action, forward_only, schedule, stage_layer_counts
 from mlm.parallel.tensor import gather_from_tp
+
+
+def _inputs_shape(batch) -> tuple[int, int]:
+    """[B, T] of a micro-batch's inputs."""
+    if isinstance(batch, PackedBatch):
+        return tuple(batch.inputs.shape)
+    return batch.shape[0], batch.shape[1] - 1
+
 
 # ---------------------------------------------------------------- partitioning
 # (stage_layer_counts, the layers per virtual stage, lives in the torch-free schedules module)
@@ -168,19 +177,23 @@ class Pipeline:
         loss_scale: float = 1.0,
         grads=None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        aux_scale: float | None = None,
     ) -> torch.Tensor:
-        """Execute `actions` over `micro_batches` (tokens [B, T + 1] each; inputs are [:, :-1], labels
-        [:, 1:]); return the sum of the micro-batch losses on the last stage (zero elsewhere), each
+        """Execute `actions` over `micro_batches` (tokens [B, T + 1] each, whose inputs are [:, :-1]
+        and labels [:, 1:]; or `PackedBatch`es, whose loss is the weighted sum over their targets);
+        return the sum of the micro-batch losses on the last stage (zero elsewhere), each
         computed by the model (`model.head_loss` of the last chunk's hidden states; in training,
         the multi-token prediction losses are added to the gradients and kept in `mtp_total`). With
         backwards, each loss is multiplied by `loss_scale` before its backward (auxiliary losses
-        that the model's modules attach get the same factor, `model.aux_losses.scale`), and `grads`
-        (GradBuckets) is told which backward is a chunk's last of the step."""
+        that the model's modules attach get `aux_scale`, by default the same factor:
+        `model.aux_losses.scale`), and `grads` (GradBuckets) is told which backward is a chunk's
+        last of the step."""
         num_micro = len(micro_batches)
         # context parallelism: this rank's tokens of each sequence, at their global positions
-        positions = self._context_positions(micro_batches[0].shape[1] - 1)
-        T = micro_batches[0].shape[1] - 1 if positions is None else positions.numel()
-        shape = self._p2p_shape(T, micro_batches[0].shape[0])
+        B, T = _inputs_shape(micro_batches[0])
+        positions = self._context_positions(T)
+        T = T if positions is None else positions.numel()
+        shape = self._p2p_shape(T, B)
         training = any(a.kind == "B" for a in actions)
         total = torch.zeros((), device=self.device)
         stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -189,7 +202,7 @@ class Pipeline:
         clock = self.work_clock if training else None
         aux = getattr(self.model, "aux_losses", None)
         if aux is not None:
-            aux.scale = loss_scale
+            aux.scale = loss_scale if aux_scale is None else aux_scale
         depths = self.model.cfg.mtp_num_layers
         mtp_weight = self.model.cfg.mtp_loss_scaling_factor / max(depths, 1)
         self.mtp_total = torch.zeros(depths, device=self.device)
@@ -212,12 +225,18 @@ class Pipeline:
             s = self._stage(a.chunk)
             first, last = s == 0, s == self.stages - 1
             tokens = micro_batches[a.micro]
-            inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            documents, rope_positions = self.documents(inputs) if self.documents else (None, None)
+            weights = None
+            if isinstance(tokens, PackedBatch):
+                inputs, labels, weights = tokens.inputs, tokens.labels, tokens.weights
+                documents, rope_positions = tokens.documents, tokens.positions
+            else:
+                inputs, labels = tokens[:, :-1], tokens[:, 1:]
+                documents, rope_positions = self.documents(inputs) if self.documents else (None, None)
             # the tokens ahead for multi-token prediction, shifted before the cp split
             ahead = MTPTargets.of(tokens, depths, self.mesh.cp) if depths and last and training else None
             if positions is not None:  # this cp rank's share
                 inputs, labels = inputs[:, positions], labels[:, positions]
+                weights = weights[:, positions] if weights is not None else None
                 ahead = ahead.split(positions) if ahead is not None else None
                 documents = documents[:, positions] if documents is not None else None
                 rope_positions = rope_positions[:, positions] if rope_positions is not None else positions
@@ -229,7 +248,7 @@ class Pipeline:
                 with autocast(), contextlib.nullcontext() if training else torch.no_grad():
                     if last:
                         h = self.model.hidden_states(x, rope_positions, chunk=a.chunk, documents=documents)
-                        loss = self.model.head_loss(h, labels)
+                        loss = self.model.head_loss(h, labels, weights)
                         total += loss.detach()
                         if ahead is not None:
                             mtp = self.model.mtp_losses(h, ahead, rope_positions, documents)
@@ -264,9 +283,11 @@ class Pipeline:
         assert not stash, f"pipeline schedule left {sorted(stash)} without a backward"
         return total
 
-    def train_step(self, micro_batches, loss_scale=1.0, grads=None, autocast=contextlib.nullcontext):
+    def train_step(
+        self, micro_batches, loss_scale=1.0, grads=None, autocast=contextlib.nullcontext, aux_scale=None
+    ):
         actions = schedule(self.pp, self.rank, len(micro_batches), self.vpp)
-        return self.run(actions, micro_batches, loss_scale, grads, autocast)
+        return self.run(actions, micro_batches, loss_scale, grads, autocast, aux_scale)
 
     def eval_step(self, micro_batches, autocast=contextlib.nullcontext):
         actions = forward_only(len(micro_batches), self.vpp)

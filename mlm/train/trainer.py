@@ -28,10 +28,11 @@ from mlm.checkpoint import read_manifest, resolve_checkpoint
 from mlm.checkpoint.rng import seed_everything
 from mlm.config import Config, to_toml
 from mlm.console import console
-from mlm.datasets.builder import check_same_tokenizer, parse_blend, run_datasets
-from mlm.datasets.documents import DocumentLayout
+from mlm.datasets.builder import check_same_tokenizer, is_chat, parse_blend, run_datasets
+from mlm.datasets.documents import DocumentLayout, PackedBatch
 from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.sampler import PretrainingSampler
+from mlm.datasets.sft import packing_efficiency
 from mlm.errors import MlmError
 from mlm.model import flops_per_token, parameter_counts
 from mlm.model.contract import declaring
@@ -153,7 +154,24 @@ class Trainer(TrainerCheckpoints):
         if not self.rank0:
             splits = run_datasets(cfg, self.total_iters, build=False)
         self.train_data, self.valid_data = splits["train"], splits.get("valid")
+        self.sft = is_chat(prefixes)
+        if self.sft:
+            self._check_sft()
         return tok
+
+    def _check_sft(self) -> None:
+        """Packed conversations: the loss is per target token, and their boundaries are the data's."""
+        d, m = self.cfg.data, self.cfg.model
+        if d.reset_position_ids or d.reset_attention_mask:
+            raise MlmError(
+                f"{d.data_path}: chat datasets keep their packed conversations apart themselves; unset "
+                "data.reset_position_ids and data.reset_attention_mask"
+            )
+        if m.mtp_num_layers:
+            raise MlmError(
+                f"model.mtp_num_layers={m.mtp_num_layers}: multi-token prediction is not built for chat "
+                "datasets (its targets would cross the loss mask); set --set model.mtp_num_layers=0"
+            )
 
     def _document_layout(self) -> DocumentLayout | None:
         d = self.cfg.data
@@ -169,8 +187,11 @@ class Trainer(TrainerCheckpoints):
 
     # ------------------------------------------------------------------ steps
 
-    def _batch(self, dataset, indices) -> torch.Tensor:
-        tokens = np.stack([dataset[int(i)] for i in indices])
+    def _batch(self, dataset, indices) -> torch.Tensor | PackedBatch:
+        samples = [dataset[int(i)] for i in indices]
+        if self.sft:
+            return PackedBatch.of(samples, self.device)
+        tokens = np.stack(samples)
         return torch.from_numpy(tokens).to(self.device, non_blocking=True)
 
     def _print(self, *args, **kw) -> None:
@@ -197,11 +218,18 @@ class Trainer(TrainerCheckpoints):
         return float(self._dp_average(t))
 
     def _dp_average(self, t: torch.Tensor) -> torch.Tensor:
-        group = self.mesh.group("dp_cp")
+        return self._dp_sum(t) / (self.dp_size * self.mesh.cp)
+
+    def _dp_sum(self, t: torch.Tensor, dim: str = "dp_cp") -> torch.Tensor:
+        group = self.mesh.group(dim)
         if group is not None:
             dist.all_reduce(t, group=group)
-            t = t / (self.dp_size * self.mesh.cp)
         return t
+
+    def _targets(self, micro: list[PackedBatch]) -> int:
+        """The targets of the global batch these micro-batches are this dp rank's share of."""
+        count = torch.stack([b.targets for b in micro]).sum()
+        return max(int(self._dp_sum(count, "dp")), 1)
 
     def train_step(self, batches) -> dict:
         """One optimizer step over `num_micro` micro batches through the pipeline schedule; the
@@ -213,7 +241,13 @@ class Trainer(TrainerCheckpoints):
         start = StepStart(self._expert_biases, self.device)
         scale = self.scaler.scale if self.scaler else 1.0
         micro = [self._batch(self.train_data, indices) for indices in batches]
-        total = self.pipeline.train_step(micro, scale / self.num_micro, opt.all_grads, self._autocast)
+        # the loss is the mean over the global batch's sequences, or (chat) over its target tokens;
+        # the dp (and cp) reduction averages the gradients
+        targets = self._targets(micro) if self.sft else 0
+        per = targets / (self.dp_size * self.mesh.cp) if self.sft else self.num_micro
+        total = self.pipeline.train_step(
+            micro, scale / per, opt.all_grads, self._autocast, aux_scale=scale / self.num_micro
+        )
         self._beat("gradient reduction")
         self.pipeline.sync_tied_embedding(opt.all_grads.grad_of)
         opt.all_grads.finish()
@@ -224,8 +258,10 @@ class Trainer(TrainerCheckpoints):
         # the logged values first: their collectives would queue behind the distributed
         # optimizer's parameter all-gathers, which step() leaves in flight for the next forward
         self._beat("loss and metrics")
-        loss = self._dp_mean(self.pipeline.sum_over_stages(total) / self.num_micro)
+        loss = self._dp_mean(self.pipeline.sum_over_stages(total) / per)
         extra = self._step_metrics(load)
+        if self.sft:
+            extra["targets"] = targets
         mtp = self.pipeline.mtp_total
         if mtp.numel():  # each depth's loss, averaged as the main loss is
             mtp = self._dp_average(self.pipeline.sum_over_stages(mtp) / self.num_micro)
@@ -329,7 +365,8 @@ class Trainer(TrainerCheckpoints):
         ]
         total = self.pipeline.eval_step(micro, self._autocast)
         self.model.aux_losses.pop()  # training's to log
-        return self._dp_mean(self.pipeline.sum_over_stages(total) / len(micro))
+        per = self._targets(micro) / (self.dp_size * self.mesh.cp) if self.sft else len(micro)
+        return self._dp_mean(self.pipeline.sum_over_stages(total) / per)
 
     def sample(self) -> str | None:
         prompt = self.cfg.logging.sample_prompt
@@ -375,6 +412,12 @@ class Trainer(TrainerCheckpoints):
             + (f" + MTP {counts.mtp / 1e6:.2f}M" if counts.mtp else ""),
             highlight=False,
         )
+        if self.sft:
+            self._print(
+                f"chat data: loss over the target tokens, data.packing={cfg.data.packing}: "
+                f"{packing_efficiency(self.train_data):.1%} of sequence positions hold tokens",
+                highlight=False,
+            )
         stragglers = StragglerDetector(
             cfg, self.work_clock, self.mesh.pp_rank, self.device, report=self.rank0
         )
