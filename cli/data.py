@@ -102,7 +102,10 @@ def build(
         ..., "--input", "-i", help="JSONL (.jsonl, .gz, .zst) or text files, or folders."
     ),
     output_prefix: str = typer.Option(
-        ..., "--output-prefix", "-o", help="Writes PREFIX.bin, PREFIX.idx, PREFIX.json."
+        ...,
+        "--output-prefix",
+        "-o",
+        help="Writes PREFIX.bin, PREFIX.idx, PREFIX.json (with --chat also PREFIX_loss_mask.bin/.idx).",
     ),
     tokenizer: Path = typer.Option(
         ..., "--tokenizer", "-t", help=".model, tokenizer.json, vocab.json or a folder."
@@ -112,9 +115,25 @@ def build(
     append_eod: bool = typer.Option(
         False, "--append-eod", help="Add the eod token after every non-empty document."
     ),
-    json_key: str = JsonKey,
+    json_key: str | None = typer.Option(
+        None,
+        "--json-key",
+        help="JSONL field that holds the document text (default text); with --chat the messages "
+        "(default messages, else conversations).",
+    ),
     input_format: str = InputFormat,
     text_unit: str = TextUnit,
+    chat: bool = typer.Option(
+        False,
+        "--chat",
+        help="Conversations: tokens from the chat template, and a loss mask of the assistant's.",
+    ),
+    chat_template: Path | None = typer.Option(
+        None, "--chat-template", help="With --chat: a Jinja file instead of the tokenizer's template."
+    ),
+    seq_length: int | None = typer.Option(
+        None, "--seq-length", help="With --chat: a conversation of more than N + 1 tokens is a bad line."
+    ),
     workers: int = typer.Option(2, help="Tokenizer threads."),
     dtype: str | None = typer.Option(None, help="uint16 or int32 (default: uint16 when vocab < 65500)."),
     skip_bad_lines: bool = typer.Option(
@@ -126,6 +145,7 @@ def build(
     """Tokenize documents into a Megatron-LM indexed dataset."""
     from mlm.console import human
     from mlm.data.build import BuildOptions, build_dataset
+    from mlm.datasets.meta import loss_mask_prefix
 
     opts = BuildOptions(
         [str(i) for i in inputs],
@@ -142,12 +162,20 @@ def build(
         overwrite=overwrite,
         skip_bad_lines=skip_bad_lines,
         progress=not no_progress,
+        chat=chat,
+        chat_template=str(chat_template) if chat_template else None,
+        seq_length=seq_length,
     )
     s = build_dataset(opts)
+    if s.assistant_tokens is None:
+        counts = [("documents", s.documents), ("empty documents", s.empty_documents), ("tokens", s.tokens)]
+        wrote = f"{s.prefix}.bin/.idx/.json"
+    else:
+        share = f"{s.assistant_tokens:,} ({s.assistant_tokens / max(s.tokens, 1):.1%})"
+        counts = [("conversations", s.documents), ("tokens", s.tokens), ("assistant tokens", share)]
+        wrote = f"{s.prefix}.bin/.idx/.json, {loss_mask_prefix(s.prefix)}.bin/.idx"
     rows: list[tuple[str, object]] = [
-        ("documents", s.documents),
-        ("empty documents", s.empty_documents),
-        ("tokens", s.tokens),
+        *counts,
         ("dtype", s.dtype),
         ("input", human(s.input_bytes, "B")),
         ("time", f"{s.seconds:.1f} s"),
@@ -157,7 +185,7 @@ def build(
         ),
     ]
     rows += [(f"skipped: {reason}", n) for reason, n in sorted(s.skipped.items())]
-    _print_table(f"wrote {s.prefix}.bin/.idx/.json", rows)
+    _print_table(f"wrote {wrote}", rows)
 
 
 @app.command("inspect")

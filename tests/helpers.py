@@ -3,16 +3,35 @@
 `mlm(...)` runs the CLI in a new process, as a user would; `cli(monkeypatch, capsys, ...)` runs
 it in this one (no torch import per call) and returns the same CompletedProcess; `assert_error`
 checks the one-message, exit-code-2 form of bad input; `checkpoint_logits` computes an mlm
-checkpoint's logits.
+checkpoint's logits; `chat_tokenizer` and `write_chat_config` make a Hugging Face tokenizer folder
+with a chat template.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+CHAT_SPECIAL_TOKENS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+"""The special tokens of the chat templates the tests use (ChatML's, Llama 3's)."""
+
+CHATML_MARKED = (  # ChatML with the assistant's text marked
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def mlm(*args, cwd=None) -> subprocess.CompletedProcess:
@@ -63,3 +82,24 @@ def checkpoint_logits(ckpt, tokens):
     model.load_state_dict(state, strict=True, assign=True)
     with torch.no_grad():
         return model.eval()(tokens)
+
+
+def chat_tokenizer(folder: Path, texts: list[str]) -> Path:
+    """`folder` with a byte-level BPE tokenizer.json trained on `texts`, plus `CHAT_SPECIAL_TOKENS`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=700, initial_alphabet=alphabet))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in CHAT_SPECIAL_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def write_chat_config(folder: Path, template: str) -> None:
+    """A tokenizer_config.json in `folder` with chat template `template`, as transformers reads it."""
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|im_end|>", "chat_template": template}
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))

@@ -6,13 +6,13 @@ as the text it adds after the generation prompt."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from mlm.chat import ChatTemplate, assistant_mask, chat_tokens, load_chat_template
 from mlm.errors import MlmError
 from mlm.tokenizer import copy_tokenizer_files, load_tokenizer
+
+from helpers import CHATML_MARKED, chat_tokenizer, write_chat_config
 
 CHATML = (  # SmolLM2-Instruct's shape: a default system turn, ChatML turns
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -25,20 +25,6 @@ LLAMA3 = (  # Llama 3's headers: BOS, role headers, trimmed content, <|eot_id|>
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
-MARKED = (  # ChatML with the assistant's text marked
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-SPECIAL = [
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|begin_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}],
     [
@@ -57,31 +43,15 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory, sample_texts):
-    """A byte-level BPE tokenizer.json with the templates' special tokens, and its tokenizer_config.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok.train_from_iterator(sample_texts, trainers.BpeTrainer(vocab_size=700, initial_alphabet=alphabet))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL])
-    out = tmp_path_factory.mktemp("chat")
-    tok.save(str(out / "tokenizer.json"))
-    return out
+    """A byte-level BPE tokenizer.json with the templates' special tokens."""
+    return chat_tokenizer(tmp_path_factory.mktemp("chat"), sample_texts)
 
 
-def _write_config(folder, template: str) -> None:
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|im_end|>", "chat_template": template}
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-
-
-@pytest.mark.parametrize("name,template", [("chatml", CHATML), ("llama3", LLAMA3), ("marked", MARKED)])
+@pytest.mark.parametrize("name,template", [("chatml", CHATML), ("llama3", LLAMA3), ("marked", CHATML_MARKED)])
 def test_token_ids_and_masks_equal_transformers(tokenizer_dir, name, template):
     from transformers import PreTrainedTokenizerFast
 
-    _write_config(tokenizer_dir, template)
+    write_chat_config(tokenizer_dir, template)
     hf = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
     tok = load_tokenizer(str(tokenizer_dir / "tokenizer.json"))
     chat = load_chat_template(tok)
@@ -130,7 +100,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
 def test_chat_template_jinja_beside_the_tokenizer_wins_and_travels_with_it(tokenizer_dir, tmp_path):
     """transformers saves the template as chat_template.jinja; a copy of the tokenizer (an import,
     a checkpoint's tokenizer/) keeps it."""
-    _write_config(tokenizer_dir, CHATML)
+    write_chat_config(tokenizer_dir, CHATML)
     (tokenizer_dir / "chat_template.jinja").write_text(LLAMA3)
     try:
         assert "chat_template.jinja" in copy_tokenizer_files(tokenizer_dir, tmp_path / "copy")

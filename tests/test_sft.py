@@ -128,7 +128,9 @@ def test_a_mask_of_another_build_is_refused(tmp_path):
     prefix = write_chat_dataset(tmp_path / "chat", conversations(4, 6, 3, 10))
     other = write_chat_dataset(tmp_path / "other", conversations(5, 6, 3, 10))
     for suffix in (".bin", ".idx"):
-        (tmp_path / f"chat_loss_mask{suffix}").write_bytes((tmp_path / f"other_loss_mask{suffix}").read_bytes())
+        (tmp_path / f"chat_loss_mask{suffix}").write_bytes(
+            (tmp_path / f"other_loss_mask{suffix}").read_bytes()
+        )
     cfg = GPTDatasetConfig(SEQ, split="1", cache_dir=str(tmp_path / "cache"))
     assert other
     with pytest.raises(MlmError, match="sequence lengths differ"):
@@ -175,7 +177,9 @@ def test_the_labels_of_user_turns_change_neither_the_loss_nor_any_gradient():
         pad = SEQ + 1 - len(tokens)
         samples.append(
             PackedSample(
-                np.pad(tokens, (0, pad)), np.pad(targets, (0, pad)), np.pad(documents, (0, pad), constant_values=2)
+                np.pad(tokens, (0, pad)),
+                np.pad(targets, (0, pad)),
+                np.pad(documents, (0, pad), constant_values=2),
             )
         )
     batch = PackedBatch.of(samples, torch.device("cpu"))
@@ -266,7 +270,11 @@ def _assert_same(losses, state, ref_losses, ref_state):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
     for k, v in ref_state.items():
         torch.testing.assert_close(
-            state[k], v, rtol=WEIGHT_RTOL, atol=WEIGHT_RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
+            state[k],
+            v,
+            rtol=WEIGHT_RTOL,
+            atol=WEIGHT_RTOL * v.abs().max().item(),
+            msg=lambda m, k=k: f"{k}: {m}",
         )
 
 

@@ -6,15 +6,17 @@ counted by reason instead, and the build's summary lists the counts.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gzip
 import io
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import zstandard
 
@@ -22,6 +24,7 @@ from mlm.errors import MlmError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd")
+T = TypeVar("T")
 
 
 @dataclass
@@ -99,7 +102,9 @@ def _decode(data: bytes, where: str) -> str:
         ) from None
 
 
-def _jsonl_doc(line: bytes, where: str, key: str) -> str:
+def json_object(line: bytes, where: str, example: str) -> dict:
+    """The JSON object on one JSONL line; BadInput when it is not UTF-8, not JSON or not an object
+    (`example` shows what a line should look like)."""
     text = _decode(line, where)
     try:
         obj = json.loads(text)
@@ -115,14 +120,25 @@ def _jsonl_doc(line: bytes, where: str, key: str) -> str:
             where,
             "not an object",
             f"a JSON {type(obj).__name__}, not an object",
-            'Each line must be an object such as {"text": "..."}',
+            f"Each line must be an object such as {example}, or pass --skip-bad-lines to skip such lines",
         )
+    return obj
+
+
+def key_names(obj: dict) -> str:
+    """The first keys of a JSON object, for a message about a missing one."""
+    return ", ".join(list(obj)[:8]) or "none"
+
+
+def _jsonl_doc(key: str, line: bytes, where: str) -> str | None:
+    if not line.strip():
+        return None  # blank lines separate nothing in JSONL; not a document
+    obj = json_object(line, where, '{"text": "..."}')
     if key not in obj:
-        keys = ", ".join(list(obj)[:8]) or "none"
         raise BadInput(
             where,
             "missing key",
-            f"no key {key!r} (keys: {keys})",
+            f"no key {key!r} (keys: {key_names(obj)})",
             "Choose the key with --json-key, or pass --skip-bad-lines to skip such lines",
         )
     value = obj[key]
@@ -136,51 +152,71 @@ def _jsonl_doc(line: bytes, where: str, key: str) -> str:
     return value
 
 
-def iter_documents(
-    path: Path, fmt: str, key: str, text_unit: str, skip_bad_lines: bool, stats: SourceStats
-) -> Iterator[tuple[str, int]]:
-    """Yield (document text, raw bytes consumed so far) for one input file."""
+def _text_line(line: bytes, where: str) -> str:
+    return _decode(line, where).rstrip("\r\n")
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[tuple[BinaryIO, _CountingReader]]:
+    """`open_input(path)`, with a missing file and corrupt or truncated compressed input as MlmError."""
     if not path.is_file():
         raise MlmError(f"input not found: {path}")
     stream, raw = open_input(path)
     with stream:
         try:
-            if fmt == "text" and text_unit == "file":
-                data = stream.read()
-                try:
-                    text = data.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    line = data.count(b"\n", 0, e.start) + 1
-                    err = BadInput(
-                        f"{path}:{line}",
-                        "not UTF-8",
-                        f"not valid UTF-8 (byte 0x{data[e.start]:02x})",
-                        "Re-encode the file as UTF-8, or pass --skip-bad-lines to skip such files",
-                    )
-                    if not skip_bad_lines:
-                        raise err from None
-                    stats.skipped[err.reason] += 1
-                    return
-                stats.documents += 1
-                yield text, raw.count
-                return
-            for lineno, line in enumerate(stream, 1):
-                try:
-                    if fmt == "jsonl":
-                        if not line.strip():
-                            continue  # blank lines separate nothing in JSONL; not a document
-                        text = _jsonl_doc(line, f"{path}:{lineno}", key)
-                    else:
-                        text = _decode(line, f"{path}:{lineno}").rstrip("\r\n")
-                except BadInput as e:
-                    if not skip_bad_lines:
-                        raise
-                    stats.skipped[e.reason] += 1
-                    continue
-                stats.documents += 1
-                yield text, raw.count
-        except (OSError, EOFError, zstandard.ZstdError) as e:  # corrupt or truncated compressed input
+            yield stream, raw
+        except (OSError, EOFError, zstandard.ZstdError) as e:
             raise MlmError(f"{path}: cannot read ({e}); is the file complete?") from None
+
+
+def iter_lines(
+    path: Path, parse: Callable[[bytes, str], T | None], skip_bad_lines: bool, stats: SourceStats
+) -> Iterator[tuple[T, int]]:
+    """Yield (parse(line, where), raw bytes consumed so far) for each line of one input file,
+    `where` being "file:line". `parse` returns None for a line that is no document (a blank JSONL
+    line) and raises BadInput for a bad one: raised on, or with `skip_bad_lines` counted by reason."""
+    with _reading(path) as (stream, raw):
+        for lineno, line in enumerate(stream, 1):
+            where = f"{path}:{lineno}"
+            try:
+                value = parse(line, where)
+            except BadInput as e:
+                if not skip_bad_lines:
+                    raise
+                stats.skipped[e.reason] += 1
+                continue
+            if value is None:
+                continue
+            stats.documents += 1
+            yield value, raw.count
+
+
+def iter_documents(
+    path: Path, fmt: str, key: str, text_unit: str, skip_bad_lines: bool, stats: SourceStats
+) -> Iterator[tuple[str, int]]:
+    """Yield (document text, raw bytes consumed so far) for one input file."""
+    if fmt == "text" and text_unit == "file":
+        with _reading(path) as (stream, raw):
+            data = stream.read()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line = data.count(b"\n", 0, e.start) + 1
+                err = BadInput(
+                    f"{path}:{line}",
+                    "not UTF-8",
+                    f"not valid UTF-8 (byte 0x{data[e.start]:02x})",
+                    "Re-encode the file as UTF-8, or pass --skip-bad-lines to skip such files",
+                )
+                if not skip_bad_lines:
+                    raise err from None
+                stats.skipped[err.reason] += 1
+                return
+            stats.documents += 1
+            yield text, raw.count
+        return
+    parse = functools.partial(_jsonl_doc, key) if fmt == "jsonl" else _text_line
+    yield from iter_lines(path, parse, skip_bad_lines, stats)
 
 
 def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:

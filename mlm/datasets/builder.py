@@ -95,8 +95,7 @@ def build_split_datasets(
         weights = [w for w, _ in blend]
         counts = samples_per_dataset(weights, n)
         parts = [
-            dataset(ds, split, max(c, 1), config, build=build)
-            for ds, c in zip(indexed, counts, strict=True)
+            dataset(ds, split, max(c, 1), config, build=build) for ds, c in zip(indexed, counts, strict=True)
         ]
         description = {"split": split, "datasets": [d.description for d in parts]}
         out[split] = BlendedDataset(parts, weights, n, cache_dir, description, build=build)

@@ -52,7 +52,12 @@ def first_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def build_packs(
-    lengths: np.ndarray, documents: np.ndarray, capacity: int, packing: str, num_samples: int | None, seed: int
+    lengths: np.ndarray,
+    documents: np.ndarray,
+    capacity: int,
+    packing: str,
+    num_samples: int | None,
+    seed: int,
 ) -> dict[str, np.ndarray]:
     """`pack_documents` (the documents of every pack, pack after pack) and `pack_index` (where each
     pack's documents start, and one past the last): whole epochs until `num_samples` packs."""
