@@ -95,9 +95,9 @@ def write_model(folder: Path, vocab: int, eos: int, pad: int) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def main(out: Path) -> None:
+def main(out: Path, count: int = 2000) -> None:
     rng = random.Random(0)
-    convs = [conversation(rng) for _ in range(2000)]
+    convs = [conversation(rng) for _ in range(count)]
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "conversations.jsonl", "w") as f:
         for c in convs:
