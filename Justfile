@@ -27,6 +27,10 @@ setup:
 demo: setup
     PATH="$PWD/{{bin}}:$PATH" bash pipelines/tiny/run.sh
 
+# Fine-tune an imported Hugging Face model on conversations, export it back (pipelines/sft).
+sft: setup
+    PATH="$PWD/{{bin}}:$PATH" bash pipelines/sft/run.sh
+
 # The whole test suite (CPU; GPU tests skip without CUDA).
 test *ARGS: setup
     {{bin}}/python -m pytest -q {{ARGS}}
@@ -47,6 +51,7 @@ bench: setup
     {{bin}}/python bench/serve.py
     {{bin}}/python bench/moe.py
     {{bin}}/python bench/context_parallel.py
+    {{bin}}/python bench/sft.py
 
 # Every CUDA path against its reference and the headline GPU figures in one report
 # (bench/gpu_check.py; no setup: a GPU image runs it with its own python3). `--dry-run`: the same

@@ -256,8 +256,12 @@ def index(
     cache_dir: str | None = typer.Option(
         None, help="Index cache folder (default: cache/ beside the first dataset)."
     ),
+    packing: str = typer.Option(
+        "first_fit", help="Chat datasets: first_fit or none (the run's data.packing)."
+    ),
 ) -> None:
-    """Prebuild the sample and shuffle indices offline, so training nodes only load them."""
+    """Prebuild the sample and shuffle indices (for chat datasets the packs) offline, so training
+    nodes only load them."""
     import time
 
     from mlm.datasets.builder import build_split_datasets, parse_blend
@@ -268,7 +272,7 @@ def index(
         raise typer.BadParameter("give at least one of --train-samples, --valid-samples, --test-samples")
     t0 = time.perf_counter()
     config = GPTDatasetConfig(seq_length, seed, split, cache_dir)
-    built = build_split_datasets(parse_blend(data_path), config, counts)
+    built = build_split_datasets(parse_blend(data_path), config, counts, packing=packing)
     rows: list[tuple[str, object]] = [(f"{name} samples", len(ds)) for name, ds in built.items()]
     rows.append(("time", f"{time.perf_counter() - t0:.2f} s"))
     _print_table("indices ready", rows)

@@ -292,3 +292,12 @@ def test_packed_on_a_mesh_trains_as_the_conversations_alone_on_one_process(
     per_rank = run_ranks(2, _train_rank, _sets(tmp_path, chat_data, "first_fit", **parallel))
     assert per_rank[0] == per_rank[1]  # every rank logs the global loss
     _assert_same(per_rank[0], weights(tmp_path / "ckpt", unpacked[1]), *unpacked)
+
+
+def test_parity_against_megatron_names_chat_data(tmp_path, chat_data):
+    from mlm.train.parity.megatron import unsupported
+
+    assert any(
+        "chat datasets" in u for u in unsupported(load_config(None, _sets(tmp_path, chat_data, "none")))
+    )
+    assert not unsupported(load_config(None, tiny_sets(tmp_path, "x")))

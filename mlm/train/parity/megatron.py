@@ -29,6 +29,7 @@ import torch
 from mlm.config import Config, load_config
 from mlm.convert.megatron.args import megatron_args, scheduler_arguments
 from mlm.convert.megatron.exporter import unsupported as export_unsupported
+from mlm.datasets.builder import is_chat, parse_blend, run_datasets
 from mlm.errors import MlmError
 from mlm.train.schedule import lengths
 
@@ -82,6 +83,11 @@ def unsupported(cfg: Config) -> list[str]:
         out.append(
             "data.reset_position_ids / reset_attention_mask: the reference trains on whole sequences "
             "(Megatron-LM builds those masks outside megatron-core)"
+        )
+    if d.data_path and is_chat([p for _, p in parse_blend(d.data_path)]):
+        out.append(
+            f"data.data_path={d.data_path}: chat datasets (packed conversations, loss masks); the reference "
+            "trains on plain token streams"
         )
     return out
 
@@ -223,7 +229,6 @@ def _evaluate(model, micro) -> float:
 
 def _batches(cfg: Config, steps: int, device: torch.device) -> tuple[list, list]:
     """([per step: its micro-batches], [the evaluation's micro-batches]) as `mlm train` reads them at dp 1."""
-    from mlm.datasets.builder import run_datasets
     from mlm.datasets.sampler import PretrainingSampler
 
     t = cfg.train
