@@ -3,7 +3,7 @@
 `mlm(...)` runs the CLI in a new process, as a user would; `cli(monkeypatch, capsys, ...)` runs
 it in this one (no torch import per call) and returns the same CompletedProcess; `assert_error`
 checks the one-message, exit-code-2 form of bad input; `checkpoint_logits` computes an mlm
-checkpoint's logits; `chat_tokenizer` and `write_chat_config` make a Hugging Face tokenizer folder
+checkpoint's logits and `checkpoint_weights` reads its tensors back whole; `chat_tokenizer` and `write_chat_config` make a Hugging Face tokenizer folder
 with a chat template.
 """
 
@@ -103,3 +103,14 @@ def write_chat_config(folder: Path, template: str) -> None:
     config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|im_end|>", "chat_template": template}
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def checkpoint_weights(ckpt_dir, like: dict) -> dict:
+    """The model tensors of checkpoint `ckpt_dir` in their global shapes, one like each of `like`."""
+    import torch
+
+    from mlm.checkpoint import ShardedTensor, load_checkpoint
+
+    out = {k: torch.empty_like(v) for k, v in like.items()}
+    load_checkpoint(ckpt_dir, {"model": [ShardedTensor.full(k, v) for k, v in out.items()]})
+    return out

@@ -22,7 +22,6 @@ import json
 import pytest
 import torch
 
-from mlm.checkpoint import ShardedTensor, load_checkpoint
 from mlm.config import load_config
 from mlm.convert.hf.folder import export_hf
 from mlm.tokenizer import load_tokenizer
@@ -30,6 +29,7 @@ from mlm.train.trainer import Trainer
 
 from conftest import tiny_sets
 from distributed import run_ranks
+from helpers import checkpoint_weights
 
 RTOL = 1e-5
 BASE = {
@@ -49,12 +49,6 @@ def _sets(tmp_path, data, name, **extra) -> list[str]:
 
 def _train_rank(rank, world, sets, load=None):
     return Trainer(load_config(None, sets), load=load).train()
-
-
-def weights(ckpt_dir, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {k: torch.empty_like(v) for k, v in like.items()}
-    load_checkpoint(ckpt_dir, {"model": [ShardedTensor.full(k, v) for k, v in out.items()]})
-    return out
 
 
 def reference_run(tmp, data, **model) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -86,7 +80,7 @@ def reference(references):
 def _assert_matches(tmp_path, per_rank, ref_losses, ref_weights):
     assert all(losses == per_rank[0] for losses in per_rank)  # every rank logs the same dp-mean loss
     torch.testing.assert_close(torch.tensor(per_rank[0]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
-    got = weights(tmp_path / "mesh" / "ckpt", ref_weights)
+    got = checkpoint_weights(tmp_path / "mesh" / "ckpt", ref_weights)
     for k, v in ref_weights.items():
         torch.testing.assert_close(
             got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"

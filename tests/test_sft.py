@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from mlm.checkpoint import ShardedTensor, load_checkpoint
 from mlm.config import load_config
 from mlm.datasets.documents import PackedBatch
 from mlm.datasets.gpt import GPTDatasetConfig
@@ -28,6 +27,7 @@ from mlm.train.trainer import Trainer
 
 from conftest import tiny_sets
 from distributed import run_ranks
+from helpers import checkpoint_weights
 
 SEQ = 32
 LOSS_RTOL = 1e-6
@@ -246,7 +246,7 @@ def _train(tmp, sets) -> tuple[list[float], dict[str, torch.Tensor]]:
     trainer = Trainer(load_config(None, sets))
     losses = trainer.train()
     like = {k: v.detach() for k, v in trainer.model.state_dict().items()}
-    return losses, weights(tmp / "ckpt", like)
+    return losses, checkpoint_weights(tmp / "ckpt", like)
 
 
 @pytest.fixture(scope="module")
@@ -258,12 +258,6 @@ def chat_data(tmp_path_factory) -> str:
 def unpacked(tmp_path_factory, chat_data):
     tmp = tmp_path_factory.mktemp("unpacked")
     return _train(tmp, _sets(tmp, chat_data, "none"))
-
-
-def weights(ckpt_dir, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {k: torch.empty_like(v) for k, v in like.items()}
-    load_checkpoint(ckpt_dir, {"model": [ShardedTensor.full(k, v) for k, v in out.items()]})
-    return out
 
 
 def _assert_same(losses, state, ref_losses, ref_state):
@@ -291,7 +285,7 @@ def test_packed_on_a_mesh_trains_as_the_conversations_alone_on_one_process(
 ):
     per_rank = run_ranks(2, _train_rank, _sets(tmp_path, chat_data, "first_fit", **parallel))
     assert per_rank[0] == per_rank[1]  # every rank logs the global loss
-    _assert_same(per_rank[0], weights(tmp_path / "ckpt", unpacked[1]), *unpacked)
+    _assert_same(per_rank[0], checkpoint_weights(tmp_path / "ckpt", unpacked[1]), *unpacked)
 
 
 def test_parity_against_megatron_names_chat_data(tmp_path, chat_data):

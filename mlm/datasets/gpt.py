@@ -119,6 +119,24 @@ def build_gpt_indices(
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
+def split_description(
+    dataset: IndexedDataset, config: GPTDatasetConfig, split: str, documents: tuple[int, int], num_samples
+) -> dict:
+    """What a split's cached indices are built from (with the class and its index version, the
+    cache's key)."""
+    return {
+        "dataset_path": str(Path(dataset.path_prefix).resolve()),
+        "num_sequences": len(dataset.sequence_lengths),
+        "num_tokens": dataset.num_tokens,
+        "split": config.split,
+        "split_name": split,
+        "documents": list(documents),
+        "seq_length": config.seq_length,
+        "num_samples": num_samples,
+        "seed": config.seed,
+    }
+
+
 @dataclass(frozen=True)
 class GPTDatasetConfig:
     """How samples are cut from one indexed dataset."""
@@ -165,15 +183,7 @@ class GPTDataset:
         description = {
             "class": "GPTDataset",
             "index_version": INDEX_VERSION,
-            "dataset_path": str(Path(self.dataset.path_prefix).resolve()),
-            "num_sequences": len(sizes),
-            "num_tokens": self.dataset.num_tokens,
-            "split": config.split,
-            "split_name": split,
-            "documents": [begin, end],
-            "seq_length": config.seq_length,
-            "num_samples": num_samples,
-            "seed": config.seed,
+            **split_description(self.dataset, config, split, (begin, end), num_samples),
         }
         self.description = description
         cache_dir = config.cache_dir or str(Path(self.dataset.path_prefix).parent / "cache")

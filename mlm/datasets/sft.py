@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mlm.datasets.cache import cached_arrays
-from mlm.datasets.gpt import SPLIT_NAMES, GPTDatasetConfig, parse_split, split_ranges
+from mlm.datasets.gpt import SPLIT_NAMES, GPTDatasetConfig, parse_split, split_description, split_ranges
 from mlm.datasets.indexed import IndexedDataset
 from mlm.datasets.meta import loss_mask_prefix
 from mlm.errors import MlmError
@@ -143,15 +143,7 @@ class SFTDataset:
         self.description = {
             "class": "SFTDataset",
             "index_version": INDEX_VERSION,
-            "dataset_path": str(Path(prefix).resolve()),
-            "num_sequences": len(sizes),
-            "num_tokens": dataset.num_tokens,
-            "split": config.split,
-            "split_name": split,
-            "documents": [begin, end],
-            "seq_length": config.seq_length,
-            "num_samples": num_samples,
-            "seed": config.seed,
+            **split_description(dataset, config, split, (begin, end), num_samples),
             "packing": packing,
         }
         cache_dir = config.cache_dir or str(Path(prefix).parent / "cache")
