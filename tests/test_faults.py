@@ -46,8 +46,8 @@ def _scale_loss(trainer: Trainer, factor: float, ranks: set[int]) -> None:
     """Step K's loss times `factor` on `ranks` (on every stage that computes it)."""
     head_loss = trainer.model.head_loss
 
-    def patched(h, labels):
-        loss = head_loss(h, labels)
+    def patched(h, labels, weights=None):
+        loss = head_loss(h, labels, weights)
         if trainer.iteration + 1 == K and trainer.mesh.rank in ranks:
             return loss * factor
         return loss
