@@ -4,6 +4,6 @@
 (`mlm.model.layers.resolve_kernels`), tested against the references on CPU under the Triton
 interpreter (TRITON_INTERPRET=1, tests/test_kernels.py); not yet run on a GPU. `lean`: the torch
 path of the norms and SwiGLU (no triton needed), autograd Functions that save what the Triton
-ones save and in fp32 compute exactly as torch. Chunked torch:
-`linear_cross_entropy` (the loss without the [tokens, vocabulary] logits, vocabulary-parallel under
-tp; `model.fused_cross_entropy`, tests/test_linear_cross_entropy.py)."""
+ones save and in fp32 compute exactly as torch. The chunked linear + cross-entropy lives with the
+vocabulary-parallel losses (`mlm.parallel.cross_entropy`), its chunk size in the torch-free
+`mlm.parallel.loss_chunks` that the planner reads. Nothing here is imported by `mlm plan`."""

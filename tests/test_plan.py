@@ -22,6 +22,7 @@ from mlm.errors import MlmError
 from mlm.layout import Layout
 from mlm.model.kinds.mtp.module import MTPTargets
 from mlm.parallel.context import zigzag_indices
+from mlm.plan.candidates import evaluate
 from mlm.plan.hardware import load_hardware
 from mlm.plan.job import Job, make_job
 from mlm.plan.memory import (
@@ -30,7 +31,7 @@ from mlm.plan.memory import (
     model_state_bytes,
     rank_stage,
 )
-from mlm.plan.search import check_cp, check_layout, evaluate, plan
+from mlm.plan.search import check_cp, check_layout, plan
 from mlm.planfile import read_plan, train_overrides, world_size_note, write_plan
 
 from conftest import tiny_sets

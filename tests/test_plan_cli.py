@@ -306,12 +306,19 @@ def test_narrow_terminal_stacks_every_table(job, result):
     assert re.search(r"┃ +# ┃", wide.file.getvalue()) and "…" not in wide.file.getvalue()
 
 
-def test_plan_does_not_import_torch(tmp_path):
+@pytest.mark.parametrize(
+    "job",
+    [
+        ["--preset", "tiny-llama", "--gpus", "4", "--gpus-per-node", "4"],
+        ["--preset", "tiny-deepseek", "--gpus", "16", "--global-batch", "64", "--explain"],  # MLA, MoE, MTP
+    ],
+)
+def test_plan_does_not_import_torch(tmp_path, job):
     """`mlm plan` runs where torch is not installed (a login node): planning a model and writing
     its plan imports no torch."""
     code = (
         "import sys\nfrom cli.main import app\n"
-        f"args = ['plan', '--preset', 'tiny-llama', '--gpus', '4', '--gpus-per-node', '4', '-o', {str(tmp_path / 'p.toml')!r}]\n"
+        f"args = ['plan', *{job!r}, '-o', {str(tmp_path / 'p.toml')!r}]\n"
         "try:\n    app(args)\nexcept SystemExit:\n    pass\n"
         "print('torch' in sys.modules)\n"
     )

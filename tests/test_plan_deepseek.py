@@ -16,12 +16,13 @@ from mlm.flops import eh_proj_flops, flops_per_token, mixer_flops
 from mlm.hardware import PROFILES
 from mlm.layout import Layout
 from mlm.model import parameter_counts
+from mlm.plan.candidates import evaluate
 from mlm.plan.hardware import load_hardware
 from mlm.plan.job import make_job
 from mlm.plan.memory import parameter_counts as planned_counts
 from mlm.plan.memory import rank_stage
 from mlm.plan.report import model_line
-from mlm.plan.search import Constraints, evaluate, plan, search, uneven_split
+from mlm.plan.search import Constraints, plan, search, uneven_split
 from mlm.plan.software import Software
 from mlm.presets import PRESETS
 

@@ -10,9 +10,9 @@ import pytest
 from mlm.config import LayerSpec
 from mlm.errors import MlmError
 from mlm.layout import Layout
+from mlm.plan.candidates import evaluate
 from mlm.plan.hardware import load_hardware
 from mlm.plan.job import make_job
-from mlm.plan.search import evaluate
 from mlm.plan.software import PROFILES, Software, load_software
 from mlm.plan.work import layer_work, loss_work
 

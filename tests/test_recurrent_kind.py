@@ -270,8 +270,9 @@ def test_the_planner_counts_the_kind_from_its_spec(tmp_path, tiny_data):
 def test_mlm_plan_evaluates_a_layout_of_the_hybrid(tmp_path, tiny_data):
     from mlm.hardware import PROFILES
     from mlm.layout import Layout
+    from mlm.plan.candidates import evaluate
     from mlm.plan.job import Job
-    from mlm.plan.search import check_layout, evaluate
+    from mlm.plan.search import check_layout
 
     cfg = _config(tiny_data, tmp_path, **{"train.precision": "bf16"})
     job = Job(cfg, 8, 8, PROFILES["h100-80g"])

@@ -26,8 +26,9 @@ from mlm.config import load_config
 from mlm.errors import MlmError
 from mlm.hardware import Hardware
 from mlm.layout import Layout
+from mlm.plan.candidates import evaluate
 from mlm.plan.job import Job
-from mlm.plan.search import check_layout, evaluate
+from mlm.plan.search import check_layout
 from mlm.plan.software import Software
 
 

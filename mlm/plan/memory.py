@@ -76,8 +76,8 @@ and no dropout masks at hidden_dropout = 0. A Llama-3-8B layer (f = 3.5·h, H = 
 inputs, SwiGLU saving its inputs and the bf16 residual stream).
 
 Micro-batches in flight: the peak number of (chunk, micro-batch) forwards a rank holds in its
-1F1B / interleaved schedule (`mlm.parallel.schedules.peak_in_flight`: pp − rank on rank r for
-1F1B; more with interleaving). Under autocast each in-flight micro-batch also holds the bf16
+1F1B / interleaved schedule (`in_flight`, equal to `mlm.parallel.schedules.peak_in_flight`:
+pp − rank on rank r for 1F1B; more with interleaving). Under autocast each in-flight micro-batch also holds the bf16
 copies of the stage's linear weights (2 B per weight), which the cast's consumer saves.
 The last stage's logits and loss live for one micro-batch (its backward follows at once), and so
 do the MTP depths' activations (each a layer, never recomputed, its norms, eh_proj's input and
@@ -108,6 +108,7 @@ import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from mlm.config import Config, LayerSpec, ModelConfig
 from mlm.counts import ParameterCounts
@@ -117,7 +118,8 @@ from mlm.model.kinds.mtp.spec import own_params as mtp_params
 from mlm.model.kinds.spec import Micro, Param
 from mlm.parallel.buckets import bucket_layout
 from mlm.parallel.loss_chunks import chunk_tokens
-from mlm.parallel.schedules import peak_in_flight, stage_layer_counts
+from mlm.parallel.schedules import stage_layer_counts
+from mlm.plan.memo import cached
 
 _AUTOCAST = ("bf16", "fp16")
 
@@ -133,7 +135,22 @@ def casts_weights(cfg: Config) -> bool:
     return cfg.train.precision in _AUTOCAST and cfg.train.param_dtype == "fp32"
 
 
-_in_flight = functools.lru_cache(maxsize=4096)(peak_in_flight)
+def in_flight(pp: int, rank: int, num_micro: int, vpp: int = 1) -> int:
+    """`mlm.parallel.schedules.peak_in_flight` without walking the schedule (1 ms a call at 64
+    micro-batches × vpp 8, 0.4 s of a 70B search): a 1F1B or interleaved rank runs its warm-up
+    forwards, then one forward and one backward at a time, so it holds one more than the warm-up
+    (all of its forwards when the warm-up covers them); tests/test_plan_prune.py checks it against
+    the schedule."""
+    if pp == 1:
+        return 1
+    total = num_micro * vpp
+    if vpp == 1:
+        warmup = min(pp - rank - 1, num_micro)
+    elif num_micro == pp:  # Megatron: every forward first when there are only pp micro-batches
+        warmup = total
+    else:
+        warmup = min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+    return min(warmup + 1, total)
 
 
 def _layer_params(cfg: ModelConfig, i: int | str, tp: int, ep: int, spec: LayerSpec) -> list[Param]:
@@ -174,9 +191,9 @@ class _Numels(tuple):
         return self.__dict__["_hash"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Stage:
-    """What one pipeline rank holds."""
+    """What one pipeline rank holds (equal and hashed by identity: a search's memo keys on it)."""
 
     layers: list[int]
     chunks: list[list[int]]
@@ -201,7 +218,11 @@ class Stage:
     kind_counts: tuple[tuple[LayerSpec, int], ...] = field(init=False, repr=False)
     """(layer kinds, layers of those kinds on this rank)."""
     chunk_kind_counts: tuple[tuple[tuple[str, int], ...], ...] = field(init=False, repr=False)
-    """The same per model chunk."""
+    """The same per model chunk, each distinct one once (the largest is what a rank holds)."""
+    held_kinds: tuple[LayerSpec, ...] = field(init=False, repr=False)
+    """The kinds whose activations this rank holds: its layers' (the last layer's where it has none)."""
+    shape: tuple = field(init=False, repr=False)
+    """What `stage_extras` reads of the stage: its ends, MTP depths, chunks and non-empty chunks."""
 
     def __post_init__(self):
         ps = self.params
@@ -210,7 +231,10 @@ class Stage:
         put("expert_numels", _Numels(p.numel for p in ps if p.trainable and p.expert_parallel))
         count = lambda layers: tuple(Counter(self.kinds[i] for i in layers).items())  # noqa: E731
         put("kind_counts", count(self.layers))
-        put("chunk_kind_counts", tuple(count(c) for c in self.chunks))
+        put("chunk_kind_counts", tuple(dict.fromkeys(count(c) for c in self.chunks)))
+        put("held_kinds", tuple({k for k, _ in self.kind_counts} or {self.kinds[-1]}))
+        nonempty = sum(1 for c in self.chunks if c)
+        put("shape", (self.first, self.last, self.mtp, len(self.chunks), nonempty))
         put("frozen", sum(p.numel for p in ps if not p.trainable))
         layers = sum(p.numel for p in ps if p.linear and p.name.startswith("layers."))
         put("layer_linear", layers)
@@ -226,10 +250,12 @@ def rank_stage(
     first: int | None = None,
     last: int | None = None,
     ep: int = 1,
+    memo: dict | None = None,
 ) -> Stage:
     """The parameters of pipeline rank `pp_rank` in `model.named_parameters()` order (`first` /
     `last`: layers on the first / last virtual stage, as parallel.first_stage_layers / last_…;
-    `ep`: the expert-parallel size, over which each MoE layer's experts are split)."""
+    `ep`: the expert-parallel size, over which each MoE layer's experts are split; `memo`: a
+    search's, which keeps each layer's parameters at a tp and ep for the other stages)."""
     m = cfg.model
     counts = stage_layer_counts(m.num_layers, pp, vpp, first, last)
     starts = [sum(counts[:s]) for s in range(len(counts))]
@@ -246,12 +272,12 @@ def rank_stage(
         params.append(Param("pos_embed.weight", m.max_position_embeddings * h))
     layers = sorted(i for c in chunks for i in c)
     for i in layers:
-        params += _layer_params(m, i, tp, ep, specs[i])
+        params += cached(memo, ("layer params", i, tp, ep), _layer_params, m, i, tp, ep, specs[i])
     if last:
         params += kinds.norm(m.normalization).params(m, "final_norm")
         if not m.tie_embeddings:
             params.append(Param("output.weight", V // tp * h, linear=True))
-        params += _mtp_params(m, tp, ep, specs[-1])
+        params += cached(memo, ("mtp params", tp, ep), _mtp_params, m, tp, ep, specs[-1])
     return Stage(layers, chunks, first, last, params, specs, m.mtp_num_layers if last else 0)
 
 
@@ -350,6 +376,20 @@ def micro(cfg: Config, layout: Layout) -> Micro:
         A=act_bytes(cfg),
         R=residual_bytes(cfg),
         recompute=layout.recompute,
+    )
+
+
+def micro_key(layout: Layout) -> tuple:
+    """The fields of `layout` that its `micro` reads (the config gives the rest): a search's memo
+    key for the terms of one micro-batch (`mlm.plan.memo`), cheaper to build and hash than `Micro`."""
+    return (
+        layout.micro_batch,
+        layout.tp,
+        layout.sequence_parallel,
+        layout.cp,
+        layout.cp_comm_type,
+        layout.ep,
+        layout.recompute,
     )
 
 
@@ -478,8 +518,7 @@ def micro_batch_activation_bytes(cfg: Config, layout: Layout, stage: Stage) -> f
 
 def kind_activation_bytes(cfg: Config, layout: Layout, stage: Stage) -> dict[LayerSpec, float]:
     """{layer kinds: bytes one such layer saves per micro-batch} for the kinds on `stage`."""
-    specs = {k for k, _ in stage.kind_counts} or {cfg.model.layer_specs()[-1]}
-    return {k: sum(layer_activation_bytes(cfg, layout, k).values()) for k in specs}
+    return {k: sum(layer_activation_bytes(cfg, layout, k).values()) for k in stage.held_kinds}
 
 
 @dataclass
@@ -506,9 +545,81 @@ def headroom_bytes(hbm: float) -> float:
     return 1e9 + 0.05 * hbm
 
 
+class _LayerMemory(NamedTuple):
+    """A rank's memory terms at one micro-batch (`micro`) that do not depend on its stage, dp or
+    optimizer: computed once per micro in a search (`mlm.plan.memo`)."""
+
+    parts: dict[LayerSpec, dict[str, float]]
+    """`layer_activation_bytes` of each of the model's layer kinds."""
+    totals: dict[LayerSpec, float]
+    """Their sums (`kind_activation_bytes`)."""
+    ep_buffers: dict[LayerSpec, float]
+    """One layer's ep exchange buffers, per kind with an MLP (empty at ep = 1)."""
+    logits: float
+    """The last stage's transient logits."""
+    workspace: float
+    """cp's transient attention workspace (`cp_workspace_bytes`)."""
+    cp_buffers: float
+
+
+def _layer_memory(cfg: Config, layout: Layout) -> _LayerMemory:
+    mb = micro(cfg, layout)
+    specs = dict.fromkeys(cfg.model.layer_specs())
+    parts = {k: layer_activation_bytes(cfg, layout, k) for k in specs}
+    ep = {}
+    if layout.ep > 1:  # one expert-parallel layer's exchange buffers
+        ep = {k: kinds.mlp(k.mlp).ep_buffers(cfg.model, mb) for k in specs if k.mlp is not None}
+    e, t, A = layout.micro_batch * local_tokens(cfg, layout), layout.tp, act_bytes(cfg)
+    v = cfg.model.padded_vocab_size(t) // t
+    if cfg.model.fused_cross_entropy:  # a chunk's logits, fp32 softmax and gradient
+        logits = min(e, chunk_tokens(v)) * v * (A + 4 + A)
+    else:
+        logits = e * v * (A + 4)
+    totals = {k: sum(p.values()) for k, p in parts.items()}
+    return _LayerMemory(
+        parts, totals, ep, logits, cp_workspace_bytes(cfg, layout), cp_buffer_bytes(cfg, layout)
+    )
+
+
+def _extras(cfg: Config, layout: Layout, stage: Stage) -> tuple[float, float]:
+    """(per micro-batch and chunk: the embedding and a chunk's RoPE tables; once: the final norm,
+    the output layer's input, the loss, the MTP depths) of `stage_extras`."""
+    extras = stage_extras(cfg, layout, stage)
+    first_extra = extras.get("embedding", 0.0) + extras.get("rope tables", 0.0) / max(1, len(stage.chunks))
+    last_extra = sum(
+        v for k, v in extras.items() if k in ("final norm", "output input", "loss", "mtp depths")
+    )
+    return first_extra, last_extra
+
+
+def state_parts(cfg: Config, stage: Stage, layout: Layout, memo: dict | None = None):
+    """`buffer_bytes` of the rank's first dp rank, kept in `memo` (`mlm.plan.memo`)."""
+    key = ("state", stage, layout.dp_cp, layout.edp, layout.distributed_optimizer)
+    return cached(memo, key, buffer_bytes, cfg, stage, layout)
+
+
+def state_floor(cfg: Config, layout: Layout, stage: Stage, hbm: float, memo: dict | None = None) -> float:
+    """A lower bound of `rank_memory(...).total` from the model state and the headroom alone, which
+    every other component only adds to (summed in the same order, so the bound holds to the bit):
+    where it exceeds the GPU, no micro-batch or recompute of this mesh and optimizer fits."""
+
+    def floor() -> float:
+        state = _state(state_parts(cfg, stage, layout, memo), stage)
+        return sum((*state.values(), headroom_bytes(hbm)))
+
+    return cached(memo, ("floor", stage, layout.dp_cp, layout.edp, layout.distributed_optimizer, hbm), floor)
+
+
 def rank_memory(
-    cfg: Config, layout: Layout, pp_rank: int, hbm: float, stage: Stage | None = None
+    cfg: Config,
+    layout: Layout,
+    pp_rank: int,
+    hbm: float,
+    stage: Stage | None = None,
+    memo: dict | None = None,
 ) -> MemoryReport:
+    """The memory report of pipeline rank `pp_rank` (`stage`: its `rank_stage`, when the caller has
+    it; `memo`: a search's shared terms, `mlm.plan.memo`)."""
     stage = stage or rank_stage(
         cfg,
         layout.tp,
@@ -519,61 +630,63 @@ def rank_memory(
         layout.last_stage_layers,
         layout.ep,
     )
-    parts = buffer_bytes(cfg, stage, layout)
-    comps: dict[str, float] = dict(_state(parts, stage))
-    in_flight = _in_flight(layout.pp, pp_rank, layout.num_micro, layout.vpp) if layout.pp > 1 else 1
-    per_kind = kind_activation_bytes(cfg, layout, stage)
+    parts = state_parts(cfg, stage, layout, memo)
+    key = ("model state", stage, layout.dp_cp, layout.edp, layout.distributed_optimizer)
+    comps: dict[str, float] = dict(cached(memo, key, _state, parts, stage))
+    flight = in_flight(layout.pp, pp_rank, layout.num_micro, layout.vpp)
+    mk = micro_key(layout)
+    lm = cached(memo, ("layer memory", mk), _layer_memory, cfg, layout)
+    per_kind = {k: lm.totals[k] for k in stage.held_kinds}  # `kind_activation_bytes`
     chunk_bytes = max(sum(per_kind[k] * n for k, n in c) for c in stage.chunk_kind_counts)
     # the parts of the layer kind that needs the most (an MoE layer where there is one), for --explain
     big = max(per_kind, key=per_kind.__getitem__)
-    per_layer = layer_activation_bytes(cfg, layout, big)
-    extras = stage_extras(cfg, layout, stage)
-    first_extra = extras.get("embedding", 0.0) + extras.get("rope tables", 0.0) / max(1, len(stage.chunks))
-    last_extra = sum(
-        v for k, v in extras.items() if k in ("final norm", "output input", "loss", "mtp depths")
-    )
+    first_extra, last_extra = cached(memo, ("extras", mk, stage.shape), _extras, cfg, layout, stage)
     layer_casts, output_cast = weight_cast_bytes(cfg, stage, layout)
-    comps["activations"] = in_flight * (chunk_bytes + first_extra) + last_extra
-    comps["weight casts"] = in_flight * layer_casts / len(stage.chunks) + output_cast
+    comps["activations"] = flight * (chunk_bytes + first_extra) + last_extra
+    comps["weight casts"] = flight * layer_casts / len(stage.chunks) + output_cast
     e, h, t = layout.micro_batch * local_tokens(cfg, layout), cfg.model.hidden_size, layout.tp
     u = t if layout.sequence_parallel else 1
     if stage.last:
-        A = act_bytes(cfg)
-        v = cfg.model.padded_vocab_size(t) // t
-        if cfg.model.fused_cross_entropy:  # a chunk's logits, fp32 softmax and gradient
-            comps["logits (transient)"] = min(e, chunk_tokens(v)) * v * (A + 4 + A)
-        else:
-            comps["logits (transient)"] = e * v * (A + 4)
-    if stage.layers and (workspace := cp_workspace_bytes(cfg, layout)):
-        comps["attention workspace (transient)"] = workspace
+        comps["logits (transient)"] = lm.logits
+    if stage.layers and lm.workspace:
+        comps["attention workspace (transient)"] = lm.workspace
     comm = 0.0
     if cfg.parallel.grad_reduce_dtype == "bf16":  # a bf16 copy of every bucket, all may be in flight
         comm += (parts["dense"][1] if layout.dp_cp > 1 else 0) / 2
         comm += (parts["expert"][1] if layout.edp > 1 else 0) / 2
     if layout.ep > 1:  # one expert-parallel layer's exchange buffers
-        mb = micro(cfg, layout)
-        comm += max(
-            (kinds.mlp(k.mlp).ep_buffers(cfg.model, mb) for k in per_kind if k.mlp is not None),
-            default=0.0,
-        )
+        comm += max((lm.ep_buffers[k] for k in per_kind if k.mlp is not None), default=0.0)
     if layout.pp > 1:  # hidden states travel between stages in the parameters' dtype
         comm += 2 * e * h / u * param_bytes(cfg)
     if t > 1:
         comm += 2 * e * h * 4
     if stage.layers:
-        comm += cp_buffer_bytes(cfg, layout)
+        comm += lm.cp_buffers
     comps["communication buffers"] = comm
     comps["headroom"] = headroom_bytes(hbm)
-    return MemoryReport(pp_rank, comps, in_flight, per_layer, hbm)
+    return MemoryReport(pp_rank, comps, flight, lm.parts[big], hbm)
 
 
-def memory(cfg: Config, layout: Layout, hbm: float, stages: dict[int, Stage] | None = None) -> MemoryReport:
+def memory(
+    cfg: Config,
+    layout: Layout,
+    hbm: float,
+    stages: dict[int, Stage] | None = None,
+    memo: dict | None = None,
+    cap: float | None = None,
+) -> MemoryReport:
     """The report of the rank that needs the most: the first, second or last pipeline rank (the
     second has one micro-batch fewer in flight than the first but may hold more layers; `stages`:
-    their `rank_stage`s, when the caller has them)."""
+    their `rank_stage`s, when the caller has them; `memo`: a search's shared terms). `cap`: stop at
+    the first rank needing more than `cap` bytes and return its report (the layout needs more too)."""
     stages = stages or {}
-    ranks = report_ranks(layout.pp)
-    return max((rank_memory(cfg, layout, r, hbm, stages.get(r)) for r in ranks), key=lambda r: r.total)
+    reports = []
+    for r in report_ranks(layout.pp):
+        report = rank_memory(cfg, layout, r, hbm, stages.get(r), memo)
+        if cap is not None and report.total > cap:
+            return report
+        reports.append(report)
+    return max(reports, key=lambda r: r.total)
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, mode: str = "none") -> float:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from mlm.errors import MlmError
 from mlm.layout import Layout
+from mlm.plan.candidates import Candidate
 from mlm.plan.job import Job
-from mlm.plan.search import Candidate, SearchResult, explain_layout
+from mlm.plan.search import SearchResult, explain_layout
 
 
 def complete(job: Job, lo: Layout, optimizer: str = "auto") -> tuple[Candidate, SearchResult]:

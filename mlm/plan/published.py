@@ -30,8 +30,9 @@ from mlm.flops import logits_flops, part_flops
 from mlm.hardware import PROFILES as HARDWARE
 from mlm.hardware import profile_name
 from mlm.layout import Layout
+from mlm.plan.candidates import Candidate, evaluate
 from mlm.plan.job import Job
-from mlm.plan.search import Candidate, check_layout, evaluate, stage_split
+from mlm.plan.search import check_layout, stage_split
 from mlm.plan.software import PROFILES as SOFTWARE
 from mlm.plan.software import software_from_dict
 

@@ -18,6 +18,7 @@ from mlm.console import LOG_WIDTH, human
 from mlm.layout import Layout
 from mlm.model import kinds
 from mlm.parallel.schedule_view import describe_schedule, render_text, save_png, timeline
+from mlm.plan.candidates import Candidate
 from mlm.plan.job import Job
 from mlm.plan.memory import (
     act_bytes,
@@ -27,7 +28,7 @@ from mlm.plan.memory import (
     micro,
     parameter_counts,
 )
-from mlm.plan.search import Candidate, SearchResult
+from mlm.plan.search import SearchResult
 
 GB = 1e9
 MESH_CHOICES = ("mesh", "sp", "recompute", "dist opt")
@@ -130,7 +131,7 @@ RANKED_COLUMNS = (
 def ranked_table(job: Job, result: SearchResult, top: int) -> Grid:
     title = (
         f"mlm plan: {job.gpus} × {job.hardware.name}, software {job.software.name}, "
-        f"{result.evaluated} layouts evaluated, "
+        f"{result.evaluated} layouts ({result.sized} sized), "
         f"{len(result.ranked)} fit; best {min(top, len(result.ranked))}\n{model_line(job)}"
     )
     t = Grid(title, RANKED_COLUMNS, right=tuple(c for c in RANKED_COLUMNS if c not in MESH_CHOICES))

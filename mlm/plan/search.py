@@ -5,7 +5,8 @@ own message from `mlm.parallel`), when tp crosses a node (its all-reduces would 
 network, never competitive), or when none of its layouts fits (the reason names the smallest
 need). Within a family every vpp (layers divisible by pp × vpp; micro-batches a multiple of pp),
 micro-batch (a divisor of global batch / dp, up to 16), recompute (none, selective, full) and
-optimizer sharding is tried; sequence parallelism is always on with tp > 1 (it moves the same
+optimizer sharding is tried (each sized before it is timed, and only what fits timed:
+`mlm.plan.candidates`); sequence parallelism is always on with tp > 1 (it moves the same
 bytes as tp's all-reduces and stores 1/tp of the norms' activations; expert parallelism over tp
 ranks needs it too). For a model with MoE layers every expert-parallel size is tried that divides
 both the stage's dp × cp × tp ranks (ep folds over them) and the number of experts (each rank holds
@@ -33,9 +34,8 @@ from mlm.layout import Layout
 from mlm.model import kinds
 from mlm.parallel.mesh import Mesh, check_context_parallel, check_tensor_parallel
 from mlm.parallel.schedules import check_pipeline, stage_layer_counts
+from mlm.plan.candidates import Candidate, Shared, family
 from mlm.plan.job import Job
-from mlm.plan.memory import MemoryReport, Stage, memory, rank_stage, report_ranks
-from mlm.plan.timing import Timing, step_time
 
 RECOMPUTE = ("none", "selective", "full")
 MAX_MICRO_BATCH = 16
@@ -101,23 +101,16 @@ def check_constraints(job: Job, k: Constraints) -> None:
 
 
 @dataclass
-class Candidate:
-    layout: Layout
-    memory: MemoryReport
-    timing: Timing
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.total <= self.memory.hbm
-
-
-@dataclass
 class SearchResult:
     ranked: list[Candidate]
     """Layouts that fit, fastest first."""
     rejected: dict[tuple[int, int], str] = field(default_factory=dict)
     """(tp, pp) → why no layout of that family is in `ranked`."""
     evaluated: int = 0
+    """Layouts considered."""
+    sized: int = 0
+    """Layouts whose memory was computed: the others' model state alone overflows the GPU
+    (`mlm.plan.candidates`); only those that fit are timed."""
     least: dict[tuple[int, int], Candidate] = field(default_factory=dict)
     """(tp, pp) → the family's layout needing the least memory, where none fits."""
 
@@ -169,19 +162,6 @@ def stage_split(num_layers: int, pp: int, vpp: int) -> tuple[int | None, int | N
     return split
 
 
-class _Stages:
-    """`rank_stage` computed once per (tp, pp, vpp, first, last, ep, rank)."""
-
-    def __init__(self, job: Job):
-        self.job, self.cache = job, {}
-
-    def __call__(self, lo: Layout, rank: int) -> Stage:
-        key = (lo.tp, lo.pp, lo.vpp, lo.first_stage_layers, lo.last_stage_layers, lo.ep, rank)
-        if key not in self.cache:
-            self.cache[key] = rank_stage(self.job.cfg, *key[:3], rank, *key[3:6])
-        return self.cache[key]
-
-
 def has_moe(cfg) -> bool:
     """Whether a layer's MLP is spread by expert parallelism (its kind's spec says)."""
     return any(kinds.mlp(k).expert_parallel for k in cfg.model.mlp_kinds())
@@ -213,14 +193,6 @@ def expert_parallel_sizes(cfg, stage_ranks: int, ep: int | None = None) -> list[
         return [1]
     E = cfg.model.moe.num_experts
     return [d for d in _divisors(stage_ranks) if E % d == 0]
-
-
-def evaluate(job: Job, layout: Layout, stages: _Stages | None = None) -> Candidate:
-    """Memory and time of one layout (assumed valid)."""
-    stages = stages or _Stages(job)
-    held = {r: stages(layout, r) for r in report_ranks(layout.pp)}
-    mem = memory(job.cfg, layout, job.hardware.hbm_bytes, held)
-    return Candidate(layout, mem, step_time(job, layout, list(held.values())))
 
 
 def check_layout(job: Job, layout: Layout) -> None:
@@ -345,11 +317,14 @@ def search(
     ep: int | None = None,
     cp: int | None = None,
     k: Constraints = Constraints(),
+    exhaustive: bool = False,
 ) -> SearchResult:
     """Every valid layout of `job`; `optimizer`: adam (replicated), distributed, or auto (both).
     `smallest`: only the least memory of each mesh (micro-batch 1, full recompute, the optimizer
     sharded if allowed, as far as `k` allows), enough to tell whether anything fits. `ep`, `cp`:
-    only this expert-parallel / context-parallel size (default: every valid one); `k`: the rest."""
+    only this expert-parallel / context-parallel size (default: every valid one); `k`: the rest.
+    `exhaustive`: size and time every layout afresh (the reference for the pruned search,
+    `mlm.plan.candidates`; the same result, slower)."""
     cfg, N, g = job.cfg, job.gpus, job.gpus_per_node
     check_constraints(job, k)
     if ep is not None:
@@ -359,7 +334,7 @@ def search(
         if N % cp:
             raise MlmError(f"cp={cp} does not divide --gpus {N}; choose one of {_divisors(N)}")
     optimizers = {"adam": (False,), "distributed": (True,), "auto": (False, True)}[optimizer]
-    stages = _Stages(job)
+    shared = Shared(job, memoize=not exhaustive)
     result = SearchResult([])
     for tp in _divisors(N):
         if tp > cfg.model.num_attention_heads:
@@ -384,20 +359,15 @@ def search(
                 dps = ", ".join(f"dp={N // (tp * pp * c)}" + (f" (cp={c})" if c > 1 else "") for c in cps)
                 result.rejected[key] = f"global batch {job.global_batch} is not divisible by {dps}"
                 continue
-            least: Candidate | None = None  # the family's smallest need
-            fitting = []
-            for layout in _family_layouts(job, tp, pp, optimizers, smallest, ep, whole, k):
-                c = evaluate(job, layout, stages)
-                result.evaluated += 1
-                if c.fits:
-                    fitting.append(c)
-                elif least is None or c.memory.total < least.memory.total:
-                    least = c
-            if fitting:
-                result.ranked += fitting
-            elif least is not None:
-                result.rejected[key] = why_not(least)
-                result.least[key] = least
+            layouts = _family_layouts(job, tp, pp, optimizers, smallest, ep, whole, k)
+            found = family(job, layouts, shared, exhaustive)
+            result.evaluated += found.layouts
+            result.sized += found.sized
+            if found.fitting:
+                result.ranked += found.fitting
+            elif found.least is not None:
+                result.rejected[key] = why_not(found.least)
+                result.least[key] = found.least
             else:
                 result.rejected[key] = "no micro-batch schedule fits the global batch"
     result.ranked.sort(key=lambda c: (-c.timing.tokens_per_s_per_gpu, c.memory.total))

@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from mlm.config import Config, LayerSpec
 from mlm.flops import eh_proj_flops, logits_flops, part_flops
@@ -95,7 +96,8 @@ from mlm.layout import Layout
 from mlm.model import kinds
 from mlm.parallel.schedules import bubble_fraction
 from mlm.plan.job import Job
-from mlm.plan.memory import Stage, act_bytes, buffer_bytes, local_tokens, micro, param_bytes
+from mlm.plan.memo import cached
+from mlm.plan.memory import Stage, act_bytes, local_tokens, micro, micro_key, param_bytes, state_parts
 from mlm.plan.work import Work, embedding_work, layer_work, loss_work, parameter_work
 
 OPTIMIZER_BYTES = 36
@@ -274,19 +276,40 @@ def core_seconds(job: Job, layout: Layout, recompute: str, kind: str) -> float:
     return core / (t * peak * hw.efficiency(spec.core_side(m)))
 
 
-def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
-    """The step of `layout`; `stages`: the pipeline ranks to consider (the slowest sets the pace)."""
+class _LayerTimes(NamedTuple):
+    """What a micro-batch of `micro(cfg, layout)` costs per layer kind and per stage part, whatever
+    the pipeline, dp or optimizer (computed once per micro in a search, `mlm.plan.memo`)."""
+
+    gemm: dict[LayerSpec, float]
+    """Seconds per token of a layer's GEMMs and attention core."""
+    work: dict[LayerSpec, Work]
+    tp: dict[LayerSpec, float]
+    ep: dict[LayerSpec, float]
+    cp: dict[LayerSpec, float]
+    logits: float
+    """Seconds per token of the output layer."""
+    mtp_gemm: float
+    mtp_work: Work
+    mtp_tp: float
+    mtp_ep: float
+    mtp_cp: float
+    loss: Work
+    embed: Work
+    data: float
+    """Seconds of the micro-batch's host-to-GPU copy."""
+    eff: float
+    """The GEMM efficiency of the layer's projections (`gemm_rates`)."""
+
+
+def _layer_times(job: Job, layout: Layout) -> _LayerTimes:
     cfg: Config = job.cfg
     hw, m, sw = job.hardware, cfg.model, job.software
-    t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
-    e, h = layout.micro_batch * local_tokens(cfg, layout), m.hidden_size
-    total_per_token = job.flops_per_token
+    u = layout.tp if layout.sequence_parallel else 1
     logits_per_token = logits_flops(m)
     peak, eff, rate = gemm_rates(job, layout)
     compute_peak = hw.peak(cfg.train.precision)  # what stays out of fp8 runs at (`gemm_rates`)
-    logits_rate = t * compute_peak * eff
+    logits_rate = layout.tp * compute_peak * eff
     whole = replace(layout, recompute="none")  # MTP depths: `mlm.parallel.recompute` never wraps them
-    memory_rate = hw.hbm_bandwidth * hw.memory_efficiency
     mb = micro(cfg, layout)
 
     def gemm_seconds(spec: LayerSpec, recompute: str) -> float:
@@ -312,41 +335,6 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     def core(spec: LayerSpec, lo: Layout, recompute: str) -> float:
         return core_seconds(job, lo, recompute, spec.mixer) if spec.mixer is not None else 0.0
 
-    specs = set(job.layer_kinds)
-    gemm = {k: gemm_seconds(k, layout.recompute) + core(k, layout, layout.recompute) for k in specs}
-    work = {k: layer_work(cfg, layout, sw, k, layout.recompute) for k in specs}
-    # one MTP depth: its layer (the last layer's kinds, never recomputed), eh_proj (replicated over
-    # tp, on this rank's e/u tokens) and another pass of the output layer and its loss
-    last = job.layer_kinds[-1]
-    mtp_gemm = (
-        gemm_seconds(last, "none")
-        + core(last, whole, "none")
-        + eh_proj_flops(m) / (peak * eff * u)
-        + logits_per_token / logits_rate
-    )
-    mtp_work = layer_work(cfg, whole, sw, last, "none")
-    mtp_work += loss_work(cfg, layout, sw)
-    loss = loss_work(cfg, layout, sw)
-    embed = embedding_work(cfg, layout)
-
-    def stage_work(stage: Stage) -> tuple[float, float, float]:
-        """(GEMM and attention seconds, memory-bound seconds, kernels) of one micro-batch."""
-        c = e * sum(gemm[k] * n for k, n in stage.kind_counts)
-        c += e * ((logits_per_token / logits_rate if stage.last else 0.0) + stage.mtp * mtp_gemm)
-        w = Work()
-        parts = [(work[k], n) for k, n in stage.kind_counts]
-        for part, times in parts + [(loss, stage.last), (embed, stage.first), (mtp_work, stage.mtp)]:
-            w.bytes += times * part.bytes
-            w.kernels += times * part.kernels
-        params = sum(stage.numels) + sum(stage.expert_numels)
-        w.bytes += parameter_work(cfg, sw, params, layout.recompute)
-        return c, w.bytes / memory_rate, w.kernels
-
-    tp_layer = {k: tp_layer_time(cfg, job, layout, k) for k in specs}
-    tp_mtp = tp_layer_time(cfg, job, whole, last)
-    pp_bw, pp_lat = _link(hw, t * layout.cp * layout.dp < job.gpus_per_node)
-    p2p = 2 * layout.vpp * (e * h / u * param_bytes(cfg) / pp_bw + pp_lat) if layout.pp > 1 else 0.0
-
     def ep_time(spec: LayerSpec, lo: Layout) -> float:
         """One layer's expert-parallel exchange (0 unless its MLP is spread by ep)."""
         if spec.mlp is None or not kinds.mlp(spec.mlp).expert_parallel:
@@ -362,26 +350,82 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         rate = core_flops / core_seconds(job, whole, "none", spec.mixer)
         return cp_exchange_time(cfg, job, lo, rate, spec.mixer)
 
-    ep_one = {k: ep_time(k, layout) for k in specs}
-    cp_one = {k: cp_time(k, layout) for k in specs}
-    # an MTP depth's layer communicates as a layer does, without recompute
-    mtp_ep, mtp_cp = ep_time(last, whole), cp_time(last, whole)
-    # the batch from host memory: tokens, labels, loss mask and positions (8 + 8 + 4 + 8 bytes)
-    data = layout.micro_batch * local_tokens(cfg, layout) * 28 / hw.host_bandwidth
+    specs = set(job.layer_kinds)
+    # one MTP depth: its layer (the last layer's kinds, never recomputed), eh_proj (replicated over
+    # tp, on this rank's e/u tokens) and another pass of the output layer and its loss
+    last = job.layer_kinds[-1]
+    mtp_gemm = (
+        gemm_seconds(last, "none")
+        + core(last, whole, "none")
+        + eh_proj_flops(m) / (peak * eff * u)
+        + logits_per_token / logits_rate
+    )
+    mtp_work = layer_work(cfg, whole, sw, last, "none")
+    mtp_work += loss_work(cfg, layout, sw)
+    return _LayerTimes(
+        gemm={k: gemm_seconds(k, layout.recompute) + core(k, layout, layout.recompute) for k in specs},
+        work={k: layer_work(cfg, layout, sw, k, layout.recompute) for k in specs},
+        tp={k: tp_layer_time(cfg, job, layout, k) for k in specs},
+        ep={k: ep_time(k, layout) for k in specs},
+        cp={k: cp_time(k, layout) for k in specs},
+        logits=logits_per_token / logits_rate,
+        mtp_gemm=mtp_gemm,
+        mtp_work=mtp_work,
+        mtp_tp=tp_layer_time(cfg, job, whole, last),
+        # an MTP depth's layer communicates as a layer does, without recompute
+        mtp_ep=ep_time(last, whole),
+        mtp_cp=cp_time(last, whole),
+        loss=loss_work(cfg, layout, sw),
+        embed=embedding_work(cfg, layout),
+        # the batch from host memory: tokens, labels, loss mask and positions (8 + 8 + 4 + 8 bytes)
+        data=layout.micro_batch * local_tokens(cfg, layout) * 28 / hw.host_bandwidth,
+        eff=eff,
+    )
 
+
+def _stage_time(job: Job, layout: Layout, stage: Stage, lt: _LayerTimes) -> tuple[float, ...]:
+    """(busy, GEMMs and attention, memory-bound, exposed launches, tp, ep, cp) seconds of one
+    micro-batch on `stage`, busy their sum (the pipeline's p2p and the data come on top)."""
+    cfg, hw, sw = job.cfg, job.hardware, job.software
+    t, e = layout.tp, layout.micro_batch * local_tokens(cfg, layout)
+    c = e * sum(lt.gemm[k] * n for k, n in stage.kind_counts)
+    c += e * ((lt.logits if stage.last else 0.0) + stage.mtp * lt.mtp_gemm)
+    w = Work()
+    parts = [(lt.work[k], n) for k, n in stage.kind_counts]
+    for part, times in parts + [(lt.loss, stage.last), (lt.embed, stage.first), (lt.mtp_work, stage.mtp)]:
+        w.bytes += times * part.bytes
+        w.kernels += times * part.kernels
+    params = sum(stage.numels) + sum(stage.expert_numels)
+    w.bytes += parameter_work(cfg, sw, params, layout.recompute)
+    mem, kernels = w.bytes / (hw.hbm_bandwidth * hw.memory_efficiency), w.kernels
+    launch = max(0.0, kernels * sw.launch_s - c - mem)
+    tp_s = sum(lt.tp[k] * n for k, n in stage.kind_counts) + stage.mtp * lt.mtp_tp
+    if sw.tp_overlap:  # pipelined in tp chunks with the GEMMs: the first chunk is exposed
+        tp_s = tp_s / t + max(0.0, tp_s * (t - 1) / t - c)
+    ep_s = sum(lt.ep[k] * n for k, n in stage.kind_counts) + stage.mtp * lt.mtp_ep
+    if sw.ep_overlap:  # behind another micro-batch's compute
+        ep_s = max(0.0, ep_s - c)
+    cp_s = sum(lt.cp[k] * n for k, n in stage.kind_counts) + stage.mtp * lt.mtp_cp
+    return c + mem + launch + tp_s + ep_s + cp_s, c, mem, launch, tp_s, ep_s, cp_s
+
+
+def step_time(job: Job, layout: Layout, stages: list[Stage], memo: dict | None = None) -> Timing:
+    """The step of `layout`; `stages`: the pipeline ranks to consider (the slowest sets the pace);
+    `memo`: a search's shared terms (`mlm.plan.memo`)."""
+    cfg: Config = job.cfg
+    hw, sw = job.hardware, job.software
+    t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
+    e, h = layout.micro_batch * local_tokens(cfg, layout), cfg.model.hidden_size
+    memory_rate = hw.hbm_bandwidth * hw.memory_efficiency
+    mk = micro_key(layout)
+    lt = cached(memo, ("layer times", mk), _layer_times, job, layout)
+    data = lt.data
+    pp_bw, pp_lat = _link(hw, t * layout.cp * layout.dp < job.gpus_per_node)
+    p2p = 2 * layout.vpp * (e * h / u * param_bytes(cfg) / pp_bw + pp_lat) if layout.pp > 1 else 0.0
     per_micro = []
     for stage in stages:
-        c, mem, kernels = stage_work(stage)
-        launch = max(0.0, kernels * sw.launch_s - c - mem)
-        tp_s = sum(tp_layer[k] * n for k, n in stage.kind_counts) + stage.mtp * tp_mtp
-        if sw.tp_overlap:  # pipelined in tp chunks with the GEMMs: the first chunk is exposed
-            tp_s = tp_s / t + max(0.0, tp_s * (t - 1) / t - c)
-        ep_s = sum(ep_one[k] * n for k, n in stage.kind_counts) + stage.mtp * mtp_ep
-        if sw.ep_overlap:  # behind another micro-batch's compute
-            ep_s = max(0.0, ep_s - c)
-        cp_s = sum(cp_one[k] * n for k, n in stage.kind_counts) + stage.mtp * mtp_cp
-        total = c + mem + launch + tp_s + ep_s + cp_s + p2p + data
-        per_micro.append((total, c, mem, launch, tp_s, ep_s, cp_s))
+        busy, *parts = cached(memo, ("stage time", mk, stage), _stage_time, job, layout, stage, lt)
+        per_micro.append((busy + p2p + data, *parts))
     slowest = max(per_micro)
     c_mb, mem_mb, launch_mb, tp_mb, ep_mb, cp_mb = slowest[1:]
     stretch = layout.num_micro / (1 - bubble_fraction(layout.pp, layout.num_micro, layout.vpp))
@@ -390,7 +434,7 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
     # gradients: the dense buffer over dp × cp, the experts' over edp (a stage's ranks with the same
     # experts, every ep-th; both groups span the stage's dp × cp × tp ranks)
     parts = max(
-        (buffer_bytes(cfg, st, layout) for st in stages), key=lambda d: d["dense"][1] + d["expert"][1]
+        (state_parts(cfg, st, layout, memo) for st in stages), key=lambda d: d["dense"][1] + d["expert"][1]
     )
     dp_bw, dp_lat = _link(hw, t * layout.cp * layout.dp <= job.gpus_per_node)
     reduce = gather = local = 0.0
@@ -446,6 +490,6 @@ def step_time(job: Job, layout: Layout, stages: list[Stage]) -> Timing:
         fixed_s=fixed_s,
         step_s=step,
         tokens_per_s_per_gpu=tokens / step / gpus,
-        mfu=total_per_token * tokens / (step * gpus * hw.peak(cfg.train.precision)),
-        gemm_efficiency=eff,
+        mfu=job.flops_per_token * tokens / (step * gpus * hw.peak(cfg.train.precision)),
+        gemm_efficiency=lt.eff,
     )
