@@ -15,6 +15,8 @@ and benches (`build_rank_model`), in one order:
     7. materialise                           only the local shards take memory (`to_empty`), then
                                              each rank draws its own slices (`init_weights`) or the
                                              caller loads a checkpoint; train.param_dtype's cast
+       fsdp                                  parallel.fsdp: the parameters sharded over dp × cp
+                                             (`mlm.parallel.fsdp`; fp32, gathered in param_dtype)
     8. fp8                                   the layers' linears, once parallel and initialised (its
                                              scaling state lives on the device)
     9. ops                                   the kernels and attention backend (`Ops`): one choice
@@ -37,6 +39,7 @@ from mlm.model import GPT
 from mlm.parallel.context import apply_context_parallel
 from mlm.parallel.expert import apply_expert_parallel
 from mlm.parallel.fp8 import apply_fp8
+from mlm.parallel.fsdp import apply_fsdp
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.parallelize import parallelize
 from mlm.parallel.pipeline import split_for_pipeline
@@ -63,7 +66,8 @@ def build_rank_model(
     train.param_dtype are built in it: the init draws in fp32 and rounds each block as it copies
     it (the fp32 init rounded, without ever holding it), and the frozen ones (the MoE routers'
     expert bias, updated by its own rule) stay fp32."""
-    if train is not None and train.param_dtype != "fp32":
+    fsdp = train is not None and parallel.fsdp
+    if train is not None and train.param_dtype != "fp32" and not fsdp:
         dtype = DTYPES[train.param_dtype]
     with torch.device("meta"):
         model = GPT(cfg, padded_vocab=cfg.padded_vocab_size(mesh.tp)).to(dtype)
@@ -72,13 +76,16 @@ def build_rank_model(
     apply_expert_parallel(model, mesh, parallel.sequence_parallel, cfg.moe.token_dispatcher)
     apply_context_parallel(model, mesh, parallel.cp_comm_type, parallel.sequence_parallel)
     apply_recompute(model, cfg.recompute)
-    model.fp8 = None
+    model.fp8, model.fsdp = None, False
     if device.type == "meta":  # shapes only: nothing to materialise, run or compile
         return model
     model.to_empty(device=device)
     if seed is not None:
         model.init_weights(seed)
     keep_frozen_fp32(model)
+    model.fsdp = fsdp and apply_fsdp(
+        model, mesh, DTYPES[train.param_dtype], parallel.fsdp_reshard_after_forward
+    )
     model.fp8 = apply_fp8(model, train, mesh, device) if train is not None else None
     model.set_attention_backend(cfg.attention_backend, device)
     model.set_kernels(cfg.kernels, device)

@@ -659,6 +659,11 @@ class ParallelConfig:
     """Gradient bucket size for the overlapped data-parallel reduction."""
     grad_reduce_dtype: str = "fp32"
     """Data-parallel gradient reduction in fp32 or bf16."""
+    fsdp: bool = False
+    """Shard parameters, gradients and Adam state over dp × cp (ZeRO-3, torch's FSDP2 `fully_shard`)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP: free each layer's gathered parameters after its forward and gather them again for its
+    backward (ZeRO-3); false keeps them until the backward (ZeRO-2-like memory, one gather less)."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "vpp", "cp", "ep"):
@@ -674,6 +679,11 @@ class ParallelConfig:
         _choice("parallel", "grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
         _choice("parallel", "cp_comm_type", self.cp_comm_type, ("p2p", "all_gather"))
         ensure(self.bucket_size_mb > 0, f"parallel.bucket_size_mb={self.bucket_size_mb}: must be positive")
+        ensure(
+            not (self.fsdp and self.distributed_optimizer),
+            "parallel.fsdp and parallel.distributed_optimizer: FSDP already shards the optimizer state "
+            "(and the parameters and gradients); set one of them",
+        )
 
 
 def _cuda_visible() -> bool:

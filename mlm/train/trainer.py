@@ -39,12 +39,14 @@ from mlm.model.contract import declaring
 from mlm.parallel import Mesh
 from mlm.parallel.context import check_context_parallel
 from mlm.parallel.expert import expert_load_step
+from mlm.parallel.fsdp import check_fsdp
 from mlm.parallel.launch import detect, init_distributed, pick_device
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads
 from mlm.parallel.pipeline import Pipeline
 from mlm.parallel.schedules import micro_batches_per_step
 from mlm.train.checkpointing import TrainerCheckpoints
 from mlm.train.faults import Fault, FaultMonitor, StepStart, expert_biases
+from mlm.train.fsdp_optimizer import FSDPOptimizer
 from mlm.train.metrics import MetricsLogger, memory_gib, peak_flops
 from mlm.train.optimizer import TrainOptimizer
 from mlm.train.scaler import LossScaler
@@ -89,6 +91,8 @@ class Trainer(TrainerCheckpoints):
         process alone (hang detection, stop signals)."""
         self.cfg = cfg
         t = cfg.train
+        if cfg.parallel.fsdp:
+            check_fsdp(cfg)
         if watchdog is None:
             watchdog = Watchdog(None, rank=detect().rank)
             watchdog.start()
@@ -110,7 +114,8 @@ class Trainer(TrainerCheckpoints):
         self.model = build_rank_model(cfg.model, cfg.parallel, self.mesh, self.device, seed=t.seed, train=t)
         self.fp8 = self.model.fp8  # None unless train.fp8
         self.attention_backend, self.kernels = self.model.ops.attention_backend, self.model.ops.kernels
-        self.optimizer = TrainOptimizer(self.model, cfg, self.mesh, self.device)
+        optimizer = FSDPOptimizer if self.model.fsdp else TrainOptimizer
+        self.optimizer = optimizer(self.model, cfg, self.mesh, self.device)
         self.pipeline = Pipeline(self.model, self.mesh, cfg.parallel.vpp)
         self.work_clock = WorkClock(self.device, enabled=t.straggler_window > 0)  # own work: stragglers.py
         self.pipeline.work_clock = self.work_clock

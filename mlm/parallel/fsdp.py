@@ -1,0 +1,137 @@
+"""Fully sharded data parallelism (ZeRO-3) with torch's FSDP2 (`fully_shard`), over dp × cp.
+
+Applied to this rank's model once it is parallel and initialised (`mlm.build`): each transformer
+layer is one FSDP unit, the embedding another and the final norm with the output layer a third
+(with tied embeddings the root holds all three, so that the shared weight stays in one unit), the
+root the rest. FSDP2 treats each parameter as a whole tensor: here that is this rank's tensor-
+parallel slice, split again along dim 0 over the dp × cp ranks (torch.chunk: ceil(n / W) rows per
+rank, the last shorter or empty). So ZeRO-3 holds, per tensor-parallel slice, 1 / (dp × cp) of the
+parameters, of the gradients and of Adam's state.
+
+- Gradients reach every dp × cp rank's shard by reduce-scatter after each unit's last backward of
+  the step (`FSDPGrads.set_last_microbatch` turns the reduction off for the micro-batches before).
+- The reduction sums, then divides by dp × cp: FSDP2's averaging reduce-scatter silently sums on
+  gloo (pytorch#162338), so the sum is forced and the division explicit.
+- bf16 parameters (`train.param_dtype`): FSDP keeps the sharded parameters in fp32 (the main
+  weights AdamW steps) and gathers them in bf16 for compute; gradients reduce in fp32.
+- The mesh's other groups work as without FSDP on the local shards: the sequence-parallel tp
+  all-reduce, the global norm (each rank holds its shard: summed over dp × cp).
+- Not built yet, refused by `check_fsdp`: pipeline and expert parallelism, MoE and MTP layers,
+  fp8, `train.compile`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlm.config import Config
+from mlm.errors import MlmError
+from mlm.parallel.mesh import Mesh
+
+
+def check_fsdp(cfg: Config) -> None:
+    """MlmError for what FSDP is not built with yet."""
+    p, t = cfg.parallel, cfg.train
+    refused = [
+        (p.pp > 1, f"parallel.pp={p.pp}"),
+        (p.ep > 1, f"parallel.ep={p.ep}"),
+        (bool(t.fp8), f"train.fp8={t.fp8!r}"),
+        (t.compile, "train.compile=true"),
+        (cfg.model.mtp_num_layers > 0, f"model.mtp_num_layers={cfg.model.mtp_num_layers}"),
+        (cfg.model.moe.num_experts > 0, f"model.moe.num_experts={cfg.model.moe.num_experts}"),
+    ]
+    named = [what for bad, what in refused if bad]
+    if named:
+        raise MlmError(
+            f"parallel.fsdp with {', '.join(named)}: FSDP is built for dense models with tensor, "
+            "sequence, data and context parallelism so far; unset these, or train with "
+            "parallel.distributed_optimizer instead of parallel.fsdp"
+        )
+
+
+def fsdp_mesh(mesh: Mesh, device_type: str):
+    """The 1-D device mesh of this rank's dp × cp group, or None at dp × cp = 1 (nothing to shard)."""
+    group = mesh.group("dp_cp")
+    if group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device_type)
+
+
+def apply_fsdp(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> bool:
+    """Shard `model` (fp32 parameters) over dp × cp in place; `param_dtype`: the compute dtype its
+    units gather in. False (nothing done) at dp × cp = 1."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    device_mesh = fsdp_mesh(mesh, next(model.parameters()).device.type)
+    if device_mesh is None:
+        return False
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if param_dtype == torch.float32 else param_dtype, reduce_dtype=torch.float32
+    )
+
+    def shard(module, reshard=reshard_after_forward):
+        fully_shard(module, mesh=device_mesh, reshard_after_forward=reshard, mp_policy=policy)
+
+    for layer in model.layers.values():
+        shard(layer)
+    if not model.cfg.tie_embeddings:
+        shard(model.embed)
+        shard([model.final_norm, model.output], reshard=False)  # its backward follows at once
+    shard(model, reshard=False)
+    register_fsdp_forward_method(model, "hidden_states")  # the pipeline's entry besides forward
+    W = mesh.dp * mesh.cp
+    for module in model.modules():
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(float(W))
+    return True
+
+
+class FSDPGrads:
+    """The gradient interface the pipeline and the trainer drive (`GradBucketSet`'s), for FSDP:
+    the reduction is FSDP's own, after each unit's backward of the step's last micro-batch."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.buckets: list = []
+
+    def set_last_microbatch(self, last: bool) -> None:
+        self.model.set_requires_gradient_sync(last)
+
+    def finish(self) -> None:
+        """Nothing left: each unit's reduce-scatter ran in its post-backward."""
+
+    @staticmethod
+    def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+        """This rank's shard of `p`'s reduced gradient (a view: in-place changes reach it)."""
+        return None if p.grad is None else p.grad.to_local()
+
+    def zero_grad(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a plain tensor as it is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole (tensor-parallel-local) tensor of an FSDP-sharded DTensor, gathered over dp × cp
+    (collective); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def scatter_into(t: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy this rank's rows of `whole` (the tensor-parallel-local tensor) into the DTensor `t`'s
+    shard, as FSDP2 cut it (torch.chunk over the mesh: ceil(n / W) rows per rank)."""
+    shard = t.to_local()
+    if shard.numel() == 0:
+        return
+    rank, size = t.device_mesh.get_local_rank(), t.device_mesh.size()
+    rows = -(-whole.shape[0] // size)
+    shard.copy_(whole[rank * rows : rank * rows + shard.shape[0]])

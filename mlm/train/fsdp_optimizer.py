@@ -1,0 +1,108 @@
+"""AdamW over an FSDP-sharded model (`mlm.parallel.fsdp`), behind `TrainOptimizer`'s interface.
+
+The parameters, their gradients and Adam's moments are DTensors sharded over dp × cp; AdamW steps
+each rank's shards. Unscaling, the inf check and the global norm read the local shards (the norm
+sums them over dp × cp, as under the distributed optimizer). Checkpoints hold every tensor as one
+process would: each one is gathered over dp × cp in turn (one tensor at a time) and written
+through its tensor-parallel placement by the ranks that write without FSDP, so a checkpoint
+moves freely between FSDP, the distributed optimizer and any mesh; loading reads each tensor's
+tensor-parallel slice and keeps this rank's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlm.checkpoint import ShardedTensor
+from mlm.checkpoint.keys import param_of
+from mlm.config import Config
+from mlm.parallel.fsdp import FSDPGrads, full, local, scatter_into
+from mlm.parallel.grad_norm import any_nonfinite, clip_, global_grad_norm
+from mlm.parallel.mesh import Mesh
+from mlm.parallel.placement import placements
+from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step, set_schedule
+
+
+class FSDPOptimizer:
+    """AdamW for this rank's FSDP shards (`step`, `clip`, `unscale`, `found_inf`) and the
+    optimizer's checkpoint tensors, as `TrainOptimizer` has them."""
+
+    def __init__(self, model: nn.Module, cfg: Config, mesh: Mesh, device: torch.device):
+        self.model, self.mesh, self.device = model, mesh, device
+        self.placements = placements(model, mesh)
+        self.padded_rows = getattr(model, "padded_rows", ())
+        self.all_grads = FSDPGrads(model)
+        self.dists: list = []  # no parameter all-gathers left in flight by `step`
+        self.adamw = make_optimizer(model, cfg.optimizer, device)
+        self._loading: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def pieces(self, counted_once: bool = False) -> list[tuple[torch.Tensor, bool]]:
+        """(this rank's shard of a reduced gradient, whether it is tensor-parallel)."""
+        return [
+            (local(p.grad), self.placements[n].tensor_parallel)
+            for n, p in self.model.named_parameters()
+            if p.grad is not None
+        ]
+
+    def found_inf(self) -> bool:
+        return any_nonfinite([t for t, _ in self.pieces()], self.device)
+
+    def unscale(self, factor: float) -> None:
+        torch._foreach_mul_([t for t, _ in self.pieces()], factor)
+
+    def clip(self, max_norm: float) -> float:
+        m = self.mesh
+        norm = global_grad_norm(self.pieces(), m.tp_group, m.group("dp_cp"), self.device)
+        clip_([t for t, _ in self.pieces()], norm, max_norm)
+        return float(norm)
+
+    def step(self, lr: float, weight_decay: float) -> None:
+        set_schedule(self.adamw, lr, weight_decay)
+        self.adamw.step()
+
+    def wait_for_params(self) -> None:
+        """Nothing in flight: FSDP gathers each unit's parameters when it runs."""
+
+    def zero_grad(self) -> None:
+        self.all_grads.zero_grad()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _tensor(self, key: str, t: torch.Tensor, for_load: bool) -> ShardedTensor:
+        name = param_of(key)
+        place = self.placements[name]
+        if for_load:  # this rank's tensor-parallel slice, whole; `finish_load` keeps its rows
+            whole = torch.empty(place.shape, dtype=t.dtype)
+            self._loading.append((t, whole))
+        else:
+            whole = full(t.detach()).cpu()
+        return ShardedTensor(
+            key,
+            whole,
+            place.global_shape,
+            place.offset,
+            writer=place.writer,
+            padded_rows=name in self.padded_rows,
+        )
+
+    def checkpoint_groups(self, step: int, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
+        """{"model": every parameter, "optim": its moments}, each whole over dp × cp as this rank's
+        tensor-parallel slice (to write, or with `for_load` to load into; then call
+        `finish_load`). Collective: every rank gathers every tensor in the same order."""
+        self._loading = []
+        model = [self._tensor(n, p, for_load) for n, p in self.model.named_parameters()]
+        moments = adam_state_tensors(self.model, self.adamw, step)
+        optim = [self._tensor(k, t, for_load) for k, t in moments.items()]
+        return {"model": model, "optim": optim}
+
+    def finish_load(self, step: int | None) -> None:
+        """After loading `checkpoint_groups(for_load=True)`: each rank's rows into its shards (only
+        the parameters' when `step` is None: a weights-only checkpoint), and the moments' step."""
+        params = {id(p) for p in self.model.parameters()}
+        for t, whole in self._loading:
+            if step is not None or id(t) in params:
+                scatter_into(t, whole.to(t.device))
+        self._loading = []
+        if step is not None:
+            set_adam_step(self.adamw, step)

@@ -1,0 +1,135 @@
+"""`parallel.fsdp` (FSDP2's `fully_shard` over dp × cp) equals one process: dp 2, dp 4, tp 2 × dp 2
+with sequence parallelism, cp 2, without resharding after forward; and its checkpoints move to
+and from the distributed optimizer and one process.
+
+Every rank is a real gloo process (`run_ranks`). Tolerance: fp32, 1e-5 relative on losses, on
+the gradient norms (which show a gradient scaled by a constant, as gloo's averaging reduce-scatter
+would: AdamW hides it from the weights) and on the final weights (read back through the
+checkpoint). Adam's eps is 1e-4 for the reason tests/test_parallel_training.py gives.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mlm.config import load_config
+from mlm.errors import MlmError
+from mlm.train.trainer import Trainer
+
+from conftest import tiny_sets
+from distributed import run_ranks
+from helpers import checkpoint_weights
+
+RTOL = 1e-5
+BASE = {
+    "model.hidden_dropout": 0.0,
+    "optimizer.adam_eps": 1e-4,
+    "train.global_batch_size": 8,
+    "train.micro_batch_size": 2,
+    "train.train_iters": 3,
+}
+FSDP = {"parallel.fsdp": "true"}
+
+
+def _sets(tmp, data, **extra) -> list[str]:
+    return tiny_sets(tmp, data, **{**BASE, "checkpoint.save": f"'{tmp / 'ckpt'}'", **extra})
+
+
+def _grad_norms(run_dir) -> list[float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x["grad_norm"] for x in lines if x.get("split") == "train"]
+
+
+def _train_rank(rank, world, sets, load=None):
+    """The run's losses, and under FSDP the (local, whole) elements of each parameter and the local
+    elements of the first moments."""
+    trainer = Trainer(load_config(None, sets), load=load)
+    losses = trainer.train()
+    if not trainer.model.fsdp:
+        return losses, None
+    shards = {n: (p.to_local().numel(), p.numel()) for n, p in trainer.model.named_parameters()}
+    moments = sum(s["exp_avg"].to_local().numel() for s in trainer.optimizer.adamw.state.values())
+    return losses, (True, shards, moments)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_data):
+    tmp = tmp_path_factory.mktemp("one")
+    trainer = Trainer(load_config(None, _sets(tmp, tiny_data)))
+    losses = trainer.train()
+    return losses, _grad_norms(tmp), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "world,parallel",
+    [
+        (2, {}),
+        (4, {}),
+        (4, {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+        (2, {"parallel.cp": 2}),
+        (2, {"parallel.fsdp_reshard_after_forward": "false"}),
+    ],
+    ids=["dp2", "dp4", "tp2-sp-dp2", "cp2", "dp2-keep-gathered"],
+)
+def test_fsdp_matches_one_process(tmp_path, tiny_data, reference, world, parallel):
+    ref_losses, ref_norms, ref_weights = reference
+    per_rank = run_ranks(world, _train_rank, _sets(tmp_path, tiny_data, **FSDP, **parallel))
+    losses = per_rank[0][0]
+    assert all(r[0] == losses for r in per_rank)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(_grad_norms(tmp_path)), torch.tensor(ref_norms), rtol=RTOL, atol=0
+    )
+    got = checkpoint_weights(tmp_path / "ckpt", ref_weights)
+    for k, v in ref_weights.items():
+        torch.testing.assert_close(
+            got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
+        )
+    # the W = dp × cp ranks of a tensor-parallel slice (tp rank 0's: every tp-th rank) each hold
+    # their rows of it, ceil(n / W) at most, and as much of its moments
+    tp = int(parallel.get("parallel.tp", 1))
+    W = world // tp
+    fsdp, shards, moments = per_rank[0][1]
+    assert fsdp
+    assert sum(r[1][1][k][0] for r in per_rank[::tp] for k in shards) == sum(n for _, n in shards.values())
+    assert all(local <= -(-n // W) for local, n in shards.values())
+    assert moments == sum(local for local, _ in shards.values())
+
+
+def test_a_checkpoint_moves_between_fsdp_the_distributed_optimizer_and_one_process(tmp_path, tiny_data):
+    """fsdp dp 4 saves after 2 of 4 steps; the distributed optimizer at tp 2 × dp 2 and one process
+    resume it with the uninterrupted run's next losses, and fsdp dp 2 resumes the distributed
+    optimizer's checkpoint of step 2 likewise."""
+    four = {"train.train_iters": 4, "checkpoint.save_interval": 2}
+    whole = run_ranks(4, _train_rank, _sets(tmp_path / "whole", tiny_data, **FSDP, **four))[0][0]
+    step2 = tmp_path / "whole" / "ckpt" / "iter_0000002"
+    zero1 = {"parallel.tp": 2, "parallel.distributed_optimizer": "true", **four}
+    resumed = run_ranks(4, _train_rank, _sets(tmp_path / "zero1", tiny_data, **zero1), str(step2))[0][0]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(whole[2:]), rtol=RTOL, atol=0)
+    one = Trainer(load_config(None, _sets(tmp_path / "one", tiny_data, **four)), load=str(step2)).train()
+    torch.testing.assert_close(torch.tensor(one), torch.tensor(whole[2:]), rtol=RTOL, atol=0)
+    back = tmp_path / "zero1" / "ckpt" / "iter_0000004"  # the distributed optimizer's, resumed under fsdp
+    six = {"train.train_iters": 6}
+    again = run_ranks(
+        2, _train_rank, _sets(tmp_path / "back", tiny_data, **{**FSDP, **four, **six}), str(back)
+    )
+    cont = run_ranks(4, _train_rank, _sets(tmp_path / "cont", tiny_data, **{**zero1, **six}), str(back))
+    assert len(again[0][0]) == 2
+    torch.testing.assert_close(torch.tensor(again[0][0]), torch.tensor(cont[0][0]), rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        ({"parallel.pp": 2}, "parallel.pp=2"),
+        ({"train.compile": "true"}, "train.compile=true"),
+    ],
+)
+def test_what_fsdp_is_not_built_with_is_refused(tmp_path, tiny_data, extra, named):
+    with pytest.raises(MlmError, match=f"parallel.fsdp with {named}"):
+        Trainer(load_config(None, _sets(tmp_path, tiny_data, **FSDP, **extra)))
+    with pytest.raises(MlmError, match="FSDP already shards the optimizer state"):
+        load_config(None, _sets(tmp_path, tiny_data, **FSDP, **{"parallel.distributed_optimizer": "true"}))
