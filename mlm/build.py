@@ -84,7 +84,11 @@ def build_rank_model(
         model.init_weights(seed)
     keep_frozen_fp32(model)
     model.fsdp = fsdp and apply_fsdp(
-        model, mesh, DTYPES[train.param_dtype], parallel.fsdp_reshard_after_forward
+        model,
+        mesh,
+        DTYPES[train.param_dtype],
+        parallel.fsdp_reshard_after_forward,
+        parallel.fsdp_shard_size,
     )
     model.fp8 = apply_fp8(model, train, mesh, device) if train is not None else None
     model.set_attention_backend(cfg.attention_backend, device)

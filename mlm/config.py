@@ -661,6 +661,9 @@ class ParallelConfig:
     """Data-parallel gradient reduction in fp32 or bf16."""
     fsdp: bool = False
     """Shard parameters, gradients and Adam state over dp × cp (ZeRO-3, torch's FSDP2 `fully_shard`)."""
+    fsdp_shard_size: int | None = None
+    """FSDP: shard over groups of this many of the dp × cp ranks and replicate across the groups
+    (HSDP: reduce-scatter in a group, all-reduce across); unset: shard over all dp × cp ranks."""
     fsdp_reshard_after_forward: bool = True
     """FSDP: free each layer's gathered parameters after its forward and gather them again for its
     backward (ZeRO-3); false keeps them until the backward (ZeRO-2-like memory, one gather less)."""
@@ -679,6 +682,11 @@ class ParallelConfig:
         _choice("parallel", "grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
         _choice("parallel", "cp_comm_type", self.cp_comm_type, ("p2p", "all_gather"))
         ensure(self.bucket_size_mb > 0, f"parallel.bucket_size_mb={self.bucket_size_mb}: must be positive")
+        ensure(
+            self.fsdp_shard_size is None or (self.fsdp and self.fsdp_shard_size >= 1),
+            f"parallel.fsdp_shard_size={self.fsdp_shard_size}: needs parallel.fsdp=true and a size of at "
+            "least 1 (unset: shard over all dp × cp ranks)",
+        )
         ensure(
             not (self.fsdp and self.distributed_optimizer),
             "parallel.fsdp and parallel.distributed_optimizer: FSDP already shards the optimizer state "

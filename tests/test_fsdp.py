@@ -1,6 +1,6 @@
 """`parallel.fsdp` (FSDP2's `fully_shard` over dp × cp) equals one process: dp 2, dp 4, tp 2 × dp 2
-with sequence parallelism, cp 2, without resharding after forward; and its checkpoints move to
-and from the distributed optimizer and one process.
+with sequence parallelism, cp 2, without resharding after forward, HSDP 2 × 2; and its
+checkpoints move to and from the distributed optimizer and one process.
 
 Every rank is a real gloo process (`run_ranks`). Tolerance: fp32, 1e-5 relative on losses, on
 the gradient norms (which show a gradient scaled by a constant, as gloo's averaging reduce-scatter
@@ -71,8 +71,9 @@ def reference(tmp_path_factory, tiny_data):
         (4, {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),
         (2, {"parallel.cp": 2}),
         (2, {"parallel.fsdp_reshard_after_forward": "false"}),
+        (4, {"parallel.fsdp_shard_size": 2}),
     ],
-    ids=["dp2", "dp4", "tp2-sp-dp2", "cp2", "dp2-keep-gathered"],
+    ids=["dp2", "dp4", "tp2-sp-dp2", "cp2", "dp2-keep-gathered", "hsdp-2x2"],
 )
 def test_fsdp_matches_one_process(tmp_path, tiny_data, reference, world, parallel):
     ref_losses, ref_norms, ref_weights = reference
@@ -88,13 +89,15 @@ def test_fsdp_matches_one_process(tmp_path, tiny_data, reference, world, paralle
         torch.testing.assert_close(
             got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
         )
-    # the W = dp × cp ranks of a tensor-parallel slice (tp rank 0's: every tp-th rank) each hold
-    # their rows of it, ceil(n / W) at most, and as much of its moments
+    # the W ranks of a tensor-parallel slice's shard group (dp × cp, or HSDP's fsdp_shard_size;
+    # tp rank 0's: every tp-th rank) each hold their rows of it, ceil(n / W) at most, and as much
+    # of its moments
     tp = int(parallel.get("parallel.tp", 1))
-    W = world // tp
+    W = int(parallel.get("parallel.fsdp_shard_size", world // tp))
     fsdp, shards, moments = per_rank[0][1]
     assert fsdp
-    assert sum(r[1][1][k][0] for r in per_rank[::tp] for k in shards) == sum(n for _, n in shards.values())
+    group = per_rank[: W * tp : tp]
+    assert sum(r[1][1][k][0] for r in group for k in shards) == sum(n for _, n in shards.values())
     assert all(local <= -(-n // W) for local, n in shards.values())
     assert moments == sum(local for local, _ in shards.values())
 
@@ -133,3 +136,15 @@ def test_what_fsdp_is_not_built_with_is_refused(tmp_path, tiny_data, extra, name
         Trainer(load_config(None, _sets(tmp_path, tiny_data, **FSDP, **extra)))
     with pytest.raises(MlmError, match="FSDP already shards the optimizer state"):
         load_config(None, _sets(tmp_path, tiny_data, **FSDP, **{"parallel.distributed_optimizer": "true"}))
+    with pytest.raises(MlmError, match="fsdp_shard_size=2: needs parallel.fsdp=true"):
+        load_config(None, _sets(tmp_path, tiny_data, **{"parallel.fsdp_shard_size": 2}))
+
+
+def test_a_shard_size_that_does_not_divide_dp_cp_is_named(tmp_path, tiny_data):
+    from mlm.parallel.fsdp import fsdp_mesh
+    from mlm.parallel.mesh import Mesh
+
+    with pytest.raises(
+        MlmError, match=r"fsdp_shard_size=3 does not divide dp × cp = 4; choose one of 1, 2, 4"
+    ):
+        fsdp_mesh(Mesh(world_size=4, rank=0, dp=4), "cpu", 3)

@@ -6,7 +6,9 @@ layer is one FSDP unit, the embedding another and the final norm with the output
 root the rest. FSDP2 treats each parameter as a whole tensor: here that is this rank's tensor-
 parallel slice, split again along dim 0 over the dp × cp ranks (torch.chunk: ceil(n / W) rows per
 rank, the last shorter or empty). So ZeRO-3 holds, per tensor-parallel slice, 1 / (dp × cp) of the
-parameters, of the gradients and of Adam's state.
+parameters, of the gradients and of Adam's state. HSDP (`parallel.fsdp_shard_size` S) shards over
+groups of S consecutive dp × cp ranks and replicates across the dp·cp / S groups: gradients are
+reduce-scattered in a group, then all-reduced across the groups.
 
 - Gradients reach every dp × cp rank's shard by reduce-scatter after each unit's last backward of
   the step (`FSDPGrads.set_last_microbatch` turns the reduction off for the micro-batches before).
@@ -50,22 +52,41 @@ def check_fsdp(cfg: Config) -> None:
         )
 
 
-def fsdp_mesh(mesh: Mesh, device_type: str):
-    """The 1-D device mesh of this rank's dp × cp group, or None at dp × cp = 1 (nothing to shard)."""
-    group = mesh.group("dp_cp")
-    if group is None:
+def fsdp_mesh(mesh: Mesh, device_type: str, shard_size: int | None = None):
+    """The device mesh FSDP shards over: this rank's dp × cp ranks (1-D), or with `shard_size` S
+    (HSDP) the same ranks as ("replicate", "shard") = (dp·cp / S, S), consecutive ranks sharding;
+    None at dp × cp = 1 (nothing to shard). Collective: every rank calls it."""
+    W = mesh.dp * mesh.cp
+    if shard_size is not None and (W % shard_size or shard_size < 1):
+        raise MlmError(
+            f"parallel.fsdp_shard_size={shard_size} does not divide dp × cp = {W}; choose one of "
+            f"{', '.join(str(d) for d in range(1, W + 1) if W % d == 0)}"
+        )
+    if W == 1:
         return None
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    return DeviceMesh.from_group(group, device_type)
+    if shard_size is None or shard_size == W:
+        return DeviceMesh.from_group(mesh.group("dp_cp"), device_type)
+    # Megatron's rank order (tp fastest, then cp, dp, pp): a dp × cp group is one (pp, tp) column
+    shape = (mesh.pp, W // shard_size, shard_size, mesh.tp)
+    world = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "replicate", "shard", "tp"))
+    return world["replicate", "shard"]
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> bool:
-    """Shard `model` (fp32 parameters) over dp × cp in place; `param_dtype`: the compute dtype its
-    units gather in. False (nothing done) at dp × cp = 1."""
+def apply_fsdp(
+    model: nn.Module,
+    mesh: Mesh,
+    param_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    shard_size: int | None = None,
+) -> bool:
+    """Shard `model` (fp32 parameters) over dp × cp in place (or HSDP: over groups of
+    `shard_size`, replicated across them); `param_dtype`: the compute dtype its units gather in.
+    False (nothing done) at dp × cp = 1."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    device_mesh = fsdp_mesh(mesh, next(model.parameters()).device.type)
+    device_mesh = fsdp_mesh(mesh, next(model.parameters()).device.type, shard_size)
     if device_mesh is None:
         return False
     policy = MixedPrecisionPolicy(
@@ -132,6 +153,7 @@ def scatter_into(t: torch.Tensor, whole: torch.Tensor) -> None:
     shard = t.to_local()
     if shard.numel() == 0:
         return
-    rank, size = t.device_mesh.get_local_rank(), t.device_mesh.size()
+    dim = t.device_mesh.ndim - 1  # the shard dim (HSDP's replicate dim comes first)
+    rank, size = t.device_mesh.get_local_rank(dim), t.device_mesh.size(dim)
     rows = -(-whole.shape[0] // size)
     shard.copy_(whole[rank * rows : rank * rows + shard.shape[0]])

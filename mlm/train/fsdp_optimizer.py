@@ -2,7 +2,7 @@
 
 The parameters, their gradients and Adam's moments are DTensors sharded over dp × cp; AdamW steps
 each rank's shards. Unscaling, the inf check and the global norm read the local shards (the norm
-sums them over dp × cp, as under the distributed optimizer). Checkpoints hold every tensor as one
+sums them over the shard group: dp × cp, as under the distributed optimizer, or HSDP's group). Checkpoints hold every tensor as one
 process would: each one is gathered over dp × cp in turn (one tensor at a time) and written
 through its tensor-parallel placement by the ranks that write without FSDP, so a checkpoint
 moves freely between FSDP, the distributed optimizer and any mesh; loading reads each tensor's
@@ -33,6 +33,9 @@ class FSDPOptimizer:
         self.placements = placements(model, mesh)
         self.padded_rows = getattr(model, "padded_rows", ())
         self.all_grads = FSDPGrads(model)
+        sharded = next(p for p in model.parameters() if hasattr(p, "device_mesh")).device_mesh
+        self.shard_group = sharded.get_group(sharded.ndim - 1)
+        """The ranks holding the other shards of this rank's (HSDP: the others of its group)."""
         self.dists: list = []  # no parameter all-gathers left in flight by `step`
         self.adamw = make_optimizer(model, cfg.optimizer, device)
         self._loading: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -53,7 +56,7 @@ class FSDPOptimizer:
 
     def clip(self, max_norm: float) -> float:
         m = self.mesh
-        norm = global_grad_norm(self.pieces(), m.tp_group, m.group("dp_cp"), self.device)
+        norm = global_grad_norm(self.pieces(), m.tp_group, self.shard_group, self.device)
         clip_([t for t, _ in self.pieces()], norm, max_norm)
         return float(norm)
 
