@@ -18,13 +18,14 @@ from mlm.checkpoint import ShardedTensor
 from mlm.checkpoint.keys import param_of
 from mlm.config import Config
 from mlm.parallel.fsdp import FSDPGrads, full, local, scatter_into
-from mlm.parallel.grad_norm import any_nonfinite, clip_, global_grad_norm
+from mlm.parallel.grad_norm import clip_, global_grad_norm
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.placement import placements
 from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step, set_schedule
+from mlm.train.optimizer import GradPieces
 
 
-class FSDPOptimizer:
+class FSDPOptimizer(GradPieces):
     """AdamW for this rank's FSDP shards (`step`, `clip`, `unscale`, `found_inf`) and the
     optimizer's checkpoint tensors, as `TrainOptimizer` has them."""
 
@@ -47,12 +48,6 @@ class FSDPOptimizer:
             for n, p in self.model.named_parameters()
             if p.grad is not None
         ]
-
-    def found_inf(self) -> bool:
-        return any_nonfinite([t for t, _ in self.pieces()], self.device)
-
-    def unscale(self, factor: float) -> None:
-        torch._foreach_mul_([t for t, _ in self.pieces()], factor)
 
     def clip(self, max_norm: float) -> float:
         m = self.mesh

@@ -39,7 +39,18 @@ from mlm.parallel.placement import placements
 from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step, set_schedule
 
 
-class TrainOptimizer:
+class GradPieces:
+    """What a mesh optimizer does with the gradient pieces it owns (`pieces()`, `device`): the fp16
+    loss scaler's inf check and unscaling."""
+
+    def found_inf(self) -> bool:
+        return any_nonfinite([t for t, _ in self.pieces()], self.device)
+
+    def unscale(self, factor: float) -> None:
+        torch._foreach_mul_([t for t, _ in self.pieces()], factor)
+
+
+class TrainOptimizer(GradPieces):
     """AdamW for this rank's parameters (`step`, `clip`, `unscale`, `found_inf`), replicated or
     sharded over dp, with the gradient buffer and the optimizer's checkpoint tensors."""
 
@@ -127,12 +138,6 @@ class TrainOptimizer:
                 if not (counted_once and g.params[s.index] is self.copy)
             ]
         return out
-
-    def found_inf(self) -> bool:
-        return any_nonfinite([t for t, _ in self.pieces()], self.device)
-
-    def unscale(self, factor: float) -> None:
-        torch._foreach_mul_([t for t, _ in self.pieces()], factor)
 
     def clip(self, max_norm: float) -> float:
         m = self.mesh
