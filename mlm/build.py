@@ -15,7 +15,7 @@ and benches (`build_rank_model`), in one order:
     7. materialise                           only the local shards take memory (`to_empty`), then
                                              each rank draws its own slices (`init_weights`) or the
                                              caller loads a checkpoint; train.param_dtype's cast
-       fsdp                                  parallel.fsdp: the parameters sharded over dp × cp
+       fsdp                                  parallel.fsdp: the parameters sharded over dp × cp (experts: edp)
                                              (`mlm.parallel.fsdp`; fp32, gathered in param_dtype)
     8. fp8                                   the layers' linears, once parallel and initialised (its
                                              scaling state lives on the device)

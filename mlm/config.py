@@ -936,6 +936,18 @@ def _layers(pattern, attention_kind, mlp_kind, freq, first_k_dense, num_layers, 
     return _Layers(specs, mixers, tuple(dict.fromkeys(s.mlp for s in specs if s.mlp is not None)))
 
 
+def fsdp_refusals(model: ModelConfig, train: TrainConfig) -> list[str]:
+    """The settings `parallel.fsdp` is not built with yet, each as `name=value` (empty: none).
+    Torch-free: `mlm.parallel.fsdp.check_fsdp` refuses them, the planner offers no FSDP layout
+    with them."""
+    refused = [
+        (bool(train.fp8), f"train.fp8={train.fp8!r}"),
+        (train.compile, "train.compile=true"),
+        (model.mtp_num_layers > 0, f"model.mtp_num_layers={model.mtp_num_layers}"),
+    ]
+    return [what for bad, what in refused if bad]
+
+
 def check_context_parallel_kinds(m: ModelConfig, cp: int) -> None:
     """MlmError when a layer's mixer does not run under context parallelism (its spec says)."""
     from mlm.model import kinds

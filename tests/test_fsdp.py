@@ -1,5 +1,6 @@
 """`parallel.fsdp` (FSDP2's `fully_shard` over dp × cp) equals one process: dp 2, dp 4, tp 2 × dp 2
-with sequence parallelism, cp 2, without resharding after forward, HSDP 2 × 2; and its
+with sequence parallelism, cp 2, without resharding after forward, HSDP 2 × 2; pp 2 × dp 2 (1F1B
+with tied embeddings, and interleaved); a MoE model at ep 1, ep 2 and ep 2 × tp 2; and its
 checkpoints move to and from the distributed optimizer and one process.
 
 Every rank is a real gloo process (`run_ranks`). Tolerance: fp32, 1e-5 relative on losses, on
@@ -17,6 +18,7 @@ import torch
 
 from mlm.config import load_config
 from mlm.errors import MlmError
+from mlm.parallel.fsdp import local
 from mlm.train.trainer import Trainer
 
 from conftest import tiny_sets
@@ -50,7 +52,7 @@ def _train_rank(rank, world, sets, load=None):
     losses = trainer.train()
     if not trainer.model.fsdp:
         return losses, None
-    shards = {n: (p.to_local().numel(), p.numel()) for n, p in trainer.model.named_parameters()}
+    shards = {n: (local(p).numel(), p.numel()) for n, p in trainer.model.named_parameters()}
     moments = sum(s["exp_avg"].to_local().numel() for s in trainer.optimizer.adamw.state.values())
     return losses, (True, shards, moments)
 
@@ -102,6 +104,105 @@ def test_fsdp_matches_one_process(tmp_path, tiny_data, reference, world, paralle
     assert moments == sum(local for local, _ in shards.values())
 
 
+PIPELINE = {"model.num_layers": 4}
+
+
+@pytest.fixture(scope="module")
+def pipeline_reference(tmp_path_factory, tiny_data):
+    """One process's run of the 4-layer model with tied embeddings, and of the untied one."""
+    out = {}
+    for tied in ("true", "false"):
+        tmp = tmp_path_factory.mktemp(f"pp-one-{tied}")
+        sets = _sets(tmp, tiny_data, **PIPELINE, **{"model.tie_embeddings": tied})
+        trainer = Trainer(load_config(None, sets))
+        losses = trainer.train()
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        out[tied] = losses, _grad_norms(tmp), weights
+    return out
+
+
+@pytest.mark.parametrize(
+    "tied,parallel",
+    [
+        ("true", {"parallel.pp": 2}),
+        ("false", {"parallel.pp": 2, "parallel.vpp": 2}),
+    ],
+    ids=["pp2-dp2-1f1b-tied", "pp2-vpp2-dp2-interleaved"],
+)
+def test_fsdp_under_pipeline_parallelism_matches_one_process(
+    tmp_path, tiny_data, pipeline_reference, tied, parallel
+):
+    """Each pipeline stage's parameters sharded over its dp ranks: 1F1B with the tied embedding's
+    first- and last-stage copies (their sharded gradients summed), and interleaved 1F1B (two model
+    chunks per rank in one FSDP root)."""
+    ref_losses, ref_norms, ref_weights = pipeline_reference[tied]
+    sets = _sets(tmp_path, tiny_data, **FSDP, **PIPELINE, **{"model.tie_embeddings": tied}, **parallel)
+    per_rank = run_ranks(4, _train_rank, sets)
+    torch.testing.assert_close(torch.tensor(per_rank[-1][0]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(_grad_norms(tmp_path)), torch.tensor(ref_norms), rtol=RTOL, atol=0
+    )
+    got = checkpoint_weights(tmp_path / "ckpt", ref_weights)
+    for k, v in ref_weights.items():
+        torch.testing.assert_close(
+            got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
+        )
+    assert all(r[1][0] for r in per_rank)  # every stage sharded
+
+
+MOE = {
+    "model.num_layers": 3,
+    "model.mlp_kind": "moe",
+    "model.first_k_dense": 1,
+    "model.moe.num_experts": 4,
+    "model.moe.ffn_hidden_size": 48,
+    "model.moe.router_topk": 2,
+    "model.moe.aux_loss_coeff": 1e-2,
+    "model.moe.shared_expert_ffn_hidden_size": 32,
+    "model.moe.router_enable_expert_bias": "true",
+    "model.moe.router_score_function": "'sigmoid'",
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory, tiny_data):
+    tmp = tmp_path_factory.mktemp("moe-one")
+    trainer = Trainer(load_config(None, _sets(tmp, tiny_data, **MOE)))
+    losses = trainer.train()
+    return losses, _grad_norms(tmp), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "world,parallel",
+    [
+        (2, {}),
+        (4, {"parallel.ep": 2}),
+        (4, {"parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+    ],
+    ids=["moe-dp2", "ep2-dp4", "ep2-tp2-sp-dp2"],
+)
+def test_fsdp_on_a_moe_model_matches_one_process(tmp_path, tiny_data, moe_reference, world, parallel):
+    """MoE layers with a shared expert, the aux loss and aux-loss-free balancing (the expert bias
+    stays whole: FSDP ignores it). At ep 1 the experts shard over dp like any weight; under ep
+    they are their own FSDP unit over the ranks holding the same experts (edp = 2 here: dp 4 / ep
+    2, or dp 2 × tp 2 / ep 2), while the rest of the layer shards over dp."""
+    ref_losses, ref_norms, ref_weights = moe_reference
+    per_rank = run_ranks(world, _train_rank, _sets(tmp_path, tiny_data, **FSDP, **MOE, **parallel))
+    torch.testing.assert_close(torch.tensor(per_rank[0][0]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(_grad_norms(tmp_path)), torch.tensor(ref_norms), rtol=RTOL, atol=0
+    )
+    got = checkpoint_weights(tmp_path / "ckpt", ref_weights)
+    for k, v in ref_weights.items():
+        torch.testing.assert_close(
+            got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
+        )
+    _, shards, _ = per_rank[0][1]
+    experts = [local for k, (local, n) in shards.items() if ".experts." in k]
+    whole = [n for k, (local, n) in shards.items() if ".experts." in k]
+    assert experts and sum(experts) * 2 == sum(whole)  # halved: over dp 2, or edp 2
+
+
 def test_a_checkpoint_moves_between_fsdp_the_distributed_optimizer_and_one_process(tmp_path, tiny_data):
     """fsdp dp 4 saves after 2 of 4 steps; the distributed optimizer at tp 2 × dp 2 and one process
     resume it with the uninterrupted run's next losses, and fsdp dp 2 resumes the distributed
@@ -127,7 +228,7 @@ def test_a_checkpoint_moves_between_fsdp_the_distributed_optimizer_and_one_proce
 @pytest.mark.parametrize(
     "extra,named",
     [
-        ({"parallel.pp": 2}, "parallel.pp=2"),
+        ({"model.mtp_num_layers": 1}, "model.mtp_num_layers=1"),
         ({"train.compile": "true"}, "train.compile=true"),
     ],
 )

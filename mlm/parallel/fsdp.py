@@ -2,13 +2,14 @@
 
 Applied to this rank's model once it is parallel and initialised (`mlm.build`): each transformer
 layer is one FSDP unit, the embedding another and the final norm with the output layer a third
-(with tied embeddings the root holds all three, so that the shared weight stays in one unit), the
-root the rest. FSDP2 treats each parameter as a whole tensor: here that is this rank's tensor-
-parallel slice, split again along dim 0 over the dp × cp ranks (torch.chunk: ceil(n / W) rows per
-rank, the last shorter or empty). So ZeRO-3 holds, per tensor-parallel slice, 1 / (dp × cp) of the
-parameters, of the gradients and of Adam's state. HSDP (`parallel.fsdp_shard_size` S) shards over
-groups of S consecutive dp × cp ranks and replicates across the dp·cp / S groups: gradients are
-reduce-scattered in a group, then all-reduced across the groups.
+(with tied embeddings, or under pipeline parallelism, the root holds the norm and output layer:
+see below), the root the rest. FSDP2 treats each parameter as a whole tensor: here that is this
+rank's tensor-parallel slice, split again along dim 0 over the dp × cp ranks (torch.chunk:
+ceil(n / W) rows per rank, the last shorter or empty). So ZeRO-3 holds, per tensor-parallel
+slice, 1 / (dp × cp) of the parameters, of the gradients and of Adam's state. HSDP
+(`parallel.fsdp_shard_size` S) shards over groups of S consecutive dp × cp ranks and replicates
+across the dp·cp / S groups: gradients are reduce-scattered in a group, then all-reduced across
+the groups.
 
 - Gradients reach every dp × cp rank's shard by reduce-scatter after each unit's last backward of
   the step (`FSDPGrads.set_last_microbatch` turns the reduction off for the micro-batches before).
@@ -16,39 +17,44 @@ reduce-scattered in a group, then all-reduced across the groups.
   gloo (pytorch#162338), so the sum is forced and the division explicit.
 - bf16 parameters (`train.param_dtype`): FSDP keeps the sharded parameters in fp32 (the main
   weights AdamW steps) and gathers them in bf16 for compute; gradients reduce in fp32.
+- Prefetch: within a model chunk, each layer's forward starts the next layer's all-gather and
+  each layer's backward the one before's (on a GPU, FSDP2's all-gather stream overlaps them
+  with compute).
 - The mesh's other groups work as without FSDP on the local shards: the sequence-parallel tp
-  all-reduce, the global norm (each rank holds its shard: summed over dp × cp).
-- Not built yet, refused by `check_fsdp`: pipeline and expert parallelism, MoE and MTP layers,
-  fp8, `train.compile`.
+  all-reduce, the global norm (each rank holds its shard: summed over dp × cp, and over pp).
+- Pipeline parallelism: each stage shards its own layers; its model chunks share one root. The
+  output layer belongs to the root there and `head_loss` is one of the root's forward methods:
+  under interleaving a stage runs its last chunk's forward for the next micro-batch before the
+  backward of the one before, and FSDP must gather the output layer again before the loss's
+  backward reaches it (the pre-backward hook sits on the outputs of the unit's forward call).
+  The tied embedding's two copies sum their sharded gradients (the same rows on both stages).
+- Experts under expert parallelism are their own unit, inside their layer's, sharded over edp
+  (the ranks holding the same experts); their reduction divides by dp × cp too, as their sum
+  over edp counts each dp × cp replica once. At ep 1 they shard over dp × cp like any weight.
+  The routers' expert bias (no gradient, its own update rule) is left whole on every rank.
+- Not built yet, refused by `check_fsdp` (`fsdp_refusals`): MTP layers, fp8, `train.compile`.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
-from mlm.config import Config
+from mlm.config import Config, fsdp_refusals
 from mlm.errors import MlmError
+from mlm.model.kinds.moe.experts import GroupedExperts
 from mlm.parallel.mesh import Mesh
 
 
 def check_fsdp(cfg: Config) -> None:
-    """MlmError for what FSDP is not built with yet."""
-    p, t = cfg.parallel, cfg.train
-    refused = [
-        (p.pp > 1, f"parallel.pp={p.pp}"),
-        (p.ep > 1, f"parallel.ep={p.ep}"),
-        (bool(t.fp8), f"train.fp8={t.fp8!r}"),
-        (t.compile, "train.compile=true"),
-        (cfg.model.mtp_num_layers > 0, f"model.mtp_num_layers={cfg.model.mtp_num_layers}"),
-        (cfg.model.moe.num_experts > 0, f"model.moe.num_experts={cfg.model.moe.num_experts}"),
-    ]
-    named = [what for bad, what in refused if bad]
+    """MlmError for what FSDP is not built with yet (`fsdp_refusals`)."""
+    named = fsdp_refusals(cfg.model, cfg.train)
     if named:
         raise MlmError(
-            f"parallel.fsdp with {', '.join(named)}: FSDP is built for dense models with tensor, "
-            "sequence, data and context parallelism so far; unset these, or train with "
-            "parallel.distributed_optimizer instead of parallel.fsdp"
+            f"parallel.fsdp with {', '.join(named)}: FSDP is not built with these yet; unset them, "
+            "or train with parallel.distributed_optimizer instead of parallel.fsdp"
         )
 
 
@@ -74,6 +80,15 @@ def fsdp_mesh(mesh: Mesh, device_type: str, shard_size: int | None = None):
     return world["replicate", "shard"]
 
 
+def expert_mesh(mesh: Mesh, device_type: str):
+    """The device mesh the experts shard over: this rank's edp group (the stage's ranks holding the
+    same experts, `Mesh.expert_groups`), of size 1 where ep spans the stage. Collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (mesh.pp, mesh.edp, mesh.ep)  # a stage's dp × cp × tp ranks folded as edp × ep, ep fastest
+    return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep"))["edp"]
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: Mesh,
@@ -82,28 +97,42 @@ def apply_fsdp(
     shard_size: int | None = None,
 ) -> bool:
     """Shard `model` (fp32 parameters) over dp × cp in place (or HSDP: over groups of
-    `shard_size`, replicated across them); `param_dtype`: the compute dtype its units gather in.
-    False (nothing done) at dp × cp = 1."""
+    `shard_size`, replicated across them), its experts under expert parallelism over edp;
+    `param_dtype`: the compute dtype its units gather in. False (nothing done) at dp × cp = 1."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    device_mesh = fsdp_mesh(mesh, next(model.parameters()).device.type, shard_size)
+    device_type = next(model.parameters()).device.type
+    device_mesh = fsdp_mesh(mesh, device_type, shard_size)
     if device_mesh is None:
         return False
     policy = MixedPrecisionPolicy(
         param_dtype=None if param_dtype == torch.float32 else param_dtype, reduce_dtype=torch.float32
     )
+    # the routers' selection-only expert bias: no gradient, updated whole by its own rule
+    frozen = {p for p in model.parameters() if not p.requires_grad}
 
-    def shard(module, reshard=reshard_after_forward):
-        fully_shard(module, mesh=device_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    def shard(module, reshard=reshard_after_forward, on=device_mesh):
+        fully_shard(module, mesh=on, reshard_after_forward=reshard, mp_policy=policy, ignored_params=frozen)
 
+    experts = expert_mesh(mesh, device_type) if mesh.ep > 1 else None
     for layer in model.layers.values():
+        for module in layer.modules() if experts is not None else ():
+            if isinstance(module, GroupedExperts):  # its own unit, inside the layer's
+                shard(module, on=experts)
         shard(layer)
-    if not model.cfg.tie_embeddings:
+    if not model.cfg.tie_embeddings and model.embed is not None:  # a pipeline stage may hold none
         shard(model.embed)
+    if not model.cfg.tie_embeddings and model.output is not None and mesh.pp == 1:
         shard([model.final_norm, model.output], reshard=False)  # its backward follows at once
     shard(model, reshard=False)
-    register_fsdp_forward_method(model, "hidden_states")  # the pipeline's entry besides forward
-    W = mesh.dp * mesh.cp
+    for method in ("hidden_states", "head_loss"):  # the pipeline's entries besides forward
+        register_fsdp_forward_method(model, method)
+    for chunk in model.chunks:  # each layer's gather issued before the one before it runs
+        layers = [model.layers[k] for k in chunk.layers]
+        for before, after in itertools.pairwise(layers):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+    W = mesh.dp * mesh.cp  # the experts' too: their sum over edp covers every dp × cp replica once
     for module in model.modules():
         if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)
@@ -150,6 +179,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def scatter_into(t: torch.Tensor, whole: torch.Tensor) -> None:
     """Copy this rank's rows of `whole` (the tensor-parallel-local tensor) into the DTensor `t`'s
     shard, as FSDP2 cut it (torch.chunk over the mesh: ceil(n / W) rows per rank)."""
+    if not hasattr(t, "to_local"):  # not sharded (the expert bias): whole on every rank
+        t.copy_(whole)
+        return
     shard = t.to_local()
     if shard.numel() == 0:
         return

@@ -33,25 +33,36 @@ class FSDPOptimizer(GradPieces):
         self.model, self.mesh, self.device = model, mesh, device
         self.placements = placements(model, mesh)
         self.padded_rows = getattr(model, "padded_rows", ())
+        self.copy = model.tied_copy()  # FSDP's parameter: it replaced the module's before this
         self.all_grads = FSDPGrads(model)
-        sharded = next(p for p in model.parameters() if hasattr(p, "device_mesh")).device_mesh
+        sharded = next(
+            p.device_mesh
+            for n, p in model.named_parameters()
+            if hasattr(p, "device_mesh") and not self.placements[n].expert_parallel
+        )
         self.shard_group = sharded.get_group(sharded.ndim - 1)
-        """The ranks holding the other shards of this rank's (HSDP: the others of its group)."""
+        """The ranks holding the other shards of this rank's dense tensors (HSDP: the others of its
+        group); the experts' are the edp group's."""
         self.dists: list = []  # no parameter all-gathers left in flight by `step`
         self.adamw = make_optimizer(model, cfg.optimizer, device)
         self._loading: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def pieces(self, counted_once: bool = False) -> list[tuple[torch.Tensor, bool]]:
-        """(this rank's shard of a reduced gradient, whether it is tensor-parallel)."""
+    def pieces(self, counted_once: bool = False) -> list[tuple[torch.Tensor, bool | str]]:
+        """(this rank's shard of a reduced gradient, kind: tensor-parallel, replicated or "expert");
+        `counted_once` leaves out a tied embedding's last-stage copy (for the norm)."""
+        places = self.placements
         return [
-            (local(p.grad), self.placements[n].tensor_parallel)
+            (local(p.grad), "expert" if places[n].expert_parallel else places[n].tensor_parallel)
             for n, p in self.model.named_parameters()
-            if p.grad is not None
+            if p.grad is not None and not (counted_once and p is self.copy)
         ]
 
     def clip(self, max_norm: float) -> float:
         m = self.mesh
-        norm = global_grad_norm(self.pieces(), m.tp_group, self.shard_group, self.device)
+        experts = tuple(g for g in (m.group("edp"), m.group("ep")) if g)  # other shards, other experts
+        norm = global_grad_norm(
+            self.pieces(counted_once=True), m.tp_group, self.shard_group, self.device, m.group("pp"), experts
+        )
         clip_([t for t, _ in self.pieces()], norm, max_norm)
         return float(norm)
 
