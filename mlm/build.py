@@ -12,11 +12,12 @@ and benches (`build_rank_model`), in one order:
     6. activation recompute                  wraps each layer's forward (`mlm.parallel.recompute`):
                                              a checkpointed forward reruns whatever the layer runs,
                                              the parallel layers' collectives included
-    7. materialise                           only the local shards take memory (`to_empty`), then
+    7. fsdp                                  parallel.fsdp: the parameters sharded over dp × cp,
+                                             the experts over edp, still on meta
+                                             (`mlm.parallel.fsdp`; fp32, gathered in param_dtype)
+       materialise                           only the local shards take memory (`to_empty`), then
                                              each rank draws its own slices (`init_weights`) or the
                                              caller loads a checkpoint; train.param_dtype's cast
-       fsdp                                  parallel.fsdp: the parameters sharded over dp × cp (experts: edp)
-                                             (`mlm.parallel.fsdp`; fp32, gathered in param_dtype)
     8. fp8                                   the layers' linears, once parallel and initialised (its
                                              scaling state lives on the device)
     9. ops                                   the kernels and attention backend (`Ops`): one choice
@@ -79,17 +80,18 @@ def build_rank_model(
     model.fp8, model.fsdp = None, False
     if device.type == "meta":  # shapes only: nothing to materialise, run or compile
         return model
-    model.to_empty(device=device)
-    if seed is not None:
-        model.init_weights(seed)
-    keep_frozen_fp32(model)
-    model.fsdp = fsdp and apply_fsdp(
+    model.fsdp = fsdp and apply_fsdp(  # on meta: only the shards are materialised
         model,
         mesh,
+        device,
         DTYPES[train.param_dtype],
         parallel.fsdp_reshard_after_forward,
         parallel.fsdp_shard_size,
     )
+    model.to_empty(device=device)
+    if seed is not None:
+        model.init_weights(seed)
+    keep_frozen_fp32(model)
     model.fp8 = apply_fp8(model, train, mesh, device) if train is not None else None
     model.set_attention_backend(cfg.attention_backend, device)
     model.set_kernels(cfg.kernels, device)

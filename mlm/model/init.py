@@ -101,7 +101,7 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, vocab_rows: t
     }
     for module_name, module in model.named_modules():
         described = getattr(module, "placements", {})
-        for local, p in module.named_parameters(recurse=False):
+        for local, p in module.named_parameters(recurse=False):  # p: an FSDP shard once sharded
             name = f"{module_name}.{local}" if module_name else local
             if p.ndim == 1 and name.endswith(("norm.weight", "bias")):  # norm weights and biases
                 p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
@@ -111,4 +111,11 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, vocab_rows: t
             s = out_std if id(p) in scaled else std
             rows = cfg.vocab_size if name in vocab_rows else None
             shape, offset = (place.global_shape, place.offset) if place else (tuple(p.shape), (0,) * p.ndim)
-            draw_normal(p, shape, offset, s, seed, name, rows)
+            out, row0 = p, 0
+            if hasattr(p, "to_local"):  # an FSDP shard: its rows of this rank's slice
+                from mlm.parallel.fsdp import first_row
+
+                out, row0 = p.to_local(), first_row(p)
+                if out.numel() == 0:
+                    continue
+            draw_normal(out, shape, (offset[0] + row0, *offset[1:]), s, seed, name, rows)

@@ -1,6 +1,7 @@
 """Fully sharded data parallelism (ZeRO-3) with torch's FSDP2 (`fully_shard`), over dp × cp.
 
-Applied to this rank's model once it is parallel and initialised (`mlm.build`): each transformer
+Applied to this rank's model once it is parallel, still on the meta device (`mlm.build`: only the
+shards are then materialised and initialised, `mlm.model.init` drawing each shard's rows): each transformer
 layer is one FSDP unit, the embedding another and the final norm with the output layer a third
 (with tied embeddings, or under pipeline parallelism, the root holds the norm and output layer:
 see below), the root the rest. FSDP2 treats each parameter as a whole tensor: here that is this
@@ -92,16 +93,18 @@ def expert_mesh(mesh: Mesh, device_type: str):
 def apply_fsdp(
     model: nn.Module,
     mesh: Mesh,
+    device: torch.device,
     param_dtype: torch.dtype,
     reshard_after_forward: bool,
     shard_size: int | None = None,
 ) -> bool:
-    """Shard `model` (fp32 parameters) over dp × cp in place (or HSDP: over groups of
-    `shard_size`, replicated across them), its experts under expert parallelism over edp;
-    `param_dtype`: the compute dtype its units gather in. False (nothing done) at dp × cp = 1."""
+    """Shard `model` (fp32 parameters; on meta, to be materialised on `device` after, or already
+    there) over dp × cp in place (or HSDP: over groups of `shard_size`, replicated across them),
+    its experts under expert parallelism over edp; `param_dtype`: the compute dtype its units
+    gather in. False (nothing done) at dp × cp = 1."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    device_type = next(model.parameters()).device.type
+    device_type = device.type
     device_mesh = fsdp_mesh(mesh, device_type, shard_size)
     if device_mesh is None:
         return False
@@ -175,17 +178,21 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def first_row(t: torch.Tensor) -> int:
+    """The first row of the DTensor `t`'s shard in the whole tensor, as FSDP2 cut it (torch.chunk
+    along dim 0 over the shard dim, the mesh's last: ceil(n / W) rows per rank)."""
+    dim = t.device_mesh.ndim - 1  # HSDP's replicate dim comes first
+    return t.device_mesh.get_local_rank(dim) * -(-t.shape[0] // t.device_mesh.size(dim))
+
+
 @torch.no_grad()
 def scatter_into(t: torch.Tensor, whole: torch.Tensor) -> None:
     """Copy this rank's rows of `whole` (the tensor-parallel-local tensor) into the DTensor `t`'s
-    shard, as FSDP2 cut it (torch.chunk over the mesh: ceil(n / W) rows per rank)."""
+    shard (a plain tensor, which FSDP left whole, takes all of it)."""
     if not hasattr(t, "to_local"):  # not sharded (the expert bias): whole on every rank
         t.copy_(whole)
         return
     shard = t.to_local()
-    if shard.numel() == 0:
-        return
-    dim = t.device_mesh.ndim - 1  # the shard dim (HSDP's replicate dim comes first)
-    rank, size = t.device_mesh.get_local_rank(dim), t.device_mesh.size(dim)
-    rows = -(-whole.shape[0] // size)
-    shard.copy_(whole[rank * rows : rank * rows + shard.shape[0]])
+    if shard.numel():
+        row = first_row(t)
+        shard.copy_(whole[row : row + shard.shape[0]])
