@@ -204,12 +204,18 @@ def test_fsdp_on_a_moe_model_matches_one_process(tmp_path, tiny_data, moe_refere
 
 
 def test_a_checkpoint_moves_between_fsdp_the_distributed_optimizer_and_one_process(tmp_path, tiny_data):
-    """fsdp dp 4 saves after 2 of 4 steps; the distributed optimizer at tp 2 × dp 2 and one process
+    """fsdp dp 4 saves after 2 of 4 steps; fsdp dp 4 resumes it bit for bit; fsdp at tp 2 × dp 2
+    (each shard's rows of a column slice), the distributed optimizer at tp 2 × dp 2 and one process
     resume it with the uninterrupted run's next losses, and fsdp dp 2 resumes the distributed
     optimizer's checkpoint of step 2 likewise."""
     four = {"train.train_iters": 4, "checkpoint.save_interval": 2}
     whole = run_ranks(4, _train_rank, _sets(tmp_path / "whole", tiny_data, **FSDP, **four))[0][0]
     step2 = tmp_path / "whole" / "ckpt" / "iter_0000002"
+    same = run_ranks(4, _train_rank, _sets(tmp_path / "same", tiny_data, **FSDP, **four), str(step2))
+    assert same[0][0] == whole[2:]
+    tp2 = {"parallel.tp": 2, "parallel.sequence_parallel": "true", **FSDP, **four}
+    sliced = run_ranks(4, _train_rank, _sets(tmp_path / "tp2", tiny_data, **tp2), str(step2))[0][0]
+    torch.testing.assert_close(torch.tensor(sliced), torch.tensor(whole[2:]), rtol=RTOL, atol=0)
     zero1 = {"parallel.tp": 2, "parallel.distributed_optimizer": "true", **four}
     resumed = run_ranks(4, _train_rank, _sets(tmp_path / "zero1", tiny_data, **zero1), str(step2))[0][0]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(whole[2:]), rtol=RTOL, atol=0)

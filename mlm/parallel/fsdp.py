@@ -183,16 +183,3 @@ def first_row(t: torch.Tensor) -> int:
     along dim 0 over the shard dim, the mesh's last: ceil(n / W) rows per rank)."""
     dim = t.device_mesh.ndim - 1  # HSDP's replicate dim comes first
     return t.device_mesh.get_local_rank(dim) * -(-t.shape[0] // t.device_mesh.size(dim))
-
-
-@torch.no_grad()
-def scatter_into(t: torch.Tensor, whole: torch.Tensor) -> None:
-    """Copy this rank's rows of `whole` (the tensor-parallel-local tensor) into the DTensor `t`'s
-    shard (a plain tensor, which FSDP left whole, takes all of it)."""
-    if not hasattr(t, "to_local"):  # not sharded (the expert bias): whole on every rank
-        t.copy_(whole)
-        return
-    shard = t.to_local()
-    if shard.numel():
-        row = first_row(t)
-        shard.copy_(whole[row : row + shard.shape[0]])

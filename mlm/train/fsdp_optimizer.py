@@ -5,8 +5,8 @@ each rank's shards. Unscaling, the inf check and the global norm read the local 
 sums them over the shard group: dp × cp, as under the distributed optimizer, or HSDP's group). Checkpoints hold every tensor as one
 process would: each one is gathered over dp × cp in turn (one tensor at a time) and written
 through its tensor-parallel placement by the ranks that write without FSDP, so a checkpoint
-moves freely between FSDP, the distributed optimizer and any mesh; loading reads each tensor's
-tensor-parallel slice and keeps this rank's rows.
+moves freely between FSDP, the distributed optimizer and any mesh; loading reads each shard's
+rows of the stored tensor straight into it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from mlm.checkpoint import ShardedTensor
 from mlm.checkpoint.keys import param_of
 from mlm.config import Config
-from mlm.parallel.fsdp import FSDPGrads, full, local, scatter_into
+from mlm.parallel.fsdp import FSDPGrads, first_row, full, local
 from mlm.parallel.grad_norm import clip_, global_grad_norm
 from mlm.parallel.mesh import Mesh
 from mlm.parallel.placement import placements
@@ -45,7 +45,6 @@ class FSDPOptimizer(GradPieces):
         group); the experts' are the edp group's."""
         self.dists: list = []  # no parameter all-gathers left in flight by `step`
         self.adamw = make_optimizer(model, cfg.optimizer, device)
-        self._loading: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def pieces(self, counted_once: bool = False) -> list[tuple[torch.Tensor, bool | str]]:
         """(this rank's shard of a reduced gradient, kind: tensor-parallel, replicated or "expert");
@@ -81,37 +80,33 @@ class FSDPOptimizer(GradPieces):
     def _tensor(self, key: str, t: torch.Tensor, for_load: bool) -> ShardedTensor:
         name = param_of(key)
         place = self.placements[name]
-        if for_load:  # this rank's tensor-parallel slice, whole; `finish_load` keeps its rows
-            whole = torch.empty(place.shape, dtype=t.dtype)
-            self._loading.append((t, whole))
+        offset = place.offset
+        if for_load:  # this rank's rows of its tensor-parallel slice, read into the shard in place
+            whole = local(t)
+            if hasattr(t, "device_mesh"):
+                offset = (offset[0] + min(first_row(t), place.shape[0]), *offset[1:])
         else:
             whole = full(t.detach()).cpu()
         return ShardedTensor(
             key,
             whole,
             place.global_shape,
-            place.offset,
+            offset,
             writer=place.writer,
             padded_rows=name in self.padded_rows,
         )
 
     def checkpoint_groups(self, step: int, for_load: bool = False) -> dict[str, list[ShardedTensor]]:
-        """{"model": every parameter, "optim": its moments}, each whole over dp × cp as this rank's
-        tensor-parallel slice (to write, or with `for_load` to load into; then call
-        `finish_load`). Collective: every rank gathers every tensor in the same order."""
-        self._loading = []
+        """{"model": every parameter, "optim": its moments}: to write, each whole over dp × cp as
+        this rank's tensor-parallel slice (collective: every rank gathers every tensor in the same
+        order); with `for_load`, this rank's shards to load into (then call `finish_load`)."""
         model = [self._tensor(n, p, for_load) for n, p in self.model.named_parameters()]
         moments = adam_state_tensors(self.model, self.adamw, step)
         optim = [self._tensor(k, t, for_load) for k, t in moments.items()]
         return {"model": model, "optim": optim}
 
     def finish_load(self, step: int | None) -> None:
-        """After loading `checkpoint_groups(for_load=True)`: each rank's rows into its shards (only
-        the parameters' when `step` is None: a weights-only checkpoint), and the moments' step."""
-        params = {id(p) for p in self.model.parameters()}
-        for t, whole in self._loading:
-            if step is not None or id(t) in params:
-                scatter_into(t, whole.to(t.device))
-        self._loading = []
+        """After loading `checkpoint_groups(for_load=True)`: the moments' step (None: a weights-only
+        checkpoint, the moments untouched)."""
         if step is not None:
             set_adam_step(self.adamw, step)
