@@ -18,6 +18,7 @@ import time
 import traceback
 from queue import Empty
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -45,6 +46,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # no threads spinning for cores
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         queue.put((rank, fn(rank, world_size, *args), None))

@@ -130,7 +130,8 @@ def apply_fsdp(
     shard(model, reshard=False)
     for method in ("hidden_states", "head_loss"):  # the pipeline's entries besides forward
         register_fsdp_forward_method(model, method)
-    for chunk in model.chunks:  # each layer's gather issued before the one before it runs
+    # prefetch: a layer's forward starts the next one's gather, its backward the one before's
+    for chunk in model.chunks:
         layers = [model.layers[k] for k in chunk.layers]
         for before, after in itertools.pairwise(layers):
             before.set_modules_to_forward_prefetch([after])
