@@ -31,9 +31,9 @@ demo: setup
 sft: setup
     PATH="$PWD/{{bin}}:$PATH" bash pipelines/sft/run.sh
 
-# The whole test suite (CPU; GPU tests skip without CUDA).
+# The whole test suite (CPU; GPU tests skip without CUDA), with the 25 slowest listed.
 test *ARGS: setup
-    {{bin}}/python -m pytest -q {{ARGS}}
+    {{bin}}/python -m pytest -q --durations=25 {{ARGS}}
 
 # Lint and format check.
 lint: setup
