@@ -11,16 +11,25 @@ app = typer.Typer(help="Model presets and resolved run configs.", no_args_is_hel
 
 @app.command("list")
 def list_presets() -> None:
-    """Presets with their parameter counts (MoE: total and active per token; MTP depths apart) and sources."""
+    """Presets with their parameter counts (MoE: total and active per token; MTP depths apart), layer
+    kinds and sources; the table goes to stdout (`mlm config list | grep moe`)."""
     from rich.table import Table
 
-    from mlm.config import load_config
-    from mlm.console import console, human
+    from mlm.config import describe_layers, load_config
+    from mlm.console import human, make_console
     from mlm.model import flops_per_token, parameter_counts
     from mlm.presets import PRESETS
 
     table = Table(
-        "preset", "parameters", "layers", "hidden", "heads/groups", "seq", "train GFLOP/token", "source"
+        "preset",
+        "parameters",
+        "layers",
+        "layer kinds",
+        "hidden",
+        "heads/groups",
+        "seq",
+        "train GFLOP/token",
+        "source",
     )
     for name, (source, _, _) in PRESETS.items():
         cfg = load_config(overrides=[f"preset={name}"])
@@ -29,13 +38,14 @@ def list_presets() -> None:
             name,
             parameter_counts(m).describe(human),
             str(m.num_layers),
+            describe_layers(m.layer_specs()),
             str(m.hidden_size),
             f"{m.num_attention_heads}/{m.query_groups}",
             str(cfg.data.seq_length),
             f"{flops_per_token(m, cfg.data.seq_length) / 1e9:.2f}",
             source,
         )
-    console.print(table)
+    make_console(stderr=False).print(table)
 
 
 @app.command("show")

@@ -21,10 +21,12 @@ TextUnit = typer.Option("file", "--text-unit", help="For text inputs: one docume
 NoProgress = typer.Option(False, "--no-progress", help="Hide the progress bar.")
 
 
-def _print_table(title: str, rows: list[tuple[str, object]]) -> None:
+def _print_table(title: str, rows: list[tuple[str, object]], console=None) -> None:
+    """A two-column table on `console` (default: stderr, a log line of a command that writes)."""
     from rich.table import Table
 
-    from mlm.console import console
+    if console is None:
+        from mlm.console import console
 
     console.print(f"[bold]{title}[/]", highlight=False)
     table = Table(show_header=False)
@@ -196,12 +198,13 @@ def inspect(
         None, help="Tokenizer to decode with (default: the one in PREFIX.json)."
     ),
 ) -> None:
-    """Counts, document lengths, frequent tokens and the first documents."""
+    """Counts, document lengths, frequent tokens and the first documents (on stdout)."""
     from rich.panel import Panel
 
-    from mlm.console import LOG_WIDTH, console
+    from mlm.console import LOG_WIDTH, make_console
     from mlm.data.inspect import inspect_dataset
 
+    console = make_console(stderr=False)
     r = inspect_dataset(prefix, docs, str(tokenizer) if tokenizer else None)
     rows: list[tuple[str, object]] = [
         ("documents", r.documents),
@@ -220,7 +223,7 @@ def inspect(
             ("vocab size", t["vocab_size"]),
             ("eod id", t["eod_id"]),
         ]
-    _print_table(f"{prefix}", rows)
+    _print_table(f"{prefix}", rows, console)
     top = ", ".join(f"{tid} {piece!r} ×{n:,}" for tid, n, piece in r.top_tokens)
     console.print(f"[bold]most frequent tokens:[/] {top}", highlight=False)
     for i, text in enumerate(r.samples):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import typer
 
+from mlm.layout import TERMS_HELP
+
 
 def parity(
     config: Path | None = typer.Option(None, "--config", "-c", help="Run config TOML (see docs/train.md)."),
@@ -20,7 +22,8 @@ def parity(
     layouts: str | None = typer.Option(
         None,
         "--layouts",
-        help="Comma-separated layouts, the first is the reference: tp1,tp2,dp2,tp2dp2zero1 (tp1 with --against).",
+        help="Comma-separated layouts, the first is the reference: tp1,tp2,dp2,tp2dp2zero1 (tp1 with "
+        f"--against). In a layout, {TERMS_HELP}.",
     ),
     against: str | None = typer.Option(
         None,

@@ -16,7 +16,12 @@ import typer
 
 def train(
     config: Path | None = typer.Option(None, "--config", "-c", help="Run config TOML (see docs/train.md)."),
-    overrides: list[str] = typer.Option([], "--set", help="section.key=value, e.g. train.train_iters=200."),
+    overrides: list[str] = typer.Option(
+        [],
+        "--set",
+        help="section.key=value, e.g. train.train_iters=200; `mlm config show` lists every setting, "
+        "its value and what it does.",
+    ),
     load: str | None = typer.Option(
         None, "--load", help="Resume from a checkpoint dir (its latest) or iter_ dir."
     ),
@@ -47,7 +52,8 @@ def train(
         ),
     ] = None,
 ) -> None:
-    """Train a model on datasets from `mlm data build`; checkpoints, metrics.jsonl, TensorBoard."""
+    """Train a model on datasets from `mlm data build`; checkpoints, metrics.jsonl, TensorBoard.
+    `mlm config show [--config RUN.toml]` prints every setting of the run, with what it does."""
     from mlm.train.watchdog import Watchdog
 
     # first: in a job of several processes an error anywhere (the config included) is then
@@ -100,10 +106,10 @@ def _train(watchdog, config, overrides, load, auto_resume, dry_run, world_size, 
     if given is not None:
         given.with_world(world)  # a dp it gives must be what the world size leaves
     if dry_run:
-        from mlm.console import console
+        from mlm.console import make_console
         from mlm.train.dry_run import dry_run as report
 
-        console.print(report(cfg, world, str(png) if png else None))
+        make_console(stderr=False).print(report(cfg, world, str(png) if png else None))  # the report: stdout
         return
     from mlm.train.trainer import PREEMPTED_EXIT_CODE, Preempted, Trainer, resume_path
 
@@ -128,13 +134,21 @@ def slurm(
         "(time-limit requeues do not count).",
     ),
 ) -> None:
-    """Print an sbatch script that runs `mlm train` under srun, requeued on preemption, hangs and crashes."""
+    """Print an sbatch script that runs `mlm train` under srun, requeued on preemption, hangs and crashes;
+    the run is first checked at nodes × gpus-per-node ranks, as `mlm train --dry-run` checks it."""
     from mlm.config import load_config
-    from mlm.parallel import Mesh
+    from mlm.errors import MlmError
+    from mlm.train.dry_run import dry_run
     from mlm.train.slurm import sbatch_script
 
-    cfg = load_config(config, overrides)  # fail here, not in the queue, on a bad config or mesh
-    Mesh.shape_for(cfg.parallel, nodes * gpus_per_node)
+    cfg = load_config(config, overrides)
+    world = nodes * gpus_per_node
+    try:  # fail here, not in the queue: the dry run's checks (mesh, model, batch, schedule) at the job's size
+        dry_run(cfg, world)
+    except MlmError as e:
+        raise MlmError(
+            f"{e} (world size {world} = --nodes {nodes} × --gpus-per-node {gpus_per_node})"
+        ) from None
     print(
         sbatch_script(
             str(config) if config else None,

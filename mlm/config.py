@@ -984,15 +984,26 @@ def _convert(where: str, value, tp):
                 errors.append(str(e))
         raise MlmError(errors[0])
     if origin is list:
-        if not isinstance(value, list):
-            raise MlmError(f"{where}={value!r}: expected a list")
         (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise MlmError(f"{where}={value!r}: expected a list, e.g. {_list_example(where, value, item)}")
         return [_convert(where, v, item) for v in value]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool) and (type(value) is not tp):
         raise MlmError(f"{where}={value!r}: expected {tp.__name__}, got {type(value).__name__}")
     return value
+
+
+def _list_example(where: str, value, item) -> str:
+    """How to write a list for `where`, with `value` as its item when it is one:
+    --set data.data_path="['x']" (in a TOML file: data_path = ['x'])."""
+    if item is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not item:
+        value = {str: "a", int: 1, float: 0.5, bool: True}.get(item, "a")
+    text = f"[{value!r}]" if item is not bool else f"[{str(value).lower()}]"
+    return f'--set {where}="{text}" (in a TOML file: {where.rsplit(".", 1)[-1]} = {text})'
 
 
 def _build(cls, data: dict, where: str):

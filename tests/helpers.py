@@ -4,7 +4,7 @@
 it in this one (no torch import per call) and returns the same CompletedProcess; `assert_error`
 checks the one-message, exit-code-2 form of bad input; `checkpoint_logits` computes an mlm
 checkpoint's logits and `checkpoint_weights` reads its tensors back whole; `chat_tokenizer` and `write_chat_config` make a Hugging Face tokenizer folder
-with a chat template.
+with a chat template; `preset_rows` reads `mlm config list`'s table.
 """
 
 from __future__ import annotations
@@ -42,6 +42,18 @@ def mlm(*args, cwd=None) -> subprocess.CompletedProcess:
         cwd=cwd or ROOT,
         env={"PYTHONPATH": str(ROOT), "COLUMNS": "200", "PATH": "/usr/bin:/bin"},
     )
+
+
+def preset_rows() -> dict[str, str]:
+    """`mlm config list`'s table rows on stdout, by preset name (a file's console: every column whole)."""
+    import contextlib
+    import io
+
+    from cli.config import list_presets
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        list_presets()
+    return {line.split("│")[1].strip(): line for line in out.getvalue().splitlines() if line.count("│") > 3}
 
 
 def cli(monkeypatch, capsys, *args) -> subprocess.CompletedProcess:

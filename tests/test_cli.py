@@ -11,7 +11,7 @@ import numpy as np
 
 from mlm.datasets.indexed import IndexedDataset
 
-from helpers import ROOT, mlm
+from helpers import ROOT, cli, mlm
 
 
 def test_help_and_version_do_not_import_torch():
@@ -46,6 +46,34 @@ def test_only_built_stages_appear():
     registered = {c.name for c in app.registered_commands} | {g.name for g in app.registered_groups}
     assert set(listed) == registered == BUILT, (listed, registered)
     assert "eval" not in listed and "  eval " not in out
+
+
+def test_help_names_the_layout_terms_and_the_settings(monkeypatch, capsys):
+    """`mlm parity --help` lists the layout grammar (mlm.layout's own text) and `mlm train --help`
+    says where every setting is listed."""
+    from mlm.layout import TERMS_HELP
+
+    def bare(text: str) -> str:  # the help is rewrapped, at spaces and hyphens
+        return "".join(text.split())
+
+    r = cli(monkeypatch, capsys, "parity", "--help")
+    assert r.returncode == 0 and bare(TERMS_HELP) in bare(r.stdout), r.stdout
+    r = cli(monkeypatch, capsys, "train", "--help")
+    assert r.returncode == 0 and "`mlmconfigshow" in bare(r.stdout), r.stdout
+
+
+def test_listings_print_their_table_to_stdout():
+    """`mlm config list | grep moe` finds every MoE preset: the table is the command's output (stdout),
+    not a log line (stderr), and names each preset's layer kinds."""
+    from mlm.config import load_config
+    from mlm.presets import PRESETS
+
+    r = mlm("config", "list")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    grep_moe = {line.split("│")[1].strip() for line in r.stdout.splitlines() if "moe" in line}
+    moe = {name for name in PRESETS if load_config(overrides=[f"preset={name}"]).model.moe.num_experts}
+    assert {"mixtral-8x7b", "tiny-moe", "deepseek-v3"} <= moe
+    assert grep_moe == moe, (grep_moe, moe)
 
 
 def test_data_stage_end_to_end(tmp_path):
@@ -89,7 +117,7 @@ def test_data_stage_end_to_end(tmp_path):
 
     r = mlm("data", "inspect", tmp_path / "ds", "--docs", "1")
     assert r.returncode == 0, r.stderr
-    assert "tokens/doc p50" in r.stderr and "document 0" in r.stderr
+    assert "tokens/doc p50" in r.stdout and "document 0" in r.stdout  # the report, not a log
 
     r = mlm("data", "merge", "-i", tmp_path / "ds", "-i", tmp_path / "ds", "-o", tmp_path / "twice")
     assert r.returncode == 0, r.stderr

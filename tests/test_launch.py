@@ -97,9 +97,24 @@ def test_sbatch_script_requeues_by_exit_code(tmp_path, rc, restarts, failures, r
     assert (int(count.read_text()) if count.exists() else 0) == want, run.stdout
 
 
-def test_slurm_command_checks_the_mesh():
-    from helpers import mlm
+def test_slurm_command_checks_the_run_at_the_job_size(monkeypatch, capsys):
+    """`mlm slurm` refuses what `mlm train --dry-run` refuses at nodes × gpus-per-node ranks (the
+    mesh, the batch, the schedule), before it writes a script."""
+    from helpers import assert_error, cli
 
-    r = mlm("slurm", "--nodes", "3", "--gpus-per-node", "2", "--set", "parallel.tp=4")
-    assert r.returncode == 2 and "does not divide world size 6" in r.stderr
-    assert mlm("slurm", "--nodes", "1", "--gpus-per-node", "2").returncode == 0
+    tiny = ["--config", "pipelines/tiny/train.toml"]
+    r = cli(monkeypatch, capsys, "slurm", "--nodes", "3", "--gpus-per-node", "2", "--set", "parallel.tp=4")
+    assert_error(r, "does not divide world size 6")
+    assert r.stdout == ""
+    r = cli(monkeypatch, capsys, "slurm", *tiny, "--nodes", "4", "--gpus-per-node", "8")
+    assert_error(
+        r,
+        "train.global_batch_size=16 is not divisible by train.micro_batch_size=8 × dp=32",
+        "(world size 32 = --nodes 4 × --gpus-per-node 8)",
+    )
+    assert r.stdout == ""  # no script
+    dry = cli(monkeypatch, capsys, "train", "--dry-run", *tiny, "--world-size", "32")
+    assert_error(dry, "train.global_batch_size=16 is not divisible by train.micro_batch_size=8 × dp=32")
+    r = cli(monkeypatch, capsys, "slurm", *tiny, "--nodes", "1", "--gpus-per-node", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("#!/bin/bash") and "--nodes=1" in r.stdout

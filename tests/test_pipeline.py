@@ -229,3 +229,30 @@ def test_dry_run_refuses_bad_pipelines(sets, message):
     p = cfg.parallel
     with pytest.raises(MlmError, match=message):
         dry_run(cfg, p.tp * p.pp)
+
+
+def test_documented_torchrun_trainings_pass_the_dry_run(monkeypatch, capsys):
+    """Every `torchrun --nproc-per-node N -m cli.main train --config pipelines/…` line in a code block of
+    README.md and docs/ passes `mlm train --dry-run --world-size N` with its arguments as written (the
+    same checks the trainer runs first), so an example cannot ask for a mesh or schedule mlm refuses."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from helpers import ROOT, cli
+
+    command = re.compile(
+        r"^\$?\s*torchrun --nproc-per-node (\d+) -m cli\.main train (--config pipelines/.*)$"
+    )
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        blocks = re.findall(r"^```[^\n]*\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S)
+        for block in blocks:
+            for line in re.sub(r"\\\n\s*", "", block).splitlines():  # join continued lines
+                if m := command.match(line.split("  #")[0].strip()):
+                    found.append((Path(page).name, int(m.group(1)), shlex.split(m.group(2))))
+    assert any(page == "README.md" and "parallel.vpp=2" in args for page, _, args in found), found
+    for page, n, args in found:
+        r = cli(monkeypatch, capsys, "train", "--dry-run", "--world-size", n, *args)
+        assert r.returncode == 0, (page, n, args, r.stderr)
+        assert f"(world {n})" in r.stdout, (page, r.stdout)

@@ -10,7 +10,7 @@ from mlm.config import load_config
 from mlm.counts import ParameterCounts
 from mlm.model import parameter_counts
 
-from test_presets_moe import preset_rows
+from helpers import preset_rows
 
 
 def _mla(D: int, H: int, q_lora: int | None, kv_lora=512, nope=128, rope=64, v=128) -> int:

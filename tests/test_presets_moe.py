@@ -11,6 +11,8 @@ from mlm.counts import ParameterCounts
 from mlm.flops import flops_per_token, mlp_flops
 from mlm.model import parameter_counts
 
+from helpers import preset_rows
+
 
 def test_published_moe_parameter_counts():
     # Mixtral-8x7B: per layer attention 2·4096·(4096 + 1024) = 41,943,040, 8 experts × 3 × 4096 ×
@@ -87,23 +89,6 @@ def test_flops_follow_active_parameters():
     norms = L * 2 * D + D
     embedding = V * D  # a lookup, no FLOPs
     assert flops_per_token(cfg, 4096) - seq_term == pytest.approx(6 * (active - norms - embedding), rel=1e-12)
-
-
-def preset_rows() -> dict[str, str]:
-    """`mlm config list`'s table rows by preset name (printed wide enough for every column)."""
-    from rich.console import Console
-
-    import mlm.console
-    from cli.config import list_presets
-
-    wide = Console(width=400, force_terminal=False)
-    old, mlm.console.console = mlm.console.console, wide
-    try:
-        with wide.capture() as cap:
-            list_presets()
-    finally:
-        mlm.console.console = old
-    return {line.split("│")[1].strip(): line for line in cap.get().splitlines() if line.count("│") > 3}
 
 
 def test_config_show_and_list_print_total_and_active(capsys):
