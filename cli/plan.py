@@ -45,7 +45,9 @@ def plan(
     tokens: int | None = typer.Option(None, "--tokens", help="Tokens per step (instead of --global-batch)."),
     precision: str = typer.Option("bf16", "--precision", help="bf16, fp16 or fp32."),
     optimizer: str = typer.Option(
-        "auto", "--optimizer", help="adam (replicated), distributed (sharded over dp) or auto (try both)."
+        "auto",
+        "--optimizer",
+        help="adam (replicated), distributed (ZeRO-1 over dp), fsdp (FSDP or HSDP) or auto (try all).",
     ),
     ep: int | None = typer.Option(
         None, "--ep", help="Expert-parallel size to use (MoE models; default: search every valid one)."
@@ -105,8 +107,8 @@ def plan(
 
     out = make_console(stderr=output == "-")
 
-    if optimizer not in ("auto", "adam", "distributed"):
-        raise MlmError(f"--optimizer {optimizer!r}: must be auto, adam or distributed")
+    if optimizer not in ("auto", "adam", "distributed", "fsdp"):
+        raise MlmError(f"--optimizer {optimizer!r}: must be auto, adam, distributed or fsdp")
     sets = ([f"preset={preset}"] if preset else []) + list(overrides)
     given = Layout.parse(layout) if layout is not None else None
     if given is not None and given.global_batch is not None and global_batch is None and tokens is None:
@@ -191,7 +193,7 @@ def _explain_layout(job, text: str, given, optimizer: str, out):
     from mlm.console import console
     from mlm.plan import report
     from mlm.plan.pinned import complete
-    from mlm.plan.search import why_not
+    from mlm.plan.search import sharding_name, why_not
 
     c, result = complete(job, given, optimizer)
     lo = c.layout
@@ -202,8 +204,8 @@ def _explain_layout(job, text: str, given, optimizer: str, out):
         chosen.append(f"micro-batch {lo.micro_batch}")
     if given.recompute is None:
         chosen.append(f"recompute {lo.recompute}")
-    if given.distributed_optimizer is None and optimizer == "auto" and lo.dp_cp > 1:
-        chosen.append(f"{'distributed' if lo.distributed_optimizer else 'replicated'} optimizer")
+    if given.distributed_optimizer is None and given.fsdp is None and optimizer == "auto" and lo.dp_cp > 1:
+        chosen.append(f"sharding {sharding_name(lo)}")
     if lo.cp > 1 and given.cp_comm_type is None:
         chosen.append(f"{lo.cp_comm_type} attention")
     of = f"{len(result.ranked)} that fit" if c.fits else f"none of {result.evaluated} fits; the least memory"

@@ -10,6 +10,8 @@ The grammar (docs/layout.md): terms written together in any order, each at most 
     first<N> last<N>                       layers on the first / last pipeline stage (missing: even)
     sp nosp                                sequence parallelism on / off
     zero1 nozero1                          optimizer sharded over dp × cp (distributed) / replicated
+    fsdp hsdp<N> nofsdp                    parameters, gradients and optimizer sharded over dp × cp
+                                           (FSDP) / over groups of N of them (HSDP) / not
     p2p ag                                 cp's attention: p2p ring / all_gather (needs cp<N>, N ≥ 2)
     mb<N> gb<N>                            micro-batch, global batch (samples)
     rcnone rcsel rcfull                    recompute none / selective / full
@@ -17,8 +19,10 @@ The grammar (docs/layout.md): terms written together in any order, each at most 
 A term that is not written leaves its field open (None): the command using the layout completes it
 (`mlm plan` with the fastest choice that fits, `mlm train` and `mlm parity` with the run config's).
 Fields meaningless for the mesh are closed instead: sequence parallelism is off at tp 1, the
-optimizer replicated on one dp × cp rank, cp's attention p2p at cp 1. `str` prints the terms in
-one order, sizes of 1 and open fields left out (a layout with nothing to print is `tp1`).
+optimizer replicated and FSDP off on one dp × cp rank, cp's attention p2p at cp 1. zero1 and fsdp
+exclude each other, so each closes the other (`nozero1`, a replicated optimizer, means no FSDP
+too). `str` prints the terms in one order, sizes of 1 and open fields left out (a layout with
+nothing to print is `tp1`).
 
 Expert parallelism folds over each pipeline stage's dp × cp × tp ranks (`mlm.parallel.mesh`), so
 ep adds no ranks: the world size is tp × pp × dp × cp. Torch-free: the planner imports it.
@@ -36,11 +40,14 @@ if TYPE_CHECKING:
     from mlm.config import Config, ParallelConfig
 
 TERMS_HELP = (
-    "use tp<N>, pp<N>, vpp<N>, dp<N>, cp<N>, ep<N>, sp, zero1, p2p, ag, mb<N> (micro-batch), "
-    "rcnone, rcsel, rcfull (recompute), gb<N> (global batch), first<N>, last<N> (layers on the "
-    "first/last pipeline stage), nosp, nozero1 (off); see docs/layout.md"
+    "use tp<N>, pp<N>, vpp<N>, dp<N>, cp<N>, ep<N>, sp, zero1, fsdp, hsdp<N> (fsdp sharded over N "
+    "of the dp × cp ranks), p2p, ag, mb<N> (micro-batch), rcnone, rcsel, rcfull (recompute), gb<N> "
+    "(global batch), first<N>, last<N> (layers on the first/last pipeline stage), nosp, nozero1, "
+    "nofsdp (off); see docs/layout.md"
 )
-_TERM = re.compile(r"(vpp|tp|pp|dp|cp|ep|mb|gb|first|last)(\d*)|rc(none|sel|full)|(no)?(sp|zero1)|p2p|ag")
+_TERM = re.compile(
+    r"(vpp|tp|pp|dp|cp|ep|mb|gb|first|last|hsdp)(\d*)|rc(none|sel|full)|(no)?(sp|zero1|fsdp)|p2p|ag"
+)
 _SIZES = {
     "mb": "micro_batch",
     "gb": "global_batch",
@@ -52,7 +59,7 @@ _RECOMPUTE = {"none": "none", "sel": "selective", "full": "full"}
 """`rc<X>` → the recompute it chooses (model.recompute)."""
 _COMM = {"p2p": "p2p", "ag": "all_gather"}
 """The terms that choose parallel.cp_comm_type."""
-_FLAGS = {"sp": "sequence_parallel", "zero1": "distributed_optimizer"}
+_FLAGS = {"sp": "sequence_parallel", "zero1": "distributed_optimizer", "fsdp": "fsdp"}
 
 
 @dataclass(frozen=True)
@@ -81,13 +88,41 @@ class Layout:
     ep: int = 1
     cp_comm_type: str | None = "p2p"
     """p2p (a ring of key/value exchanges) or all_gather; p2p at cp = 1, where it means nothing."""
+    fsdp: bool | None = False
+    """Parameters, gradients and Adam state sharded over dp × cp (parallel.fsdp, ZeRO-3)."""
+    fsdp_shard: int | None = None
+    """HSDP: shard over groups of this many dp × cp ranks, replicated across the groups
+    (parallel.fsdp_shard_size); None: over all dp × cp ranks."""
 
     def __post_init__(self):
-        closed = {}
+        if self.fsdp_shard is not None and (self.fsdp is False or self.fsdp_shard < 1):
+            raise MlmError(f"hsdp{self.fsdp_shard}: needs fsdp on and a shard size of at least 1")
+        if self.distributed_optimizer and self.fsdp:
+            raise MlmError(
+                f"{'hsdp' + str(self.fsdp_shard) if self.fsdp_shard else 'fsdp'} with zero1: FSDP shards "
+                "the optimizer state already (with the parameters and gradients); give one of them"
+            )
+        closed: dict[str, object] = {}
         if self.tp == 1 and self.sequence_parallel is None:
             closed["sequence_parallel"] = False
-        if self.dp is not None and self.dp * self.cp == 1 and self.distributed_optimizer is None:
-            closed["distributed_optimizer"] = False
+        if self.fsdp_shard is not None or self.fsdp:
+            closed["fsdp"] = True
+            closed["distributed_optimizer"] = False  # FSDP shards the optimizer itself
+        elif self.fsdp is None and self.distributed_optimizer is not None:
+            closed["fsdp"] = False  # zero1 excludes it; nozero1 (replicated) too
+        W = None if self.dp is None else self.dp * self.cp
+        if W == 1:
+            closed.update(fsdp=False, fsdp_shard=None)
+            if self.distributed_optimizer is None:
+                closed["distributed_optimizer"] = False
+        elif W is not None and self.fsdp_shard is not None:
+            if W % self.fsdp_shard:
+                raise MlmError(
+                    f"hsdp{self.fsdp_shard} does not divide dp({self.dp}) × cp({self.cp}) = {W}, the "
+                    f"ranks FSDP shards over; choose one of {', '.join(_divisors(W))}"
+                )
+            if self.fsdp_shard == W:  # sharded over all of them: plain fsdp
+                closed["fsdp_shard"] = None
         if self.cp == 1:
             closed["cp_comm_type"] = "p2p"
         for name, value in closed.items():
@@ -128,7 +163,10 @@ class Layout:
                 j = next((j for j in range(i + 1, len(name)) if _TERM.match(name, j)), len(name))
                 raise MlmError(f"layout {name!r}: unknown term {name[i:j]!r}; {TERMS_HELP}")
             term, (dim, digits, rc, no, flag) = m.group(0), m.groups()
-            if dim:
+            if dim == "hsdp":  # fsdp, sharded over groups of N ranks
+                field, value = "fsdp", True
+                fields["fsdp_shard"] = int(digits or 0)
+            elif dim:
                 field, value = _SIZES.get(dim, dim), int(digits or 0)
             elif rc:
                 field, value = "recompute", _RECOMPUTE[rc]
@@ -139,13 +177,23 @@ class Layout:
             if field in fields:
                 if field == "cp_comm_type" and fields[field] != value:
                     raise MlmError(f"layout {name!r}: p2p and ag both choose parallel.cp_comm_type; give one")
+                if field == "fsdp":
+                    raise MlmError(
+                        f"layout {name!r}: fsdp, hsdp<N> and nofsdp each choose parallel.fsdp; give one"
+                    )
                 raise MlmError(
                     f"layout {name!r}: {'recompute' if rc else dim or flag or term} is given twice"
                 )
-            if dim and value < 1:
+            if dim and (fields.get("fsdp_shard", 1) if dim == "hsdp" else value) < 1:
                 raise MlmError(f"layout {name!r}: {term!r} needs a size of at least 1, e.g. {dim}2")
             fields[field] = value
             i = m.end()
+        if fields.get("distributed_optimizer") and fields.get("fsdp"):
+            fsdp = f"hsdp{fields['fsdp_shard']}" if "fsdp_shard" in fields else "fsdp"
+            raise MlmError(
+                f"layout {name!r}: zero1 shards the optimizer state, {fsdp} shards it with the "
+                "parameters and gradients; give one of them"
+            )
         comm = next((t for t, c in _COMM.items() if c == fields.get("cp_comm_type")), None)
         if comm and fields.get("cp", 1) < 2:
             raise MlmError(
@@ -159,6 +207,7 @@ class Layout:
             "sequence_parallel",
             "recompute",
             "distributed_optimizer",
+            "fsdp",
         )
         return cls(**{"tp": 1, "pp": 1, **dict.fromkeys(open_), "cp_comm_type": None, **fields})
 
@@ -174,8 +223,12 @@ class Layout:
         one_rank = self.dp is not None and self.dp * self.cp == 1  # a replicated optimizer goes unsaid
         for flag, on, unsaid in (
             ("sp", self.sequence_parallel, self.tp == 1),
-            ("zero1", self.distributed_optimizer, one_rank),
+            ("zero1", self.distributed_optimizer, one_rank or bool(self.fsdp)),
+            # nozero1 and zero1 each say no FSDP already
+            ("fsdp", self.fsdp, one_rank or self.distributed_optimizer is not None),
         ):
+            if on and flag == "fsdp" and self.fsdp_shard is not None:
+                flag = f"hsdp{self.fsdp_shard}"
             text += flag if on else f"no{flag}" if on is False and not unsaid else ""
         text += f"mb{self.micro_batch}" if self.micro_batch is not None else ""
         if self.recompute is not None:
@@ -203,6 +256,8 @@ class Layout:
             p.cp,
             p.ep,
             p.cp_comm_type,
+            p.fsdp,
+            p.fsdp_shard_size if p.fsdp else None,
         ).with_world(world_size)
 
     @classmethod
@@ -232,6 +287,11 @@ class Layout:
                 "choose sizes whose product divides the number of processes"
             )
         dp = world_size // inner
+        if self.fsdp_shard is not None and (dp * cp) % self.fsdp_shard:
+            raise MlmError(
+                f"hsdp{self.fsdp_shard} does not divide dp({dp}) × cp({cp}) = {dp * cp}, the ranks FSDP "
+                f"shards over; choose one of {', '.join(_divisors(dp * cp))}"
+            )
         if (dp * cp * tp) % ep:
             raise MlmError(
                 f"ep({ep}) must divide dp({dp}) × cp({cp}) × tp({tp}) = {dp * cp * tp}, the ranks of a "
@@ -248,6 +308,8 @@ class Layout:
             sequence_parallel=None,
             recompute=None,
             distributed_optimizer=None,
+            fsdp=None,
+            fsdp_shard=None,
         )
 
     def overrides(self) -> list[str]:
@@ -260,6 +322,7 @@ class Layout:
         for key, value in (
             ("parallel.sequence_parallel", self.sequence_parallel),
             ("parallel.distributed_optimizer", self.distributed_optimizer),
+            ("parallel.fsdp", self.fsdp),
             ("parallel.cp_comm_type", self.cp_comm_type if self.cp > 1 else None),
             ("train.micro_batch_size", self.micro_batch),
             ("train.global_batch_size", self.global_batch),
@@ -267,7 +330,18 @@ class Layout:
         ):
             if value is not None:
                 sets.append(f"{key}={str(value).lower() if isinstance(value, bool) else _quoted(value)}")
+        if self.fsdp is not None:  # none: over all dp × cp ranks (and unset where FSDP is off)
+            sets.append(f"parallel.fsdp_shard_size={'none' if self.fsdp_shard is None else self.fsdp_shard}")
         return sets
+
+    @property
+    def fsdp_shard_size(self) -> int:
+        """The ranks of an FSDP shard group (HSDP's `fsdp_shard`, else dp × cp: needs dp); 1 without FSDP."""
+        return (self.fsdp_shard or self.dp * self.cp) if self.fsdp else 1
+
+
+def _divisors(n: int) -> list[str]:
+    return [str(d) for d in range(1, n + 1) if n % d == 0]
 
 
 def _quoted(value) -> str:

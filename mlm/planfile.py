@@ -8,7 +8,8 @@
                   lack it), tp, pp, vpp, dp, cp, ep, sequence_parallel, first_stage_layers,
                   last_stage_layers, cp_comm_type (optional: plans from before context parallelism lack it)
     [batching]    micro_batch_size, global_batch_size, accumulation, seq_length
-    [choices]     recompute, distributed_optimizer, precision
+    [choices]     recompute, distributed_optimizer, fsdp, fsdp_shard_size (optional: plans from
+                  before FSDP lack them; unset: over all dp × cp ranks), precision
     [prediction]  step_time_s, tokens_per_s_per_gpu, mfu, and [prediction.memory_gb] by component
 
 `layout` reads the plan's `mlm.layout.Layout` from these tables (refusing a `layout` text that
@@ -107,6 +108,8 @@ def layout(plan: dict) -> Layout:
         mesh["cp"],
         mesh.get("ep", 1),
         mesh.get("cp_comm_type"),  # None (the run config's) in plans from before context parallelism
+        choice.get("fsdp", False),
+        choice.get("fsdp_shard_size"),
     )
     if "layout" in mesh and Layout.parse(mesh["layout"]) != lo:
         raise MlmError(

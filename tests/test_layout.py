@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from mlm.config import load_config
@@ -19,14 +19,14 @@ from mlm.layout import Layout
 from mlm.parallel.mesh import Mesh
 from mlm.plan.hardware import load_hardware
 from mlm.plan.job import make_job
-from mlm.plan.search import _divisors, _family_layouts, context_parallel_sizes
+from mlm.plan.search import SHARDINGS, _divisors, _family_layouts, context_parallel_sizes
 
 from helpers import assert_error, mlm
 
 
 def _generated(job):
     """Every layout the search generates for `job`, fitting or not (`search._family_layouts` over
-    every (tp, pp) family whose cp sizes are valid, both optimizer choices)."""
+    every (tp, pp) family whose cp sizes are valid, every sharding: none, zero1, hsdp, fsdp)."""
     n = job.gpus
     for tp in _divisors(n):
         for pp in _divisors(n // tp):
@@ -34,7 +34,7 @@ def _generated(job):
                 cps = context_parallel_sizes(job.cfg, n // (tp * pp), tp)
             except MlmError:
                 continue
-            yield from _family_layouts(job, tp, pp, (False, True), cps=tuple(cps))
+            yield from _family_layouts(job, tp, pp, SHARDINGS["auto"], cps=tuple(cps))
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def _generated(job):
 )
 def test_every_layout_the_planner_generates_round_trips(preset, gpus, seq, batch):
     job = make_job(None, [f"preset={preset}"], gpus, 8, load_hardware("h100-80g"), seq, batch)
-    seen = {"vpp": 0, "cp": 0, "ag": 0, "ep": 0, "uneven": 0, "zero1": 0, "nozero1": 0}
+    seen = {"vpp": 0, "cp": 0, "ag": 0, "ep": 0, "uneven": 0, "zero1": 0, "nozero1": 0, "fsdp": 0, "hsdp": 0}
     for lo in _generated(job):
         text = str(lo)
         assert Layout.parse(text) == lo, (text, lo)
@@ -62,8 +62,16 @@ def test_every_layout_the_planner_generates_round_trips(preset, gpus, seq, batch
         seen["uneven"] += lo.first_stage_layers is not None
         seen["zero1"] += bool(lo.distributed_optimizer)
         seen["nozero1"] += "nozero1" in text
+        seen["fsdp"] += "fsdp" in text and "nofsdp" not in text
+        seen["hsdp"] += "hsdp" in text
+        assert not (lo.fsdp and lo.distributed_optimizer)
     moe = preset not in ("llama3-8b", "llama3-70b")
-    assert all(n > 0 for k, n in seen.items() if k != "ep" or moe), seen
+    mtp = preset == "deepseek-v3"  # FSDP is not built with MTP yet (`fsdp_refusals`): none offered
+    unseen = set() if moe else {"ep"}
+    unseen |= {"fsdp", "hsdp"} if mtp else set()
+    unseen |= {"hsdp"} if gpus <= 8 else set()  # HSDP replicates over nodes
+    assert all(n > 0 for k, n in seen.items() if k not in unseen), seen
+    assert not mtp or seen["fsdp"] == seen["hsdp"] == 0, seen
 
 
 def test_a_planned_layout_reads():
@@ -91,11 +99,73 @@ def test_terms_not_given_are_open_and_meaningless_ones_closed():
     assert str(Layout.parse("tp2dp4spzero1mb2rcselgb64").mesh()) == "tp2dp4"
 
 
+def test_fsdp_terms_choose_the_sharding_and_close_zero1():
+    """fsdp, hsdp<N> and nofsdp set parallel.fsdp (and fsdp_shard_size); FSDP shards the optimizer
+    itself, so zero1 goes unsaid beside it, and zero1 or nozero1 (a replicated optimizer) say no
+    FSDP; one dp × cp rank has nothing to shard; hsdp<N> over all dp × cp ranks is fsdp."""
+    fsdp, hsdp = Layout.parse("tp2dp8fsdp"), Layout.parse("dp8hsdp4")
+    assert (fsdp.fsdp, fsdp.fsdp_shard, fsdp.distributed_optimizer, fsdp.fsdp_shard_size) == (
+        True,
+        None,
+        False,
+        8,
+    )
+    assert (hsdp.fsdp, hsdp.fsdp_shard, hsdp.distributed_optimizer, hsdp.fsdp_shard_size) == (
+        True,
+        4,
+        False,
+        4,
+    )
+    assert (str(fsdp), str(hsdp)) == ("tp2dp8fsdp", "dp8hsdp4")
+    assert Layout.parse("dp8hsdp8") == Layout.parse("dp8fsdp") and str(Layout.parse("dp8hsdp8")) == "dp8fsdp"
+    assert Layout.parse("zero1").fsdp is False and Layout.parse("nozero1").fsdp is False
+    assert (Layout.parse("nofsdp").fsdp, Layout.parse("nofsdp").distributed_optimizer) == (False, None)
+    assert Layout.parse("tp2").fsdp is None and str(Layout.parse("nofsdp")) == "nofsdp"
+    assert (Layout.parse("dp1fsdp").fsdp, str(Layout.parse("dp1fsdp"))) == (False, "dp1")
+    assert str(Layout.parse("hsdp2").with_world(8)) == "dp8hsdp2"
+    assert Layout.parse("hsdp2").mesh() == Layout.parse("tp1")
+    # a run gets parallel.fsdp and its shard size, zero1 off
+    sets = Layout.parse("dp8hsdp4").overrides()
+    assert {
+        "parallel.fsdp=true",
+        "parallel.fsdp_shard_size=4",
+        "parallel.distributed_optimizer=false",
+    } <= set(sets)
+    assert "parallel.fsdp_shard_size=none" in Layout.parse("fsdp").overrides()
+    assert "parallel.fsdp=false" in Layout.parse("zero1").overrides()
+    assert not any("fsdp" in s for s in Layout.parse("tp2").overrides())
+    cfg = load_config(None, ["preset=tiny-llama", *Layout.parse("tp2dp4hsdp2").overrides()])
+    assert (cfg.parallel.fsdp, cfg.parallel.fsdp_shard_size, cfg.parallel.distributed_optimizer) == (
+        True,
+        2,
+        False,
+    )
+    assert Layout.from_config(cfg, 8) == replace(
+        Layout.parse("tp2dp4hsdp2"),
+        micro_batch=cfg.train.micro_batch_size,
+        global_batch=cfg.train.global_batch_size,
+        recompute=cfg.model.recompute,
+        sequence_parallel=False,
+        cp_comm_type="p2p",
+    )
+    with pytest.raises(
+        MlmError,
+        match=r"hsdp3 does not divide dp\(4\) × cp\(1\) = 4, the ranks FSDP shards over; choose one of 1, 2, 4",
+    ):
+        Layout.parse("hsdp3").with_world(4)
+    with pytest.raises(MlmError, match="fsdp with zero1: FSDP shards the optimizer state already"):
+        Layout(1, 1, 8, None, None, distributed_optimizer=True, fsdp=True)
+
+
 sizes = st.integers(1, 64)
 maybe = lambda s: st.none() | s  # noqa: E731
 
 
 @given(
+    st.fixed_dictionaries(
+        {},
+        optional={"fsdp": maybe(st.booleans()), "fsdp_shard": maybe(st.sampled_from([1, 2, 3, 4, 8]))},
+    ),
     st.builds(
         Layout,
         tp=sizes,
@@ -112,9 +182,13 @@ maybe = lambda s: st.none() | s  # noqa: E731
         cp=sizes,
         ep=sizes,
         cp_comm_type=maybe(st.sampled_from(["p2p", "all_gather"])),
-    )
+    ),
 )
-def test_any_layout_round_trips(lo):
+def test_any_layout_round_trips(sharding, lo):
+    try:  # with FSDP where it is consistent: not beside zero1, an hsdp<N> dividing dp × cp
+        lo = replace(lo, **sharding)
+    except MlmError:
+        assume(False)
     text = str(lo)
     assert Layout.parse(text) == lo and str(Layout.parse(text)) == text
 
@@ -124,8 +198,9 @@ def test_any_layout_round_trips(lo):
     [
         (
             "tp2x",
-            "layout 'tp2x': unknown term 'x'; use tp<N>, pp<N>, vpp<N>, dp<N>, cp<N>, ep<N>, sp, zero1, p2p, ag, "
-            "mb<N> (micro-batch), rcnone, rcsel, rcfull (recompute), gb<N> (global batch), first<N>, last<N>",
+            "layout 'tp2x': unknown term 'x'; use tp<N>, pp<N>, vpp<N>, dp<N>, cp<N>, ep<N>, sp, zero1, fsdp, "
+            "hsdp<N> (fsdp sharded over N of the dp × cp ranks), p2p, ag, mb<N> (micro-batch), rcnone, "
+            "rcsel, rcfull (recompute), gb<N> (global batch), first<N>, last<N>",
         ),
         ("tp2foodp2", "unknown term 'foo'"),
         ("  ", "empty layout; give terms such as tp2dp2 (use tp<N>"),
@@ -134,6 +209,11 @@ def test_any_layout_round_trips(lo):
         ("tp2tp4", "layout 'tp2tp4': tp is given twice"),
         ("tp2spnosp", "sp is given twice"),
         ("zero1nozero1", "zero1 is given twice"),
+        ("fsdphsdp2", "fsdp, hsdp<N> and nofsdp each choose parallel.fsdp; give one"),
+        ("nofsdpfsdp", "fsdp, hsdp<N> and nofsdp each choose parallel.fsdp; give one"),
+        ("zero1hsdp2", "zero1 shards the optimizer state, hsdp2 shards it with the parameters and gradients"),
+        ("hsdp", "'hsdp' needs a size of at least 1, e.g. hsdp2"),
+        ("dp6hsdp4", "hsdp4 does not divide dp(6) × cp(1) = 6"),
         ("rcfullrcsel", "recompute is given twice"),
         ("cp2agp2p", "p2p and ag both choose parallel.cp_comm_type; give one"),
         (

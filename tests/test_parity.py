@@ -252,6 +252,23 @@ def test_tp_pp_and_dp_layouts_match_one_process(tmp_path, tiny_data):
     )
 
 
+def test_fsdp_layouts_match_one_process(tmp_path, tiny_data):
+    """FSDP (`fsdp`), under pipeline parallelism, and HSDP (`hsdp<N>`) as parity layouts."""
+    out = tmp_path / "parity"
+    sets = _sets(tmp_path, tiny_data, **{"train.global_batch_size": 8, "model.num_layers": 4})
+    layouts = "tp1,dp2fsdp,pp2dp2fsdp,dp4hsdp2"
+    r = CliRunner().invoke(
+        app, ["parity", *_args(sets), "--layouts", layouts, "--steps", "2", "--out", str(out)]
+    )
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    report = json.loads((out / "parity.json").read_text())
+    assert report["passed"] and [x["name"] for x in report["layouts"]] == layouts.split(",")
+    for x in report["layouts"][1:]:
+        run = load_config(out / x["name"] / "run" / "config.toml", [])
+        assert run.parallel.fsdp and run.parallel.fsdp_shard_size == (2 if "hsdp" in x["name"] else None)
+        assert x["max_weight_rel"] <= TOLERANCES["fp32"].weight_rel
+
+
 @pytest.mark.parametrize(
     "layouts,message",
     [

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 
 from mlm.layout import Layout
 from mlm.plan.job import Job
-from mlm.plan.memory import MemoryReport, Stage, memory, rank_stage, report_ranks, state_floor
+from mlm.plan.memory import (
+    MemoryReport,
+    Stage,
+    floor_key,
+    memory,
+    rank_stage,
+    report_ranks,
+    state_floor,
+)
 from mlm.plan.timing import Timing, step_time
 
 
@@ -90,16 +98,17 @@ def family(job: Job, layouts: Iterable[Layout], shared: Shared, exhaustive: bool
     if exhaustive:
         return _every(job, layouts, shared)
     cfg, hbm, memo = job.cfg, job.hardware.hbm_bytes, shared.memo
-    floors: dict[tuple, float] = {}  # the floor of each mesh, stage split, ep, optimizer and cp
+    floors: dict[tuple, float] = {}  # the floor of each mesh, stage split, ep, sharding (`floor_key`) and cp
     seen: list[tuple[Layout, dict[int, Stage], float]] = []
     fitting: list[Candidate] = []
     for lo in layouts:
         held = shared.held(lo)
-        key = (*shared.stage_key(lo), lo.distributed_optimizer, lo.cp)
-        if key not in floors:
-            floors[key] = max(state_floor(cfg, lo, st, hbm, memo) for st in held.values())
-        seen.append((lo, held, floors[key]))
-        if floors[key] > hbm:
+        key = (shared.stage_key(lo), floor_key(lo), lo.cp)
+        floor = floors.get(key)
+        if floor is None:
+            floor = floors[key] = max(state_floor(cfg, lo, st, hbm, memo) for st in held.values())
+        seen.append((lo, held, floor))
+        if floor > hbm:
             continue
         mem = memory(cfg, lo, hbm, held, memo, cap=hbm)
         if mem.total <= hbm:

@@ -17,6 +17,13 @@ Under context parallelism (cp > 1) the dense gradient buffer is reduced over dp 
 other tokens of the same sequences), so it is padded to lcm(dp·cp, 128) and Adam's state is
 sharded 1/(dp·cp) under the distributed optimizer; the weights are replicated over cp.
 
+Under FSDP (the layout's fsdp / hsdp<N>, `mlm.parallel.fsdp`) each tp-local tensor is split along
+dim 0 over the S ranks of its shard group as torch.chunk splits it (`fsdp_bytes`; S = dp × cp, or
+HSDP's N; the experts' over edp): weights and gradients fp32 (the shards are the main weights,
+whatever train.param_dtype gathers them in), Adam's moments fp32, a step count per tensor; exact,
+checked on real ranks in tests/test_plan_fsdp.py. Beside them (`fsdp_transient_bytes`) the gathered
+units and, with more than one micro-batch per step, every parameter's unsharded fp32 gradient.
+
 Under expert parallelism (ep > 1) the routed experts' weights (E / ep whole experts per MoE layer;
 expert tensor parallelism is 1, so at ep = 1 every tp rank holds all E) have a second gradient
 buffer, laid out and padded the same way but reduced over edp = dp·cp·tp / ep (padding lcm(edp,
@@ -240,6 +247,36 @@ class Stage:
         put("layer_linear", layers)
         put("output_linear", sum(p.numel for p in ps if p.linear) - layers)
 
+    # what FSDP layouts read, computed on first use (most stages of a search never need them)
+    @functools.cached_property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """(elements, dim 0) of the dense trainable parameters: what FSDP splits (`fsdp_bytes`)."""
+        return _Numels(
+            (p.numel, p.rows or p.numel) for p in self.params if p.trainable and not p.expert_parallel
+        )
+
+    @functools.cached_property
+    def expert_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The same of the expert-parallel parameters (FSDP splits them over edp)."""
+        return _Numels((p.numel, p.rows or p.numel) for p in self.params if p.trainable and p.expert_parallel)
+
+    @functools.cached_property
+    def fsdp_units(self) -> tuple[int, int]:
+        """Elements FSDP gathers at once (`mlm.parallel.fsdp`'s units): (the largest layer's, the
+        larger of the embedding's and the final norm's with the output layer's + the root's rest)."""
+        per_layer: Counter = Counter()
+        embed = out = root = 0
+        for p in self.params:
+            if p.name.startswith("layers."):
+                per_layer[p.name.split(".")[1]] += p.numel
+            elif p.name.startswith("embed."):
+                embed += p.numel
+            elif p.name.startswith(("final_norm.", "output.")):
+                out += p.numel
+            else:
+                root += p.numel
+        return max(per_layer.values(), default=0), max(embed, out) + root
+
 
 def rank_stage(
     cfg: Config,
@@ -267,16 +304,18 @@ def rank_stage(
     params: list[Param] = []
     # the last stage holds a copy of the embedding when it is the output layer (tied) or MTP's input
     if first or (last and (m.tie_embeddings or m.mtp_num_layers)):
-        params.append(Param("embed.weight", V // tp * h, linear=last and m.tie_embeddings))
+        params.append(Param("embed.weight", V // tp * h, linear=last and m.tie_embeddings, rows=V // tp))
     if first and m.position_embedding == "learned":
-        params.append(Param("pos_embed.weight", m.max_position_embeddings * h))
+        params.append(
+            Param("pos_embed.weight", m.max_position_embeddings * h, rows=m.max_position_embeddings)
+        )
     layers = sorted(i for c in chunks for i in c)
     for i in layers:
         params += cached(memo, ("layer params", i, tp, ep), _layer_params, m, i, tp, ep, specs[i])
     if last:
         params += kinds.norm(m.normalization).params(m, "final_norm")
         if not m.tie_embeddings:
-            params.append(Param("output.weight", V // tp * h, linear=True))
+            params.append(Param("output.weight", V // tp * h, linear=True, rows=V // tp))
         params += cached(memo, ("mtp params", tp, ep), _mtp_params, m, tp, ep, specs[-1])
     return Stage(layers, chunks, first, last, params, specs, m.mtp_num_layers if last else 0)
 
@@ -321,10 +360,44 @@ def _state_bytes(
     return weight * buffer, 4 * buffer, (8 + main) * local + 4 * segments
 
 
+def fsdp_rows(numel: int, rows: int, shards: int, rank: int) -> int:
+    """Elements of a tensor of `numel` elements and `rows` rows (dim 0) that shard `rank` of
+    `shards` holds under FSDP2: torch.chunk's split of dim 0, ceil(rows / shards) rows per rank, the
+    last shorter or empty."""
+    per = -(-rows // shards)
+    return max(0, min(per, rows - rank * per)) * (numel // rows)
+
+
+@functools.lru_cache(maxsize=4096)
+def fsdp_bytes(shapes: tuple[tuple[int, int], ...], shards: int, rank: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes that shard `rank` of `shards` holds of parameters of
+    (elements, rows) `shapes` under FSDP (`mlm.parallel.fsdp`): its rows of each, fp32 (the main
+    weights AdamW steps, whatever train.param_dtype gathers them in), their fp32 gradients, Adam's
+    two fp32 moments and one 4-byte step count per tensor (its state exists where its rows are none)."""
+    if not shapes:
+        return 0, 0, 0
+    local = sum(fsdp_rows(n, rows, shards, rank) for n, rows in shapes)
+    return 4 * local, 4 * local, 8 * local + 4 * len(shapes)
+
+
+def sharding_key(layout: Layout) -> tuple:
+    """What the model state depends on beyond the stage and dp × cp: the distributed optimizer,
+    or FSDP's shard group (0 without FSDP)."""
+    return layout.distributed_optimizer, layout.fsdp_shard_size if layout.fsdp else 0
+
+
 def buffer_bytes(cfg: Config, stage: Stage, layout: Layout, dp_rank: int = 0, edp_rank: int = 0):
     """{"dense": (weights, gradients, optimizer), "expert": (...)} bytes of one rank: the dense
     buffer reduced over dp × cp (`dp_rank`: this rank's index among them, dp_rank · cp + cp_rank),
-    the expert-parallel one over edp (zeros at ep = 1)."""
+    the expert-parallel one over edp (zeros at ep = 1). Under FSDP (`fsdp_bytes`) the dense
+    parameters are split over the shard group (dp × cp, or HSDP's groups of consecutive ranks:
+    shard rank dp_rank mod S), the experts' over edp."""
+    if layout.fsdp:
+        S = layout.fsdp_shard_size
+        return {
+            "dense": fsdp_bytes(stage.shapes, S, dp_rank % S),
+            "expert": fsdp_bytes(stage.expert_shapes, layout.edp, edp_rank),
+        }
     elems = max(1, int(cfg.parallel.bucket_size_mb * 2**20) // 4)
     dist = layout.distributed_optimizer
     w = param_bytes(cfg)
@@ -536,9 +609,10 @@ class MemoryReport:
         return sum(self.components.values())
 
 
-def report_ranks(pp: int) -> list[int]:
+@functools.lru_cache(maxsize=256)
+def report_ranks(pp: int) -> tuple[int, ...]:
     """The pipeline ranks whose memory and time stand for all: first, second, last."""
-    return sorted({0, min(1, pp - 1), pp - 1})
+    return tuple(sorted({0, min(1, pp - 1), pp - 1}))
 
 
 def headroom_bytes(hbm: float) -> float:
@@ -594,20 +668,29 @@ def _extras(cfg: Config, layout: Layout, stage: Stage) -> tuple[float, float]:
 
 def state_parts(cfg: Config, stage: Stage, layout: Layout, memo: dict | None = None):
     """`buffer_bytes` of the rank's first dp rank, kept in `memo` (`mlm.plan.memo`)."""
-    key = ("state", stage, layout.dp_cp, layout.edp, layout.distributed_optimizer)
+    key = ("state", stage, layout.dp_cp, layout.edp, sharding_key(layout))
     return cached(memo, key, buffer_bytes, cfg, stage, layout)
 
 
 def state_floor(cfg: Config, layout: Layout, stage: Stage, hbm: float, memo: dict | None = None) -> float:
     """A lower bound of `rank_memory(...).total` from the model state and the headroom alone, which
     every other component only adds to (summed in the same order, so the bound holds to the bit):
-    where it exceeds the GPU, no micro-batch or recompute of this mesh and optimizer fits."""
+    where it exceeds the GPU, no micro-batch or recompute of this mesh and optimizer fits. Under
+    FSDP also its transients (`fsdp_transient_bytes`), which depend on no micro-batch, only on
+    whether there is more than one per step (`floor_key`)."""
 
     def floor() -> float:
         state = _state(state_parts(cfg, stage, layout, memo), stage)
-        return sum((*state.values(), headroom_bytes(hbm)))
+        fsdp = fsdp_transient_bytes(cfg, layout, stage) if layout.fsdp else {}
+        return sum((*state.values(), *fsdp.values(), headroom_bytes(hbm)))
 
-    return cached(memo, ("floor", stage, layout.dp_cp, layout.edp, layout.distributed_optimizer, hbm), floor)
+    return cached(memo, ("floor", stage, *floor_key(layout), hbm), floor)
+
+
+def floor_key(layout: Layout) -> tuple:
+    """What `state_floor` depends on beyond the stage: dp × cp, edp, the sharding, and under FSDP
+    whether gradients accumulate over micro-batches."""
+    return layout.dp_cp, layout.edp, sharding_key(layout), bool(layout.fsdp) and layout.num_micro > 1
 
 
 def rank_memory(
@@ -630,9 +713,41 @@ def rank_memory(
         layout.last_stage_layers,
         layout.ep,
     )
+    sharding = sharding_key(layout)
+    key = ("model state", stage, layout.dp_cp, layout.edp, sharding)
+    parts, state = cached(memo, key, _parts_and_state, cfg, stage, layout, memo)
+    # what does not depend on the sharding: a search generates a mesh's shardings one after the
+    # other, so the rank's last one is kept (a slot per rank, not a growing memo)
+    key = (stage, micro_key(layout), layout.num_micro)
+    slot = ("rank activations", pp_rank)
+    last = memo.get(slot) if memo is not None else None
+    if last is not None and last[0] == key:
+        acts, comm, flight, per_layer = last[1]
+    else:
+        value = _rank_activations(cfg, layout, stage, pp_rank, memo)
+        if memo is not None:
+            memo[slot] = (key, value)
+        acts, comm, flight, per_layer = value
+    comps: dict[str, float] = {**state, **acts}
+    if layout.fsdp:
+        key = ("fsdp transient", stage, sharding, layout.num_micro > 1)
+        comps.update(cached(memo, key, fsdp_transient_bytes, cfg, layout, stage))
+    elif cfg.parallel.grad_reduce_dtype == "bf16":  # a bf16 copy of every bucket, all may be in flight
+        comm += (parts["dense"][1] if layout.dp_cp > 1 else 0) / 2
+        comm += (parts["expert"][1] if layout.edp > 1 else 0) / 2
+    comps["communication buffers"] = comm
+    comps["headroom"] = headroom_bytes(hbm)
+    return MemoryReport(pp_rank, comps, flight, per_layer, hbm)
+
+
+def _parts_and_state(cfg: Config, stage: Stage, layout: Layout, memo: dict | None):
     parts = state_parts(cfg, stage, layout, memo)
-    key = ("model state", stage, layout.dp_cp, layout.edp, layout.distributed_optimizer)
-    comps: dict[str, float] = dict(cached(memo, key, _state, parts, stage))
+    return parts, _state(parts, stage)
+
+
+def _rank_activations(cfg: Config, layout: Layout, stage: Stage, pp_rank: int, memo: dict | None):
+    """(activations, weight casts and transients by component, the communication buffers but the
+    bf16 gradient copies, micro-batches in flight, the biggest layer kind's parts) of a rank."""
     flight = in_flight(layout.pp, pp_rank, layout.num_micro, layout.vpp)
     mk = micro_key(layout)
     lm = cached(memo, ("layer memory", mk), _layer_memory, cfg, layout)
@@ -642,6 +757,7 @@ def rank_memory(
     big = max(per_kind, key=per_kind.__getitem__)
     first_extra, last_extra = cached(memo, ("extras", mk, stage.shape), _extras, cfg, layout, stage)
     layer_casts, output_cast = weight_cast_bytes(cfg, stage, layout)
+    comps: dict[str, float] = {}
     comps["activations"] = flight * (chunk_bytes + first_extra) + last_extra
     comps["weight casts"] = flight * layer_casts / len(stage.chunks) + output_cast
     e, h, t = layout.micro_batch * local_tokens(cfg, layout), cfg.model.hidden_size, layout.tp
@@ -651,9 +767,6 @@ def rank_memory(
     if stage.layers and lm.workspace:
         comps["attention workspace (transient)"] = lm.workspace
     comm = 0.0
-    if cfg.parallel.grad_reduce_dtype == "bf16":  # a bf16 copy of every bucket, all may be in flight
-        comm += (parts["dense"][1] if layout.dp_cp > 1 else 0) / 2
-        comm += (parts["expert"][1] if layout.edp > 1 else 0) / 2
     if layout.ep > 1:  # one expert-parallel layer's exchange buffers
         comm += max((lm.ep_buffers[k] for k in per_kind if k.mlp is not None), default=0.0)
     if layout.pp > 1:  # hidden states travel between stages in the parameters' dtype
@@ -662,9 +775,29 @@ def rank_memory(
         comm += 2 * e * h * 4
     if stage.layers:
         comm += lm.cp_buffers
-    comps["communication buffers"] = comm
-    comps["headroom"] = headroom_bytes(hbm)
-    return MemoryReport(pp_rank, comps, flight, lm.parts[big], hbm)
+    return comps, comm, flight, lm.parts[big]
+
+
+def fsdp_transient_bytes(cfg: Config, layout: Layout, stage: Stage) -> dict[str, float]:
+    """What FSDP holds beside its shards (`mlm.parallel.fsdp`): with more than one micro-batch per
+    step the gradient sync is off until the last (`set_requires_gradient_sync`), so FSDP2 keeps
+    every parameter's unsharded gradient, accumulated in fp32 (its reduce dtype; measured with
+    bf16 parameters too), from the first micro-batch's backward to the last's reduce-scatter. The
+    gathered units in the parameters' dtype: resharded after forward, two layers at once (one
+    running, the next prefetched) beside the larger end unit (embedding, or final norm + output
+    layer, kept to its backward) and the root; otherwise every unit from its forward to its
+    backward. A layer's unsharded gradient (parameters' dtype) and its fp32 reduce-scatter input."""
+    trainable = sum(stage.numels) + sum(stage.expert_numels)
+    layer, ends = stage.fsdp_units
+    pb = param_bytes(cfg)
+    if cfg.parallel.fsdp_reshard_after_forward:
+        gathered = pb * (2 * layer + ends)
+    else:
+        gathered = pb * (trainable + stage.frozen)
+    out = {"gathered parameters (transient)": gathered + (pb + 4) * layer}
+    if layout.num_micro > 1:
+        out["unsharded gradients (accumulating)"] = 4.0 * trainable
+    return out
 
 
 def memory(

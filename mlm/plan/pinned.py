@@ -3,8 +3,9 @@
     c, result = complete(job, Layout.parse("tp8pp4vpp2cp2mb1rcsel"))
 
 The search restricted to the layout's mesh (`mlm.plan.search.explain_layout`) chooses what the
-text leaves open: dp (what --gpus leaves), micro-batch, recompute, optimizer sharding, cp's
-attention, and sequence parallelism (on at tp > 1, the only setting the planner models). A
+text leaves open: dp (what --gpus leaves), micro-batch, recompute, sharding (none, zero1, fsdp,
+hsdp<N>), cp's attention, and sequence parallelism (on at tp > 1, the only setting the planner
+models). A
 layout that gives the global batch or the stage split must give the job's and the search's.
 """
 
@@ -31,7 +32,7 @@ def complete(job: Job, lo: Layout, optimizer: str = "auto") -> tuple[Candidate, 
             f"--layout {lo}: mlm plan models tp > 1 with sequence parallelism only (it moves the same "
             "bytes as tp's all-reduces and keeps 1/tp of the norms' activations); drop nosp"
         )
-    if lo.distributed_optimizer is False and (lo.dp is None or lo.dp_cp > 1):
+    if lo.distributed_optimizer is False and not lo.fsdp and (lo.dp is None or lo.dp_cp > 1):
         if optimizer == "distributed":
             raise MlmError(
                 f"--layout {lo}: nozero1 replicates the optimizer, --optimizer distributed shards it; drop one"

@@ -10,7 +10,8 @@ A run is a TOML table (schema in tests/data/README.md): the model's shape, `seq_
 `profile` (a software profile of `mlm.plan.software`, with optional `[run.software_overrides]`;
 `software` describes the source's software in words),
 the layout (`tp`, `pp`, `vpp`, `dp`, `cp`, `ep`, `sequence_parallel`, `recompute`,
-`distributed_optimizer`), `precision`, and what was measured: `tokens_per_s_per_gpu`, `step_s`,
+`distributed_optimizer`, `fsdp`: FSDP's shard degree, cp joining it, as the layout's fsdp or
+hsdp<N>), `precision`, and what was measured: `tokens_per_s_per_gpu`, `step_s`,
 `tflops_per_gpu` or `mfu` (the last two over the FLOPs per token the source counted,
 `flops_count`: see `source_flops_per_token`). Values the source does not give are in the
 `[run.assumed]` table, named as assumptions; `[run.hardware_overrides]` changes the hardware
@@ -143,11 +144,14 @@ def job_and_layout(run: dict) -> tuple[Job, Layout]:
             vpp,
             run.get("sequence_parallel", tp > 1),
             run.get("recompute", "none"),
-            run.get("distributed_optimizer", False),
+            run.get("distributed_optimizer", False) and "fsdp" not in run,
             first,
             last,
             cp=cp,
             ep=run.get("ep", 1),
+            # FSDP's shard degree (torchtitan's data_parallel_shard_degree, which its cp joins)
+            fsdp="fsdp" in run and dp * cp > 1,
+            fsdp_shard=run["fsdp"] * cp if "fsdp" in run and dp * cp > 1 else None,
         )
         job = Job(cfg, run["gpus"], run["gpus_per_node"], hw, sw)
         check_layout(job, layout)

@@ -28,10 +28,10 @@ from mlm.plan.memory import (
     micro,
     parameter_counts,
 )
-from mlm.plan.search import SearchResult
+from mlm.plan.search import SearchResult, sharding_name
 
 GB = 1e9
-MESH_CHOICES = ("mesh", "sp", "recompute", "dist opt")
+MESH_CHOICES = ("mesh", "sp", "recompute", "sharding")
 """The ranked table's left-justified columns (words); the others are numbers."""
 MEMORY_ORDER = (
     "weights",
@@ -41,6 +41,8 @@ MEMORY_ORDER = (
     "weight casts",
     "logits (transient)",
     "attention workspace (transient)",
+    "gathered parameters (transient)",
+    "unsharded gradients (accumulating)",
     "communication buffers",
     "headroom",
 )
@@ -115,7 +117,7 @@ RANKED_COLUMNS = (
     "mb",
     "m",
     "recompute",
-    "dist opt",
+    "sharding",
     "weights",
     "grads",
     "optim",
@@ -128,14 +130,31 @@ RANKED_COLUMNS = (
 )
 
 
+def shown_ranks(ranked: list[Candidate], top: int) -> list[int]:
+    """The ranks (from 1) the table shows: the best `top`, then the best of each sharding (none,
+    zero1, fsdp, hsdp<N>) that they leave out, so that every kind the search tried is compared."""
+    shown = list(range(1, min(top, len(ranked)) + 1))
+    kinds = {sharding_name(ranked[i - 1].layout).rstrip("0123456789") for i in shown}
+    for i, c in enumerate(ranked, 1):
+        kind = sharding_name(c.layout).rstrip("0123456789")
+        if kind not in kinds:
+            kinds.add(kind)
+            shown.append(i)
+    return shown
+
+
 def ranked_table(job: Job, result: SearchResult, top: int) -> Grid:
+    shown = shown_ranks(result.ranked, top)
+    more = len(shown) - min(top, len(result.ranked))
     title = (
         f"mlm plan: {job.gpus} × {job.hardware.name}, software {job.software.name}, "
         f"{result.evaluated} layouts ({result.sized} sized), "
-        f"{len(result.ranked)} fit; best {min(top, len(result.ranked))}\n{model_line(job)}"
+        f"{len(result.ranked)} fit; best {min(top, len(result.ranked))}"
+        f"{f' and the best of {more} more sharding(s)' if more else ''}\n{model_line(job)}"
     )
     t = Grid(title, RANKED_COLUMNS, right=tuple(c for c in RANKED_COLUMNS if c not in MESH_CHOICES))
-    for i, c in enumerate(result.ranked[:top], 1):
+    for i in shown:
+        c = result.ranked[i - 1]
         lo, mem = c.layout, c.memory.components
         other = sum(
             v for k, v in mem.items() if k not in ("weights", "gradients", "optimizer", "activations")
@@ -147,7 +166,7 @@ def ranked_table(job: Job, result: SearchResult, top: int) -> Grid:
             str(lo.micro_batch),
             str(lo.num_micro),
             lo.recompute,
-            "yes" if lo.distributed_optimizer else "no",
+            sharding_name(lo),
             *(f"{mem[k] / GB:.1f}" for k in ("weights", "gradients", "optimizer", "activations")),
             f"{other / GB:.1f}",
             f"{c.memory.total / GB:.1f}",
@@ -173,8 +192,7 @@ def explain(job: Job, c: Candidate) -> Group:
     head = Text(
         f"{lo.mesh()}{' sp' if lo.sequence_parallel else ''}, micro-batch {lo.micro_batch} × "
         f"{lo.num_micro} per step per dp rank (global {lo.global_batch}, seq {cfg.data.seq_length}), "
-        f"{lo.recompute} recompute, {'distributed' if lo.distributed_optimizer else 'replicated'} "
-        f"optimizer, {cfg.train.precision}; {job.gpus} × {job.hardware.name}, software {job.software.name}",
+        f"{lo.recompute} recompute, {_sharding_words(lo)}, {cfg.train.precision}; {job.gpus} × {job.hardware.name}, software {job.software.name}",
         style="bold",
     )
     head.append(f"\n--layout {lo}", style="bold")
@@ -322,6 +340,8 @@ def plan_dict(job: Job, c: Candidate, preset: str, overrides: list[str]) -> dict
         "choices": {
             "recompute": lo.recompute,
             "distributed_optimizer": lo.distributed_optimizer,
+            "fsdp": bool(lo.fsdp),
+            "fsdp_shard_size": lo.fsdp_shard,  # unset: over all dp × cp ranks
             "precision": cfg.train.precision,
             "param_dtype": cfg.train.param_dtype,
         },
@@ -335,6 +355,13 @@ def plan_dict(job: Job, c: Candidate, preset: str, overrides: list[str]) -> dict
             "time_s": {_key(k): v for k, v in c.timing.terms.items()},
         },
     }
+
+
+def _sharding_words(lo: Layout) -> str:
+    if lo.fsdp:
+        group = f"groups of {lo.fsdp_shard} dp × cp ranks (HSDP)" if lo.fsdp_shard else "dp × cp (FSDP)"
+        return f"parameters, gradients and optimizer sharded over {group}"
+    return f"{'distributed' if lo.distributed_optimizer else 'replicated'} optimizer"
 
 
 def save_memory_png(job: Job, ranked: list[Candidate], path: str, top: int) -> None:

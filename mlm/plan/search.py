@@ -5,8 +5,9 @@ own message from `mlm.parallel`), when tp crosses a node (its all-reduces would 
 network, never competitive), or when none of its layouts fits (the reason names the smallest
 need). Within a family every vpp (layers divisible by pp × vpp; micro-batches a multiple of pp),
 micro-batch (a divisor of global batch / dp, up to 16), recompute (none, selective, full) and
-optimizer sharding is tried (each sized before it is timed, and only what fits timed:
-`mlm.plan.candidates`); sequence parallelism is always on with tp > 1 (it moves the same
+sharding of the model state (`SHARDINGS`: none, zero1, and where `fsdp_refusals` allows, HSDP
+over a node's dp × cp ranks and FSDP over all of them) is tried (each sized before it is timed,
+and only what fits timed: `mlm.plan.candidates`); sequence parallelism is always on with tp > 1 (it moves the same
 bytes as tp's all-reduces and stores 1/tp of the norms' activations; expert parallelism over tp
 ranks needs it too). For a model with MoE layers every expert-parallel size is tried that divides
 both the stage's dp × cp × tp ranks (ep folds over them) and the number of experts (each rank holds
@@ -28,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from mlm.config import check_context_parallel_kinds
+from mlm.config import check_context_parallel_kinds, fsdp_refusals
 from mlm.errors import MlmError
 from mlm.layout import Layout
 from mlm.model import kinds
@@ -38,6 +39,15 @@ from mlm.plan.candidates import Candidate, Shared, family
 from mlm.plan.job import Job
 
 RECOMPUTE = ("none", "selective", "full")
+SHARDINGS = {
+    "adam": ("none",),
+    "distributed": ("zero1",),
+    "fsdp": ("hsdp", "fsdp"),
+    "auto": ("none", "zero1", "hsdp", "fsdp"),
+}
+"""`search`'s `optimizer` → the shardings it tries, the least memory last: none (replicated), zero1
+(the distributed optimizer), hsdp (FSDP over the dp × cp ranks of one node, replicated across
+nodes), fsdp (over all dp × cp ranks)."""
 MAX_MICRO_BATCH = 16
 CP_COMM_TYPES = ("p2p", "all_gather")
 MIN_CP_TOKENS = 1024
@@ -65,6 +75,10 @@ class Constraints:
     """the recompute modes to try (none, selective, full)"""
     cp_comm_type: str | None = None
     """only this attention under context parallelism (p2p, all_gather)"""
+    fsdp: bool | None = None
+    """only FSDP layouts (True: over all dp × cp ranks unless `fsdp_shard`), none (False)"""
+    fsdp_shard: int | None = None
+    """with fsdp: only this shard group (HSDP's `hsdp<N>`)"""
 
     def allows(self, tp: int, pp: int) -> bool:
         return self.tp in (None, tp) and self.pp in (None, pp) and (self.max_tp is None or tp <= self.max_tp)
@@ -259,6 +273,37 @@ def context_parallel_sizes(cfg, ranks: int, tp: int, cp: int | None = None) -> l
     return out
 
 
+def shardings(
+    job: Job, pp: int, ep: int, tp: int, ranks: int, optimizers: tuple, k: Constraints = Constraints()
+) -> list[tuple[bool, bool, int | None]]:
+    """(distributed optimizer, fsdp, HSDP shard) for each of `optimizers` (`SHARDINGS`' names; False
+    and True are none and zero1) that a mesh of `ranks` = dp × cp ranks can take: one rank shards
+    nothing; FSDP only where `fsdp_refusals` names nothing (and, in the whole search, at pp 1), HSDP
+    over the dp × cp ranks of one node (gpus_per_node / tp: the shard group stays on NVLink) where
+    that divides `ranks` and is less."""
+    if ranks == 1:
+        return [(False, False, None)]
+    cfg = job.cfg
+    fsdp_ok = not fsdp_refusals(cfg.model, cfg.train) and k.fsdp is not False
+    if pp > 1 and k.fsdp is None and "none" in optimizers:
+        # the whole search (auto) tries FSDP without pipeline stages only: with them it would double
+        # llama3-70b's search (27,243 layouts, not 15,255) for plans zero1 beats in every job of
+        # docs/plan.md; --optimizer fsdp and --layout try it at any pp
+        fsdp_ok = False
+    out = []
+    for name in optimizers:
+        name = {False: "none", True: "zero1"}.get(name, name)
+        if name in ("none", "zero1") and not k.fsdp:
+            out.append((name == "zero1", False, None))
+        elif name == "fsdp" and fsdp_ok and k.fsdp_shard is None:
+            out.append((False, True, None))
+        elif name == "hsdp" and fsdp_ok:
+            S = k.fsdp_shard or job.gpus_per_node // tp
+            if k.fsdp_shard or (not k.fsdp and 1 < S < ranks and ranks % S == 0):  # fsdp pins all ranks
+                out.append((False, True, S))
+    return out
+
+
 def _family_layouts(
     job: Job,
     tp: int,
@@ -295,6 +340,7 @@ def _cp_layouts(
     else:
         mbs = [d for d in _divisors(gb // dp) if d <= (1 if smallest else MAX_MICRO_BATCH)]
     rcs = [r for r in RECOMPUTE if r in k.recompute]  # least memory last
+    options: dict[int, list] = {}  # ep → its shardings
     for vpp in [k.vpp] if k.vpp is not None else vpps:
         try:
             first, last = stage_split(L, pp, vpp)
@@ -305,9 +351,13 @@ def _cp_layouts(
             if vpp > 1 and m % pp:
                 continue
             for rc in rcs[-1:] if smallest else rcs:
-                for dist in (False,) if dp * cp == 1 else optimizers[-1:] if smallest else optimizers:
-                    for e in eps:
-                        yield Layout(tp, pp, dp, mb, gb, vpp, tp > 1, rc, dist, first, last, cp, e, comm)
+                for e in eps:
+                    if e not in options:
+                        options[e] = shardings(job, pp, e, tp, dp * cp, optimizers, k)
+                    for dist, fsdp, shard in options[e][-1:] if smallest else options[e]:
+                        yield Layout(
+                            tp, pp, dp, mb, gb, vpp, tp > 1, rc, dist, first, last, cp, e, comm, fsdp, shard
+                        )
 
 
 def search(
@@ -319,7 +369,8 @@ def search(
     k: Constraints = Constraints(),
     exhaustive: bool = False,
 ) -> SearchResult:
-    """Every valid layout of `job`; `optimizer`: adam (replicated), distributed, or auto (both).
+    """Every valid layout of `job`; `optimizer`: adam (replicated), distributed, fsdp (FSDP or
+    HSDP), or auto (all of them: `SHARDINGS`).
     `smallest`: only the least memory of each mesh (micro-batch 1, full recompute, the optimizer
     sharded if allowed, as far as `k` allows), enough to tell whether anything fits. `ep`, `cp`:
     only this expert-parallel / context-parallel size (default: every valid one); `k`: the rest.
@@ -333,7 +384,7 @@ def search(
         check_cp(cfg, cp)
         if N % cp:
             raise MlmError(f"cp={cp} does not divide --gpus {N}; choose one of {_divisors(N)}")
-    optimizers = {"adam": (False,), "distributed": (True,), "auto": (False, True)}[optimizer]
+    optimizers = SHARDINGS[optimizer]
     shared = Shared(job, memoize=not exhaustive)
     result = SearchResult([])
     for tp in _divisors(N):
@@ -380,13 +431,20 @@ def why_not(c: Candidate) -> str:
     big = ", ".join(f"{k} {_gb(v)}" for k, v in comps)
     lo = c.layout
     how = f"mb={lo.micro_batch}, {lo.recompute} recompute" + (
-        ", dist. optimizer" if lo.distributed_optimizer else ""
+        ", dist. optimizer" if lo.distributed_optimizer else f", {sharding_name(lo)}" if lo.fsdp else ""
     )
     if lo.cp > 1:
         how += f", cp={lo.cp} {lo.cp_comm_type}"
     if lo.ep > 1:
         how += f", ep={lo.ep}"
     return f"needs {_gb(c.memory.total)} > {_gb(c.memory.hbm)} at best ({how}): {big}"
+
+
+def sharding_name(lo: Layout) -> str:
+    """How `lo` shards the model state: none, zero1, fsdp or hsdp<N> (the layout's term)."""
+    if lo.fsdp:
+        return f"hsdp{lo.fsdp_shard}" if lo.fsdp_shard else "fsdp"
+    return "zero1" if lo.distributed_optimizer else "none"
 
 
 def plan(
@@ -422,19 +480,32 @@ def explain_layout(job: Job, lo: Layout, optimizer: str = "auto") -> tuple[Candi
     L, gb = job.cfg.model.num_layers, job.global_batch
     tp, pp, vpp, cp, ep = lo.tp, lo.pp, lo.vpp, lo.cp, lo.ep
     if lo.distributed_optimizer:
-        if optimizer == "adam":
+        if optimizer in ("adam", "fsdp"):
+            other = "replicates it" if optimizer == "adam" else "shards it with the parameters (FSDP)"
             raise MlmError(
-                f"--layout {lo}: zero1 shards the optimizer, --optimizer adam replicates it; drop one"
+                f"--layout {lo}: zero1 shards the optimizer, --optimizer {optimizer} {other}; drop one"
             )
         optimizer = "distributed"
+    if lo.fsdp:
+        if optimizer in ("adam", "distributed"):
+            raise MlmError(
+                f"--layout {lo}: {sharding_name(lo)} is FSDP, --optimizer {optimizer} is not; drop one"
+            )
+        refused = fsdp_refusals(job.cfg.model, job.cfg.train)
+        if refused:
+            raise MlmError(
+                f"--layout {lo}: FSDP is not built with {', '.join(refused)} yet; drop {sharding_name(lo)}"
+            )
+        optimizer = "fsdp"
     parallel = job.cfg.parallel.__class__(tp=tp, pp=pp, cp=cp, ep=ep)
     dp = lo.dp if lo.dp is not None else Mesh.shape_for(parallel, job.gpus)["dp"]
     first, last = stage_split(L, pp, vpp)
     mb, rc = lo.micro_batch, lo.recompute
     comm = lo.cp_comm_type if cp > 1 else None
     probe = Layout(tp, pp, dp, mb or 1, gb, vpp, tp > 1, rc or "full", False, first, last, cp, ep)
+    probe = replace(probe, fsdp=bool(lo.fsdp), fsdp_shard=lo.fsdp_shard)  # MlmError: hsdp<N> ∤ dp × cp
     check_layout(job, replace(probe, cp_comm_type=comm or "p2p"))
-    k = Constraints(tp, pp, None, vpp, mb, (rc,) if rc else RECOMPUTE, comm)
+    k = Constraints(tp, pp, None, vpp, mb, (rc,) if rc else RECOMPUTE, comm, lo.fsdp, lo.fsdp_shard)
     result = search(job, optimizer, ep=ep, cp=cp, k=k)
     assert result.ranked or (tp, pp) in result.least, result.rejected  # a valid mesh has layouts
     return (result.ranked[0] if result.ranked else result.least[(tp, pp)]), result

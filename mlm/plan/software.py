@@ -25,9 +25,9 @@ bytes moved and kernels launched per layer). The built-in profiles:
                     fused attention, fused weight-gradient accumulation, overlapped gradient
                     reduce-scatter and parameter all-gather, fp8 grouped GEMMs for the routed
                     experts under fp8 (the published H100 and MoE runs)
-    torchtitan      torchtitan with FSDP2 and torch.compile: compiled (fused) norms, SwiGLU and
-                    RoPE, SDPA attention, parameters all-gathered and gradients reduce-scattered
-                    per layer, overlapped with compute
+    torchtitan      torchtitan with torch.compile: compiled (fused) norms, SwiGLU and RoPE, SDPA
+                    attention, per-op selective recompute; its runs shard with FSDP2, which is
+                    the layout's `fsdp` / `hsdp<N>` (`mlm.plan.timing.fsdp_seconds`), as mlm's
 
 A custom profile is a TOML file with the same keys, optionally starting from a built-in one with
 `base = "megatron-core"` (as hardware profiles do, `mlm.plan.hardware`). Torch-free.
@@ -99,9 +99,6 @@ class Software:
     """Under train.fp8 the routed experts' grouped GEMMs run in fp8 too (Transformer Engine's, in
     Megatron-core); mlm's fp8 leaves them in the compute dtype, with the routers, the output layer
     and the MTP depths (`mlm.parallel.fp8`)."""
-    fsdp: bool = False
-    """Parameters sharded over dp and all-gathered per layer (FSDP / ZeRO-3): the gathers and the
-    gradient reduce-scatter run per layer, overlapped with the layers' compute."""
     launch_s: float = 10e-6
     """Host time to launch one kernel (eager PyTorch's dispatch; a GPU waits when its kernels are
     shorter)."""
@@ -145,7 +142,7 @@ PROFILES: dict[str, Software] = {
         weight_casts=False,
         fp8_experts=True,
     ),
-    "torchtitan": Software("torchtitan", weight_casts=False, fsdp=True, selective="op"),
+    "torchtitan": Software("torchtitan", weight_casts=False, selective="op"),
 }
 
 

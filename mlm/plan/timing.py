@@ -72,13 +72,20 @@ software profile (`mlm.plan.software`: mlm's own by default, or what a published
                 optimizer's all-gather of the parameters (fp32, or bf16/fp16 under
                 train.param_dtype) after the step, overlapped with the next step's first forward
                 (only the excess over a third of a micro-batch's compute counts)
+    fsdp        (the layout's fsdp / hsdp<N>, `fsdp_seconds`) instead of dp: per micro-batch every
+                unit's parameters all-gathered over the shard group S in the parameters' dtype
+                for the forward and again for the backward (once without
+                parallel.fsdp_reshard_after_forward), behind the compute (a third of a
+                micro-batch's forward, two thirds backward; the first unit's gather exposed);
+                the fp32 gradients reduce-scattered over S in the last micro-batch's backward,
+                then under HSDP all-reduced (1/S of them) across the dp·cp / S groups; NVLink
+                when tp·S ranks fit in a node
     optimizer   fused AdamW, the gradient norm and zeroing the gradients are memory-bound: 36 bytes
                 read or written per local element / (HBM bandwidth × memory efficiency)
     overlaps    by the profile: `tp_overlap` (the tp collectives in tp chunks pipelined with the
                 GEMMs: the first chunk and any excess over the GEMMs count), `ep_overlap` (the
                 all-to-all behind another micro-batch's compute), `overlap_grad_reduce` and
-                `overlap_param_gather` (else the dp collectives count whole), `fsdp` (the
-                parameters gathered per layer for every micro-batch's forward and backward)
+                `overlap_param_gather` (else the dp collectives count whole)
 
 Tokens/s per GPU = global batch × seq / step / GPUs; MFU = Megatron model FLOPs (no recompute)
 per step / (step × GPUs × peak).
@@ -409,14 +416,63 @@ def _stage_time(job: Job, layout: Layout, stage: Stage, lt: _LayerTimes) -> tupl
     return c + mem + launch + tp_s + ep_s + cp_s, c, mem, launch, tp_s, ep_s, cp_s
 
 
-def step_time(job: Job, layout: Layout, stages: list[Stage], memo: dict | None = None) -> Timing:
-    """The step of `layout`; `stages`: the pipeline ranks to consider (the slowest sets the pace);
-    `memo`: a search's shared terms (`mlm.plan.memo`)."""
+def fsdp_seconds(job: Job, layout: Layout, stages: list[Stage], c_mb: float) -> tuple[float, float]:
+    """(exposed seconds of FSDP's collectives per step, the elements of a rank's shards, which the
+    optimizer steps) on the stage with the most parameters (see the module doc). Per micro-batch
+    each unit's parameters are all-gathered over the shard group in the parameters' dtype for the
+    forward and again for the backward (once without parallel.fsdp_reshard_after_forward), each
+    behind the unit before's compute (FSDP2's prefetch): the forward's gathers hide behind its
+    third of the compute, the backward's behind two thirds, and only the excess counts, plus one
+    unit's gather that nothing hides (the first). The last micro-batch's backward also
+    reduce-scatters the fp32 gradients over the shard group and, under HSDP, all-reduces each
+    shard across the dp·cp / S groups. Experts (ep > 1) are sharded over edp."""
+    cfg, hw, g = job.cfg, job.hardware, job.gpus_per_node
+    stage = max(stages, key=lambda st: sum(st.numels) + sum(st.expert_numels))
+    S, tp = layout.fsdp_shard_size, layout.tp
+    shard_link = _link(hw, tp * S <= g)  # S consecutive dp × cp ranks: tp·S consecutive ranks
+    replica_link = _link(hw, tp * layout.dp_cp <= g)
+    pb = param_bytes(cfg)
+    units = len(stage.layers) + 2
+    gather = reduce = local = 0.0
+    for elems, ranks, link, replicas in (
+        (sum(stage.numels), S, shard_link, layout.dp_cp // S),
+        (sum(stage.expert_numels), layout.edp, replica_link, 1),
+    ):
+        if not elems or ranks <= 1:
+            local += elems
+            continue
+        bw, lat = link
+        gather += (ranks - 1) / ranks * elems * pb / bw + units * lat
+        reduce += (ranks - 1) / ranks * elems * 4 / bw + units * lat
+        reduce += _collective(elems / ranks * 4, replicas, *replica_link, 2.0)
+        local += elems / ranks
+    first = gather / units
+    backward = gather if cfg.parallel.fsdp_reshard_after_forward else 0.0
+    forward_s = max(0.0, gather - c_mb / 3) + first
+    backward_s = max(0.0, backward - c_mb * 2 / 3) + (first if backward else 0.0)
+    last_s = max(0.0, backward + reduce - c_mb * 2 / 3) + (first if backward else 0.0)
+    m = layout.num_micro
+    return m * forward_s + (m - 1) * backward_s + last_s, local
+
+
+class _Pace(NamedTuple):
+    """The terms of a step that do not depend on how the model state is sharded (computed once per
+    mesh, micro-batch and recompute in a search, `mlm.plan.memo`, and shared by its shardings)."""
+
+    terms: dict[str, float]
+    slowest: tuple
+    """(busy, GEMMs and attention, memory-bound, launches, tp, ep, cp) of the slowest stage's
+    micro-batch, busy with its p2p and data loading."""
+    bubble: float
+    data: float
+    eff: float
+
+
+def _pace(job: Job, layout: Layout, stages: list[Stage], memo: dict | None) -> _Pace:
     cfg: Config = job.cfg
-    hw, sw = job.hardware, job.software
+    hw = job.hardware
     t, u = layout.tp, layout.tp if layout.sequence_parallel else 1
     e, h = layout.micro_batch * local_tokens(cfg, layout), cfg.model.hidden_size
-    memory_rate = hw.hbm_bandwidth * hw.memory_efficiency
     mk = micro_key(layout)
     lt = cached(memo, ("layer times", mk), _layer_times, job, layout)
     data = lt.data
@@ -428,48 +484,70 @@ def step_time(job: Job, layout: Layout, stages: list[Stage], memo: dict | None =
         per_micro.append((busy + p2p + data, *parts))
     slowest = max(per_micro)
     c_mb, mem_mb, launch_mb, tp_mb, ep_mb, cp_mb = slowest[1:]
-    stretch = layout.num_micro / (1 - bubble_fraction(layout.pp, layout.num_micro, layout.vpp))
-    bubble = (stretch - layout.num_micro) * slowest[0]
+    m = layout.num_micro
+    stretch = m / (1 - bubble_fraction(layout.pp, m, layout.vpp))
+    bubble = (stretch - m) * slowest[0]
+    terms = {
+        "GEMMs and attention": m * c_mb,
+        "memory-bound ops": m * mem_mb,
+        "launch overhead (exposed)": m * launch_mb,
+        "data loading": m * data,
+        "tp collectives": m * tp_mb,
+        "ep all-to-all": m * ep_mb,
+        "cp exchange (exposed)": m * cp_mb,
+        "pp p2p": m * p2p,
+        "pipeline bubble": bubble,
+    }
+    return _Pace(terms, slowest, bubble, data, lt.eff)
 
-    # gradients: the dense buffer over dp × cp, the experts' over edp (a stage's ranks with the same
-    # experts, every ep-th; both groups span the stage's dp × cp × tp ranks)
-    parts = max(
-        (state_parts(cfg, st, layout, memo) for st in stages), key=lambda d: d["dense"][1] + d["expert"][1]
-    )
-    dp_bw, dp_lat = _link(hw, t * layout.cp * layout.dp <= job.gpus_per_node)
-    reduce = gather = local = 0.0
-    for (_, grad_bytes, _), ranks in ((parts["dense"], layout.dp_cp), (parts["expert"], layout.edp)):
-        elems = grad_bytes / 4
-        wire = elems * (2 if cfg.parallel.grad_reduce_dtype == "bf16" else 4)
-        if layout.distributed_optimizer or sw.fsdp:
-            reduce += _collective(wire, ranks, dp_bw, dp_lat, 1.0)
-            gather += _collective(elems * param_bytes(cfg), ranks, dp_bw, dp_lat, 1.0)
-            local += elems / ranks
-        else:
-            reduce += _collective(wire, ranks, dp_bw, dp_lat, 2.0)
-            local += elems
-    if sw.fsdp:  # gathered again for each micro-batch's forward and backward, layer by layer
-        gathers = layout.num_micro * max(0.0, 2 * gather - c_mb)
-    elif sw.overlap_param_gather:
-        gathers = max(0.0, gather - c_mb / 3)
+
+def step_time(job: Job, layout: Layout, stages: list[Stage], memo: dict | None = None) -> Timing:
+    """The step of `layout`; `stages`: the pipeline ranks to consider (the slowest sets the pace);
+    `memo`: a search's shared terms (`mlm.plan.memo`)."""
+    cfg: Config = job.cfg
+    hw, sw = job.hardware, job.software
+    t = layout.tp
+    memory_rate = hw.hbm_bandwidth * hw.memory_efficiency
+    key = ("pace", micro_key(layout), tuple(stages), layout.num_micro, layout.dp, layout.vpp)
+    pace = cached(memo, key, _pace, job, layout, stages, memo)
+    slowest, bubble, data = pace.slowest, pace.bubble, pace.data
+    c_mb, mem_mb, launch_mb = slowest[1:4]
+
+    if layout.fsdp:
+        key = (
+            "fsdp",
+            tuple(stages),
+            layout.fsdp_shard_size,
+            layout.dp_cp,
+            layout.edp,
+            layout.num_micro,
+            c_mb,
+        )
+        dp_exposed, local = cached(memo, key, fsdp_seconds, job, layout, stages, c_mb)
     else:
-        gathers = gather
-    dp_exposed = (max(0.0, reduce - c_mb * 2 / 3) if sw.overlap_grad_reduce else reduce) + gathers
+        # gradients: the dense buffer over dp × cp, the experts' over edp (a stage's ranks with the
+        # same experts, every ep-th; both groups span the stage's dp × cp × tp ranks)
+        parts = max(
+            (state_parts(cfg, st, layout, memo) for st in stages),
+            key=lambda d: d["dense"][1] + d["expert"][1],
+        )
+        dp_bw, dp_lat = _link(hw, t * layout.cp * layout.dp <= job.gpus_per_node)
+        reduce = gather = local = 0.0
+        for (_, grad_bytes, _), ranks in ((parts["dense"], layout.dp_cp), (parts["expert"], layout.edp)):
+            elems = grad_bytes / 4
+            wire = elems * (2 if cfg.parallel.grad_reduce_dtype == "bf16" else 4)
+            if layout.distributed_optimizer:
+                reduce += _collective(wire, ranks, dp_bw, dp_lat, 1.0)
+                gather += _collective(elems * param_bytes(cfg), ranks, dp_bw, dp_lat, 1.0)
+                local += elems / ranks
+            else:
+                reduce += _collective(wire, ranks, dp_bw, dp_lat, 2.0)
+                local += elems
+        gathers = max(0.0, gather - c_mb / 3) if sw.overlap_param_gather else gather
+        dp_exposed = (max(0.0, reduce - c_mb * 2 / 3) if sw.overlap_grad_reduce else reduce) + gathers
     optimizer = OPTIMIZER_BYTES * local / memory_rate
 
-    terms = {
-        "GEMMs and attention": layout.num_micro * c_mb,
-        "memory-bound ops": layout.num_micro * mem_mb,
-        "launch overhead (exposed)": layout.num_micro * launch_mb,
-        "data loading": layout.num_micro * data,
-        "tp collectives": layout.num_micro * tp_mb,
-        "ep all-to-all": layout.num_micro * ep_mb,
-        "cp exchange (exposed)": layout.num_micro * cp_mb,
-        "pp p2p": layout.num_micro * p2p,
-        "pipeline bubble": bubble,
-        "dp (exposed)": dp_exposed,
-        "optimizer step": optimizer,
-    }
+    terms = {**pace.terms, "dp (exposed)": dp_exposed, "optimizer step": optimizer}
     step = sum(terms.values())
     busy = slowest[0]
     compute_s = terms["GEMMs and attention"] + bubble * (c_mb / busy if busy else 0)
@@ -491,5 +569,5 @@ def step_time(job: Job, layout: Layout, stages: list[Stage], memo: dict | None =
         step_s=step,
         tokens_per_s_per_gpu=tokens / step / gpus,
         mfu=job.flops_per_token * tokens / (step * gpus * hw.peak(cfg.train.precision)),
-        gemm_efficiency=lt.eff,
+        gemm_efficiency=pace.eff,
     )

@@ -49,6 +49,9 @@ class Param:
     """False for the router's selection-only expert bias: a weight, with no gradient or Adam state."""
     active: int | None = None
     """Elements one token's forward uses (routed experts: the k of E it is sent to); None: all."""
+    rows: int | None = None
+    """The tensor's dim 0 as this rank holds it (what FSDP splits, `mlm.plan.memory.fsdp_rows`);
+    None: one-dimensional (numel rows)."""
 
     @property
     def active_numel(self) -> int:

@@ -13,10 +13,10 @@ def mlp_params(m, prefix: str, f: int, tp: int) -> list[Param]:
     h, out = m.hidden_size, []
     names = (["gate"] if m.activation == "swiglu" else []) + ["up"]
     for name in names:
-        out.append(Param(f"{prefix}.{name}.weight", f // tp * h, linear=True))
+        out.append(Param(f"{prefix}.{name}.weight", f // tp * h, linear=True, rows=f // tp))
         if m.add_bias:
             out.append(Param(f"{prefix}.{name}.bias", f // tp))
-    out.append(Param(f"{prefix}.down.weight", h * (f // tp), linear=True))
+    out.append(Param(f"{prefix}.down.weight", h * (f // tp), linear=True, rows=h))
     if m.add_bias:
         out.append(Param(f"{prefix}.down.bias", h))
     return out

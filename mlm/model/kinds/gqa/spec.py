@@ -64,7 +64,7 @@ class GQASpec(AttentionSpec):
             ("v", kv, h, kv, qkv_bias),
             ("out", h, q, h, m.add_bias),
         ):
-            out.append(Param(f"{prefix}.{name}.weight", rows * cols, linear=True))
+            out.append(Param(f"{prefix}.{name}.weight", rows * cols, linear=True, rows=rows))
             if has_bias:
                 out.append(Param(f"{prefix}.{name}.bias", bias))
         if m.qk_norm:

@@ -57,7 +57,7 @@ class MLASpec(AttentionSpec):
         out: list[Param] = []
 
         def linear(name: str, rows: int, cols: int, bias: bool = m.add_bias, bias_rows: int | None = None):
-            out.append(Param(f"{prefix}.{name}.weight", rows * cols, linear=True))
+            out.append(Param(f"{prefix}.{name}.weight", rows * cols, linear=True, rows=rows))
             if bias:
                 out.append(Param(f"{prefix}.{name}.bias", bias_rows or rows))
 

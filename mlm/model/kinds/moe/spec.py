@@ -42,7 +42,7 @@ class MoESpec(MLPSpec):
     def params(self, m, prefix, tp, ep):
         h, moe, F = m.hidden_size, m.moe, m.expert_ffn_size
         E, k = moe.num_experts, moe.router_topk
-        out = [Param(f"{prefix}.router.weight", E * h)]
+        out = [Param(f"{prefix}.router.weight", E * h, rows=E)]
         if moe.router_enable_expert_bias:
             out.append(Param(f"{prefix}.router.expert_bias", E, trainable=False))
         names = (["gate", "up"] if m.activation == "swiglu" else ["up"]) + ["down"]
@@ -55,12 +55,13 @@ class MoESpec(MLPSpec):
                     linear=True,
                     expert_parallel=ep > 1,
                     active=numel - numel // E * (E - k),  # a token uses k of the E experts
+                    rows=E // ep,  # [experts, out, in]
                 )
             )
         if moe.shared_expert_ffn_hidden_size:
             out += mlp_params(m, f"{prefix}.shared", moe.shared_expert_ffn_hidden_size, tp)
             if moe.shared_expert_gate:
-                out.append(Param(f"{prefix}.shared_gate.weight", h, linear=True))
+                out.append(Param(f"{prefix}.shared_gate.weight", h, linear=True, rows=1))
         return out
 
     def flops(self, m):

@@ -13,7 +13,9 @@ def own_params(m, prefix: str) -> tuple[list[Param], list[Param]]:
     at `prefix` (`mtp.{d}`), in the module's order."""
     norm = kinds.norm(m.normalization)
     before = norm.params(m, f"{prefix}.enorm") + norm.params(m, f"{prefix}.hnorm")
-    before.append(Param(f"{prefix}.eh_proj.weight", m.hidden_size * 2 * m.hidden_size, linear=True))
+    before.append(
+        Param(f"{prefix}.eh_proj.weight", m.hidden_size * 2 * m.hidden_size, linear=True, rows=m.hidden_size)
+    )
     return before, norm.params(m, f"{prefix}.final_norm")
 
 
