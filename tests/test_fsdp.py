@@ -74,8 +74,9 @@ def reference(tmp_path_factory, tiny_data):
         (2, {"parallel.cp": 2}),
         (2, {"parallel.fsdp_reshard_after_forward": "false"}),
         (4, {"parallel.fsdp_shard_size": 2}),
+        (2, {"parallel.fsdp_shard_size": 1}),
     ],
-    ids=["dp2", "dp4", "tp2-sp-dp2", "cp2", "dp2-keep-gathered", "hsdp-2x2"],
+    ids=["dp2", "dp4", "tp2-sp-dp2", "cp2", "dp2-keep-gathered", "hsdp-2x2", "hsdp-2x1"],
 )
 def test_fsdp_matches_one_process(tmp_path, tiny_data, reference, world, parallel):
     ref_losses, ref_norms, ref_weights = reference
@@ -178,14 +179,16 @@ def moe_reference(tmp_path_factory, tiny_data):
         (2, {}),
         (4, {"parallel.ep": 2}),
         (4, {"parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+        (2, {"parallel.ep": 2}),
     ],
-    ids=["moe-dp2", "ep2-dp4", "ep2-tp2-sp-dp2"],
+    ids=["moe-dp2", "ep2-dp4", "ep2-tp2-sp-dp2", "ep2-dp2"],
 )
 def test_fsdp_on_a_moe_model_matches_one_process(tmp_path, tiny_data, moe_reference, world, parallel):
     """MoE layers with a shared expert, the aux loss and aux-loss-free balancing (the expert bias
     stays whole: FSDP ignores it). At ep 1 the experts shard over dp like any weight; under ep
     they are their own FSDP unit over the ranks holding the same experts (edp = 2 here: dp 4 / ep
-    2, or dp 2 × tp 2 / ep 2), while the rest of the layer shards over dp."""
+    2, or dp 2 × tp 2 / ep 2; and edp = 1 at dp 2 / ep 2), while the rest of the layer shards over
+    dp."""
     ref_losses, ref_norms, ref_weights = moe_reference
     per_rank = run_ranks(world, _train_rank, _sets(tmp_path, tiny_data, **FSDP, **MOE, **parallel))
     torch.testing.assert_close(torch.tensor(per_rank[0][0]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
@@ -200,7 +203,8 @@ def test_fsdp_on_a_moe_model_matches_one_process(tmp_path, tiny_data, moe_refere
     _, shards, _ = per_rank[0][1]
     experts = [local for k, (local, n) in shards.items() if ".experts." in k]
     whole = [n for k, (local, n) in shards.items() if ".experts." in k]
-    assert experts and sum(experts) * 2 == sum(whole)  # halved: over dp 2, or edp 2
+    edp = world // int(parallel.get("parallel.ep", 1))  # the ranks the experts shard over
+    assert experts and sum(experts) * edp == sum(whole)
 
 
 def test_a_checkpoint_moves_between_fsdp_the_distributed_optimizer_and_one_process(tmp_path, tiny_data):

@@ -1,6 +1,7 @@
 """`mlm parity`: layout parsing, the comparison and its verdict, and a real run of tp1, tp2, pp2
 and dp2 from one seed checkpoint (4 torchrun launches, ~10 s each on 2 cores; the README shows
-four layouts up to 4 ranks), and of a tiny MoE at ep2 against tp1 (2 launches).
+four layouts up to 4 ranks), of FSDP and HSDP layouts, and of a tiny MoE at ep2 and ep2 with FSDP
+against tp1.
 
 The real run is fp32 without dropout, so every layout must pass the fp32 tolerance, the eval loss
 after the last step included; a failing comparison is tested on numbers made to differ (one loss
@@ -295,13 +296,14 @@ def test_a_moe_model_at_ep2_matches_one_process(tmp_path, tiny_data):
     out = tmp_path / "parity"
     sets = _sets(tmp_path, tiny_data, **MOE)
     r = CliRunner().invoke(
-        app, ["parity", *_args(sets), "--layouts", "tp1,ep2", "--steps", "2", "--out", str(out)]
+        app, ["parity", *_args(sets), "--layouts", "tp1,ep2,ep2fsdp", "--steps", "2", "--out", str(out)]
     )
     assert r.exit_code == 0, r.output + repr(r.exception)
     report = json.loads((out / "parity.json").read_text())
     assert report["passed"] and [(x["name"], x["ep"], x["dp"]) for x in report["layouts"]] == [
         ("tp1", 1, 1),
         ("ep2", 2, 2),
+        ("ep2fsdp", 2, 2),  # the dense weights sharded over dp 2; the experts whole (edp 1)
     ]
     ep2 = report["layouts"][1]
     assert "layers.1.mlp.experts.up.weight" in ep2["weight_rel"]  # experts compared on their global axis
@@ -311,7 +313,7 @@ def test_a_moe_model_at_ep2_matches_one_process(tmp_path, tiny_data):
 
 
 def test_cp2_of_either_attention_matches_one_process(tmp_path, tiny_data):
-    """cp 2 (the config's p2p, and all_gather) against one process, with Adam's eps at 1e-4 (as
+    """cp 2 (the config's p2p, and all_gather with FSDP over the cp ranks) against one process, with Adam's eps at 1e-4 (as
     test_parallel_training compares): at the default 1e-8 Adam turns the rounding of near-zero
     gradient elements into lr-sized steps, which under cp grows fast at this lr of 1e-2 (measured
     over 5 steps: |Δloss|/loss 9.5e-7, 3.4e-5, 2.2e-4 at steps 3–5 for either cp attention, 2.2e-6
@@ -320,7 +322,7 @@ def test_cp2_of_either_attention_matches_one_process(tmp_path, tiny_data):
     out = tmp_path / "parity"
     sets = _sets(tmp_path, tiny_data, **{"optimizer.adam_eps": 1e-4})
     r = CliRunner().invoke(
-        app, ["parity", *_args(sets), "--layouts", "tp1,cp2,cp2ag", "--steps", "2", "--out", str(out)]
+        app, ["parity", *_args(sets), "--layouts", "tp1,cp2,cp2agfsdp", "--steps", "2", "--out", str(out)]
     )
     assert r.exit_code == 0, r.output + repr(r.exception)
     report = json.loads((out / "parity.json").read_text())
@@ -329,7 +331,7 @@ def test_cp2_of_either_attention_matches_one_process(tmp_path, tiny_data):
     assert report["passed"] and got == [
         ("tp1", 1, 1, "p2p"),
         ("cp2", 2, 2, "p2p"),
-        ("cp2ag", 2, 2, "all_gather"),
+        ("cp2agfsdp", 2, 2, "all_gather"),  # and FSDP over the cp ranks
     ]
     for x in report["layouts"][1:]:
         assert (

@@ -15,7 +15,9 @@ the groups.
 - Gradients reach every dp × cp rank's shard by reduce-scatter after each unit's last backward of
   the step (`FSDPGrads.set_last_microbatch` turns the reduction off for the micro-batches before).
 - The reduction sums, then divides by dp × cp: FSDP2's averaging reduce-scatter silently sums on
-  gloo (pytorch#162338), so the sum is forced and the division explicit.
+  gloo (pytorch#162338), so the sum is forced and the division explicit (but for a one-rank shard
+  group, HSDP's size 1 or experts at edp 1: there FSDP2 runs no reduce-scatter and divides by
+  the factor itself, twice if the sum is forced).
 - bf16 parameters (`train.param_dtype`): FSDP keeps the sharded parameters in fp32 (the main
   weights AdamW steps) and gathers them in bf16 for compute; gradients reduce in fp32.
 - Prefetch: within a model chunk, each layer's forward starts the next layer's all-gather and
@@ -118,10 +120,12 @@ def apply_fsdp(
         fully_shard(module, mesh=on, reshard_after_forward=reshard, mp_policy=policy, ignored_params=frozen)
 
     experts = expert_mesh(mesh, device_type) if mesh.ep > 1 else None
+    expert_units = []
     for layer in model.layers.values():
         for module in layer.modules() if experts is not None else ():
             if isinstance(module, GroupedExperts):  # its own unit, inside the layer's
                 shard(module, on=experts)
+                expert_units.append(module)
         shard(layer)
     if not model.cfg.tie_embeddings and model.embed is not None:  # a pipeline stage may hold none
         shard(model.embed)
@@ -139,7 +143,10 @@ def apply_fsdp(
     W = mesh.dp * mesh.cp  # the experts' too: their sum over edp covers every dp × cp replica once
     for module in model.modules():
         if hasattr(module, "set_force_sum_reduction_for_comms"):
-            module.set_force_sum_reduction_for_comms(True)
+            shards = mesh.edp if module in expert_units else shard_size or W
+            # a one-rank shard group runs no reduce-scatter, and forcing the sum there divides by
+            # the factor twice (torch 2.13's single-rank path): it divides once by itself
+            module.set_force_sum_reduction_for_comms(shards > 1)
             module.set_gradient_divide_factor(float(W))
     return True
 
