@@ -254,10 +254,11 @@ def test_tp_pp_and_dp_layouts_match_one_process(tmp_path, tiny_data):
 
 
 def test_fsdp_layouts_match_one_process(tmp_path, tiny_data):
-    """FSDP (`fsdp`), under pipeline parallelism, and HSDP (`hsdp<N>`) as parity layouts."""
+    """FSDP (`fsdp`) with tp 2 and sequence parallelism, under interleaved pipeline parallelism, and
+    HSDP (`hsdp<N>`) as parity layouts."""
     out = tmp_path / "parity"
     sets = _sets(tmp_path, tiny_data, **{"train.global_batch_size": 8, "model.num_layers": 4})
-    layouts = "tp1,dp2fsdp,pp2dp2fsdp,dp4hsdp2"
+    layouts = "tp1,tp2dp2spfsdp,pp2vpp2dp2fsdp,dp4hsdp2"
     r = CliRunner().invoke(
         app, ["parity", *_args(sets), "--layouts", layouts, "--steps", "2", "--out", str(out)]
     )
