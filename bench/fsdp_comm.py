@@ -53,22 +53,20 @@ import argparse
 import math
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rank_pool import Pool, make_data  # noqa: E402
+
 from mlm.config import load_config  # noqa: E402
-from mlm.datasets.indexed import IndexedDatasetWriter, data_paths  # noqa: E402
 from mlm.datasets.sampler import PretrainingSampler  # noqa: E402
 from mlm.train.trainer import Trainer  # noqa: E402
 
@@ -330,81 +328,13 @@ class Stepper:
         )
 
 
-def _rank_main(rank, world, port, sets, tweak, commands, results) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        count_collectives()
-        stepper = Stepper(sets, tweak)
-        results.put((rank, "ready", None))
-        while (cmd := commands.get())[0] != "stop":
-            results.put((rank, getattr(stepper, cmd[0])(*cmd[1:]), None))
-        results.put((rank, "stopped", None))
-    except BaseException:
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-class Pool:
-    """`world` spawned gloo ranks, each holding a Stepper, driven by commands from this process."""
-
-    def __init__(self, world: int, sets: list[str], tweak: str | None):
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.world = world
-        self.results = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(world)]
-        self.procs = [
-            ctx.Process(target=_rank_main, args=(r, world, port, sets, tweak, self.commands[r], self.results))
-            for r in range(world)
-        ]
-        for p in self.procs:
-            p.start()
-
-    def collect(self) -> list:
-        got = {}
-        for _ in range(self.world):
-            rank, value, err = self.results.get(timeout=600)
-            if err:
-                raise RuntimeError(f"rank {rank} failed:\n{err}")
-            got[rank] = value
-        return [got[r] for r in range(self.world)]
-
-    def call(self, *cmd) -> list:
-        for q in self.commands:
-            q.put(cmd)
-        return self.collect()
-
-    def close(self) -> None:
-        self.call("stop")
-        for p in self.procs:
-            p.join(timeout=30)
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
+def rank_stepper(sets: list[str], tweak: str | None) -> Stepper:
+    """A pool rank's Stepper, its collectives counted."""
+    count_collectives()
+    return Stepper(sets, tweak)
 
 
 # ---------------------------------------------------------------------- the run
-
-
-def make_data(prefix: Path, tokens: int) -> None:
-    """Random documents of 100–1000 tokens: the data only has to be the same for every setting."""
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(100, 1000, tokens // 550 + 1)
-    w = IndexedDatasetWriter(*data_paths(prefix), np.uint16)
-    w.add_documents(rng.integers(0, VOCAB, int(lengths.sum())), lengths)
-    w.finalize()
 
 
 def mb(n: float) -> str:
@@ -427,7 +357,7 @@ def main() -> int:
     settings = {**SETTINGS, **({} if args.no_hsdp else HSDP_SETTINGS)}
     iters = args.warmup + args.steps + 1
     tmp = Path(tempfile.mkdtemp(prefix="mlm-bench-"))
-    make_data(tmp / "corpus", tokens=2 * iters * GLOBAL_BATCH * (args.seq + 1) + 100_000)
+    make_data(tmp / "corpus", VOCAB, tokens=2 * iters * GLOBAL_BATCH * (args.seq + 1) + 100_000)
     precision = "bf16" if args.dtype == "bf16" else "fp32"
 
     def sets_for(name: str, micro: int, parallel: dict) -> list[str]:
@@ -460,9 +390,9 @@ def main() -> int:
     per: dict[str, dict] = {}
     try:
         for name, (world, micro, parallel, tweak) in settings.items():
-            pools[name] = Pool(world, sets_for(name, micro, parallel), tweak)
+            pools[name] = Pool(world, rank_stepper, (sets_for(name, micro, parallel), tweak))
         for pool in pools.values():
-            pool.collect()
+            pool.ready()
         for pool in pools.values():
             pool.call("run", args.warmup)
         names = list(pools)

@@ -46,14 +46,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rank_pool import Pool, make_data  # noqa: E402
+
 from mlm.config import load_config  # noqa: E402
-from mlm.datasets.indexed import IndexedDatasetWriter, data_paths  # noqa: E402
 from mlm.datasets.sampler import PretrainingSampler  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.train.trainer import Trainer  # noqa: E402
@@ -118,15 +118,6 @@ def time_collectives() -> None:
 # ---------------------------------------------------------------------- the settings
 
 
-def make_data(prefix: Path, vocab: int, tokens: int) -> None:
-    """Random documents of 100–1000 tokens: the data only has to be the same for every setting."""
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(100, 1000, tokens // 550 + 1)
-    w = IndexedDatasetWriter(*data_paths(prefix), np.uint16)
-    w.add_documents(rng.integers(0, vocab, int(lengths.sum())), lengths)
-    w.finalize()
-
-
 class Stepper:
     """A trainer and its micro-batches; `run(n)` times n steps (after a barrier each, on a mesh)."""
 
@@ -165,84 +156,15 @@ class Stepper:
                 out["bytes"].append(COMM["bytes"])
         return out
 
-
-def _rank_main(rank, world, port, sets, threads, commands, results) -> None:
-    """One rank of a pool: build the trainer, then run steps whenever told (blocked, idle, otherwise)."""
-    import traceback
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        torch.set_num_threads(threads)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        time_collectives()
-        stepper = Stepper(sets, world, threads)
-        results.put((rank, "ready", None))
-        while (cmd := commands.get())[0] == "run":
-            _, n, keep = cmd
-            results.put((rank, stepper.run(n, keep), None))
-        results.put((rank, {"first_loss": stepper.first_loss, "threads": torch.get_num_threads()}, None))
-    except BaseException:
-        results.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def info(self) -> dict:
+        """The first step's loss and the threads torch runs on now (in a rank: the steps' threads)."""
+        return {"first_loss": self.first_loss, "threads": torch.get_num_threads()}
 
 
-class Pool:
-    """`world` spawned gloo ranks each holding a Stepper, driven by commands from this process."""
-
-    def __init__(self, world: int, sets: list[str], threads: int):
-        import socket
-
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.world = world
-        self.results = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(world)]
-        self.procs = [
-            ctx.Process(
-                target=_rank_main, args=(r, world, port, sets, threads, self.commands[r], self.results)
-            )
-            for r in range(world)
-        ]
-        for p in self.procs:
-            p.start()
-
-    def _collect(self) -> list:
-        got = {}
-        for _ in range(self.world):
-            rank, value, err = self.results.get(timeout=300)
-            if err:
-                raise RuntimeError(f"rank {rank} failed:\n{err}")
-            got[rank] = value
-        return [got[r] for r in range(self.world)]
-
-    def ready(self) -> None:
-        self._collect()
-
-    def run(self, n: int, keep: bool = True) -> list[dict]:
-        for q in self.commands:
-            q.put(("run", n, keep))
-        return self._collect()
-
-    def close(self) -> list[dict]:
-        for q in self.commands:
-            q.put(("stop",))
-        info = self._collect()
-        for p in self.procs:
-            p.join(timeout=30)
-        return info
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
+def rank_stepper(sets: list[str], world: int, threads: int) -> Stepper:
+    """A pool rank's Stepper, its collectives timed."""
+    time_collectives()
+    return Stepper(sets, world, threads)
 
 
 def main() -> None:
@@ -295,7 +217,15 @@ def main() -> None:
             if world == 1:
                 runners[name] = Stepper(sets_for(name, 1, parallel), 1, threads)
             else:
-                pools.append(Pool(world, sets_for(name, world, parallel), threads))
+                pools.append(
+                    Pool(
+                        world,
+                        rank_stepper,
+                        (sets_for(name, world, parallel), world, threads),
+                        threads=threads,
+                        timeout=300,
+                    )
+                )
                 runners[name] = pools[-1]
         for pool in pools:
             pool.ready()
@@ -303,7 +233,7 @@ def main() -> None:
 
         def turn(name: str, n: int, keep: bool) -> None:
             r = runners[name]
-            got = r.run(n, keep) if isinstance(r, Pool) else [r.run(n, keep)]
+            got = r.call("run", n, keep) if isinstance(r, Pool) else [r.run(n, keep)]
             if keep:
                 acc = per_rank.setdefault(name, [{k: [] for k in got[0]} for _ in got])
                 for a, g in zip(acc, got, strict=True):
@@ -321,7 +251,10 @@ def main() -> None:
             for name, r in runners.items()
             if isinstance(r, Stepper)
         }
-        info.update({name: r.close() for name, r in runners.items() if isinstance(r, Pool)})
+        for name, r in runners.items():
+            if isinstance(r, Pool):
+                info[name] = r.call("info")
+                r.close()
     finally:
         for pool in pools:
             pool.kill()
