@@ -12,17 +12,20 @@ shortened to 64 tokens so that the four layouts train in seconds. Bitwise holds 
 machine: torch's CPU kernels and MKL pick their code by CPU (AVX2, AVX-512) and vendor, which moves
 the last bits of a few losses. So the files are per kind of machine: `tiny-cpu-fp32-KIND.txt` where
 KIND is the CPU vendor and torch's CPU capability (`golden_kind()`). A recorded kind is compared
-bit for bit; any other kind is compared with the reference kind's file (`REFERENCE_KIND`,
-recorded on a 2-core Xeon) within `OTHER_KIND_RTOL` (the last bits across CPUs: at most 1.7e-7 relative over the 80
-losses of the AMD EPYC file and the Xeon file of the same code, e.g. 7.65755558 against
-7.65755510), and regenerating there records that kind's own file. A change that moves the losses regenerates every kind's file it can, and deletes (and
-names in its commit) those it cannot, rather than leave one stale.
+bit for bit. Any other kind is compared with the reference kind's file (`REFERENCE_KIND`, recorded
+on a 2-core Xeon) within `OTHER_KIND_RTOL`, and says so in a warning (shown in pytest's summary)
+and in the test's `golden` property (JUnit XML): a machine of a new kind never fails for reasons no
+change made, and a change that moves a loss by more than the last bits still fails there.
+Regenerating on such a machine records that kind's own file. A change that moves the losses
+regenerates every kind's file it can, and deletes (and names in its commit) those it cannot,
+rather than leave one stale.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +55,15 @@ GOLDEN_DIR = Path(__file__).parent / "golden"
 REFERENCE_KIND = "genuineintel-avx512"
 """The kind whose file other kinds are compared with (2-core Xeon: Intel, AVX-512)."""
 OTHER_KIND_RTOL = 1e-6
-"""Relative tolerance on a kind with no file of its own (measured across CPUs: at most 1.7e-7)."""
+"""Relative tolerance on a kind with no file of its own. Measured over the 80 losses against the
+reference file: an AMD EPYC, at most 1.7e-7 (e.g. 7.65755558 against 7.65755510); the Xeon forced
+to AVX2 and to no SIMD (ATEN_CPU_CAPABILITY=avx2 / default, MKL_ENABLE_INSTRUCTIONS=AVX2 /
+SSE4_2), at most 1.2e-7. That is one or two fp32 ulps (6e-8 each) after 20 steps; 1e-6 leaves 6x
+room, while a real change (another init, kernel or schedule) moves losses by 1e-4 or more."""
+
+
+class GoldenNote(UserWarning):
+    """This machine's kind has no golden file: the losses were compared within a tolerance."""
 
 
 def golden_path(kind: str) -> Path:
@@ -132,29 +143,62 @@ def write_golden(path: Path, losses: dict[str, list[float]]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def test_golden_losses(tmp_path, golden_data):
-    losses = {}
-    for name, (world, extra) in LAYOUTS.items():
-        sets = _sets(tmp_path / name, golden_data, extra)
-        per_rank = _train(0, 1, sets) if world == 1 else run_ranks(world, _train, sets)[0]
-        losses[name] = per_rank
-    kind = golden_kind()
+def compare(losses: dict[str, list[float]], kind: str) -> str:
+    """Check `losses` against the golden file of `kind` bit for bit, or, for a kind with no file,
+    against the reference kind's within `OTHER_KIND_RTOL`; the line saying which (AssertionError
+    when they differ)."""
     own = golden_path(kind)
-    if os.environ.get("MLM_REGEN_GOLDEN"):
-        write_golden(own, losses)
     if own.exists():
         golden = read_golden(own)
         for name, got in losses.items():
             assert got == golden[name], (
                 f"{name}: losses moved from the golden file {own}:\n{got}\n{golden[name]}"
             )
-    else:
-        reference = golden_path(REFERENCE_KIND)
-        golden = read_golden(reference)
-        for name, got in losses.items():
-            assert np.allclose(got, golden[name], rtol=OTHER_KIND_RTOL, atol=0), (
-                f"{name}: losses further than {OTHER_KIND_RTOL:g} relative from {reference} (this machine "
-                f"is {kind}, which has no golden file of its own):\n{got}\n{golden[name]}\nTo compare "
-                f"this kind bit for bit, record its file: MLM_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py"
-            )
+        return f"bit for bit against {own.name}"
+    reference = golden_path(REFERENCE_KIND)
+    golden = read_golden(reference)
+    worst = 0.0
+    for name, got in losses.items():
+        rel = np.abs(np.subtract(got, golden[name])) / np.abs(golden[name])
+        worst = max(worst, float(rel.max()))
+        assert np.allclose(got, golden[name], rtol=OTHER_KIND_RTOL, atol=0), (
+            f"{name}: losses further than {OTHER_KIND_RTOL:g} relative from {reference} (this machine "
+            f"is {kind}, which has no golden file of its own):\n{got}\n{golden[name]}\nTo compare "
+            f"this kind bit for bit, record its file: MLM_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py"
+        )
+    return (
+        f"this machine ({kind}) has no golden file: compared with {reference.name} within "
+        f"{OTHER_KIND_RTOL:g} relative (largest difference {worst:.2g}), not bit for bit"
+    )
+
+
+def test_golden_losses(tmp_path, golden_data, record_property):
+    losses = {}
+    for name, (world, extra) in LAYOUTS.items():
+        sets = _sets(tmp_path / name, golden_data, extra)
+        # recorded with torch's default threads in every rank (threads=0): the files are bitwise
+        per_rank = _train(0, 1, sets) if world == 1 else run_ranks(world, _train, sets, threads=0)[0]
+        losses[name] = per_rank
+    kind = golden_kind()
+    if os.environ.get("MLM_REGEN_GOLDEN"):
+        write_golden(golden_path(kind), losses)
+    line = compare(losses, kind)
+    record_property("golden", line)
+    if not golden_path(kind).exists():
+        warnings.warn(GoldenNote(line), stacklevel=1)
     assert losses["tp1"][-1] < losses["tp1"][0] - 1.0  # it learns: the file guards a working run
+
+
+def test_another_kind_is_compared_within_the_stated_tolerance():
+    """The comparison itself, on the reference file's losses (no training): bit for bit on a kind
+    with a file, within `OTHER_KIND_RTOL` (said in the line) on one without, a failure beyond."""
+    golden = read_golden(golden_path(REFERENCE_KIND))
+    assert compare(golden, REFERENCE_KIND).startswith("bit for bit")
+    nudged = {name: [v * (1 + 2e-7) for v in values] for name, values in golden.items()}
+    with pytest.raises(AssertionError, match="losses moved from the golden file"):
+        compare(nudged, REFERENCE_KIND)
+    line = compare(nudged, "vendor-nofile")
+    assert "vendor-nofile) has no golden file" in line and "within 1e-06 relative" in line
+    moved = {name: [v * (1 + 1e-5) for v in values] for name, values in golden.items()}
+    with pytest.raises(AssertionError, match="further than 1e-06 relative"):
+        compare(moved, "vendor-nofile")
