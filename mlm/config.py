@@ -860,6 +860,9 @@ class CheckpointConfig:
     """Write checkpoints from a background thread (tensors are copied to CPU first); training goes on."""
     load: str = ""
     """Resume from this checkpoint directory (its latest) or iter_ directory."""
+    resume_changes: list[str] = field(default_factory=list)
+    """Settings (or sections) this run changes on purpose from the checkpoint it resumes, e.g.
+    ["optimizer.lr"]; other differences are refused (docs/train.md, "Resuming")."""
 
 
 @dataclass

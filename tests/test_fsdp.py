@@ -57,12 +57,28 @@ def _train_rank(rank, world, sets, load=None):
     return losses, (True, shards, moments)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_data):
-    tmp = tmp_path_factory.mktemp("one")
-    trainer = Trainer(load_config(None, _sets(tmp, tiny_data)))
+def _one_process(tmp, data, **extra):
+    """One process's losses, gradient norms and final weights."""
+    trainer = Trainer(load_config(None, _sets(tmp, data, **extra)))
     losses = trainer.train()
     return losses, _grad_norms(tmp), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def _assert_matches(run_dir, losses, reference) -> None:
+    """Losses, the logged gradient norms and the checkpoint's final weights equal one process's."""
+    ref_losses, ref_norms, ref_weights = reference
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(_grad_norms(run_dir)), torch.tensor(ref_norms), rtol=RTOL, atol=0)
+    got = checkpoint_weights(run_dir / "ckpt", ref_weights)
+    for k, v in ref_weights.items():
+        torch.testing.assert_close(
+            got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
+        )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_data):
+    return _one_process(tmp_path_factory.mktemp("one"), tiny_data)
 
 
 @pytest.mark.parametrize(
@@ -79,19 +95,10 @@ def reference(tmp_path_factory, tiny_data):
     ids=["dp2", "dp4", "tp2-sp-dp2", "cp2", "dp2-keep-gathered", "hsdp-2x2", "hsdp-2x1"],
 )
 def test_fsdp_matches_one_process(tmp_path, tiny_data, reference, world, parallel):
-    ref_losses, ref_norms, ref_weights = reference
     per_rank = run_ranks(world, _train_rank, _sets(tmp_path, tiny_data, **FSDP, **parallel))
     losses = per_rank[0][0]
     assert all(r[0] == losses for r in per_rank)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
-    torch.testing.assert_close(
-        torch.tensor(_grad_norms(tmp_path)), torch.tensor(ref_norms), rtol=RTOL, atol=0
-    )
-    got = checkpoint_weights(tmp_path / "ckpt", ref_weights)
-    for k, v in ref_weights.items():
-        torch.testing.assert_close(
-            got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
-        )
+    _assert_matches(tmp_path, losses, reference)
     # the W ranks of a tensor-parallel slice's shard group (dp × cp, or HSDP's fsdp_shard_size;
     # tp rank 0's: every tp-th rank) each hold their rows of it, ceil(n / W) at most, and as much
     # of its moments
@@ -111,15 +118,12 @@ PIPELINE = {"model.num_layers": 4}
 @pytest.fixture(scope="module")
 def pipeline_reference(tmp_path_factory, tiny_data):
     """One process's run of the 4-layer model with tied embeddings, and of the untied one."""
-    out = {}
-    for tied in ("true", "false"):
-        tmp = tmp_path_factory.mktemp(f"pp-one-{tied}")
-        sets = _sets(tmp, tiny_data, **PIPELINE, **{"model.tie_embeddings": tied})
-        trainer = Trainer(load_config(None, sets))
-        losses = trainer.train()
-        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-        out[tied] = losses, _grad_norms(tmp), weights
-    return out
+    return {
+        tied: _one_process(
+            tmp_path_factory.mktemp(f"pp-one-{tied}"), tiny_data, **PIPELINE, **{"model.tie_embeddings": tied}
+        )
+        for tied in ("true", "false")
+    }
 
 
 @pytest.mark.parametrize(
@@ -136,18 +140,9 @@ def test_fsdp_under_pipeline_parallelism_matches_one_process(
     """Each pipeline stage's parameters sharded over its dp ranks: 1F1B with the tied embedding's
     first- and last-stage copies (their sharded gradients summed), and interleaved 1F1B (two model
     chunks per rank in one FSDP root)."""
-    ref_losses, ref_norms, ref_weights = pipeline_reference[tied]
     sets = _sets(tmp_path, tiny_data, **FSDP, **PIPELINE, **{"model.tie_embeddings": tied}, **parallel)
     per_rank = run_ranks(4, _train_rank, sets)
-    torch.testing.assert_close(torch.tensor(per_rank[-1][0]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
-    torch.testing.assert_close(
-        torch.tensor(_grad_norms(tmp_path)), torch.tensor(ref_norms), rtol=RTOL, atol=0
-    )
-    got = checkpoint_weights(tmp_path / "ckpt", ref_weights)
-    for k, v in ref_weights.items():
-        torch.testing.assert_close(
-            got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
-        )
+    _assert_matches(tmp_path, per_rank[-1][0], pipeline_reference[tied])  # the loss: the last stage's
     assert all(r[1][0] for r in per_rank)  # every stage sharded
 
 
@@ -167,10 +162,7 @@ MOE = {
 
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory, tiny_data):
-    tmp = tmp_path_factory.mktemp("moe-one")
-    trainer = Trainer(load_config(None, _sets(tmp, tiny_data, **MOE)))
-    losses = trainer.train()
-    return losses, _grad_norms(tmp), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return _one_process(tmp_path_factory.mktemp("moe-one"), tiny_data, **MOE)
 
 
 @pytest.mark.parametrize(
@@ -189,17 +181,8 @@ def test_fsdp_on_a_moe_model_matches_one_process(tmp_path, tiny_data, moe_refere
     they are their own FSDP unit over the ranks holding the same experts (edp = 2 here: dp 4 / ep
     2, or dp 2 × tp 2 / ep 2; and edp = 1 at dp 2 / ep 2), while the rest of the layer shards over
     dp."""
-    ref_losses, ref_norms, ref_weights = moe_reference
     per_rank = run_ranks(world, _train_rank, _sets(tmp_path, tiny_data, **FSDP, **MOE, **parallel))
-    torch.testing.assert_close(torch.tensor(per_rank[0][0]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
-    torch.testing.assert_close(
-        torch.tensor(_grad_norms(tmp_path)), torch.tensor(ref_norms), rtol=RTOL, atol=0
-    )
-    got = checkpoint_weights(tmp_path / "ckpt", ref_weights)
-    for k, v in ref_weights.items():
-        torch.testing.assert_close(
-            got[k], v, rtol=RTOL, atol=RTOL * v.abs().max().item(), msg=lambda m, k=k: f"{k}: {m}"
-        )
+    _assert_matches(tmp_path, per_rank[0][0], moe_reference)
     _, shards, _ = per_rank[0][1]
     experts = [local for k, (local, n) in shards.items() if ".experts." in k]
     whole = [n for k, (local, n) in shards.items() if ".experts." in k]
@@ -226,7 +209,7 @@ def test_a_checkpoint_moves_between_fsdp_the_distributed_optimizer_and_one_proce
     one = Trainer(load_config(None, _sets(tmp_path / "one", tiny_data, **four)), load=str(step2)).train()
     torch.testing.assert_close(torch.tensor(one), torch.tensor(whole[2:]), rtol=RTOL, atol=0)
     back = tmp_path / "zero1" / "ckpt" / "iter_0000004"  # the distributed optimizer's, resumed under fsdp
-    six = {"train.train_iters": 6}
+    six = {"train.train_iters": 6, "checkpoint.resume_changes": "['train.train_iters']"}  # longer, on purpose
     again = run_ranks(
         2, _train_rank, _sets(tmp_path / "back", tiny_data, **{**FSDP, **four, **six}), str(back)
     )

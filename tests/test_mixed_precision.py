@@ -109,8 +109,9 @@ def test_bf16_checkpoint_holds_fp32_main_weights_and_resumes_bitwise(tmp_path, t
     if not distributed:
         for name, v in saved.items():
             assert torch.equal(v, straight.optimizer.mains[name]), name
-    # the bf16 checkpoint loads into an fp32 run, whose weights are then the main weights
+    # the bf16 checkpoint loads into an fp32 run (a change made on purpose), whose weights are then the main weights
     fp32 = {k: v for k, v in sets.items() if not k.startswith("train.")}
+    fp32["checkpoint.resume_changes"] = "['train.precision', 'train.param_dtype']"
     into = Trainer(_cfg(tmp_path, tiny_data, "c", **fp32), load=str(tmp_path / "ckpt" / "iter_0000006"))
     for name, p in into.model.named_parameters():
         assert torch.equal(p, saved[name]), name

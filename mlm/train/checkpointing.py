@@ -28,6 +28,7 @@ from mlm.checkpoint import (
 from mlm.checkpoint.manager import keep_tokenizer
 from mlm.checkpoint.rng import rng_state_from_json, rng_state_to_json
 from mlm.errors import MlmError
+from mlm.train.resume import check_resume, saved_total_iters
 
 
 class TrainerCheckpoints:
@@ -137,7 +138,8 @@ class TrainerCheckpoints:
     def load(self, path: str) -> None:
         self.watchdog.beat("checkpoint load")  # a rollback's: as long as a save
         iter_dir = resolve_checkpoint(path)
-        saved = checkpoint_config(read_manifest(iter_dir), iter_dir).model
+        saved_run = checkpoint_config(read_manifest(iter_dir), iter_dir)
+        saved = saved_run.model
         diffs = [
             f"model.{k}: {v!r} in the checkpoint, {getattr(self.cfg.model, k)!r} here"
             for k, v in vars(saved).items()
@@ -153,6 +155,14 @@ class TrainerCheckpoints:
             self.optimizer.finish_load(None)  # the parameters from the loaded (main) weights
             self._print(f"[bold]initialised from[/] {iter_dir} (weights only: a new run)", highlight=False)
             return
+        manifest = read_manifest(iter_dir)
+        step = int(manifest["iteration"])
+        total = saved_total_iters(manifest, saved_run)
+        if manifest.get("source"):  # an import: only its model is the source run's for certain
+            self._print("[bold]imported[/] checkpoint: the run settings are this run's", highlight=False)
+        else:
+            for line in check_resume(saved_run, self.cfg, total, self.total_iters, step, str(iter_dir)):
+                self._print(f"[bold yellow]changed[/] {line}", highlight=False)
         if "fp8" in groups and not any(k.startswith("fp8/") for k in read_manifest(iter_dir)["tensors"]):
             del groups["fp8"]  # saved without fp8 delayed scaling: the histories start empty
             self._print("[bold]fp8[/] the checkpoint has no amax histories: they start empty")
