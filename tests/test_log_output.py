@@ -76,7 +76,7 @@ def test_plan_table_headers_and_cells_in_full(tmp_path):
         "mb",
         "m",
         "recompute",
-        "dist opt",
+        "sharding",
         "weights",
         "grads",
         "optim",

@@ -75,7 +75,7 @@ def test_layouts_parse_to_the_parallel_config():
     [
         (
             "tp2x",
-            "layout 'tp2x': unknown term 'x'; use tp<N>, pp<N>, vpp<N>, dp<N>, cp<N>, ep<N>, sp, zero1, p2p, ag",
+            "layout 'tp2x': unknown term 'x'; use tp<N>, pp<N>, vpp<N>, dp<N>, cp<N>, ep<N>, sp, zero1, fsdp, hsdp<N>",
         ),
         ("ag", "layout 'ag': ag chooses context parallelism's attention (parallel.cp_comm_type) and needs"),
         ("tp2p2p", "needs cp<N> with N ≥ 2, e.g. cp2p2p"),
@@ -254,11 +254,11 @@ def test_tp_pp_and_dp_layouts_match_one_process(tmp_path, tiny_data):
 
 
 def test_fsdp_layouts_match_one_process(tmp_path, tiny_data):
-    """FSDP (`fsdp`) with tp 2 and sequence parallelism, under interleaved pipeline parallelism, and
-    HSDP (`hsdp<N>`) as parity layouts."""
+    """FSDP (`fsdp`) under interleaved pipeline parallelism, and HSDP (`hsdp<N>`), as parity layouts
+    (tp 2 with sequence parallelism: tests/test_fsdp.py)."""
     out = tmp_path / "parity"
     sets = _sets(tmp_path, tiny_data, **{"train.global_batch_size": 8, "model.num_layers": 4})
-    layouts = "tp1,tp2dp2spfsdp,pp2vpp2dp2fsdp,dp4hsdp2"
+    layouts = "tp1,pp2vpp2dp2fsdp,dp4hsdp2"
     r = CliRunner().invoke(
         app, ["parity", *_args(sets), "--layouts", layouts, "--steps", "2", "--out", str(out)]
     )

@@ -146,7 +146,7 @@ def test_fsdp_is_not_offered_where_it_is_not_built():
     from mlm.plan.search import shardings
 
     job = _job("deepseek-v3", 256, 1024)
-    assert shardings(job, 1, 8, 2, 16, ("none", "zero1", "hsdp", "fsdp")) == [
+    assert shardings(job, 1, 2, 16, ("none", "zero1", "hsdp", "fsdp")) == [
         (False, False, None),
         (True, False, None),
     ]

@@ -274,13 +274,18 @@ def context_parallel_sizes(cfg, ranks: int, tp: int, cp: int | None = None) -> l
 
 
 def shardings(
-    job: Job, pp: int, ep: int, tp: int, ranks: int, optimizers: tuple, k: Constraints = Constraints()
+    job: Job,
+    pp: int,
+    tp: int,
+    ranks: int,
+    optimizers: tuple[str, ...],
+    k: Constraints = Constraints(),
 ) -> list[tuple[bool, bool, int | None]]:
-    """(distributed optimizer, fsdp, HSDP shard) for each of `optimizers` (`SHARDINGS`' names; False
-    and True are none and zero1) that a mesh of `ranks` = dp × cp ranks can take: one rank shards
-    nothing; FSDP only where `fsdp_refusals` names nothing (and, in the whole search, at pp 1), HSDP
-    over the dp × cp ranks of one node (gpus_per_node / tp: the shard group stays on NVLink) where
-    that divides `ranks` and is less."""
+    """(distributed optimizer, fsdp, HSDP shard) for each of `optimizers` (`SHARDINGS`' names) that a
+    mesh of `ranks` = dp × cp ranks can take: one rank shards nothing; FSDP only where
+    `fsdp_refusals` names nothing (and, in the whole search, at pp 1), HSDP over the dp × cp ranks of
+    one node (gpus_per_node / tp: the shard group stays on NVLink) where that divides `ranks` and is
+    less."""
     if ranks == 1:
         return [(False, False, None)]
     cfg = job.cfg
@@ -292,7 +297,6 @@ def shardings(
         fsdp_ok = False
     out = []
     for name in optimizers:
-        name = {False: "none", True: "zero1"}.get(name, name)
         if name in ("none", "zero1") and not k.fsdp:
             out.append((name == "zero1", False, None))
         elif name == "fsdp" and fsdp_ok and k.fsdp_shard is None:
@@ -308,7 +312,7 @@ def _family_layouts(
     job: Job,
     tp: int,
     pp: int,
-    optimizers: tuple[bool, ...],
+    optimizers: tuple[str, ...],
     smallest: bool = False,
     ep: int | None = None,
     cps: tuple[int, ...] = (1,),
@@ -326,7 +330,7 @@ def _cp_layouts(
     pp: int,
     cp: int,
     comm: str,
-    optimizers: tuple[bool, ...],
+    optimizers: tuple[str, ...],
     smallest: bool,
     ep: int | None,
     k: Constraints,
@@ -340,7 +344,8 @@ def _cp_layouts(
     else:
         mbs = [d for d in _divisors(gb // dp) if d <= (1 if smallest else MAX_MICRO_BATCH)]
     rcs = [r for r in RECOMPUTE if r in k.recompute]  # least memory last
-    options: dict[int, list] = {}  # ep → its shardings
+    options = shardings(job, pp, tp, dp * cp, optimizers, k)
+    options = options[-1:] if smallest else options  # the least memory last
     for vpp in [k.vpp] if k.vpp is not None else vpps:
         try:
             first, last = stage_split(L, pp, vpp)
@@ -352,9 +357,7 @@ def _cp_layouts(
                 continue
             for rc in rcs[-1:] if smallest else rcs:
                 for e in eps:
-                    if e not in options:
-                        options[e] = shardings(job, pp, e, tp, dp * cp, optimizers, k)
-                    for dist, fsdp, shard in options[e][-1:] if smallest else options[e]:
+                    for dist, fsdp, shard in options:
                         yield Layout(
                             tp, pp, dp, mb, gb, vpp, tp > 1, rc, dist, first, last, cp, e, comm, fsdp, shard
                         )
