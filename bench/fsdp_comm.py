@@ -64,10 +64,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rank_pool import Pool, make_data  # noqa: E402
+from rank_pool import Pool, make_data, micro_batches  # noqa: E402
 
 from mlm.config import load_config  # noqa: E402
-from mlm.datasets.sampler import PretrainingSampler  # noqa: E402
 from mlm.train.trainer import Trainer  # noqa: E402
 
 VOCAB = 4096
@@ -254,16 +253,7 @@ class Stepper:
         self.trainer = Trainer(load_config(None, sets))
         if tweak == "async":  # bench-only: FSDP2's asynchronous unshard (mlm's prefetch as it is)
             self.trainer.model._set_unshard_async_op(True)
-        t = self.trainer.cfg.train
-        self.batches = iter(
-            PretrainingSampler(
-                self.trainer.total_iters * t.global_batch_size,
-                0,
-                t.micro_batch_size,
-                self.trainer.dp_rank,
-                self.trainer.dp_size,
-            )
-        )
+        self.batches = micro_batches(self.trainer)
 
     def step(self) -> float:
         import torch.distributed as dist

@@ -51,10 +51,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rank_pool import Pool, make_data  # noqa: E402
+from rank_pool import Pool, make_data, micro_batches  # noqa: E402
 
 from mlm.config import load_config  # noqa: E402
-from mlm.datasets.sampler import PretrainingSampler  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.train.trainer import Trainer  # noqa: E402
 
@@ -124,16 +123,7 @@ class Stepper:
     def __init__(self, sets: list[str], world: int, threads: int):
         self.world, self.threads = world, threads
         self.trainer = Trainer(load_config(None, sets))
-        t = self.trainer.cfg.train
-        self.batches = iter(
-            PretrainingSampler(
-                self.trainer.total_iters * t.global_batch_size,
-                0,
-                t.micro_batch_size,
-                self.trainer.dp_rank,
-                self.trainer.dp_size,
-            )
-        )
+        self.batches = micro_batches(self.trainer)
         self.first_loss: float | None = None
 
     def run(self, n: int, keep: bool = True) -> dict[str, list[float]]:

@@ -2,7 +2,7 @@
 
 A `Pool` starts `world` processes on a free localhost port; each joins the gloo group and builds
 one object, `factory(*args)`, then calls the methods this process names. Every rank runs every
-command, so the collectives inside them match up. Used by bench/fsdp_comm.py and
+command, so the collectives inside them match up. `micro_batches` feeds a rank's trainer. Used by bench/fsdp_comm.py and
 bench/parallel_overhead.py, which put the repository root on sys.path before importing this.
 """
 
@@ -18,6 +18,17 @@ import numpy as np
 import torch
 
 from mlm.datasets.indexed import IndexedDatasetWriter, data_paths
+from mlm.datasets.sampler import PretrainingSampler
+
+
+def micro_batches(trainer):
+    """This rank's micro-batches of sample indices for every step of `trainer`'s run, in order."""
+    t = trainer.cfg.train
+    return iter(
+        PretrainingSampler(
+            trainer.total_iters * t.global_batch_size, 0, t.micro_batch_size, trainer.dp_rank, trainer.dp_size
+        )
+    )
 
 
 def make_data(prefix: Path, vocab: int, tokens: int) -> None:
