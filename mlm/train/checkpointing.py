@@ -138,7 +138,8 @@ class TrainerCheckpoints:
     def load(self, path: str) -> None:
         self.watchdog.beat("checkpoint load")  # a rollback's: as long as a save
         iter_dir = resolve_checkpoint(path)
-        saved_run = checkpoint_config(read_manifest(iter_dir), iter_dir)
+        stored = read_manifest(iter_dir)  # the one read of it before the tensors
+        saved_run = checkpoint_config(stored, iter_dir)
         saved = saved_run.model
         diffs = [
             f"model.{k}: {v!r} in the checkpoint, {getattr(self.cfg.model, k)!r} here"
@@ -149,21 +150,20 @@ class TrainerCheckpoints:
         if diffs:
             raise MlmError(f"{iter_dir} was saved from another model: " + "; ".join(diffs))
         groups = self._groups(for_load=True)
-        if not any(k.startswith("optim/") for k in read_manifest(iter_dir)["tensors"]):
+        if not any(k.startswith("optim/") for k in stored["tensors"]):
             # weights only (e.g. imported from Hugging Face): a new run starting from them
             load_checkpoint(iter_dir, {"model": groups["model"]}, job_keys=self._pipeline_keys(groups))
             self.optimizer.finish_load(None)  # the parameters from the loaded (main) weights
             self._print(f"[bold]initialised from[/] {iter_dir} (weights only: a new run)", highlight=False)
             return
-        manifest = read_manifest(iter_dir)
-        step = int(manifest["iteration"])
-        total = saved_total_iters(manifest, saved_run)
-        if manifest.get("source"):  # an import: only its model is the source run's for certain
+        step = int(stored["iteration"])
+        total = saved_total_iters(stored, saved_run)
+        if stored.get("source"):  # an import: only its model is the source run's for certain
             self._print("[bold]imported[/] checkpoint: the run settings are this run's", highlight=False)
         else:
             for line in check_resume(saved_run, self.cfg, total, self.total_iters, step, str(iter_dir)):
                 self._print(f"[bold yellow]changed[/] {line}", highlight=False)
-        if "fp8" in groups and not any(k.startswith("fp8/") for k in read_manifest(iter_dir)["tensors"]):
+        if "fp8" in groups and not any(k.startswith("fp8/") for k in stored["tensors"]):
             del groups["fp8"]  # saved without fp8 delayed scaling: the histories start empty
             self._print("[bold]fp8[/] the checkpoint has no amax histories: they start empty")
         manifest = load_checkpoint(iter_dir, groups, job_keys=self._pipeline_keys(groups))
