@@ -905,6 +905,12 @@ class Config:
         )
         if self.parallel.cp > 1:
             check_context_parallel_kinds(self.model, self.parallel.cp)
+        refused = fsdp_refusals(self.model, self.train) if self.parallel.fsdp else []
+        ensure(
+            not refused,
+            f"parallel.fsdp with {', '.join(refused)}: FSDP is not built with these yet; unset them, "
+            "or train with parallel.distributed_optimizer instead of parallel.fsdp",
+        )
         ensure(
             self.train.fault_action != "rollback" or bool(self.checkpoint.save),
             "train.fault_action=rollback with checkpoint.save empty: a rollback reloads checkpoint.save's latest "
@@ -941,8 +947,7 @@ def _layers(pattern, attention_kind, mlp_kind, freq, first_k_dense, num_layers, 
 
 def fsdp_refusals(model: ModelConfig, train: TrainConfig) -> list[str]:
     """The settings `parallel.fsdp` is not built with yet, each as `name=value` (empty: none).
-    Torch-free: `mlm.parallel.fsdp.check_fsdp` refuses them, the planner offers no FSDP layout
-    with them."""
+    Torch-free: a run config refuses them (`Config`), the planner offers no FSDP layout with them."""
     refused = [
         (bool(train.fp8), f"train.fp8={train.fp8!r}"),
         (train.compile, "train.compile=true"),

@@ -35,7 +35,8 @@ the groups.
   (the ranks holding the same experts); their reduction divides by dp × cp too, as their sum
   over edp counts each dp × cp replica once. At ep 1 they shard over dp × cp like any weight.
   The routers' expert bias (no gradient, its own update rule) is left whole on every rank.
-- Not built yet, refused by `check_fsdp` (`fsdp_refusals`): MTP layers, fp8, `train.compile`.
+- Not built yet, refused by the run config (`mlm.config.fsdp_refusals`): MTP layers, fp8,
+  `train.compile`.
 """
 
 from __future__ import annotations
@@ -45,20 +46,9 @@ import itertools
 import torch
 from torch import nn
 
-from mlm.config import Config, fsdp_refusals
 from mlm.errors import MlmError
 from mlm.model.kinds.moe.experts import GroupedExperts
 from mlm.parallel.mesh import Mesh
-
-
-def check_fsdp(cfg: Config) -> None:
-    """MlmError for what FSDP is not built with yet (`fsdp_refusals`)."""
-    named = fsdp_refusals(cfg.model, cfg.train)
-    if named:
-        raise MlmError(
-            f"parallel.fsdp with {', '.join(named)}: FSDP is not built with these yet; unset them, "
-            "or train with parallel.distributed_optimizer instead of parallel.fsdp"
-        )
 
 
 def fsdp_mesh(mesh: Mesh, device_type: str, shard_size: int | None = None):

@@ -39,7 +39,6 @@ from mlm.model.contract import declaring
 from mlm.parallel import Mesh
 from mlm.parallel.context import check_context_parallel
 from mlm.parallel.expert import expert_load_step
-from mlm.parallel.fsdp import check_fsdp
 from mlm.parallel.launch import detect, init_distributed, pick_device
 from mlm.parallel.parallelize import allreduce_sequence_parallel_grads
 from mlm.parallel.pipeline import Pipeline
@@ -91,8 +90,6 @@ class Trainer(TrainerCheckpoints):
         process alone (hang detection, stop signals)."""
         self.cfg = cfg
         t = cfg.train
-        if cfg.parallel.fsdp:
-            check_fsdp(cfg)
         if watchdog is None:
             watchdog = Watchdog(None, rank=detect().rank)
             watchdog.start()
