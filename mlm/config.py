@@ -203,6 +203,72 @@ class MLAConfig:
 
 
 @dataclass
+class MambaConfig:
+    """Mamba-2 layers (mixer kind "mamba", pattern symbol M; Megatron's MambaMixer, HF's Mamba2 and
+    Nemotron-H): an input projection to z, x, B, C and dt, a causal depthwise convolution over x, B
+    and C, the chunked state-space scan (SSD), a gated RMSNorm per group, an output projection."""
+
+    num_heads: int | None = None
+    """SSM heads (Megatron's mamba_num_heads); unset: 2 × hidden_size / head_dim (expand 2)."""
+    head_dim: int = 64
+    """Channels per head P (mamba_head_dim); the inner width is num_heads × head_dim."""
+    state_dim: int = 128
+    """State width N per head (mamba_state_dim, HF's state_size)."""
+    num_groups: int = 8
+    """Groups of B and C (mamba_num_groups, HF's n_groups); consecutive heads share a group."""
+    conv_kernel: int = 4
+    """Taps of the causal depthwise convolution (HF's conv_kernel)."""
+    chunk_size: int = 128
+    """Tokens per chunk of the scan (HF's chunk_size); changes rounding, not the result."""
+    dt_min: float = 0.001
+    """Init: the time step is drawn log-uniform in [dt_min, dt_max] (dt_bias = its inverse softplus)."""
+    dt_max: float = 0.1
+    """Init: the largest drawn time step."""
+    dt_init_floor: float = 0.0001
+    """Init: drawn time steps below this are raised to it."""
+    dt_limit_min: float = 0.0
+    """The time step after softplus is clamped to at least this (HF's time_step_limit[0])."""
+    dt_limit_max: float | None = None
+    """The time step is clamped to at most this (HF's time_step_limit[1]); unset: no upper limit."""
+    A_init_min: float = 1.0
+    """Init: −A per head drawn uniform in [A_init_min, A_init_max] (A_log = its log)."""
+    A_init_max: float = 16.0
+    """Init: the largest drawn −A."""
+
+    def __post_init__(self):
+        s = "model.mamba"
+        for name in ("head_dim", "state_dim", "num_groups", "conv_kernel", "chunk_size"):
+            ensure(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
+        ensure(
+            self.num_heads is None or self.num_heads > 0,
+            f"{s}.num_heads={self.num_heads}: must be positive (or unset for 2 × hidden_size / head_dim)",
+        )
+        ensure(
+            0 < self.dt_min <= self.dt_max,
+            f"{s}.dt_min={self.dt_min}, dt_max={self.dt_max}: need 0 < dt_min <= dt_max",
+        )
+        ensure(
+            self.dt_limit_max is None or self.dt_limit_min < self.dt_limit_max,
+            f"{s}.dt_limit_min={self.dt_limit_min} >= dt_limit_max={self.dt_limit_max}: the clamp would be empty",
+        )
+        ensure(
+            0 < self.A_init_min <= self.A_init_max,
+            f"{s}.A_init_min={self.A_init_min}, A_init_max={self.A_init_max}: need 0 < min <= max",
+        )
+
+    def heads(self, hidden_size: int) -> int:
+        return self.num_heads or 2 * hidden_size // self.head_dim
+
+    def inner(self, hidden_size: int) -> int:
+        """The inner width d_inner = heads × head_dim."""
+        return self.heads(hidden_size) * self.head_dim
+
+    def conv_width(self, hidden_size: int) -> int:
+        """Channels the convolution runs over: x, B and C."""
+        return self.inner(hidden_size) + 2 * self.num_groups * self.state_dim
+
+
+@dataclass
 class ModelConfig:
     """The transformer: GPT-2 or Llama style, from the same fields."""
 
@@ -296,6 +362,8 @@ class ModelConfig:
     """Mixture-of-experts options, used by the layers whose mlp kind is moe."""
     mla: MLAConfig = field(default_factory=MLAConfig)
     """Multi-latent attention options, used when attention_kind is mla."""
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    """Mamba-2 options, used by the layers whose mixer kind is mamba (pattern symbol M)."""
 
     def __post_init__(self):
         s = "model"

@@ -4,7 +4,8 @@
 it in this one (no torch import per call) and returns the same CompletedProcess; `assert_error`
 checks the one-message, exit-code-2 form of bad input; `checkpoint_logits` computes an mlm
 checkpoint's logits and `checkpoint_weights` reads its tensors back whole; `chat_tokenizer` and `write_chat_config` make a Hugging Face tokenizer folder
-with a chat template; `preset_rows` reads `mlm config list`'s table.
+with a chat template; `preset_rows` reads `mlm config list`'s table; `engine_checking_logits`
+makes a serving engine that checks each step's logits against the training forward.
 """
 
 from __future__ import annotations
@@ -126,3 +127,30 @@ def checkpoint_weights(ckpt_dir, like: dict) -> dict:
     out = {k: torch.empty_like(v) for k, v in like.items()}
     load_checkpoint(ckpt_dir, {"model": [ShardedTensor.full(k, v) for k, v in out.items()]})
     return out
+
+
+def engine_checking_logits(model, config):
+    """An engine whose every step's logits are compared with the training forward's over each
+    sampling sequence's tokens so far (fp32, 1e-5)."""
+    import torch
+
+    from mlm.inference.engine import Engine
+
+    engine = Engine(model, config=config)
+    forward = engine.runner.forward
+    checked = []
+
+    def checking(segments):
+        logits_BV = forward(segments)
+        rows = [c for c in segments if c.sample]
+        for c, row in zip(rows, logits_BV, strict=True):
+            seq = next(s for s in engine.scheduler.running if s.slot == c.slot)
+            tokens = seq.tokens(0, c.start + len(c.tokens))
+            with torch.no_grad():
+                want = model(torch.tensor([tokens]))[0, -1, : row.shape[0]]
+            torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
+            checked.append(len(tokens))
+        return logits_BV
+
+    engine.runner.forward = checking
+    return engine, checked

@@ -30,7 +30,7 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 32,
 }
 
-_GAINS = ("norm.weight", "layernorm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")
+_GAINS = ("norm.weight", "layernorm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight", "norm_f.weight")
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -213,6 +213,30 @@ def deepseek(seed: int = 7, **config) -> torch.nn.Module:
     return model
 
 
+# ---------------------------------------------------------------- hybrid
+
+
+MAMBA_SEQ = 40  # not a multiple of the chunk (16)
+
+
+def mamba2(**config) -> torch.nn.Module:
+    """Mamba-2: 8 heads of 8 channels in 2 groups, state 16, chunks of 16 (the scan crosses chunks)."""
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_heads=8,
+        head_dim=8,
+        expand=2,
+        state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=16,
+        num_hidden_layers=3,
+        tie_word_embeddings=False,
+    )
+    return _build("Mamba2ForCausalLM", transformers.Mamba2Config(**(base | config)), seed=11)
+
+
 # ---------------------------------------------------------------- the cases
 
 
@@ -235,9 +259,15 @@ class Arch:
         """Logits compared within 1e-5 of the largest |logit| (MoE, MLA), not 1e-5 absolute (dense)."""
         return self.family != "dense"
 
+    @property
+    def cli_relative(self) -> bool:
+        """The CLI's verified logits compared within 1e-5 of the largest |logit| (MLA, hybrid)."""
+        return self.family in ("mla", "hybrid")
+
 
 _MOE = dict(family="moe", seq=MOE_SEQ, saved_keys=(".experts.3.",))
 _MLA = dict(family="mla", seq=DS_SEQ, saved_keys=(".experts.7.", "e_score_correction_bias"))
+_HYBRID = dict(family="hybrid", seq=MAMBA_SEQ)
 ARCHS: dict[str, Arch] = {
     "llama": Arch(lambda: llama(tie=False), "dense"),
     "llama-tied": Arch(lambda: llama(tie=True), "dense"),
@@ -271,6 +301,8 @@ ARCHS: dict[str, Arch] = {
     "deepseek_v3-tied": Arch(
         lambda: deepseek(tie_word_embeddings=True, first_k_dense_replace=0, n_group=1, topk_group=1), **_MLA
     ),
+    "mamba2": Arch(lambda: mamba2(), **_HYBRID, saved_keys=("mixer.in_proj", "mixer.conv1d")),
+    "mamba2-tied": Arch(lambda: mamba2(tie_word_embeddings=True, num_hidden_layers=2), **_HYBRID),
 }
 
 

@@ -29,6 +29,7 @@ from mlm.model.layers import TP_INPUT
 from mlm.model.ops import Ops
 
 from distributed import run_ranks
+from helpers import engine_checking_logits
 from test_parallel_training import _assert_matches, _sets, _train_rank, reference_run
 
 WIDTH, TAPS = 32, 4
@@ -286,31 +287,6 @@ def test_mlm_plan_evaluates_a_layout_of_the_hybrid(tmp_path, tiny_data):
 # ---------------------------------------------------------------- serving
 
 
-def _engine_checking_logits(model, config):
-    """An engine whose every step's logits are compared with the training forward's over each
-    sampling sequence's tokens so far (fp32, 1e-5)."""
-    from mlm.inference.engine import Engine
-
-    engine = Engine(model, config=config)
-    forward = engine.runner.forward
-    checked = []
-
-    def checking(segments):
-        logits_BV = forward(segments)
-        rows = [c for c in segments if c.sample]
-        for c, row in zip(rows, logits_BV, strict=True):
-            seq = next(s for s in engine.scheduler.running if s.slot == c.slot)
-            tokens = seq.tokens(0, c.start + len(c.tokens))
-            with torch.no_grad():
-                want = model(torch.tensor([tokens]))[0, -1, : row.shape[0]]
-            torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
-            checked.append(len(tokens))
-        return logits_BV
-
-    engine.runner.forward = checking
-    return engine, checked
-
-
 def test_serving_decodes_from_state_slots_with_the_training_forwards_logits(tmp_path, tiny_data):
     from mlm.inference.engine import EngineConfig
     from mlm.inference.sampling import SamplingParams
@@ -324,7 +300,7 @@ def test_serving_decodes_from_state_slots_with_the_training_forwards_logits(tmp_
     config = EngineConfig(
         max_seqs=4, max_tokens_per_step=12, block_size=8, num_blocks=5, packed_weights=False
     )
-    engine, checked = _engine_checking_logits(model, config)
+    engine, checked = engine_checking_logits(model, config)
     outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
     assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in outs)
     assert engine.stats.preemptions > 0 and len(checked) >= 4 * 16
@@ -333,7 +309,7 @@ def test_serving_decodes_from_state_slots_with_the_training_forwards_logits(tmp_
     assert not engine.scheduler.prefix_caching  # a cached block does not hold the state
     # alone, each prompt decodes the same tokens (its numbers do not depend on the batch)
     for prompt, out in zip(prompts, outs, strict=True):
-        alone, _ = _engine_checking_logits(model, EngineConfig(max_seqs=1, packed_weights=False))
+        alone, _ = engine_checking_logits(model, EngineConfig(max_seqs=1, packed_weights=False))
         assert alone.generate([prompt], SamplingParams(max_tokens=16))[0].token_ids == out.token_ids
 
 

@@ -27,6 +27,11 @@ them by declaring, with no edit to the reader. Class attributes unless said othe
     aux_losses           instance, None   the model fills it with its `AuxLosses`, through which
                                           the module attaches auxiliary losses to its output
     inactive_parameters  method           `mlm.model.stats`: parameters one token's forward skips
+    init_values          method           `mlm.model.init`: `init_values(local, global_shape, seed,
+                                          name)` → the whole tensor of one of its own parameters
+                                          drawn its own way (from a generator seeded by seed and
+                                          name), or None for Megatron's normal rule; each rank
+                                          copies its slice
     ops                  constructor arg  the model's `Ops` (`mlm.model.ops`): the one switch of
                                           norms, activations, RoPE and the attention backend
 

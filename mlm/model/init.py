@@ -4,7 +4,8 @@ the global weights are the same under every layout (tp, pp, vpp, dp, cp, ep) as 
     init_parameters(model, seed, cfg, vocab_rows=("embed.weight", "output.weight"))
     draw_normal(out, global_shape, offset, std, seed, name)   # one slice of one tensor
 
-Megatron's rule: normal(0, init_std); output projections (the linears a module declares in its
+Megatron's rule: normal(0, init_std); a module that declares `init_values` (`mlm.model.contract`)
+draws the parameters it names its own way (Mamba's A_log, D, dt_bias, convolutions); output projections (the linears a module declares in its
 `residual_projections`, `mlm.model.contract`: attention's out, the MLP's down) init_std /
 √(2 · layers); norm weights 1, biases 0. The vocabulary's padding rows
 (beyond `cfg.vocab_size`; their number depends on tp) are zeros drawn from no stream, unless
@@ -101,21 +102,28 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig, vocab_rows: t
     }
     for module_name, module in model.named_modules():
         described = getattr(module, "placements", {})
+        own = getattr(module, "init_values", None)
         for local, p in module.named_parameters(recurse=False):  # p: an FSDP shard once sharded
             name = f"{module_name}.{local}" if module_name else local
-            if p.ndim == 1 and name.endswith(("norm.weight", "bias")):  # norm weights and biases
-                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
-                continue
             place = described.get(local)
             assert place is None or tuple(p.shape) == place.shape, f"{name}: {tuple(p.shape)}, {place}"
-            s = out_std if id(p) in scaled else std
-            rows = cfg.vocab_size if name in vocab_rows else None
             shape, offset = (place.global_shape, place.offset) if place else (tuple(p.shape), (0,) * p.ndim)
             out, row0 = p, 0
             if hasattr(p, "to_local"):  # an FSDP shard: its rows of this rank's slice
                 from mlm.parallel.fsdp import first_row
 
                 out, row0 = p.to_local(), first_row(p)
-                if out.numel() == 0:
-                    continue
-            draw_normal(out, shape, (offset[0] + row0, *offset[1:]), s, seed, name, rows)
+            offset = (offset[0] + row0, *offset[1:])
+            whole = own(local, shape, seed, name) if own is not None else None
+            if whole is not None:  # the module's own rule, drawn whole (small per-head tensors)
+                index = tuple(slice(o, o + n) for o, n in zip(offset, out.shape, strict=True))
+                out.copy_(whole[index])
+                continue
+            if p.ndim == 1 and name.endswith(("norm.weight", "bias")):  # norm weights and biases
+                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+                continue
+            if out.numel() == 0:
+                continue
+            s = out_std if id(p) in scaled else std
+            rows = cfg.vocab_size if name in vocab_rows else None
+            draw_normal(out, shape, offset, s, seed, name, rows)
