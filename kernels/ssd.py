@@ -143,7 +143,10 @@ def ssd_step(
     Bm = at_least_fp32(B_BGN).repeat_interleave(H // G, dim=1)  # [B, H, N]
     Cm = at_least_fp32(C_BGN).repeat_interleave(H // G, dim=1)
     decay = torch.exp(dt * at_least_fp32(A_H))[..., None, None]
-    state = at_least_fp32(state_BHPN) * decay + (dt[..., None] * at_least_fp32(x_BHP))[..., None] * Bm[:, :, None, :]
+    state = (
+        at_least_fp32(state_BHPN) * decay
+        + (dt[..., None] * at_least_fp32(x_BHP))[..., None] * Bm[:, :, None, :]
+    )
     y = torch.einsum("bhpn,bhn->bhp", state, Cm)
     return y, state
 

@@ -64,9 +64,7 @@ class CausalConv(nn.Module):
         """y_t = Σ_j weight[:, K−1−j] · u_{t−j} + bias, over the taps within u_t's document."""
         K, T = self.weight.shape[2], u_BTW.shape[1]
         if documents_BT is None:
-            y = F.conv1d(
-                u_BTW.transpose(1, 2), self.weight, self.bias, padding=K - 1, groups=u_BTW.shape[2]
-            )
+            y = F.conv1d(u_BTW.transpose(1, 2), self.weight, self.bias, padding=K - 1, groups=u_BTW.shape[2])
             return y[..., :T].transpose(1, 2)
         y = u_BTW * self.weight[:, 0, K - 1] + self.bias
         for j in range(1, min(K, T)):
