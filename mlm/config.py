@@ -331,7 +331,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     """auto, sdpa, flash (flash-attn) or te (Transformer Engine); auto picks the fastest available."""
     kernels: str = "auto"
-    """Norms, MLP activations and RoPE: torch, triton (the `kernels` package) or auto (triton on CUDA when importable, else torch)."""
+    """Norms, MLP activations, RoPE and Mamba-2's scan: torch, triton (the `kernels` package) or auto (triton on CUDA when importable, else torch)."""
     fp32_residual_connection: bool = False
     """Keep the residual stream (the layers' inputs and adds) in fp32 under bf16/fp16 autocast; by default it is in the autocast dtype (Megatron's name and default)."""
     recompute: str = "none"

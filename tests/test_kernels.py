@@ -4,7 +4,7 @@ bf16 within 2e-2 of the reference's largest magnitude, on sizes that are not pow
 lean Functions bitwise equal to torch's own norms and SwiGLU in fp32 (the golden losses rest on
 it) and saving only what their backward needs; and a tiny GPT with model.kernels=triton against
 model.kernels=torch, over every site the choice covers (norms, Qwen3's q/k norms, MLA's latent
-norms, dense and routed experts' activations).
+norms, dense and routed experts' activations, Mamba-2's scan).
 
 Without CUDA the kernels run under the Triton interpreter: this module sets TRITON_INTERPRET=1 while
 it imports triton and the kernels (triton reads it as its own functions and the kernels are
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import lean
-from mlm.config import MLAConfig, ModelConfig, MoEConfig
+from mlm.config import MambaConfig, MLAConfig, ModelConfig, MoEConfig
 from mlm.errors import MlmError
 from mlm.model import build_model
 from mlm.model.kinds.moe.experts import GroupedExperts
@@ -286,6 +286,10 @@ GPTS = {
     ),
     "moe-gelu": dict(
         mlp_kind="moe", activation="gelu", moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=20)
+    ),
+    # Mamba-2's scan (kernels.ssd): 12 heads of 6, 2 groups, chunks of 4 over 9 tokens
+    "mamba-hybrid": dict(
+        layer_pattern="M-*-", mamba=MambaConfig(head_dim=6, state_dim=8, num_groups=2, chunk_size=4)
     ),
 }
 

@@ -2,7 +2,7 @@
 by every module (each holds it as `self.ops`), chosen once at build time (`GPT.set_kernels`,
 `GPT.set_attention_backend`):
 
-    kernels             norms, SwiGLU / GeLU, RoPE: torch (`kernels.lean`: autograd Functions
+    kernels             norms, SwiGLU / GeLU, RoPE, Mamba-2's scan: torch (`kernels.lean`: autograd Functions
                         that save only what their backward needs) or triton (the top-level
                         `kernels` package), from model.kernels (`resolve_kernels`)
     attention_backend   the attention core: sdpa, flash or te (`mlm.model.attention`), from
@@ -49,6 +49,12 @@ class Ops:
         """RoPE on the rotate-half layout, or on adjacent pairs (`interleaved`: DeepSeek's)."""
         rotate = apply_rope_interleaved if interleaved else apply_rope
         return rotate(x, cos, sin, kernels=self.kernels)
+
+    def ssd(self, x, dt, A, B, C, chunk: int, initial_state=None, starts=None):
+        """Mamba-2's chunked scan (`kernels.ssd.ssd`): (y, the final state), fp32."""
+        from kernels.ssd import ssd
+
+        return ssd(x, dt, A, B, C, chunk, initial_state, starts, backend=self.kernels)
 
     def attention(self, q, k, v, dropout: float, training: bool, scale: float | None = None):
         """Causal attention through the chosen backend (`mlm.model.attention.attention`)."""

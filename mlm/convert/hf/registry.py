@@ -18,7 +18,8 @@ from mlm.convert.hf.qwen3_moe import QWEN3_MOE
 from mlm.errors import MlmError
 
 ADAPTERS: dict[str, Adapter] = {
-    a.model_type: a for a in (LLAMA, GPT2, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, MAMBA2)
+    a.model_type: a
+    for a in (LLAMA, GPT2, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, MAMBA2)
 }
 _ALIASES = {a.hf_class: a.model_type for a in ADAPTERS.values()}
 

@@ -3,7 +3,7 @@
     z, x, B, C, dt = in_z(u), in_x(u), in_B(u), in_C(u), in_dt(u)     (column-parallel)
     x, B, C = silu(causal depthwise conv of each, K taps, with bias)
     dt = clamp(softplus(dt + dt_bias), limits);  A = −exp(A_log)
-    y = SSD(x, dt, A, B, C) + D · x                                    (`kernels.ssd`)
+    y = SSD(x, dt, A, B, C) + D · x                 (`kernels.ssd`: torch or Triton, model.kernels)
     out(gated RMSNorm(y · silu(z)) per group)                          (row-parallel)
 
 Megatron and HF hold z | x | B | C | dt as one `in_proj` and x | B | C as one `conv1d`; here each
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ssd import at_least_fp32, ssd_reference, ssd_step
+from kernels.ssd import at_least_fp32, ssd_step
 from mlm.config import ModelConfig
 from mlm.model.layers import TP_INPUT
 from mlm.model.ops import Ops
@@ -173,7 +173,7 @@ class Mamba(nn.Module):
             B_, C_ = F.silu(self.conv_B(B_, documents_BT)), F.silu(self.conv_C(C_, documents_BT))
             starts = None if documents_BT is None else document_starts(documents_BT)
             xh, Bh, Ch = self._heads(x, B_, C_)
-            y, _ = ssd_reference(xh, dt, A, Bh, Ch, self.cfg.chunk_size, starts_BT=starts)
+            y, _ = self.ops.ssd(xh, dt, A, Bh, Ch, self.cfg.chunk_size, starts=starts)
             y = (y + at_least_fp32(self.D)[:, None] * at_least_fp32(xh)).flatten(-2)
         return self.out(self.norm(y, z).to(x_BTD.dtype))
 
@@ -204,8 +204,8 @@ class Mamba(nn.Module):
             conv_out = [c.step(v[:, part], w) for c, v, w in zip(convs, (x, B_, C_), windows, strict=True)]
             xs, Bs, Cs = (F.silu(o) for o, _ in conv_out)
             xh, Bh, Ch = self._heads(xs, Bs, Cs)
-            y, state = ssd_reference(
-                xh, dt[:, part], A, Bh, Ch, self.cfg.chunk_size, initial_state_BHPN=state_SHPN[i : i + 1]
+            y, state = self.ops.ssd(
+                xh, dt[:, part], A, Bh, Ch, self.cfg.chunk_size, initial_state=state_SHPN[i : i + 1]
             )
             ys.append((y + at_least_fp32(self.D)[:, None] * at_least_fp32(xh)).flatten(-2))
             next_windows.append(torch.cat([w for _, w in conv_out], dim=1))
