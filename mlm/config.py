@@ -295,7 +295,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """Epsilon of the normalisation layers."""
     position_embedding: str = "rope"
-    """learned (GPT-2) or rope (Llama)."""
+    """learned (GPT-2), rope (Llama) or none (no positions: Nemotron-H's attention; Mamba layers need none)."""
     rope_base: float = 10000.0
     """RoPE base frequency (theta)."""
     rope_scaling_factor: float | None = None
@@ -317,7 +317,7 @@ class ModelConfig:
     rope_yarn_mscale_all_dim: float = 0.0
     """YaRN: mscale_all_dim; nonzero also scales MLA's softmax by (0.1·it·ln(factor) + 1)² (DeepSeek); 0: off."""
     activation: str = "swiglu"
-    """swiglu (Llama), gelu_tanh (GPT-2) or gelu."""
+    """swiglu (Llama), gelu_tanh (GPT-2), gelu or squared_relu (relu(x)², Nemotron-H; not gated)."""
     add_bias: bool = False
     """Biases in linear layers (GPT-2: true)."""
     tie_embeddings: bool = False
@@ -409,8 +409,8 @@ class ModelConfig:
             self.rope_scaling_factor is None or self.rope_scaling_factor >= 1.0,
             f"model.rope_scaling_factor={self.rope_scaling_factor}: must be >= 1 (or unset)",
         )
-        _choice(s, "position_embedding", self.position_embedding, ("learned", "rope"))
-        _choice(s, "activation", self.activation, ("swiglu", "gelu_tanh", "gelu"))
+        _choice(s, "position_embedding", self.position_embedding, ("learned", "rope", "none"))
+        _choice(s, "activation", self.activation, ("swiglu", "gelu_tanh", "gelu", "squared_relu"))
         _choice(s, "attention_backend", self.attention_backend, ("auto", "sdpa", "flash", "te"))
         _choice(s, "kernels", self.kernels, ("torch", "triton", "auto"))
         _choice(s, "recompute", self.recompute, ("none", "selective", "full"))

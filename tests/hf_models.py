@@ -237,6 +237,30 @@ def mamba2(**config) -> torch.nn.Module:
     return _build("Mamba2ForCausalLM", transformers.Mamba2Config(**(base | config)), seed=11)
 
 
+def nemotron_h(**config) -> torch.nn.Module:
+    """Nemotron-H: Mamba-2 blocks (as mamba2's), attention (GQA 4/2, no positions), squared-ReLU
+    MLPs, blocks M - * - M M - (mlm's layers M-, *-, M, M-)."""
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mamba", "mlp"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        ssm_state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return _build("NemotronHForCausalLM", transformers.NemotronHConfig(**(base | config)), seed=13)
+
+
 # ---------------------------------------------------------------- the cases
 
 
@@ -303,6 +327,14 @@ ARCHS: dict[str, Arch] = {
     ),
     "mamba2": Arch(lambda: mamba2(), **_HYBRID, saved_keys=("mixer.in_proj", "mixer.conv1d")),
     "mamba2-tied": Arch(lambda: mamba2(tie_word_embeddings=True, num_hidden_layers=2), **_HYBRID),
+    "nemotron_h": Arch(lambda: nemotron_h(), **_HYBRID, toml=('layer_pattern = "M-*-MM-"',)),
+    # attention first, an MLP block after another (mlm's layer with no mixer); transformers 5.24
+    # never ties Nemotron-H's embeddings (its tie_word_embeddings leaves lm_head its own)
+    "nemotron_h-mlp-only": Arch(
+        lambda: nemotron_h(layers_block_type=["attention", "mamba", "mlp", "mlp"]),
+        **_HYBRID,
+        toml=('layer_pattern = "*M--"',),
+    ),
 }
 
 

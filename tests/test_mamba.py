@@ -131,18 +131,20 @@ def test_serving_decodes_a_mamba_hybrid_from_state_slots(tmp_path, tiny_data):
     assert pool.num_free == pool.num_slots
 
 
-def test_serving_an_imported_mamba2_generates_transformers_greedy_tokens():
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])
+def test_serving_an_imported_hybrid_generates_transformers_greedy_tokens(arch):
     """Three prompts batched through the engine (prefill in chunks, then decode) give, each,
-    transformers' greedy 32 tokens."""
+    transformers' greedy 32 tokens: Mamba-2, and Nemotron-H (Mamba-2, attention without
+    positions, squared-ReLU MLPs)."""
     pytest.importorskip("transformers")
     from mlm.convert.hf import config_from_hf, load_hf_into
     from mlm.inference.engine import Engine, EngineConfig
     from mlm.inference.sampling import SamplingParams
     from mlm.model.gpt import GPT
 
-    from hf_models import mamba2
+    import hf_models
 
-    hf = mamba2()
+    hf = getattr(hf_models, arch)()
     model = load_hf_into(GPT(config_from_hf(hf.config.to_dict())).eval(), hf)
     prompts = [[5, 17, 42, 7, 99, 3], [1, 2, 3], list(range(10, 40))]
     engine = Engine(model, config=EngineConfig(max_seqs=3, max_tokens_per_step=16, packed_weights=False))

@@ -2,7 +2,7 @@
 by every module (each holds it as `self.ops`), chosen once at build time (`GPT.set_kernels`,
 `GPT.set_attention_backend`):
 
-    kernels             norms, SwiGLU / GeLU, RoPE, Mamba-2's scan: torch (`kernels.lean`: autograd Functions
+    kernels             norms, SwiGLU / GeLU (squared ReLU: torch always), RoPE, Mamba-2's scan: torch (`kernels.lean`: autograd Functions
                         that save only what their backward needs) or triton (the top-level
                         `kernels` package), from model.kernels (`resolve_kernels`)
     attention_backend   the attention core: sdpa, flash or te (`mlm.model.attention`), from
@@ -44,6 +44,12 @@ class Ops:
 
     def gelu(self, a, approximate: str):
         return gelu(a, approximate, self.kernels)
+
+    def activation(self, a, name: str):
+        """The non-gated MLP activation `name` (model.activation): gelu, gelu_tanh or squared_relu."""
+        if name == "squared_relu":
+            return squared_relu(a)
+        return gelu(a, "tanh" if name == "gelu_tanh" else "none", self.kernels)
 
     def rope(self, x, cos, sin, interleaved: bool = False):
         """RoPE on the rotate-half layout, or on adjacent pairs (`interleaved`: DeepSeek's)."""
@@ -95,6 +101,12 @@ def gelu(a: torch.Tensor, approximate: str, kernels: str = "torch") -> torch.Ten
 
         return fused(a, approximate=approximate)
     return F.gelu(a, approximate=approximate)
+
+
+def squared_relu(a: torch.Tensor) -> torch.Tensor:
+    """relu(a)² (Nemotron-H's MLP, Megatron's --squared-relu); torch under every model.kernels (no
+    Triton kernel yet)."""
+    return torch.square(F.relu(a))
 
 
 def resolve_kernels(requested: str, device: torch.device) -> str:

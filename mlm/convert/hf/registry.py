@@ -11,6 +11,7 @@ from mlm.convert.hf.llama import LLAMA
 from mlm.convert.hf.mamba2 import MAMBA2
 from mlm.convert.hf.mistral import MISTRAL
 from mlm.convert.hf.mixtral import MIXTRAL
+from mlm.convert.hf.nemotron_h import NEMOTRON_H
 from mlm.convert.hf.qwen2 import QWEN2
 from mlm.convert.hf.qwen2_moe import QWEN2_MOE
 from mlm.convert.hf.qwen3 import QWEN3
@@ -19,7 +20,19 @@ from mlm.errors import MlmError
 
 ADAPTERS: dict[str, Adapter] = {
     a.model_type: a
-    for a in (LLAMA, GPT2, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, MAMBA2)
+    for a in (
+        LLAMA,
+        GPT2,
+        MISTRAL,
+        QWEN2,
+        QWEN3,
+        MIXTRAL,
+        QWEN2_MOE,
+        QWEN3_MOE,
+        DEEPSEEK_V3,
+        MAMBA2,
+        NEMOTRON_H,
+    )
 }
 _ALIASES = {a.hf_class: a.model_type for a in ADAPTERS.values()}
 
@@ -57,15 +70,15 @@ def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
 
 def arch_of(cfg: ModelConfig, source: str = "") -> str:
     """The Hugging Face model_type a config converts to: `source` (the transformers class or
-    model_type it was imported from) when supported; else multi-latent attention: deepseek_v3; Mamba-2 layers alone: mamba2;
+    model_type it was imported from) when supported; else multi-latent attention: deepseek_v3; Mamba-2 layers alone: mamba2, with others: nemotron_h;
     learned positions: gpt2; MoE layers: qwen3_moe with q/k norms, qwen2_moe with shared experts,
     else mixtral; dense: qwen3 with q/k norms, qwen2 with q/k/v biases, otherwise llama."""
     if _ALIASES.get(source, source) in ADAPTERS:
         return _ALIASES.get(source, source)
     if "mla" in cfg.mixer_kinds():
         return "deepseek_v3"
-    if set(cfg.mixer_kinds()) == {"mamba"} and not cfg.mlp_kinds():
-        return "mamba2"
+    if "mamba" in cfg.mixer_kinds():
+        return "mamba2" if set(cfg.mixer_kinds()) == {"mamba"} and not cfg.mlp_kinds() else "nemotron_h"
     if cfg.position_embedding == "learned":
         return "gpt2"
     if any(s.mlp == "moe" for s in cfg.layer_specs()):

@@ -38,14 +38,13 @@ _ARGS = {
 }
 """Megatron-LM `args` fields read from common.pt → mlm `model.` fields, same meaning and unit (plus,
 in `args_overrides`: num_query_groups when group_query_attention, position_embedding_type,
-normalization, swiglu (exact GELU otherwise), use_rope_scaling with rope_scaling_factor, the aux-loss
+normalization, swiglu (exact GELU otherwise), squared_relu, use_rope_scaling with rope_scaling_factor, the aux-loss
 coefficient by moe_router_load_balancing_type, and vocab_size; and the args it refuses)."""
 
 
 REFUSED_ARGS = {
     "rotary_interleaved": "interleaved RoPE (mlm rotates halves)",
     "apply_layernorm_1p": "zero-centered norm weights (1 + weight)",
-    "squared_relu": "the squared-ReLU MLP",
     "apply_residual_connection_post_layernorm": "residuals taken after the norm",
     "layernorm_zero_centered_gamma": "zero-centered norm weights (1 + weight)",
     "qk_l2_norm": "L2-normalized queries and keys",
@@ -91,20 +90,22 @@ def args_overrides(common: dict) -> list[str]:
     kind = args.get("position_embedding_type")
     if args.get("multi_latent_attention") and kind == "none":  # MLA applies its own RoPE either way
         kind = "rope"
-    if kind not in (None, "rope", "learned_absolute"):
+    if kind not in (None, "rope", "learned_absolute", "none"):
         raise MlmError(
-            f"Megatron args position_embedding_type={kind!r}: mlm imports 'rope' and 'learned_absolute' only"
+            f"Megatron args position_embedding_type={kind!r}: mlm imports 'rope', 'learned_absolute' and 'none'"
         )
     out = {ours: args[theirs] for theirs, ours in _ARGS.items() if args.get(theirs) is not None}
     if args.get("group_query_attention") and args.get("num_query_groups"):
         out["num_query_groups"] = args["num_query_groups"]
     if kind is not None:
-        out["position_embedding"] = "rope" if kind == "rope" else "learned"
+        out["position_embedding"] = {"rope": "rope", "none": "none"}.get(kind, "learned")
     if args.get("normalization") in ("RMSNorm", "LayerNorm"):
         out["normalization"] = args["normalization"].lower()
     if "swiglu" in args:  # args.openai_gelu is not read: it reaches Megatron-LM's legacy models only,
         # never megatron-core's GPTModel (core_transformer_config_from_args), which computes exact GELU
         out["activation"] = "swiglu" if args["swiglu"] else "gelu"
+    if args.get("squared_relu"):
+        out["activation"] = "squared_relu"
     if args.get("use_rope_scaling"):  # Llama 3.1's scaling; Megatron fixes the other three constants
         out |= {"rope_scaling_factor": args.get("rope_scaling_factor", 8.0), "rope_scaling_type": "llama3"}
         out |= {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0}
@@ -288,8 +289,10 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
         num_query_groups=cfg.query_groups,
         kv_channels=cfg.head_dim,
         seq_length=config.data.seq_length,
-        position_embedding_type="rope" if rope else "learned_absolute",
-        add_position_embedding=not rope,
+        position_embedding_type={"rope": "rope", "none": "none"}.get(
+            cfg.position_embedding, "learned_absolute"
+        ),
+        add_position_embedding=cfg.position_embedding == "learned",
         use_rotary_position_embeddings=rope,
         rotary_base=int(cfg.rope_base) if float(cfg.rope_base).is_integer() else cfg.rope_base,
         rotary_percent=1.0,
@@ -300,7 +303,7 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
         apply_layernorm_1p=False,
         swiglu=cfg.activation == "swiglu",
         openai_gelu=cfg.activation == "gelu_tanh",
-        squared_relu=False,
+        squared_relu=cfg.activation == "squared_relu",
         untie_embeddings_and_output_weights=not cfg.tie_embeddings,
         add_bias_linear=cfg.add_bias,
         add_qkv_bias=cfg.qkv_bias,

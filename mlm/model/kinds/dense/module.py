@@ -1,4 +1,5 @@
-"""The "dense" MLP: SwiGLU (Llama: down(silu(gate x) · up x)) or GeLU (GPT-2: down(gelu(up x))).
+"""The "dense" MLP: SwiGLU (Llama: down(silu(gate x) · up x)), or down(act(up x)) with GeLU (GPT-2)
+or squared ReLU (Nemotron-H).
 
 Shape legend: B batch, T sequence, D hidden, F ffn hidden.
 """
@@ -25,11 +26,11 @@ class MLP(nn.Module):
         self.gate = nn.Linear(D, F_, bias=cfg.add_bias) if self.gated else None
         self.up = nn.Linear(D, F_, bias=cfg.add_bias)
         self.down = nn.Linear(F_, D, bias=cfg.add_bias)
-        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+        self.activation = cfg.activation
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if self.gated:
             h_BTF = self.ops.swiglu(self.gate(x_BTD), self.up(x_BTD))
         else:
-            h_BTF = self.ops.gelu(self.up(x_BTD), self.approximate)
+            h_BTF = self.ops.activation(self.up(x_BTD), self.activation)
         return self.down(h_BTF)

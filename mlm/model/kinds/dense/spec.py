@@ -42,7 +42,7 @@ class DenseSpec(MLPSpec):
     name = "dense"
     symbol = "-"
     module = "mlm.model.kinds.dense.module:MLP"
-    summary = "dense MLP: SwiGLU or GeLU (model.activation)"
+    summary = "dense MLP: SwiGLU, GeLU or squared ReLU (model.activation)"
 
     def check_parallel(self, m, tp, ep, sequence_parallel):
         given = "" if m.ffn_hidden_size else " (unset: 4 × hidden_size)"

@@ -39,7 +39,7 @@ def _grouped_mm_ok(x_MD: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    """E expert MLPs (SwiGLU: down(silu(gate x) · up x); else down(gelu(up x))) over grouped rows;
+    """E expert MLPs (SwiGLU: down(silu(gate x) · up x); else down(act(up x))) over grouped rows;
     the activation is the dense MLP's (`model.kernels` picks torch or Triton, saving its inputs only)."""
 
     def __init__(
@@ -48,7 +48,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.ops = ops or Ops()
         self.gated = activation == "swiglu"
-        self.approximate = "tanh" if activation == "gelu_tanh" else "none"
+        self.activation = activation
         self.gate = ExpertWeights(experts, ffn, hidden) if self.gated else None
         self.up = ExpertWeights(experts, ffn, hidden)
         self.down = ExpertWeights(experts, hidden, ffn)
@@ -59,7 +59,7 @@ class GroupedExperts(nn.Module):
         return self.up.weight.shape[0]
 
     def _act(self, gate, up):
-        return self.ops.swiglu(gate, up) if self.gated else self.ops.gelu(up, self.approximate)
+        return self.ops.swiglu(gate, up) if self.gated else self.ops.activation(up, self.activation)
 
     def forward(self, x_MD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         assert len(counts) == self.num_local and sum(counts) == x_MD.shape[0], (counts, x_MD.shape)
