@@ -9,13 +9,23 @@ import typer
 app = typer.Typer(help="Model presets and resolved run configs.", no_args_is_help=True)
 
 
+def _count_kinds(specs) -> str:
+    """Each kind of layer and how many there are, in order of first use: "3 mla + dense, 58 mla + moe"
+    (a hybrid's order is `mlm config show`'s)."""
+    counts: dict[str, int] = {}
+    for spec in specs:
+        kinds = " + ".join(k for k in (spec.mixer, spec.mlp) if k is not None)
+        counts[kinds] = counts.get(kinds, 0) + 1
+    return ", ".join(f"{n} {kinds}" for kinds, n in counts.items())
+
+
 @app.command("list")
 def list_presets() -> None:
     """Presets with their parameter counts (MoE: total and active per token; MTP depths apart), layer
     kinds and sources; the table goes to stdout (`mlm config list | grep moe`)."""
     from rich.table import Table
 
-    from mlm.config import describe_layers, load_config
+    from mlm.config import load_config
     from mlm.console import human, make_console
     from mlm.model import flops_per_token, parameter_counts
     from mlm.presets import PRESETS
@@ -38,7 +48,7 @@ def list_presets() -> None:
             name,
             parameter_counts(m).describe(human),
             str(m.num_layers),
-            describe_layers(m.layer_specs()),
+            _count_kinds(m.layer_specs()),
             str(m.hidden_size),
             f"{m.num_attention_heads}/{m.query_groups}",
             str(cfg.data.seq_length),

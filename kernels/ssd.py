@@ -447,6 +447,28 @@ class _SSDFunction(torch.autograd.Function):
         )
 
 
+class _SSDRecompute(torch.autograd.Function):
+    """`ssd_reference` saving its inputs only: the backward runs it again under autograd (the
+    torch path's memory is then the scan's inputs, not its [chunk × chunk] intermediates)."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, chunk, initial_state, starts):
+        ctx.chunk, ctx.starts, ctx.has_initial = chunk, starts, initial_state is not None
+        ctx.save_for_backward(x, dt, A, B, C, *([initial_state] if ctx.has_initial else []))
+        return ssd_reference(x, dt, A, B, C, chunk, initial_state, starts)
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            x, dt, A, B, C, *initial = inputs
+            y, final = ssd_reference(x, dt, A, B, C, ctx.chunk, initial[0] if initial else None, ctx.starts)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad((y, final), wanted, (dy, dfinal), allow_unused=True))
+        out = [next(grads) if t.requires_grad else None for t in inputs]
+        return (*out[:5], None, out[5] if ctx.has_initial else None, None)
+
+
 def ssd(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -460,8 +482,12 @@ def ssd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked scan (shapes and meaning as `ssd_reference`): (y [B, T, H, P] fp32, the final
     state [B, H, P, N] fp32), differentiable in x, dt, A, B, C and initial_state through both
-    outputs. backend "torch": `ssd_reference` (autograd); "triton": the Triton kernels."""
+    outputs. backend "torch": `ssd_reference`, which recomputes itself in the backward when a
+    gradient is wanted (saving its inputs only); "triton": the Triton kernels."""
     if backend == "torch":
+        inputs = (x, dt, A, B, C, initial_state)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+            return _SSDRecompute.apply(x, dt, A, B, C, chunk, initial_state, starts)
         return ssd_reference(x, dt, A, B, C, chunk, initial_state, starts)
     if backend != "triton":
         raise ValueError(f"backend={backend!r}: must be one of torch, triton")

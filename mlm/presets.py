@@ -277,6 +277,30 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
         ),
         {"seq_length": 4096},
     ),
+    "nemotron-h-8b": (
+        "HF nvidia/Nemotron-H-8B-Base-8K config.json: 24 Mamba-2, 4 attention (no positions) and 24 "
+        "squared-ReLU MLP blocks; 8,100,852,736 parameters as published",
+        dict(
+            num_layers=28,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_query_groups=8,
+            kv_channels=128,
+            ffn_hidden_size=21504,
+            vocab_size=131072,
+            max_position_embeddings=8192,
+            normalization="rmsnorm",
+            norm_eps=1e-5,
+            position_embedding="none",
+            activation="squared_relu",
+            layer_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+            # dt_limit_min: transformers clamps Nemotron-H's time step at time_step_min
+            mamba=dict(
+                num_heads=128, head_dim=64, state_dim=128, num_groups=8, chunk_size=128, dt_limit_min=0.001
+            ),
+        ),
+        {"seq_length": 8192},
+    ),
     "tiny-llama": (
         "mlm: CPU demo and tests (GQA, RoPE, SwiGLU)",
         dict(
@@ -358,6 +382,24 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
                 router_bias_update_rate=1e-2,
             ),
             mtp_num_layers=1,
+        ),
+        {"seq_length": 256},
+    ),
+    "tiny-hybrid": (
+        "mlm: CPU demo and tests (Nemotron-H's layout: Mamba-2, attention without positions, squared-ReLU MLPs)",
+        dict(
+            num_layers=4,
+            hidden_size=128,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=352,
+            vocab_size=4096,
+            max_position_embeddings=256,
+            normalization="rmsnorm",
+            position_embedding="none",
+            activation="squared_relu",
+            layer_pattern="M-*-M-M-",
+            mamba=dict(head_dim=16, state_dim=16, num_groups=2, chunk_size=64),
         ),
         {"seq_length": 256},
     ),

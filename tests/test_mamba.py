@@ -155,3 +155,47 @@ def test_serving_an_imported_hybrid_generates_transformers_greedy_tokens(arch):
                 torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
             )[0, len(prompt) :].tolist()
         assert out.token_ids == theirs
+
+
+def test_the_planner_counts_what_a_mamba_layer_saves(tmp_path, tiny_data):
+    """What one Mamba-2 layer (mixer alone) saves for backward, planned from its spec against the
+    tensors autograd keeps (fp32, one rank), counted as tests/test_activation_memory.py counts."""
+    from mlm.layout import Layout
+    from mlm.plan import memory
+
+    cfg = load_config(
+        None, _sets(tmp_path, tiny_data, "plan", **{**HYBRID, "model.layer_pattern": "'M*-M-*E'"})
+    )
+    m, S = cfg.model, cfg.data.seq_length
+    planned = sum(memory.layer_activation_bytes(cfg, Layout(1, 1, 1, 2, 2), m.layer_specs()[0]).values())
+    model = build_model(m, "cpu", seed=1).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if (ptr := t.untyped_storage().data_ptr()) not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(2, S, m.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model.layers["0"](x)
+    out.sum().backward()
+    assert planned == pytest.approx(sum(saved.values()), rel=0.02), (planned, sum(saved.values()))
+
+
+def test_the_nemotron_h_preset_has_its_published_size_and_plans():
+    """nemotron-h-8b counts 8,100,852,736 parameters (the published checkpoint's), and `mlm plan`
+    lays it out on 64 GPUs with tp dividing its 8 B/C groups."""
+    from mlm.hardware import PROFILES
+    from mlm.model import parameter_counts
+    from mlm.plan.job import Job
+    from mlm.plan.search import search
+
+    cfg = load_config(None, ["preset=nemotron-h-8b"])
+    assert parameter_counts(cfg.model).total == 8_100_852_736
+    assert cfg.model.pattern().count("M") == 24 and cfg.model.pattern().count("*") == 4
+    result = search(Job(cfg, 64, 8, PROFILES["h100-80g"]))
+    best = result.ranked[0]
+    assert 8 % best.layout.tp == 0 and best.fits
+    assert "num_groups=8 must both divide over parallel.tp=16" in result.rejected[16, 1]

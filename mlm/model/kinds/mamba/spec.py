@@ -84,19 +84,22 @@ class MambaSpec(MixerSpec):
         return Flops(tp=projections + 6 * K * (d + 2 * G * N) + scan)
 
     def saved(self, m, mb):
-        """What the torch path keeps for backward per micro-batch (an estimate, not yet measured):
-        the normed input the five projections share; z, the convolutions' inputs and outputs, dt
-        (fp32); the scan's fp32 tensors (x·dt, B and C per head, a Q-wide score row per head);
-        y and the gated norm's input (fp32); the output projection's input."""
-        H, P, G, N, d, _ = _sizes(m, mb.tp)
+        """What the torch path keeps for backward per micro-batch (c = d + 2·G·N channels of the
+        convolutions; the scan saves only its inputs and recomputes itself in the backward):
+        - the normed input the five projections share, e·h·A;
+        - dt in fp32: dt + dt_bias (softplus's input), softplus's output, the clamped step, 3·e·H·4;
+        - the convolutions' inputs e·c·A and outputs with their K − 1 padding columns, SiLU's
+          outputs e·c·A (x, B and C: also the scan's inputs);
+        - the gated norm in fp32: y + D·x, z, silu(z), their product, the normed groups (5·e·d·4),
+          the groups' rsqrt e·G·4; the output projection's input e·d·A."""
+        H, P, G, N, d, K = _sizes(m, mb.tp)
         e, A, h = mb.e, mb.A, m.hidden_size
         c = d + 2 * G * N
-        Q = min(m.mamba.chunk_size, mb.s)
         return {
             "linear inputs": e * h * A,
-            "projections": e * (d + 2 * c) * A + e * H * 4,
-            "scan": e * (d + 2 * H * N + H * Q) * 4,
-            "norm": 2 * e * d * 4 + e * d * A,
+            "time step": 3 * e * H * 4 + 2 * H * 4,
+            "convolutions": 3 * e * c * A + mb.b * c * (K - 1) * A,
+            "gated norm": 5 * e * d * 4 + e * G * 4 + e * d * A,
         }
 
     def work(self, m, mb, sw, times):
