@@ -121,7 +121,39 @@ def args_overrides(common: dict) -> list[str]:
     if args.get("multi_latent_attention"):  # kv_channels (hidden / heads, always saved) is not MLA's
         out.pop("kv_channels", None)
         out |= _mla_fields(args)
+    out |= _hybrid_fields(args)
     return [f"model.{k}={toml_value(v)}" for k, v in out.items()]
+
+
+def is_hybrid(cfg: ModelConfig) -> bool:
+    """Whether `cfg` is written as Megatron's HybridModel: a Mamba layer, or a layer with a mixer or
+    an MLP alone (GPTModel's layers are attention and an MLP)."""
+    return "mamba" in cfg.mixer_kinds() or any(s.mixer is None or s.mlp is None for s in cfg.layer_specs())
+
+
+MAMBA_ARGS = {
+    "mamba_state_dim": "state_dim",
+    "mamba_head_dim": "head_dim",
+    "mamba_num_groups": "num_groups",
+    "mamba_num_heads": "num_heads",
+}
+"""Megatron-LM's Mamba args → `model.mamba.` fields."""
+
+
+def _hybrid_fields(args: dict) -> dict:
+    """model.layer_pattern (and the layers it makes) from a HybridModel's `hybrid_layer_pattern`
+    (or the older `hybrid_override_pattern`), and model.mamba.* from its Mamba args."""
+    pattern = args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern")
+    if not pattern:
+        return {}
+    from mlm.model.kinds.pattern import parse
+
+    layers, mtp = parse(pattern, "Megatron args hybrid_layer_pattern")
+    out = {"layer_pattern": pattern, "num_layers": len(layers), "mtp_num_layers": mtp}
+    out |= {
+        f"mamba.{ours}": args[theirs] for theirs, ours in MAMBA_ARGS.items() if args.get(theirs) is not None
+    }
+    return out
 
 
 _MLA_ARGS = {
@@ -325,6 +357,11 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
     )
     if "mla" in cfg.mixer_kinds():
         args.update(_mla_args(cfg))
+    if is_hybrid(cfg):  # HybridModel: Megatron derives num_layers from the pattern (one per symbol)
+        m = cfg.mamba
+        args.update(num_layers=None, hybrid_layer_pattern=cfg.pattern(), hybrid_override_pattern=None)
+        args.update({theirs: config_field(cfg, f"mamba.{ours}") for theirs, ours in MAMBA_ARGS.items()})
+        args["mamba_num_heads"] = m.heads(cfg.hidden_size)
     if any(spec.mlp == "moe" for spec in cfg.layer_specs()):
         moe = cfg.moe
         balancing = [

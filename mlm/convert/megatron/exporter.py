@@ -26,7 +26,7 @@ from mlm.checkpoint import checkpoint_config, read_group
 from mlm.checkpoint.manager import iter_dir_name
 from mlm.config import ModelConfig, describe_layers
 from mlm.convert.common import Progress, Report, noop
-from mlm.convert.megatron.args import megatron_args, unread_flags
+from mlm.convert.megatron.args import is_hybrid, megatron_args, unread_flags
 from mlm.convert.megatron.dcp import MegatronCheckpoint
 from mlm.convert.megatron.names import megatron_tensors, mlm_tensors, split_key
 from mlm.errors import MlmError
@@ -35,18 +35,22 @@ from mlm.fileio import check_new_dir, staged_dir
 CHECKPOINT_VERSION = 3.0
 """Megatron-LM's `checkpoint_version` for torch_dist checkpoints (no q/k/v reordering on load)."""
 
-_LINEAR = re.compile(r"(.*(?:linear_\w+|eh_proj))\.weight$")
-"""A Megatron linear layer's weight key; its module saves an `_extra_state` object beside it."""
+_LINEAR = re.compile(r"(.*(?:linear_\w+|eh_proj|mixer\.in_proj|mixer\.out_proj))\.weight(?:\.z)?$")
+"""A Megatron linear layer's weight key (a Mamba in_proj's: its first piece, `.z`); its module saves
+an `_extra_state` object beside it."""
 
 
 def unsupported(cfg: ModelConfig) -> list[str]:
-    """What of `cfg` a Megatron GPTModel with this name table cannot hold, each naming the field."""
+    """What of `cfg` a Megatron GPTModel (or, for a hybrid `cfg`, HybridModel) with this name table
+    cannot hold, each naming the field."""
+    if is_hybrid(cfg):
+        return _hybrid_unsupported(cfg)
     out = []
     specs = cfg.layer_specs()
-    if len(cfg.mixer_kinds()) > 1 or any(s.mixer is None or s.mlp is None for s in specs):
+    if len(cfg.mixer_kinds()) > 1:
         out.append(
-            f"layers {describe_layers(specs)}: GPTModel's layers are attention and an MLP, one attention "
-            "kind throughout (a hybrid pattern is Megatron's HybridModel, not written yet)"
+            f"layers {describe_layers(specs)}: GPTModel's layers have one attention kind throughout (mixing "
+            "gqa and mla is not written)"
         )
     if "mla" in cfg.mixer_kinds():
         out += _mla_unsupported(cfg)
@@ -71,6 +75,25 @@ def unsupported(cfg: ModelConfig) -> list[str]:
                 f"model.rope_scaling_type={cfg.rope_scaling_type} (low/high freq factors {llama3[0]}/{llama3[1]}, "
                 f"original positions {llama3[2]}): Megatron's --use-rope-scaling is Llama-3.1's with 1/4/8192 only"
             )
+    return out
+
+
+def _hybrid_unsupported(cfg: ModelConfig) -> list[str]:
+    """What of a hybrid `cfg` the export's HybridModel names cannot hold."""
+    out = []
+    other = [k for k in cfg.mixer_kinds() if k not in ("gqa", "mamba")]
+    if other:
+        out.append(
+            f"mixers {', '.join(other)} in a hybrid: the HybridModel export writes Mamba and linear_qkv attention"
+        )
+    if cfg.mtp_num_layers:
+        out.append(f"model.mtp_num_layers={cfg.mtp_num_layers}: HybridModel's MTP layers are not written yet")
+    if cfg.position_embedding == "learned":
+        out.append("model.position_embedding=learned: HybridModel has no learned position embedding")
+    if cfg.qk_norm and cfg.normalization != "rmsnorm":
+        out.append(
+            "model.qk_norm with normalization=layernorm: Megatron's q/k_layernorm follow --normalization"
+        )
     return out
 
 
@@ -176,9 +199,11 @@ def export_megatron(
     state, manifest, it_dir = read_group(ckpt, verify=verify)
     config = checkpoint_config(manifest, it_dir)
     cfg = config.model
+    model = "HybridModel" if is_hybrid(cfg) else "GPTModel"
+    report.architecture = f"Megatron-core {model}"
     refused = unsupported(cfg)
     if refused:
-        raise MlmError(f"{it_dir}: cannot export to a Megatron GPTModel: {'; '.join(refused)}")
+        raise MlmError(f"{it_dir}: cannot export to a Megatron {model}: {'; '.join(refused)}")
     tensors = megatron_tensors(state, cfg)
     iteration = int(manifest["iteration"])
     padded = state["embed.weight"].shape[0]

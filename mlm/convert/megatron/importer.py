@@ -25,9 +25,12 @@ from mlm.convert.megatron.args import args_overrides, config_field, saved_args, 
 from mlm.convert.megatron.dcp import MegatronCheckpoint, checkpoint_dir, iteration_dir
 from mlm.convert.megatron.legacy import LegacyCheckpoint, is_legacy
 from mlm.convert.megatron.names import (
+    HYBRID_TOP,
     LAYER,
+    MAMBA,
     MLA_SUBS,
     TOP,
+    hybrid_checkpoint,
     known_mtp,
     layer_keys,
     mlm_shapes,
@@ -52,21 +55,27 @@ def _known(ckpt: MegatronCheckpoint) -> None:
             f"{ckpt.path}: a torchtitan checkpoint (tok_embeddings.weight, layers.N.*), not a Megatron one: "
             f"import it with mlm convert from-torchtitan {ckpt.path} OUT"
         )
+    hybrid = hybrid_checkpoint(ckpt.tensors)
+    top, layer = (HYBRID_TOP, {**LAYER, **MAMBA}) if hybrid else (TOP, LAYER)
     for key in ckpt.tensors:
-        if key in TOP or (key.startswith("decoder.layers.") and split_key(key)[1] in LAYER) or known_mtp(key):
+        if key in top or (key.startswith("decoder.layers.") and split_key(key)[1] in layer) or known_mtp(key):
             continue
         raise MlmError(
             f"{ckpt.path}: Megatron module {key!r} is not supported by mlm convert from-megatron (it reads "
-            "GPTModel's embedding, self_attention (linear_qkv, linear_proj, q/k_layernorm, or multi-latent "
-            "attention's linear_q*/kv* projections and latent norms), dense mlp, MoE router / experts / "
-            "shared_experts, norms, output_layer and MTP depths; not other specs)"
+            "GPTModel's and HybridModel's embedding, self_attention (linear_qkv, linear_proj, q/k_layernorm, "
+            "or multi-latent attention's linear_q*/kv* projections and latent norms), Mamba mixers, dense mlp, "
+            "MoE router / experts / shared_experts, norms, output_layer and MTP depths; not other specs)"
         )
     subs = {split_key(k)[1] for k in ckpt.tensors if k.startswith("decoder.layers.")}
     mla = "self_attention.linear_kv_down_proj.weight" in subs
     needed = (
-        "embedding.word_embeddings.weight",
-        "self_attention.linear_kv_down_proj.weight" if mla else "self_attention.linear_qkv.weight",
-        "self_attention.linear_proj.weight",
+        ("embedding.word_embeddings.weight",)
+        if hybrid
+        else (
+            "embedding.word_embeddings.weight",
+            "self_attention.linear_kv_down_proj.weight" if mla else "self_attention.linear_qkv.weight",
+            "self_attention.linear_proj.weight",
+        )
     )
     lacking = [n for n in needed if n not in ckpt.tensors and n not in subs]
     if lacking:
@@ -111,17 +120,41 @@ def _layer_shape(ckpt: MegatronCheckpoint, sub: str) -> tuple[int, ...] | None:
     return None
 
 
+def _hybrid_pattern(ckpt: MegatronCheckpoint, subs: dict[int, dict]) -> str:
+    """A HybridModel checkpoint's layer pattern, one symbol per Megatron layer from its sub-keys."""
+    symbols = []
+    for i in range(len(subs)):
+        layer = subs[i]
+        if any(k.startswith("mixer.") for k in layer):
+            symbols.append("M")
+        elif "self_attention.linear_qkv.weight" in layer:
+            symbols.append("*")
+        elif "mlp.router.weight" in layer:
+            symbols.append("E")
+        elif "mlp.linear_fc1.weight" in layer:
+            symbols.append("-")
+        else:
+            raise MlmError(
+                f"{ckpt.path}: HybridModel layer decoder.layers.{i} ({', '.join(sorted(layer))}) is none of a "
+                "Mamba mixer, linear_qkv attention, a dense MLP or MoE, the layers mlm reads"
+            )
+    return "".join(symbols)
+
+
 def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
     """model.* fields that the tensor shapes determine, as --set strings."""
     shape = partial(_layer_shape, ckpt)
     num_layers, subs = _layers(ckpt)
     moe = [int("mlp.router.weight" in subs[i]) for i in range(num_layers)]
+    hybrid = hybrid_checkpoint(ckpt.tensors)
     out = {
         "num_layers": num_layers,
         "hidden_size": ckpt.shape("embedding.word_embeddings.weight")[1],
         "tie_embeddings": "output_layer.weight" not in ckpt.tensors,
         "position_embedding": "learned" if "embedding.position_embeddings.weight" in ckpt.tensors else "rope",
-        "normalization": "layernorm" if "decoder.final_layernorm.bias" in ckpt.tensors else "rmsnorm",
+        "normalization": "layernorm"
+        if {"decoder.final_layernorm.bias", "decoder.final_norm.bias"} & set(ckpt.tensors)
+        else "rmsnorm",
         "add_bias": shape("self_attention.linear_proj.bias") is not None,
         "qkv_bias": shape("self_attention.linear_qkv.bias") is not None,
         "qk_norm": shape("self_attention.q_layernorm.weight") is not None,
@@ -141,9 +174,21 @@ def _shape_overrides(ckpt: MegatronCheckpoint) -> list[str]:
     fc2 = shape("mlp.linear_fc2.weight")
     if fc2 is not None:
         out["ffn_hidden_size"] = fc2[1]
+    if hybrid:  # the pattern gives every layer's kinds; Mamba's sizes from its pieces
+        from mlm.model.kinds.pattern import parse
+
+        pattern = _hybrid_pattern(ckpt, subs)
+        out |= {"num_layers": len(parse(pattern)[0]), "layer_pattern": pattern}
+        if "embedding.position_embeddings.weight" not in ckpt.tensors:
+            out["position_embedding"] = "none"
+        z, dt = shape("mixer.in_proj.weight.z"), shape("mixer.in_proj.weight.dt")
+        if z is not None:
+            out |= {"mamba.num_heads": dt[0], "mamba.head_dim": z[0] // dt[0]}
+            out["mamba.conv_kernel"] = shape("mixer.conv1d.weight.x")[-1]
     if any(moe):
-        out["mlp_kind"] = "moe"
-        out["mlp_kind_freq"] = 1 if all(moe) else moe
+        if not hybrid:
+            out["mlp_kind"] = "moe"
+            out["mlp_kind_freq"] = 1 if all(moe) else moe
         experts = shape("mlp.experts.experts.linear_fc2.weight")
         out["moe.num_experts"], out["moe.ffn_hidden_size"] = experts[0], experts[2]
         shared = shape("mlp.shared_experts.linear_fc2.weight")
@@ -182,6 +227,8 @@ def _attention_overrides(ckpt: MegatronCheckpoint, heads: int) -> list[str]:
     (MLA: its per-head dims, `_mla_head_overrides`)."""
     if _layer_shape(ckpt, "self_attention.linear_kv_down_proj.weight") is not None:
         return _mla_head_overrides(ckpt, heads)
+    if _layer_shape(ckpt, "self_attention.linear_proj.weight") is None:  # a hybrid without attention
+        return []
     width = _layer_shape(ckpt, "self_attention.linear_proj.weight")[1]  # heads · head dim
     rows = _layer_shape(ckpt, "self_attention.linear_qkv.weight")[0]  # (heads + 2 · groups) · head dim
     head_dim = width // heads
@@ -279,6 +326,8 @@ def import_megatron(
     folder = iteration_dir(src)
     ckpt = LegacyCheckpoint(folder) if is_legacy(folder) else MegatronCheckpoint(checkpoint_dir(folder))
     _known(ckpt)
+    if hybrid_checkpoint(ckpt.tensors):
+        report.architecture = "Megatron-core HybridModel"
     if isinstance(ckpt, LegacyCheckpoint):
         _legacy_tp(ckpt)
     config, notes = model_config(ckpt, list(overrides))

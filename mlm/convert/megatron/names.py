@@ -1,5 +1,6 @@
-"""Megatron-core GPTModel's torch_dist tensor names ⇄ mlm's, both directions from one table:
-`TOP`, `LAYER` and `MTP` below; `keymap` turns them into `mlm.convert.keymap` templates, read by
+"""Megatron-core GPTModel's and HybridModel's torch_dist tensor names ⇄ mlm's, both directions from
+one table: `TOP`, `LAYER` and `MTP` below (HybridModel: `HYBRID_TOP`, `MAMBA` and `LAYER`, one
+Megatron layer per pattern symbol, `hybrid_keymap`); `keymap` turns them into `mlm.convert.keymap` templates, read by
 `mlm_tensors` (import) and written by `megatron_tensors` (export). The layouts (fused linear_qkv,
 [gate; up], stacked or per-layer keys, the expert axis) are in docs/formats.md ("Megatron-core
 torch_dist checkpoint"); the table as a whole in docs/megatron.md."""
@@ -14,7 +15,7 @@ import torch
 from mlm.config import ModelConfig
 from mlm.convert.common import model_shapes
 from mlm.convert.keymap import KeyMap, Rule
-from mlm.convert.megatron.args import moe_layer_freq
+from mlm.convert.megatron.args import is_hybrid, moe_layer_freq
 from mlm.convert.megatron.dcp import MegatronCheckpoint
 from mlm.errors import MlmError
 
@@ -85,6 +86,71 @@ MTP = {
 `mtp.<d>.`; its `transformer_layer.<sub>` is one layer named as `LAYER` names it, mlm's `mtp.<d>.layer.`."""
 
 
+MAMBA = {
+    "mixer.in_proj.layer_norm_weight": "attn_norm.weight",
+    "norm.weight": "attn_norm.weight",
+    **{f"mixer.in_proj.weight.{p}": f"attn.in_{p}.weight" for p in ("z", "x", "B", "C", "dt")},
+    **{f"mixer.conv1d.{w}.{p}": f"attn.conv_{p}.{w}" for w in ("weight", "bias") for p in "xBC"},
+    "mixer.A_log": "attn.A_log",
+    "mixer.D": "attn.D",
+    "mixer.dt_bias": "attn.dt_bias",
+    "mixer.norm.weight": "attn.norm.weight",
+    "mixer.out_proj.weight": "attn.out.weight",
+}
+"""Megatron HybridModel's Mamba layer sub-keys (after `decoder.layers.<i>.`, Megatron's
+`MambaMixer.sharded_state_dict`: in_proj saved as its five pieces `.z .x .B .C .dt`, conv1d as
+`.x .B .C`; the pre-norm fused into in_proj under the TE spec, `norm.weight` under the local one) →
+mlm keys under `layers.N.`; mlm keeps the same pieces as its own tensors."""
+
+HYBRID_TOP = {
+    "embedding.word_embeddings.weight": "embed.weight",
+    "decoder.final_norm.weight": "final_norm.weight",
+    "output_layer.weight": "output.weight",
+}
+"""HybridModel's keys outside the layers (its final norm is `final_norm`, GPTModel's `final_layernorm`)."""
+
+
+def hybrid_layers(cfg: ModelConfig) -> list[tuple[int, int, str]]:
+    """(Megatron layer, mlm layer, "mixer" or "mlp"): HybridModel numbers one layer per pattern
+    symbol, mlm one per mixer and the MLP after it."""
+    out, i = [], 0
+    for j, spec in enumerate(cfg.layer_specs()):
+        for half, kind in (("mixer", spec.mixer), ("mlp", spec.mlp)):
+            if kind is not None:
+                out.append((i, j, half))
+                i += 1
+    return out
+
+
+def _half(sub: str) -> str:
+    """Which half of an mlm layer a GPTModel sub-key belongs to."""
+    return "mlp" if sub.startswith(("mlp.", "pre_mlp_layernorm.")) else "mixer"
+
+
+def hybrid_keymap(cfg: ModelConfig, export: bool = False) -> KeyMap:
+    """The keys of a HybridModel checkpoint for `cfg`, one per stored tensor (each Megatron layer's
+    own: HybridModel never stacks layers): Mamba layers by `MAMBA`, attention and MLP layers by
+    GPTModel's `LAYER`. `export`: only the sub-keys the export writes (the TE spec's names)."""
+    table: dict[str, Rule] = {key: Rule((name,)) for key, name in HYBRID_TOP.items()}
+    gpt_subs = _export_subs(cfg) if export else list(LAYER)
+    mamba_subs = [k for k in MAMBA if not (export and k == "norm.weight")]
+    for i, j, half in hybrid_layers(cfg):
+        spec = cfg.layer_specs()[j]
+        if half == "mixer" and spec.mixer == "mamba":
+            for sub in mamba_subs:
+                table[f"decoder.layers.{i}.{sub}"] = Rule((f"layers.{j}.{MAMBA[sub]}",))
+            continue
+        for sub in gpt_subs:
+            if _half(sub) == half:
+                table[f"decoder.layers.{i}.{sub}"] = _rule(sub, cfg, f"layers.{j}.")
+    return KeyMap(table, {"layer": cfg.num_layers}, "Megatron HybridModel", groups=cfg.query_groups)
+
+
+def hybrid_checkpoint(keys: Iterable[str]) -> bool:
+    """Whether stored keys are HybridModel's (its `final_norm`, or a Mamba mixer)."""
+    return any(k == "decoder.final_norm.weight" or ".mixer." in k for k in keys)
+
+
 def split_key(key: str) -> tuple[int | None, str]:
     """`decoder.layers.<n>.<sub>` → (n, sub); `decoder.layers.<sub>` (stacked) → (None, sub)."""
     rest = key.removeprefix("decoder.layers.")
@@ -149,7 +215,7 @@ def keymap(cfg: ModelConfig, subs: Iterable[str] = LAYER) -> KeyMap:
 
 
 def _converted(ckpt: MegatronCheckpoint, cfg: ModelConfig, read) -> Iterator[tuple[str, torch.Tensor]]:
-    keys = keymap(cfg)
+    keys = hybrid_keymap(cfg) if hybrid_checkpoint(ckpt.tensors) else keymap(cfg)
     units, stored = keys.plan(ckpt.tensors)
     shapes = model_shapes(cfg, None)  # the sizes of the split pieces
     for unit in units:
@@ -196,9 +262,10 @@ def _heterogeneous(cfg: ModelConfig) -> bool:
 
 def megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """mlm's tensors under Megatron's torch_dist keys (fused, stacked or per layer as GPTModel shards
-    them); MlmError naming an mlm tensor the name table has no Megatron key for."""
-    keys = keymap(cfg, _export_subs(cfg))
-    stacked = not _heterogeneous(cfg)
+    them; HybridModel's per pattern symbol for a hybrid `cfg`); MlmError naming an mlm tensor the name table has no Megatron key for."""
+    hybrid = is_hybrid(cfg)
+    keys = hybrid_keymap(cfg, export=True) if hybrid else keymap(cfg, _export_subs(cfg))
+    stacked = not hybrid and not _heterogeneous(cfg)
     out, used, whole = {}, set(), set()
     for unit in keys.units():
         if not all(k in state for k in unit.mlm):  # tied: no output layer; a dense layer: no router

@@ -254,17 +254,23 @@ def test_args_that_change_the_model_are_followed():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("squared_relu", True, "squared_relu=True: the squared-ReLU MLP"),
+        ("qk_l2_norm", True, "qk_l2_norm=True: L2-normalized queries and keys"),
         (
             "position_embedding_type",
             "yarn",
-            "position_embedding_type='yarn': mlm imports 'rope' and 'learned_absolute'",
+            "position_embedding_type='yarn': mlm imports 'rope', 'learned_absolute' and 'none'",
         ),
     ],
 )
 def test_args_refused(field, value, message):
     with pytest.raises(MlmError, match=re.escape(message)):
         args_overrides({"args": argparse.Namespace(**{field: value})})
+
+
+def test_squared_relu_and_no_positions_are_read():
+    """Nemotron-H's MLP (--squared-relu) and attention without positions (position_embedding_type none)."""
+    sets = args_overrides({"args": argparse.Namespace(squared_relu=True, position_embedding_type="none")})
+    assert {'model.activation="squared_relu"', 'model.position_embedding="none"'} <= set(sets), sets
 
 
 def test_missing_layer_is_named(tmp_path):

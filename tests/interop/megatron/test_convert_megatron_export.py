@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from mlm.checkpoint import read_group
+from mlm.config import load_config
 from mlm.convert.hf.folder import export_hf, import_hf
 from mlm.convert.megatron.dcp import MegatronCheckpoint
 from mlm.convert.megatron.exporter import export_megatron
@@ -27,7 +28,7 @@ from mlm.convert.megatron.importer import import_megatron
 from mlm.errors import MlmError
 
 from distributed import run_ranks  # noqa: E402
-from helpers import assert_error, mlm  # noqa: E402
+from helpers import assert_error, checkpoint_logits, mlm  # noqa: E402
 from megatron_helpers import (  # noqa: E402, F401 (megatron: a fixture)
     SETS,
     TOL,
@@ -179,6 +180,63 @@ def test_export_reads_back_with_mlm(tmp_path, sets):
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], state[k]) for k in state)
     assert manifest["source"]["iteration"] == 7 and manifest["source"]["consumed_train_samples"] == 40
+
+
+HYBRID = [  # Megatron's HybridModel: Mamba alone, attention + MLP, Mamba + MoE (one Megatron layer per symbol)
+    "model.layer_pattern='M*-ME'", "model.num_layers=3", "model.position_embedding='none'",
+    "model.activation=squared_relu", "model.mamba.head_dim=16", "model.mamba.state_dim=8",
+    "model.mamba.num_groups=2", *MOE[1:],
+]  # fmt: skip
+
+
+def test_hybrid_export_reads_back_with_mlm(tmp_path):
+    """A Mamba hybrid is written as Megatron's HybridModel (names from Megatron-LM's
+    `MambaMixer.sharded_state_dict` and `HybridStack`: one `decoder.layers.<i>` per pattern symbol,
+    in_proj in its five pieces, conv1d in three, `decoder.final_norm`) and read back bitwise, its
+    config from the exported args."""
+    state = mlm_checkpoint(tmp_path / "mlm", REFERENCE + HYBRID, iteration=3)
+    report = export_megatron(tmp_path / "mlm", tmp_path / "megatron")
+    assert report.architecture == "Megatron-core HybridModel" and report.verified
+    it_dir = tmp_path / "megatron" / "iter_0000003"
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        args = vars(torch.load(it_dir / "common.pt", weights_only=True)["args"])
+    assert args["hybrid_layer_pattern"] == "M*-ME" and args["num_layers"] is None
+    assert (args["mamba_head_dim"], args["mamba_state_dim"], args["mamba_num_groups"]) == (16, 8, 2)
+    assert args["mamba_num_heads"] == 2 * HIDDEN // 16 and args["squared_relu"]
+    keys = set(MegatronCheckpoint(it_dir).tensors)
+    assert {
+        "decoder.final_norm.weight",
+        "decoder.layers.0.mixer.in_proj.layer_norm_weight",
+        "decoder.layers.0.mixer.in_proj.weight.dt",
+        "decoder.layers.0.mixer.conv1d.bias.C",
+        "decoder.layers.1.self_attention.linear_qkv.weight",
+        "decoder.layers.2.mlp.linear_fc1.layer_norm_weight",  # the MLP of mlm's layer 1: symbol 2
+        "decoder.layers.3.mixer.out_proj.weight",
+        "decoder.layers.4.mlp.router.weight",
+    } <= keys
+    assert not any(k.startswith("decoder.layers.5") for k in keys)
+    import_megatron(tmp_path / "megatron", tmp_path / "back")
+    back, _, _ = read_group(tmp_path / "back")
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    assert read_group(tmp_path / "back")[1]["config"]["model"]["layer_pattern"] == "M*-ME"
+
+
+def test_a_gpt_checkpoint_imports_into_an_attention_only_pattern(tmp_path):
+    """Megatron's GPTModel → HybridModel reading (gpt_checkpoint_interop): a pattern of attention
+    and MLP layers only (`*-*-`) reads a GPTModel checkpoint's layers in order, with the dense
+    import's logits."""
+    mlm_checkpoint(tmp_path / "mlm", REFERENCE, iteration=1)
+    export_megatron(tmp_path / "mlm", tmp_path / "megatron")
+    import_megatron(tmp_path / "megatron", tmp_path / "dense")
+    import_megatron(tmp_path / "megatron", tmp_path / "pattern", ["model.layer_pattern='*-*-'"])
+    tokens = torch.arange(SEQ)[None] % VOCAB
+    assert load_config(tmp_path / "pattern" / "config.toml").model.layer_pattern == "*-*-"
+    torch.testing.assert_close(
+        checkpoint_logits(tmp_path / "pattern", tokens),
+        checkpoint_logits(tmp_path / "dense", tokens),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_unsupported_is_refused(tmp_path):
