@@ -56,6 +56,8 @@ the layout ([B, T, H, ·] → [B, H, T, ·] fp32), the L2 normalisation of q and
 scale of q, zeroing g at starts (all differentiated by torch's autograd around the Triton Function), and
 the final cast of o. tl.dot runs in full fp32 ("ieee") for fp32 inputs and in tf32 for 16-bit
 inputs (whose rounding is coarser than tf32's).
+triton is imported, and the kernels jitted, on the first Triton call (TRITON_INTERPRET is read
+then), never by importing this module (as `kernels.ssd`).
 
 Tested on CPU under the Triton interpreter against the torch references and transformers'
 Qwen3-Next functions (tests/test_kernel_delta_rule.py); not yet run on a GPU. Both kernels compile
@@ -69,11 +71,10 @@ C serial steps, and in full fp32 ("ieee") ptxas took minutes to compile the back
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 BLOCK_V = 64  # most d_v columns per Triton program (each program holds a [d_k, BLOCK_V] state)
 BACKENDS = ("torch", "triton")
@@ -210,15 +211,51 @@ def delta_rule_chunked_reference(
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton: one program per (batch·head, block of d_v columns), walking the chunks
+# Triton: one program per (batch·head, block of d_v columns), walking the chunks. triton is
+# imported on the first `backend="triton"` call, not with this module: the torch path (the model's
+# training path on CPU and `delta_rule_recurrent_reference` for decode) needs no triton, and
+# importing this module never imports triton behind the back of a caller that must set
+# TRITON_INTERPRET=1 first. The kernels and their helpers are plain functions below, `triton.jit`-ed
+# by `_kernels()` once `tl` is bound (the kernels call the helpers by their module-level names,
+# which `_kernels()` rebinds to the jitted ones).
+
+tl = None  # triton.language, bound by `_kernels()`
+_JIT = (
+    "_dot",
+    "_decays",
+    "_unit_lower_inverse",
+    "_ut",
+    "_load_chunk",
+    "_delta_rule_forward",
+    "_delta_rule_backward",
+)
 
 
-@triton.jit
+@functools.cache
+def _kernels():
+    """(triton, forward kernel, backward kernel), jitted on first use (TRITON_INTERPRET is read
+    here: set it before the first Triton call to run on the interpreter)."""
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    for name in _JIT:
+        globals()[name] = triton.jit(globals()[name])
+    return triton, _delta_rule_forward, _delta_rule_backward
+
+
+def _out_of_resources() -> type[Exception]:
+    """triton's OutOfResources (imported with triton, on the first Triton launch)."""
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources
+
+
 def _dot(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
-@triton.jit
 def _decays(g, st, rows):
     """Γ (with its diagonal), Γ strictly below it, α, τ, λ of one chunk from its g and starts."""
     lower = rows[:, None] >= rows[None, :]
@@ -235,7 +272,6 @@ def _decays(g, st, rows):
     return gam_inc, gam_strict, alpha, tau, lam
 
 
-@triton.jit
 def _unit_lower_inverse(A, rows, C: tl.constexpr):
     """(I + A)⁻¹ for A strictly lower [C, C], by forward substitution: row i of the inverse is
     e_i − Σ_{j<i} A_ij · (row j)."""
@@ -247,7 +283,6 @@ def _unit_lower_inverse(A, rows, C: tl.constexpr):
     return inv
 
 
-@triton.jit
 def _ut(k, v, beta, alpha, gam_strict, rows, C: tl.constexpr, PREC: tl.constexpr):
     """A, T⁻¹ = (I + A)⁻¹, U = T⁻¹(βV) and W = T⁻¹(βα∘K) of one chunk."""
     A = _dot(k * beta[:, None], tl.trans(k), PREC) * gam_strict
@@ -257,7 +292,6 @@ def _ut(k, v, beta, alpha, gam_strict, rows, C: tl.constexpr, PREC: tl.constexpr
     return A, Tinv, U, W
 
 
-@triton.jit
 def _load_chunk(
     Q, K, V, G, BETA, STARTS, bh, b, n, T, DK, DV, v0, rows, ck, cv, C: tl.constexpr, HAS_STARTS: tl.constexpr
 ):
@@ -279,7 +313,6 @@ def _load_chunk(
     return q, k, v, g, beta, st, t_ok, k_offs, v_offs, k_mask, v_mask
 
 
-@triton.jit
 def _delta_rule_forward(
     Q,
     K,
@@ -330,7 +363,6 @@ def _delta_rule_forward(
     tl.store(SF + bh * DK * DV + s_offs, S, mask=s_mask)
 
 
-@triton.jit
 def _delta_rule_backward(
     Q,
     K,
@@ -437,13 +469,17 @@ def _delta_rule_backward(
     tl.store(DS0 + bh * DK * DV + s_offs, dS, mask=s_mask)
 
 
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def _block_k(dk: int) -> int:
-    return max(16, triton.next_power_of_2(dk))
+    return max(16, _next_power_of_2(dk))
 
 
 def _block_v(dv: int, limit: int) -> int:
     """d_v columns per program: a power of two, at least tl.dot's 16, at most `limit`."""
-    return max(16, min(triton.next_power_of_2(dv), limit))
+    return max(16, min(_next_power_of_2(dv), limit))
 
 
 # The d_v block each (kernel, C, BK, d_v, precision) fell back to, so that a block too large for
@@ -455,11 +491,12 @@ _fitted_block_v: dict[tuple, int] = {}
 def _launch_halving(key: tuple, block_v: int, launch) -> None:
     """launch(block_v), halving block_v (down to 16) while triton reports too few resources
     (shared memory, registers) for it; remembers under `key` a block that ran after halving."""
+    out_of_resources = _out_of_resources()
     block_v = min(block_v, _fitted_block_v.get(key, block_v))
     while True:
         try:
             return launch(block_v)
-        except OutOfResources:
+        except out_of_resources:
             if block_v <= 16:
                 raise
             block_v //= 2
@@ -474,6 +511,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, starts, initial_state, chunk_size: int, precision: str):
+        triton, forward, _ = _kernels()
         B, H, T, dk = q.shape
         dv = v.shape[-1]
         C, N, bk = chunk_size, triton.cdiv(T, chunk_size), _block_k(dk)
@@ -484,7 +522,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         st = starts if starts is not None else g
 
         def launch(bv):
-            _delta_rule_forward[(B * H, triton.cdiv(dv, bv))](
+            forward[(B * H, triton.cdiv(dv, bv))](
                 q, k, v, g, beta, st, s0, o, states, final, T, H, dk, dv, N,
                 HAS_STARTS=starts is not None, HAS_S0=initial_state is not None,
                 C=C, BK=bk, BV=bv, PREC=precision,
@@ -498,6 +536,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
+        triton, _, backward = _kernels()
         q, k, v, g, beta, starts, states = ctx.saved_tensors
         B, H, T, dk = q.shape
         dv = v.shape[-1]
@@ -514,7 +553,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             nv = triton.cdiv(dv, bv)  # one partial gradient of q, k, g, beta per d_v block
             dq, dk_ = (torch.empty((nv, B, H, T, dk), **f32) for _ in range(2))
             dg, dbeta = (torch.empty((nv, B, H, T), **f32) for _ in range(2))
-            _delta_rule_backward[(B * H, nv)](
+            backward[(B * H, nv)](
                 q, k, v, g, beta, st, states, do, dsf if dsf is not None else ds0,
                 dq, dk_, dv_, dg, dbeta, ds0, T, H, dk, dv, N, B * H,
                 HAS_STARTS=starts is not None, HAS_DSF=dsf is not None,

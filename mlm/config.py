@@ -269,6 +269,58 @@ class MambaConfig:
 
 
 @dataclass
+class GatedDeltaNetConfig:
+    """Gated DeltaNet layers (mixer kind "gdn", pattern symbol G; Qwen3-Next's linear attention,
+    Megatron's GatedDeltaNet, HF's Qwen3NextGatedDeltaNet): projections to q, k (key heads), v, z
+    (value heads), b and a (one each per value head), a causal depthwise convolution over q, k and
+    v, the chunked gated delta rule, a gated RMSNorm per value head, an output projection.
+    Defaults: Qwen3-Next-80B-A3B's heads and dims, the 4 taps and 64-token chunks of HF and FLA, −A
+    drawn as Megatron's GatedDeltaNet draws it."""
+
+    num_key_heads: int = 16
+    """Heads of q and k (HF's linear_num_key_heads); each serves num_value_heads / num_key_heads value heads."""
+    num_value_heads: int = 32
+    """Heads of v, z, the state and the output (HF's linear_num_value_heads)."""
+    key_head_dim: int = 128
+    """Channels d_k per query and key head (HF's linear_key_head_dim); the state is d_k × d_v per value head."""
+    value_head_dim: int = 128
+    """Channels d_v per value head (HF's linear_value_head_dim)."""
+    conv_kernel: int = 4
+    """Taps of the causal depthwise convolution over q, k and v (HF's linear_conv_kernel_dim)."""
+    chunk_size: int = 64
+    """Tokens per chunk of the delta rule (FLA's and HF's 64); changes rounding, not the result."""
+    A_init_min: float = 1.0
+    """Init: −A per value head drawn uniform in [A_init_min, A_init_max] (A_log = its log); Megatron's (1, 16), HF draws from (0.01, 16)."""
+    A_init_max: float = 16.0
+    """Init: the largest drawn −A."""
+
+    def __post_init__(self):
+        s = "model.gdn"
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            ensure(getattr(self, name) > 0, f"{s}.{name}={getattr(self, name)}: must be positive")
+        ensure(self.chunk_size > 0, f"{s}.chunk_size={self.chunk_size}: must be positive")
+        ensure(
+            self.num_value_heads % self.num_key_heads == 0,
+            f"{s}.num_value_heads={self.num_value_heads} is not a multiple of num_key_heads="
+            f"{self.num_key_heads}: each key head serves a whole number of value heads (Qwen3-Next's 16 and 32)",
+        )
+        ensure(
+            0 < self.A_init_min <= self.A_init_max,
+            f"{s}.A_init_min={self.A_init_min}, A_init_max={self.A_init_max}: need 0 < min <= max",
+        )
+
+    @property
+    def key_dim(self) -> int:
+        """Width of q (and of k): num_key_heads × key_head_dim."""
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Width of v, z and the output: num_value_heads × value_head_dim."""
+        return self.num_value_heads * self.value_head_dim
+
+
+@dataclass
 class ModelConfig:
     """The transformer: GPT-2 or Llama style, from the same fields."""
 
@@ -364,6 +416,8 @@ class ModelConfig:
     """Multi-latent attention options, used when attention_kind is mla."""
     mamba: MambaConfig = field(default_factory=MambaConfig)
     """Mamba-2 options, used by the layers whose mixer kind is mamba (pattern symbol M)."""
+    gdn: GatedDeltaNetConfig = field(default_factory=GatedDeltaNetConfig)
+    """Gated DeltaNet options, used by the layers whose mixer kind is gdn (pattern symbol G)."""
 
     def __post_init__(self):
         s = "model"
@@ -1066,6 +1120,8 @@ def _convert(where: str, value, tp):
         return [_convert(where, v, item) for v in value]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is str and value is None:  # --set key=none: a str field cannot be unset, so it means "none"
+        return "none"
     if tp in (int, float, str, bool) and (type(value) is not tp):
         raise MlmError(f"{where}={value!r}: expected {tp.__name__}, got {type(value).__name__}")
     return value

@@ -9,8 +9,10 @@ Tolerances are relative to the expected tensor's largest magnitude: fp32 within 
 (measured ≤ 2e-4 here, where both paths compute in fp32 from the same bf16 inputs and round once;
 on a GPU the Triton dots of 16-bit inputs run in tf32, not measured yet).
 
-Without CUDA the kernels run under the Triton interpreter, imported as tests/test_kernels.py does
-(TRITON_INTERPRET=1 while triton and the kernel module are imported and while the tests run).
+Without CUDA the kernels run under the Triton interpreter, imported as tests/test_kernel_ssd.py does
+(TRITON_INTERPRET=1 while triton is imported and while the tests run). The kernels are jitted on
+their first call, so the variable only has to be set by then; importing `kernels.delta_rule` does
+not import triton (the model's torch path needs none).
 Sizes are small (B=2, T=37–70, H=2–3, d_k=16, d_v=24–32): the interpreter runs each program as Python.
 
     TRITON_INTERPRET=1 pytest -q tests/test_kernel_delta_rule.py
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +51,7 @@ finally:
     else:
         os.environ["TRITON_INTERPRET"] = _saved
 
+ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 NAMES = ("o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
 
@@ -261,16 +266,23 @@ def test_public_function_checks_its_arguments():
 def test_a_block_too_large_for_the_gpu_is_halved_once(monkeypatch):
     """On a GPU whose shared memory a d_v block overflows, triton's launch raises OutOfResources:
     the launcher halves the block (down to 16) and remembers it for the next launch."""
+    from triton.runtime.errors import OutOfResources
+
     monkeypatch.setattr(dr, "_fitted_block_v", {})
     tried = []
 
     def launch(block_v):
         tried.append(block_v)
         if block_v > 16:
-            raise dr.OutOfResources(block_v * 10_000, 232_448, "shared memory")
+            raise OutOfResources(block_v * 10_000, 232_448, "shared memory")
 
     dr._launch_halving(("backward", 64, 128, 128, "tf32"), 64, launch)
     dr._launch_halving(("backward", 64, 128, 128, "tf32"), 64, launch)
     assert tried == [64, 32, 16, 16]
-    with pytest.raises(dr.OutOfResources):
+    with pytest.raises(OutOfResources):
         dr._launch_halving(("other",), 16, lambda block_v: launch(64))
+
+
+def test_import_does_not_import_triton():
+    code = "import sys, kernels.delta_rule; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -4,7 +4,7 @@ bf16 within 2e-2 of the reference's largest magnitude, on sizes that are not pow
 lean Functions bitwise equal to torch's own norms and SwiGLU in fp32 (the golden losses rest on
 it) and saving only what their backward needs; and a tiny GPT with model.kernels=triton against
 model.kernels=torch, over every site the choice covers (norms, Qwen3's q/k norms, MLA's latent
-norms, dense and routed experts' activations, Mamba-2's scan).
+norms, dense and routed experts' activations, Mamba-2's scan, Gated DeltaNet's delta rule).
 
 Without CUDA the kernels run under the Triton interpreter: this module sets TRITON_INTERPRET=1 while
 it imports triton and the kernels (triton reads it as its own functions and the kernels are
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import lean
-from mlm.config import MambaConfig, MLAConfig, ModelConfig, MoEConfig
+from mlm.config import GatedDeltaNetConfig, MambaConfig, MLAConfig, ModelConfig, MoEConfig
 from mlm.errors import MlmError
 from mlm.model import build_model
 from mlm.model.kinds.moe.experts import GroupedExperts
@@ -290,6 +290,23 @@ GPTS = {
     # Mamba-2's scan (kernels.ssd): 12 heads of 6, 2 groups, chunks of 4 over 9 tokens
     "mamba-hybrid": dict(
         layer_pattern="M-*-", mamba=MambaConfig(head_dim=6, state_dim=8, num_groups=2, chunk_size=4)
+    ),
+    # Gated DeltaNet's delta rule (kernels.delta_rule): 2 key heads of 6 for 4 value heads of 10, in
+    # one chunk of 16 (the Triton kernels' smallest) over 9 tokens. −A drawn in [0.1, 1], not the
+    # default [1, 16]: there a token keeps as little as e⁻²⁰ of the state, and A_log's gradient
+    # Σ_t g_t · dg_t (|g_t| up to 20) is ill-conditioned in fp32 — measured, both paths up to 2e-5
+    # from an fp64 recurrence and 3.5e-5 apart; here ≤ 1e-6 apart.
+    "gdn-hybrid": dict(
+        layer_pattern="G-*-",
+        gdn=GatedDeltaNetConfig(
+            num_key_heads=2,
+            num_value_heads=4,
+            key_head_dim=6,
+            value_head_dim=10,
+            chunk_size=16,
+            A_init_min=0.1,
+            A_init_max=1.0,
+        ),
     ),
 }
 

@@ -2,7 +2,8 @@
 by every module (each holds it as `self.ops`), chosen once at build time (`GPT.set_kernels`,
 `GPT.set_attention_backend`):
 
-    kernels             norms, SwiGLU / GeLU (squared ReLU: torch always), RoPE, Mamba-2's scan: torch (`kernels.lean`: autograd Functions
+    kernels             norms, SwiGLU / GeLU (squared ReLU: torch always), RoPE, Mamba-2's scan,
+                        Gated DeltaNet's delta rule: torch (`kernels.lean`: autograd Functions
                         that save only what their backward needs) or triton (the top-level
                         `kernels` package), from model.kernels (`resolve_kernels`)
     attention_backend   the attention core: sdpa, flash or te (`mlm.model.attention`), from
@@ -61,6 +62,16 @@ class Ops:
         from kernels.ssd import ssd
 
         return ssd(x, dt, A, B, C, chunk, initial_state, starts, backend=self.kernels)
+
+    def gated_delta_rule(self, q, k, v, g, beta, chunk: int, initial_state=None, starts=None):
+        """Gated DeltaNet's chunked delta rule (`kernels.delta_rule.gated_delta_rule`, q and k
+        L2-normalised inside): (o in q's dtype, the final state fp32)."""
+        from kernels.delta_rule import gated_delta_rule
+
+        return gated_delta_rule(
+            q, k, v, g, beta, initial_state=initial_state, starts=starts, output_final_state=True,
+            chunk_size=chunk, backend=self.kernels,
+        )  # fmt: skip
 
     def attention(self, q, k, v, dropout: float, training: bool, scale: float | None = None):
         """Causal attention through the chosen backend (`mlm.model.attention.attention`)."""

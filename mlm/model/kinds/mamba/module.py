@@ -42,15 +42,16 @@ def document_starts(documents_BT: torch.Tensor) -> torch.Tensor:
 
 
 class CausalConv(nn.Module):
-    """A causal depthwise convolution of K taps with a bias, per channel (weight [W, 1, K]: torch's
-    depthwise Conv1d layout, as HF and Megatron store it)."""
+    """A causal depthwise convolution of K taps with a bias (unless `bias=False`: Gated DeltaNet's
+    has none), per channel (weight [W, 1, K]: torch's depthwise Conv1d layout, as HF and Megatron
+    store it)."""
 
     tp_plan = {"weight": "channels", "bias": "channels"}
 
-    def __init__(self, width: int, taps: int):
+    def __init__(self, width: int, taps: int, bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(width, 1, taps))
-        self.bias = nn.Parameter(torch.empty(width))
+        self.bias = nn.Parameter(torch.empty(width)) if bias else None
 
     def init_values(self, local: str, shape: tuple[int, ...], seed: int, name: str) -> torch.Tensor | None:
         """The weight U(±1/√K), torch's Conv1d default (`mlm.model.init`); the bias: zeros."""
@@ -66,7 +67,9 @@ class CausalConv(nn.Module):
         if documents_BT is None:
             y = F.conv1d(u_BTW.transpose(1, 2), self.weight, self.bias, padding=K - 1, groups=u_BTW.shape[2])
             return y[..., :T].transpose(1, 2)
-        y = u_BTW * self.weight[:, 0, K - 1] + self.bias
+        y = u_BTW * self.weight[:, 0, K - 1]
+        if self.bias is not None:
+            y = y + self.bias
         for j in range(1, min(K, T)):
             same = (documents_BT[:, j:] == documents_BT[:, :-j])[..., None]
             y = y + F.pad((u_BTW[:, :-j] * same) * self.weight[:, 0, K - 1 - j], (0, 0, j, 0))
