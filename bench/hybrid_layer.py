@@ -22,13 +22,16 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
-from mlm.config import MambaConfig, ModelConfig
-from mlm.model.kinds.mamba.module import Mamba
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `kernels` the package, not bench/kernels.py
+
+from mlm.config import MambaConfig, ModelConfig  # noqa: E402
+from mlm.model.kinds.mamba.module import Mamba  # noqa: E402
 
 
 def build(args):
