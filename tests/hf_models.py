@@ -258,7 +258,27 @@ def nemotron_h(**config) -> torch.nn.Module:
         tie_word_embeddings=False,
         attn_implementation="eager",
     )
-    return _build("NemotronHForCausalLM", transformers.NemotronHConfig(**(base | config)), seed=13)
+    model = _build("NemotronHForCausalLM", transformers.NemotronHConfig(**(base | config)), seed=13)
+    gen = torch.Generator().manual_seed(14)
+    with torch.no_grad():  # the router's correction bias is a buffer, zero in transformers: random here
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.2 * torch.rand(buf.shape, generator=gen))
+    return model
+
+
+NEMOTRON_MOE = dict(
+    layers_block_type=["mamba", "moe", "attention", "mlp", "mamba", "moe"],
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    moe_shared_expert_intermediate_size=20,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+)
+"""Nemotron-H's MoE blocks: 4 non-gated experts in 2 groups, top-2 from 1 group (k = 2 × topk_group,
+as transformers' top-2 group scores need), a shared expert, scaled weights."""
 
 
 # ---------------------------------------------------------------- the cases
@@ -328,6 +348,12 @@ ARCHS: dict[str, Arch] = {
     "mamba2": Arch(lambda: mamba2(), **_HYBRID, saved_keys=("mixer.in_proj", "mixer.conv1d")),
     "mamba2-tied": Arch(lambda: mamba2(tie_word_embeddings=True, num_hidden_layers=2), **_HYBRID),
     "nemotron_h": Arch(lambda: nemotron_h(), **_HYBRID, toml=('layer_pattern = "M-*-MM-"',)),
+    "nemotron_h-moe": Arch(
+        lambda: nemotron_h(**NEMOTRON_MOE),
+        **_HYBRID,
+        saved_keys=(".mixer.experts.3.", "e_score_correction_bias"),
+        toml=('layer_pattern = "ME*-ME"',),
+    ),
     # attention first, an MLP block after another (mlm's layer with no mixer); transformers 5.24
     # never ties Nemotron-H's embeddings (its tie_word_embeddings leaves lm_head its own)
     "nemotron_h-mlp-only": Arch(

@@ -131,11 +131,11 @@ def test_serving_decodes_a_mamba_hybrid_from_state_slots(tmp_path, tiny_data):
     assert pool.num_free == pool.num_slots
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "nemotron_h-moe"])
 def test_serving_an_imported_hybrid_generates_transformers_greedy_tokens(arch):
     """Three prompts batched through the engine (prefill in chunks, then decode) give, each,
     transformers' greedy 32 tokens: Mamba-2, and Nemotron-H (Mamba-2, attention without
-    positions, squared-ReLU MLPs)."""
+    positions, squared-ReLU MLPs; and with its MoE blocks)."""
     pytest.importorskip("transformers")
     from mlm.convert.hf import config_from_hf, load_hf_into
     from mlm.inference.engine import Engine, EngineConfig
@@ -144,7 +144,7 @@ def test_serving_an_imported_hybrid_generates_transformers_greedy_tokens(arch):
 
     import hf_models
 
-    hf = getattr(hf_models, arch)()
+    hf = hf_models.ARCHS[arch].build()
     model = load_hf_into(GPT(config_from_hf(hf.config.to_dict())).eval(), hf)
     prompts = [[5, 17, 42, 7, 99, 3], [1, 2, 3], list(range(10, 40))]
     engine = Engine(model, config=EngineConfig(max_seqs=3, max_tokens_per_step=16, packed_weights=False))
