@@ -423,3 +423,32 @@ def test_one_evaluation_after_the_last_step_where_there_is_a_validation_split(tm
     assert cfg.train.eval_interval == 0
     (warning,) = runner._warnings(cfg)
     assert warning.startswith("data.split='100,0,0' has no validation share, so no eval loss is compared")
+
+
+def test_hybrid_layouts_match_one_process(tmp_path, tiny_data):
+    """A hybrid of Mamba-2, Gated DeltaNet and attention layers under tp 2 with sequence
+    parallelism and FSDP over dp 2, as parity layouts."""
+    out = tmp_path / "parity"
+    hybrid = {
+        "model.num_layers": 4,
+        "model.layer_pattern": "'M-*-G-M-'",
+        "model.mamba.head_dim": 8,
+        "model.mamba.state_dim": 16,
+        "model.mamba.num_groups": 2,
+        "model.mamba.chunk_size": 16,
+        "model.gdn.num_key_heads": 2,
+        "model.gdn.num_value_heads": 4,
+        "model.gdn.key_head_dim": 8,
+        "model.gdn.value_head_dim": 8,
+        "model.gdn.chunk_size": 16,
+        "data.reset_attention_mask": "true",
+    }
+    sets = _sets(tmp_path, tiny_data, **hybrid)
+    layouts = "tp1,tp2sp,dp2fsdp"  # pp 2: tests/test_mamba.py, tests/test_gdn.py
+    r = CliRunner().invoke(
+        app, ["parity", *_args(sets), "--layouts", layouts, "--steps", "2", "--out", str(out)]
+    )
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    report = json.loads((out / "parity.json").read_text())
+    assert report["passed"] and [x["name"] for x in report["layouts"]] == layouts.split(",")
+    assert "layers.2.attn.in_v.weight" in report["layouts"][1]["weight_rel"]  # the gdn layer, compared whole
