@@ -9,10 +9,9 @@ Tolerances are relative to the expected tensor's largest magnitude: fp32 within 
 (measured ≤ 2e-4 here, where both paths compute in fp32 from the same bf16 inputs and round once;
 on a GPU the Triton dots of 16-bit inputs run in tf32, not measured yet).
 
-Without CUDA the kernels run under the Triton interpreter, imported as tests/test_kernel_ssd.py does
-(TRITON_INTERPRET=1 while triton is imported and while the tests run). The kernels are jitted on
-their first call, so the variable only has to be set by then; importing `kernels.delta_rule` does
-not import triton (the model's torch path needs none).
+Without an NVIDIA GPU the kernels run under the Triton interpreter: tests/conftest.py sets
+TRITON_INTERPRET=1 before anything imports triton. Importing `kernels.delta_rule` does not import
+triton (the model's torch path needs none).
 Sizes are small (B=2, T=37–70, H=2–3, d_k=16, d_v=24–32): the interpreter runs each program as Python.
 
     TRITON_INTERPRET=1 pytest -q tests/test_kernel_delta_rule.py
@@ -21,7 +20,6 @@ Sizes are small (B=2, T=37–70, H=2–3, d_k=16, d_v=24–32): the interpreter 
 from __future__ import annotations
 
 import importlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,40 +29,13 @@ import torch
 import torch.nn.functional as F
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = DEVICE.type == "cpu"
-if INTERPRETED and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip(
-        "triton was imported before this module without TRITON_INTERPRET=1; "
-        "run TRITON_INTERPRET=1 pytest tests/test_kernel_delta_rule.py",
-        allow_module_level=True,
-    )
-_saved = os.environ.get("TRITON_INTERPRET")
-if INTERPRETED:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="triton is not installed (pip install -e .[dev] installs it)")
-    dr = importlib.import_module("kernels.delta_rule")
-    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+pytest.importorskip("triton", reason="triton is not installed (pip install -e .[dev] installs it)")
+dr = importlib.import_module("kernels.delta_rule")
+hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 NAMES = ("o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpreter():
-    """TRITON_INTERPRET=1 while this module's tests run (triton reads it again at launch)."""
-    if not INTERPRETED:
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -18,16 +18,14 @@
   the fp32 inputs before rounding them to bf16 (information, not tested): ≤ 1e-2 (dC).
 - `backend="torch"` is `ssd_reference` itself; importing `kernels.ssd` does not import triton.
 
-Without CUDA the kernels run under the Triton interpreter (the import dance of
-tests/test_kernels.py: TRITON_INTERPRET=1 while triton is imported and while the tests run). The
-kernels are jitted on their first call, so the variable only has to be set by then.
+Without an NVIDIA GPU the kernels run under the Triton interpreter: tests/conftest.py sets
+TRITON_INTERPRET=1 before anything imports triton.
 
     pytest -q tests/test_kernel_ssd.py
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,40 +34,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.ssd import ssd, ssd_reference, ssd_step
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = DEVICE.type == "cpu"
-if INTERPRETED and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip(
-        "triton was imported before this module without TRITON_INTERPRET=1; "
-        "run TRITON_INTERPRET=1 pytest tests/test_kernel_ssd.py",
-        allow_module_level=True,
-    )
-_saved = os.environ.get("TRITON_INTERPRET")
-if INTERPRETED:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="triton is not installed (pip install -e .[dev] installs it)")
-    from kernels.ssd import ssd, ssd_reference, ssd_step
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+pytest.importorskip("triton", reason="triton is not installed (pip install -e .[dev] installs it)")
 
 ROOT = Path(__file__).resolve().parent.parent
 FP32 = 1e-5
 BF16_GRAD = 2e-2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpreter():
-    """TRITON_INTERPRET=1 while this module's tests run (triton reads it when the kernels are jitted)."""
-    if not INTERPRETED:
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
