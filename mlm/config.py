@@ -406,6 +406,12 @@ class ModelConfig:
     """Biases on the query, key and value projections only (Qwen2); add_bias puts them everywhere."""
     qk_norm: bool = False
     """RMSNorm over each head's query and key before RoPE (Qwen3's q_norm / k_norm)."""
+    norm_zero_centered: bool = False
+    """Norms compute x̂ · (1 + weight), weight initialised to 0 (every norm built from normalization: the layers', the final, MTP's, the q/k and MLA latent norms; not Mamba's or Gated DeltaNet's gated norms); Megatron's --apply-layernorm-1p, Qwen3-Next's."""
+    attention_output_gate: bool = False
+    """gqa: attention's output times sigmoid(gate(x)) per head and dim before the out-projection (a gate linear D → heads × head dim); Qwen3-Next's gated attention, Megatron's attention_output_gate."""
+    rotary_percent: float = 1.0
+    """The fraction of each head's dims RoPE rotates, the first ones (gqa; the rest pass through); Megatron's --rotary-percent, HF's partial_rotary_factor."""
     mtp_num_layers: int = 0
     """Multi-token prediction depths D (DeepSeek-V3's MTP modules, Megatron's mtp_num_layers); 0: none."""
     mtp_loss_scaling_factor: float = 0.1
@@ -470,6 +476,11 @@ class ModelConfig:
         _choice(s, "recompute", self.recompute, ("none", "selective", "full"))
         for name in ("hidden_dropout", "attention_dropout"):
             ensure(0.0 <= getattr(self, name) < 1.0, f"{s}.{name}={getattr(self, name)}: must be in [0, 1)")
+        ensure(
+            0.0 < self.rotary_percent <= 1.0,
+            f"model.rotary_percent={self.rotary_percent}: must be in (0, 1] (the fraction of each head's "
+            "dims RoPE rotates; 1: all of them)",
+        )
         self._check_kinds()
 
     def check_depth(self, tensors: int, where: str) -> None:
@@ -517,6 +528,26 @@ class ModelConfig:
         for role, name in sorted(used, key=lambda rn: (rn[0], rn[1] or "")):
             if name is not None:
                 kinds.lookup(role, name).check(self)
+        if self.rotary_percent != 1.0:  # a spec that rotates a fraction of its heads says so
+            whole = [
+                k
+                for k in self.mixer_kinds()
+                if kinds.mixer(k).rope_dim(self) and not kinds.mixer(k).partial_rope
+            ]
+            ensure(
+                not whole,
+                f"model.rotary_percent={self.rotary_percent} with the mixer kind {', '.join(whole)}: it rotates "
+                "dims of its own choosing (MLA: model.mla.qk_rope_head_dim), not a fraction of the head; set "
+                "model.rotary_percent=1",
+            )
+        ungated = [
+            k for k in self.mixer_kinds() if kinds.mixer(k).attention and not kinds.mixer(k).output_gate
+        ]
+        ensure(
+            not (self.attention_output_gate and ungated),
+            f"model.attention_output_gate=true with the mixer kind {', '.join(ungated)}: it has no output gate "
+            "(gqa has); set model.attention_output_gate=false",
+        )
         ropes = {kinds.mixer(k).rope_dim(self) for k in self.mixer_kinds()} - {None}
         ensure(
             len(ropes) <= 1,

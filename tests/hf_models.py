@@ -281,6 +281,35 @@ NEMOTRON_MOE = dict(
 as transformers' top-2 group scores need), a shared expert, scaled weights."""
 
 
+def qwen3_next(**config) -> torch.nn.Module:
+    """Qwen3-Next: Gated DeltaNet (2 key heads, 4 value heads of 8) and gated attention layers (4
+    heads of 16, 2 KV heads, RoPE on 4 of each head's 16 dims) alternating; MoE layers (4 experts,
+    top-2, a gated shared expert) but the last, which is dense (mlp_only_layers)."""
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        full_attention_interval=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=48,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=20,
+        mlp_only_layers=[3],
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return _build("Qwen3NextForCausalLM", transformers.Qwen3NextConfig(**(base | config)), seed=17)
+
+
 # ---------------------------------------------------------------- the cases
 
 
@@ -353,6 +382,12 @@ ARCHS: dict[str, Arch] = {
         **_HYBRID,
         saved_keys=(".mixer.experts.3.", "e_score_correction_bias"),
         toml=('layer_pattern = "ME*-ME"',),
+    ),
+    "qwen3_next": Arch(
+        lambda: qwen3_next(),
+        **_HYBRID,
+        saved_keys=("linear_attn.in_proj_qkvz", ".experts.3.", "shared_expert_gate"),
+        toml=('layer_pattern = "GE*EGE*-"',),
     ),
     # attention first, an MLP block after another (mlm's layer with no mixer); transformers 5.24
     # never ties Nemotron-H's embeddings (its tie_word_embeddings leaves lm_head its own)

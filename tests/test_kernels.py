@@ -280,6 +280,11 @@ GPTS = {
         mla=MLAConfig(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=6, v_head_dim=4),
     ),
     "qwen3-qk-norm": dict(qk_norm=True),
+    # Qwen3-Next's attention: zero-centred norms (1 + weight into the kernels), the output gate,
+    # RoPE on each head's first 6 of 12 dims
+    "qwen3-next-attention": dict(
+        qk_norm=True, norm_zero_centered=True, attention_output_gate=True, rotary_percent=0.5
+    ),
     "moe-shared": dict(
         mlp_kind="moe",
         moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=20, shared_expert_ffn_hidden_size=24),

@@ -53,7 +53,7 @@ class SquaredReLU(nn.Module):
         if self.training and self.aux_losses is not None:
             # on the output, which every tp rank holds whole (not under sequence parallelism,
             # where each rank's mean would cover its sequence shard only)
-            out = self.aux_losses.attach(out, AUX_COEF * out.float().square().mean(), "squared_relu")
+            out = self.aux_losses.attach(out, AUX_COEF * out.float().square().mean(), "sqrelu_test")
         return out
 
 
@@ -61,7 +61,7 @@ class SquaredReLU(nn.Module):
 class SquaredReLUSpec(MLPSpec):
     """What the rest of mlm asks of the kind: its parameters, FLOPs, saved bytes and work."""
 
-    name, symbol, module = "squared_relu", "Q", SquaredReLU
+    name, symbol, module = "sqrelu_test", "Q", SquaredReLU
 
     def params(self, m, prefix, tp, ep):
         return [p for p in mlp_params(m, prefix, m.ffn_size, tp) if ".gate." not in p.name]
@@ -78,20 +78,20 @@ class SquaredReLUSpec(MLPSpec):
         return part
 
 
-MIXED = {"model.num_layers": 4, "model.mlp_kind": "squared_relu", "model.mlp_kind_freq": "[0, 1, 0, 1]"}
+MIXED = {"model.num_layers": 4, "model.mlp_kind": "sqrelu_test", "model.mlp_kind_freq": "[0, 1, 0, 1]"}
 MIXED_RUN = {**MIXED, "train.train_iters": 3}
 
 
 def test_layer_specs_from_config_fields():
     base = dict(num_layers=6)
     assert {s.mlp for s in ModelConfig(**base).layer_specs()} == {"dense"}
-    every_2nd = ModelConfig(**base, mlp_kind="squared_relu", mlp_kind_freq=2).layer_specs()
-    assert [s.mlp for s in every_2nd] == ["squared_relu", "dense"] * 3  # Megatron: i % freq == 0
-    first_k = ModelConfig(**base, mlp_kind="squared_relu", first_k_dense=2).layer_specs()
-    assert [s.mlp for s in first_k] == ["dense"] * 2 + ["squared_relu"] * 4  # HF's first_k_dense_replace
-    pattern = ModelConfig(**base, mlp_kind="squared_relu", mlp_kind_freq=[1, 0, 0, 0, 0, 1]).layer_specs()
+    every_2nd = ModelConfig(**base, mlp_kind="sqrelu_test", mlp_kind_freq=2).layer_specs()
+    assert [s.mlp for s in every_2nd] == ["sqrelu_test", "dense"] * 3  # Megatron: i % freq == 0
+    first_k = ModelConfig(**base, mlp_kind="sqrelu_test", first_k_dense=2).layer_specs()
+    assert [s.mlp for s in first_k] == ["dense"] * 2 + ["sqrelu_test"] * 4  # HF's first_k_dense_replace
+    pattern = ModelConfig(**base, mlp_kind="sqrelu_test", mlp_kind_freq=[1, 0, 0, 0, 0, 1]).layer_specs()
     assert describe_layers(pattern) == (
-        "0: gqa + squared_relu (rmsnorm); 1-4: gqa + dense (rmsnorm); 5: gqa + squared_relu (rmsnorm)"
+        "0: gqa + sqrelu_test (rmsnorm); 1-4: gqa + dense (rmsnorm); 5: gqa + sqrelu_test (rmsnorm)"
     )
     with pytest.raises(MlmError, match=r"mlp_kind_freq=\[1, 0\]: a list needs one 0 or 1 per layer \(6"):
         ModelConfig(**base, mlp_kind_freq=[1, 0])
@@ -131,7 +131,7 @@ def test_config_show_prints_the_layers():
 
 def test_aux_loss_reaches_the_gradients():
     """One process: the gradients of loss + Σ aux equal autograd's of the sum written out."""
-    cfg = ModelConfig(num_layers=2, mlp_kind="squared_relu", vocab_size=100)
+    cfg = ModelConfig(num_layers=2, mlp_kind="sqrelu_test", vocab_size=100)
     tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
     grads = []
     for attach in (True, False):
@@ -161,7 +161,7 @@ def _train_with_the_new_kind(rank, world, sets):
 def logged_aux(run_dir) -> list[float]:
     """The auxiliary loss of every logged training step, from RUN_DIR/metrics.jsonl."""
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return [r["aux.squared_relu"] for r in records if r["split"] == "train"]
+    return [r["aux.sqrelu_test"] for r in records if r["split"] == "train"]
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +197,8 @@ def test_exports_refuse_kinds_their_formats_lack():
     from mlm.convert.hf import config_to_hf
     from mlm.convert.trtllm.config import architecture
 
-    cfg = ModelConfig(num_layers=2, mlp_kind="squared_relu", mlp_kind_freq=[0, 1])
-    with pytest.raises(MlmError, match=r"layer kinds \[\('gqa', 'dense'\), \('gqa', 'squared_relu'\)\]"):
+    cfg = ModelConfig(num_layers=2, mlp_kind="sqrelu_test", mlp_kind_freq=[0, 1])
+    with pytest.raises(MlmError, match=r"layer kinds \[\('gqa', 'dense'\), \('gqa', 'sqrelu_test'\)\]"):
         config_to_hf(cfg, "llama")
     with pytest.raises(MlmError, match="layer kinds .* have no TensorRT-LLM architecture"):
         architecture(cfg)

@@ -131,11 +131,12 @@ def test_serving_decodes_a_mamba_hybrid_from_state_slots(tmp_path, tiny_data):
     assert pool.num_free == pool.num_slots
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "nemotron_h-moe"])
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "nemotron_h-moe", "qwen3_next"])
 def test_serving_an_imported_hybrid_generates_transformers_greedy_tokens(arch):
     """Three prompts batched through the engine (prefill in chunks, then decode) give, each,
     transformers' greedy 32 tokens: Mamba-2, and Nemotron-H (Mamba-2, attention without
-    positions, squared-ReLU MLPs; and with its MoE blocks)."""
+    positions, squared-ReLU MLPs; and with its MoE blocks), Qwen3-Next (Gated DeltaNet, gated
+    attention, MoE)."""
     pytest.importorskip("transformers")
     from mlm.convert.hf import config_from_hf, load_hf_into
     from mlm.inference.engine import Engine, EngineConfig

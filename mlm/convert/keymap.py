@@ -58,9 +58,10 @@ class Rule:
     every value of it along `dim` (Megatron's `decoder.layers.<sub>`: all layers on one axis)."""
     split_dim: int = 0
     """The dim of the foreign tensor (of one unstacked slice) that a split cuts."""
-    grouped: bool = False
-    """The split is per KV group: each group holds its share of every piece in turn (Megatron's
-    `linear_qkv`, `mlm.convert.layouts.split_grouped`)."""
+    grouped: bool | int = False
+    """The split is per group: each group holds its share of every piece in turn (Megatron's
+    `linear_qkv`, `mlm.convert.layouts.split_grouped`); True: the KeyMap's KV groups, a number: that
+    many groups (Qwen3-Next's per-key-head `in_proj_qkvz`, per-head query and gate)."""
 
     @property
     def identity(self) -> bool:
@@ -326,10 +327,16 @@ class KeyMap:
             return (t,)
         assert shapes is not None, f"{keys}: a split needs the mlm shapes"
         sizes = [_rows(shapes[m], r) for m in keys]
-        return split_grouped(t, sizes, self.groups) if r.grouped else t.split(sizes, r.split_dim)
+        return split_grouped(t, sizes, self._groups(r)) if r.grouped else t.split(sizes, r.split_dim)
 
     def _fuse(self, parts: Sequence[torch.Tensor], r: Rule) -> torch.Tensor:
         """The inverse of `_split`."""
         if len(parts) == 1:
             return parts[0]
-        return fuse_grouped(list(parts), self.groups) if r.grouped else torch.cat(list(parts), r.split_dim)
+        return (
+            fuse_grouped(list(parts), self._groups(r)) if r.grouped else torch.cat(list(parts), r.split_dim)
+        )
+
+    def _groups(self, r: Rule) -> int:
+        """The groups of `r`'s grouped split: its own number, or the KeyMap's KV groups."""
+        return self.groups if r.grouped is True else int(r.grouped)

@@ -44,12 +44,12 @@ def llama_keys(mlp: dict[str, Target], attention: dict[str, Target] | None = Non
 KEYS = llama_keys(DENSE_MLP)
 
 
-def rope_parameters(c: dict, default_theta: float, whole: str) -> tuple[float, str, dict]:
+def rope_parameters(c: dict, default_theta: float, whole: str | None) -> tuple[float, str, dict]:
     """(theta, rope_type, the scaling fields) of a transformers 4.x (`rope_theta` + `rope_scaling`)
     or 5.x (`rope_parameters`, theta inside) config; MlmError for a partial_rotary_factor other than
-    1 (`whole`: what mlm rotates)."""
+    1 (`whole`: what mlm rotates), unless `whole` is None (the caller reads the factor)."""
     r = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    if r.get("partial_rotary_factor", 1.0) != 1.0:
+    if whole is not None and r.get("partial_rotary_factor", 1.0) != 1.0:
         raise MlmError(f"rope partial_rotary_factor={r['partial_rotary_factor']}: mlm rotates {whole}")
     theta = float(r.get("rope_theta", c.get("rope_theta", default_theta)))
     return theta, r.get("rope_type", r.get("type", "default")), r

@@ -16,6 +16,7 @@ from mlm.convert.hf.qwen2 import QWEN2
 from mlm.convert.hf.qwen2_moe import QWEN2_MOE
 from mlm.convert.hf.qwen3 import QWEN3
 from mlm.convert.hf.qwen3_moe import QWEN3_MOE
+from mlm.convert.hf.qwen3_next import QWEN3_NEXT
 from mlm.errors import MlmError
 
 ADAPTERS: dict[str, Adapter] = {
@@ -32,6 +33,7 @@ ADAPTERS: dict[str, Adapter] = {
         DEEPSEEK_V3,
         MAMBA2,
         NEMOTRON_H,
+        QWEN3_NEXT,
     )
 }
 _ALIASES = {a.hf_class: a.model_type for a in ADAPTERS.values()}
@@ -70,13 +72,16 @@ def config_to_hf(cfg: ModelConfig, arch: str) -> dict:
 
 def arch_of(cfg: ModelConfig, source: str = "") -> str:
     """The Hugging Face model_type a config converts to: `source` (the transformers class or
-    model_type it was imported from) when supported; else multi-latent attention: deepseek_v3; Mamba-2 layers alone: mamba2, with others: nemotron_h;
+    model_type it was imported from) when supported; else multi-latent attention: deepseek_v3;
+    Gated DeltaNet layers: qwen3_next; Mamba-2 layers alone: mamba2, with others: nemotron_h;
     learned positions: gpt2; MoE layers: qwen3_moe with q/k norms, qwen2_moe with shared experts,
     else mixtral; dense: qwen3 with q/k norms, qwen2 with q/k/v biases, otherwise llama."""
     if _ALIASES.get(source, source) in ADAPTERS:
         return _ALIASES.get(source, source)
     if "mla" in cfg.mixer_kinds():
         return "deepseek_v3"
+    if "gdn" in cfg.mixer_kinds():
+        return "qwen3_next"
     if "mamba" in cfg.mixer_kinds():
         return "mamba2" if set(cfg.mixer_kinds()) == {"mamba"} and not cfg.mlp_kinds() else "nemotron_h"
     if cfg.position_embedding == "learned":

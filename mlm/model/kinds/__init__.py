@@ -7,7 +7,7 @@ elsewhere (a test, a user's package) registers when its file is imported:
 
     @register
     class SquaredReLUSpec(MLPSpec):
-        name, symbol, module = "squared_relu", "Q", SquaredReLU
+        name, symbol, module = "squared_relu_mlp", "Q", SquaredReLU
         ...
 
 Lookups: `mixer(name)`, `mlp(name)`, `norm(name)`, `by_symbol(symbol)`, `registered(role)`.

@@ -13,6 +13,7 @@ from mlm.model.kinds.spec import SOFTMAX, Micro, MixerSpec, Work
 
 class AttentionSpec(MixerSpec):
     context_parallel = True
+    attention = True
 
     def widths(self, m, t: int) -> tuple[float, float, float]:
         """(queries, keys and values, output) values per token on one of `t` tp ranks."""

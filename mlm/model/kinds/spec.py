@@ -249,6 +249,13 @@ class MixerSpec(KindSpec):
     role = "mixer"
     context_parallel: ClassVar[bool] = False
     """Whether it runs under context parallelism (cp > 1); mixers that do not are refused there."""
+    attention: ClassVar[bool] = False
+    """An attention (queries over keys and values; the attention options below apply to it)."""
+    partial_rope: ClassVar[bool] = False
+    """It rotates the first model.rotary_percent of each head's dims (an attention without it
+    rotates dims of its own choosing and refuses rotary_percent < 1)."""
+    output_gate: ClassVar[bool] = False
+    """It gates its output with model.attention_output_gate (an attention without it refuses the option)."""
 
     def rope_dim(self, m: ModelConfig) -> int | None:
         """Dims per head its RoPE rotates (the model's tables are built for them); None: no RoPE."""
