@@ -208,3 +208,20 @@ def test_serving_decodes_a_gdn_hybrid_from_state_slots(tmp_path, tiny_data):
     assert engine.stats.preemptions > 0 and len(checked) >= 4 * 16
     pool = engine.runner.states
     assert pool.num_free == pool.num_slots
+
+
+def test_the_qwen3_next_preset_has_its_published_size_and_plans():
+    """qwen3-next-80b-a3b counts 79,674,391,296 parameters, 79.05B without the embeddings (published:
+    80B, 79B non-embedding), its layers 12 × (3 gdn + 1 gqa), all MoE; `mlm plan` lays it out on 64
+    GPUs with whole key and value heads per tp rank."""
+    from mlm.hardware import PROFILES
+    from mlm.model import parameter_counts
+    from mlm.plan.job import Job
+    from mlm.plan.search import search
+
+    cfg = load_config(None, ["preset=qwen3-next-80b-a3b"])
+    total = parameter_counts(cfg.model).total
+    assert total == 79_674_391_296 and round((total - 2 * 151936 * 2048) / 1e9, 2) == 79.05
+    assert cfg.model.pattern() == "GEGEGE*E" * 12
+    best = search(Job(cfg, 64, 8, PROFILES["h100-80g"])).ranked[0]
+    assert 16 % best.layout.tp == 0 and best.fits
