@@ -256,3 +256,21 @@ def test_serving_generates_the_training_forwards_greedy_tokens(tmp_path, tiny_da
 def test_config_errors(model, match):
     with pytest.raises(MlmError, match=match):
         ModelConfig(**model)
+
+
+@pytest.mark.parametrize(
+    "name, value", [("norm_zero_centered", True), ("attention_output_gate", True), ("rotary_percent", 0.5)]
+)
+def test_formats_without_the_options_refuse_them_by_name(name, value):
+    """Llama's HF layout, TensorRT-LLM's and Megatron's GPTModel export cannot say these options: each
+    refuses a model that sets one, naming it, rather than writing weights that compute other logits."""
+    from mlm.convert.hf import config_to_hf
+    from mlm.convert.megatron.exporter import unsupported
+    from mlm.convert.trtllm.config import architecture
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16, **{name: value})
+    with pytest.raises(MlmError, match=f"model.{name}="):
+        config_to_hf(cfg, "llama")
+    with pytest.raises(MlmError, match=f"model.{name}="):
+        architecture(cfg)
+    assert any(f"model.{name}=" in why for why in unsupported(cfg))

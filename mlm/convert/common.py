@@ -147,3 +147,15 @@ def check_finite_logits(tmp: Path, config: Config, report: Report, progress: Pro
         raise MlmError(f"verification failed: mlm's logits on {report.src}'s weights are not finite")
     report.max_abs_logit = logits.abs().max().item()
     report.verified = True
+
+
+OPTIONS = {"norm_zero_centered": False, "attention_output_gate": False, "rotary_percent": 1.0}
+"""Qwen3-Next's model options and their defaults: only its adapter writes other values."""
+
+
+def attention_options(cfg: ModelConfig) -> list[str]:
+    """Each of `OPTIONS` that `cfg` sets, as "model.x=v (needs default)": an architecture without
+    them would compute other logits from the same weights."""
+    return [
+        f"model.{k}={getattr(cfg, k)!r} (needs {v!r})" for k, v in OPTIONS.items() if getattr(cfg, k) != v
+    ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from mlm.config import ModelConfig
+from mlm.convert.common import attention_options
 from mlm.convert.keymap import KeyMap, Target
 from mlm.errors import MlmError
 
@@ -86,6 +87,7 @@ class Adapter(ABC):
         ("dense", "moe"), or ("moe",) when every layer has experts); MTP depths only where the
         architecture stores them."""
         bad = [f"model.{k}={_field(cfg, k)!r} (needs {v!r})" for k, v in rules.items() if _field(cfg, k) != v]
+        bad += attention_options(cfg)
         kinds = {(s.mixer, s.mlp) for s in cfg.layer_specs()}
         if not kinds <= {(attention, m) for m in mlp}:
             needs = " or ".join(repr((attention, m)) for m in mlp)

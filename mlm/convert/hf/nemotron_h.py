@@ -16,6 +16,7 @@ projections (`moe_latent_size`) and MTP layers.
 from __future__ import annotations
 
 from mlm.config import ModelConfig, MoEConfig
+from mlm.convert.common import attention_options
 from mlm.convert.hf.adapter import Adapter
 from mlm.convert.hf.mamba2 import MAMBA_MIXER, mamba_from_hf, mamba_to_hf
 from mlm.convert.keymap import KeyMap, Target, stacked
@@ -248,6 +249,7 @@ class NemotronHAdapter(Adapter):
         ]
         if not kinds <= allowed:
             bad.append(f"layer kinds {sorted(kinds, key=str)} (needs mamba, gqa, dense and moe only)")
+        bad += attention_options(cfg)
         if cfg.qkv_bias or cfg.qk_norm or cfg.mtp_num_layers:
             bad.append("q/k/v biases, q/k norms or MTP depths (Nemotron-H has none)")
         if m.dt_limit_min != m.dt_min or m.dt_limit_max is not None:

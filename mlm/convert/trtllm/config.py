@@ -11,6 +11,7 @@ checkpoint"); what is refused, and why, in docs/trtllm.md.
 from __future__ import annotations
 
 from mlm.config import ModelConfig, MoEConfig
+from mlm.convert.common import attention_options
 from mlm.convert.hf.llama import LLAMA_RULES, check_llama3_scaling, llama3_rope_scaling
 from mlm.convert.trtllm.names import GPT, LLAMA, MIXTRAL
 from mlm.errors import MlmError
@@ -54,6 +55,7 @@ def architecture(cfg: ModelConfig) -> str:
         )
     check_llama3_scaling(cfg, "TensorRT-LLM")
     bad = ["model.qk_norm=true"] if cfg.qk_norm else []
+    bad += attention_options(cfg)
     bad += ["model.qkv_bias=true"] if cfg.qkv_bias and not cfg.add_bias else []
     if bad and kinds in ([("gqa", "dense")], [("gqa", "moe")]):
         raise MlmError(
