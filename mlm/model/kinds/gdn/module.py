@@ -36,7 +36,7 @@ from torch import nn
 from kernels.delta_rule import delta_rule_recurrent_reference
 from kernels.ssd import at_least_fp32
 from mlm.config import ModelConfig
-from mlm.model.kinds.mamba.module import CausalConv, document_starts
+from mlm.model.kinds.mamba.module import CausalConv, convolve_from_windows, document_starts
 from mlm.model.layers import TP_INPUT
 from mlm.model.ops import Ops
 
@@ -139,36 +139,22 @@ class GatedDeltaNet(nn.Module):
     def _from_states(self, view, q, k, v, g, beta):
         """The step's segments (packed in row 0), each from its slot's state (zeros at a sequence's
         start): o [1, T, H, V]; stores each slot's next window and state."""
-        convs = (self.conv_q, self.conv_k, self.conv_v)
-        widths = [c.weight.shape[0] for c in convs]
-        window_SWJ, state_SHKV = view.load("conv"), view.load("ssm")
-        segments = view.segments
-        if all(n == 1 for _, n in segments):  # decode: every segment one token, one batched step
-            u = [t[0, :, None] for t in (q, k, v)]  # [S, 1, W]
-            outs, windows = zip(
-                *(c.step(t, w) for c, t, w in zip(convs, u, window_SWJ.split(widths, 1), strict=True)),
-                strict=True,
-            )
-            q_S1HK, k_S1HK, v_S1HV = self._heads(*(F.silu(o) for o in outs))
+        state_SHKV = view.load("ssm")
+        decode, inputs = convolve_from_windows((self.conv_q, self.conv_k, self.conv_v), (q, k, v), view)
+        if decode:  # every segment one token: one batched step
             o, state = delta_rule_recurrent_reference(
-                q_S1HK, k_S1HK, v_S1HV, g[0, :, None], beta[0, :, None], initial_state=state_SHKV
+                *self._heads(*inputs[0]), g[0, :, None], beta[0, :, None], initial_state=state_SHKV
             )
-            view.store("conv", torch.cat(windows, dim=1))
             view.store("ssm", state)
             return o[:, 0][None]
-        outs, next_windows, states = [], [], []
-        for i, (offset, n) in enumerate(segments):
+        outs, states = [], []
+        for i, ((offset, n), conv_out) in enumerate(zip(view.segments, inputs, strict=True)):
             part = slice(offset, offset + n)
-            windows = window_SWJ[i : i + 1].split(widths, 1)
-            conv_out = [c.step(t[:, part], w) for c, t, w in zip(convs, (q, k, v), windows, strict=True)]
-            q_1nHK, k_1nHK, v_1nHV = self._heads(*(F.silu(o) for o, _ in conv_out))
             o, state = self.ops.gated_delta_rule(
-                q_1nHK, k_1nHK, v_1nHV, g[:, part], beta[:, part], self.cfg.chunk_size,
+                *self._heads(*conv_out), g[:, part], beta[:, part], self.cfg.chunk_size,
                 initial_state=state_SHKV[i : i + 1],
             )  # fmt: skip
             outs.append(o)
-            next_windows.append(torch.cat([w for _, w in conv_out], dim=1))
             states.append(state)
-        view.store("conv", torch.cat(next_windows))
         view.store("ssm", torch.cat(states))
         return torch.cat(outs, dim=1)

@@ -183,36 +183,54 @@ class Mamba(nn.Module):
     def _from_states(self, view, x, B_, C_, dt, A):
         """The step's segments (packed in row 0), each from its slot's state (zeros at a sequence's
         start): y [1, T, H·P] fp32; stores each slot's next window and state."""
-        convs = (self.conv_x, self.conv_B, self.conv_C)
-        widths = [c.weight.shape[0] for c in convs]
-        window_SWJ, state_SHPN = view.load("conv"), view.load("ssm")
-        segments = view.segments
-        if all(n == 1 for _, n in segments):  # decode: every segment one token, one batched step
-            u = [t[0, :, None] for t in (x, B_, C_)]  # [S, 1, W]
-            outs, windows = zip(
-                *(c.step(v, w) for c, v, w in zip(convs, u, window_SWJ.split(widths, 1), strict=True)),
-                strict=True,
-            )
-            xs, Bs, Cs = (F.silu(o[:, 0]) for o in outs)
-            xh, Bh, Ch = self._heads(xs, Bs, Cs)
+        state_SHPN = view.load("ssm")
+        decode, inputs = convolve_from_windows((self.conv_x, self.conv_B, self.conv_C), (x, B_, C_), view)
+        if decode:  # every segment one token: one batched step
+            xh, Bh, Ch = self._heads(*(t[:, 0] for t in inputs[0]))
             y, state = ssd_step(xh, dt[0], A, Bh, Ch, state_SHPN)
-            y = (y + at_least_fp32(self.D)[:, None] * at_least_fp32(xh)).flatten(-2)[None]
-            view.store("conv", torch.cat(windows, dim=1))
             view.store("ssm", state)
-            return y
-        ys, next_windows, states = [], [], []
-        for i, (offset, n) in enumerate(segments):
-            part = slice(offset, offset + n)
-            windows = window_SWJ[i : i + 1].split(widths, 1)
-            conv_out = [c.step(v[:, part], w) for c, v, w in zip(convs, (x, B_, C_), windows, strict=True)]
-            xs, Bs, Cs = (F.silu(o) for o, _ in conv_out)
-            xh, Bh, Ch = self._heads(xs, Bs, Cs)
+            return (y + at_least_fp32(self.D)[:, None] * at_least_fp32(xh)).flatten(-2)[None]
+        ys, states = [], []
+        for i, ((offset, n), conv_out) in enumerate(zip(view.segments, inputs, strict=True)):
+            xh, Bh, Ch = self._heads(*conv_out)
             y, state = self.ops.ssd(
-                xh, dt[:, part], A, Bh, Ch, self.cfg.chunk_size, initial_state=state_SHPN[i : i + 1]
+                xh,
+                dt[:, offset : offset + n],
+                A,
+                Bh,
+                Ch,
+                self.cfg.chunk_size,
+                initial_state=state_SHPN[i : i + 1],
             )
             ys.append((y + at_least_fp32(self.D)[:, None] * at_least_fp32(xh)).flatten(-2))
-            next_windows.append(torch.cat([w for _, w in conv_out], dim=1))
             states.append(state)
-        view.store("conv", torch.cat(next_windows))
         view.store("ssm", torch.cat(states))
         return torch.cat(ys, dim=1)
+
+
+def convolve_from_windows(convs, inputs_1TW, view) -> tuple[bool, list[list[torch.Tensor]]]:
+    """A serving step's causal convolutions, SiLU applied, each segment's continuing its slot's
+    window (the view's "conv" state: the convolutions' windows side by side); stores the next
+    windows. Returns (decode, outputs): for a decode step (every segment one token) one batched
+    item [[S, 1, W] per input]; else one item per segment [[1, n, W] per input]."""
+    widths = [c.weight.shape[0] for c in convs]
+    window_SWJ = view.load("conv")
+    decode = all(n == 1 for _, n in view.segments)
+    if decode:
+        groups = [list(zip((t[0, :, None] for t in inputs_1TW), window_SWJ.split(widths, 1), strict=True))]
+    else:
+        groups = [
+            list(
+                zip(
+                    (t[:, o : o + n] for t in inputs_1TW), window_SWJ[i : i + 1].split(widths, 1), strict=True
+                )
+            )
+            for i, (o, n) in enumerate(view.segments)
+        ]
+    outputs, windows = [], []
+    for parts in groups:
+        stepped = [c.step(t, w) for c, (t, w) in zip(convs, parts, strict=True)]
+        outputs.append([F.silu(y) for y, _ in stepped])
+        windows.append(torch.cat([w for _, w in stepped], dim=1))
+    view.store("conv", torch.cat(windows))
+    return decode, outputs
