@@ -128,7 +128,9 @@ def args_overrides(common: dict) -> list[str]:
 def is_hybrid(cfg: ModelConfig) -> bool:
     """Whether `cfg` is written as Megatron's HybridModel: a Mamba layer, or a layer with a mixer or
     an MLP alone (GPTModel's layers are attention and an MLP)."""
-    return "mamba" in cfg.mixer_kinds() or any(s.mixer is None or s.mlp is None for s in cfg.layer_specs())
+    return bool({"mamba", "gdn"} & set(cfg.mixer_kinds())) or any(
+        s.mixer is None or s.mlp is None for s in cfg.layer_specs()
+    )
 
 
 MAMBA_ARGS = {
@@ -138,6 +140,14 @@ MAMBA_ARGS = {
     "mamba_num_heads": "num_heads",
 }
 """Megatron-LM's Mamba args → `model.mamba.` fields."""
+GDN_ARGS = {
+    "linear_num_key_heads": "num_key_heads",
+    "linear_num_value_heads": "num_value_heads",
+    "linear_key_head_dim": "key_head_dim",
+    "linear_value_head_dim": "value_head_dim",
+    "linear_conv_kernel_dim": "conv_kernel",
+}
+"""Megatron-LM's gated delta net args → `model.gdn.` fields."""
 
 
 def _hybrid_fields(args: dict) -> dict:
@@ -153,6 +163,7 @@ def _hybrid_fields(args: dict) -> dict:
     out |= {
         f"mamba.{ours}": args[theirs] for theirs, ours in MAMBA_ARGS.items() if args.get(theirs) is not None
     }
+    out |= {f"gdn.{ours}": args[theirs] for theirs, ours in GDN_ARGS.items() if args.get(theirs) is not None}
     return out
 
 
@@ -362,6 +373,7 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
         args.update(num_layers=None, hybrid_layer_pattern=cfg.pattern(), hybrid_override_pattern=None)
         args.update({theirs: config_field(cfg, f"mamba.{ours}") for theirs, ours in MAMBA_ARGS.items()})
         args["mamba_num_heads"] = m.heads(cfg.hidden_size)
+        args.update({theirs: config_field(cfg, f"gdn.{ours}") for theirs, ours in GDN_ARGS.items()})
     if any(spec.mlp == "moe" for spec in cfg.layer_specs()):
         moe = cfg.moe
         balancing = [

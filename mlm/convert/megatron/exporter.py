@@ -86,13 +86,18 @@ def unsupported(cfg: ModelConfig) -> list[str]:
 def _hybrid_unsupported(cfg: ModelConfig) -> list[str]:
     """What of a hybrid `cfg` the export's HybridModel names cannot hold."""
     out = []
-    other = [k for k in cfg.mixer_kinds() if k not in ("gqa", "mamba")]
+    other = [k for k in cfg.mixer_kinds() if k not in ("gqa", "mamba", "gdn")]
     if other:
         out.append(
-            f"mixers {', '.join(other)} in a hybrid: the HybridModel export writes Mamba and linear_qkv attention"
+            f"mixers {', '.join(other)} in a hybrid: the HybridModel export writes Mamba, gated delta nets and linear_qkv attention"
         )
     if cfg.mtp_num_layers:
         out.append(f"model.mtp_num_layers={cfg.mtp_num_layers}: HybridModel's MTP layers are not written yet")
+    if "gdn" in cfg.mixer_kinds() and cfg.activation != "swiglu":
+        out.append(
+            f"model.activation={cfg.activation!r} with gdn layers: Megatron's gated delta net applies the model's "
+            "activation function (SiLU only with --swiglu), mlm's always SiLU"
+        )
     if cfg.position_embedding == "learned":
         out.append("model.position_embedding=learned: HybridModel has no learned position embedding")
     if cfg.qk_norm and cfg.normalization != "rmsnorm":

@@ -25,6 +25,7 @@ from mlm.convert.megatron.args import args_overrides, config_field, saved_args, 
 from mlm.convert.megatron.dcp import MegatronCheckpoint, checkpoint_dir, iteration_dir
 from mlm.convert.megatron.legacy import LegacyCheckpoint, is_legacy
 from mlm.convert.megatron.names import (
+    GDN,
     HYBRID_TOP,
     LAYER,
     MAMBA,
@@ -56,7 +57,7 @@ def _known(ckpt: MegatronCheckpoint) -> None:
             f"import it with mlm convert from-torchtitan {ckpt.path} OUT"
         )
     hybrid = hybrid_checkpoint(ckpt.tensors)
-    top, layer = (HYBRID_TOP, {**LAYER, **MAMBA}) if hybrid else (TOP, LAYER)
+    top, layer = (HYBRID_TOP, {**LAYER, **MAMBA, **GDN}) if hybrid else (TOP, LAYER)
     for key in ckpt.tensors:
         if key in top or (key.startswith("decoder.layers.") and split_key(key)[1] in layer) or known_mtp(key):
             continue
@@ -127,6 +128,8 @@ def _hybrid_pattern(ckpt: MegatronCheckpoint, subs: dict[int, dict]) -> str:
         layer = subs[i]
         if any(k.startswith("mixer.") for k in layer):
             symbols.append("M")
+        elif "self_attention.in_proj.weight.query" in layer:
+            symbols.append("G")
         elif "self_attention.linear_qkv.weight" in layer:
             symbols.append("*")
         elif "mlp.router.weight" in layer:
@@ -136,7 +139,7 @@ def _hybrid_pattern(ckpt: MegatronCheckpoint, subs: dict[int, dict]) -> str:
         else:
             raise MlmError(
                 f"{ckpt.path}: HybridModel layer decoder.layers.{i} ({', '.join(sorted(layer))}) is none of a "
-                "Mamba mixer, linear_qkv attention, a dense MLP or MoE, the layers mlm reads"
+                "Mamba mixer, a gated delta net, linear_qkv attention, a dense MLP or MoE, the layers mlm reads"
             )
     return "".join(symbols)
 
@@ -288,6 +291,12 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
     max_pos = load_config(None, [*sets, probe]).model.max_position_embeddings
     seq = min(DataConfig().seq_length, max_pos)  # as import_hf: the default, within the model's positions
     config = load_config(None, [*sets, f"data.seq_length={seq}"])
+    if "gdn" in config.model.mixer_kinds() and config.model.activation != "swiglu":
+        raise MlmError(
+            f"{ckpt.path}: gated delta net layers with model.activation={config.model.activation!r}: Megatron's "
+            "gated delta net applies the model's activation function, mlm's SiLU (Megatron's --swiglu); a run "
+            "without --swiglu is not imported"
+        )
     return config, [] if hasattr(common.get("args"), "__dict__") else [_defaults_note(config.model, given)]
 
 

@@ -102,6 +102,33 @@ MAMBA = {
 `.x .B .C`; the pre-norm fused into in_proj under the TE spec, `norm.weight` under the local one) →
 mlm keys under `layers.N.`; mlm keeps the same pieces as its own tensors."""
 
+GDN = {
+    "self_attention.in_proj.layer_norm_weight": "attn_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    **{
+        f"self_attention.in_proj.weight.{theirs}": f"attn.in_{ours}.weight"
+        for theirs, ours in (
+            ("query", "q"),
+            ("key", "k"),
+            ("value", "v"),
+            ("z", "z"),
+            ("beta", "b"),
+            ("alpha", "a"),
+        )
+    },
+    **{
+        f"self_attention.conv1d.weight.{theirs}": f"attn.conv_{theirs[0]}.weight"
+        for theirs in ("query", "key", "value")
+    },
+    "self_attention.A_log": "attn.A_log",
+    "self_attention.dt_bias": "attn.dt_bias",
+    "self_attention.out_norm.weight": "attn.norm.weight",
+    "self_attention.out_proj.weight": "attn.out.weight",
+}
+"""Megatron's GatedDeltaNet layer sub-keys (megatron-core's `GatedDeltaNet.sharded_state_dict`:
+in_proj saved as `.query .key .value .z .beta .alpha`, conv1d as `.query .key .value`; the pre-norm
+fused into in_proj under the TE spec) → mlm keys under `layers.N.`."""
+
 HYBRID_TOP = {
     "embedding.word_embeddings.weight": "embed.weight",
     "decoder.final_norm.weight": "final_norm.weight",
@@ -133,12 +160,14 @@ def hybrid_keymap(cfg: ModelConfig, export: bool = False) -> KeyMap:
     GPTModel's `LAYER`. `export`: only the sub-keys the export writes (the TE spec's names)."""
     table: dict[str, Rule] = {key: Rule((name,)) for key, name in HYBRID_TOP.items()}
     gpt_subs = _export_subs(cfg) if export else list(LAYER)
-    mamba_subs = [k for k in MAMBA if not (export and k == "norm.weight")]
+    own = {"mamba": MAMBA, "gdn": GDN}  # the mixers HybridModel names its own way
+    local = ("norm.weight", "input_layernorm.weight")  # the local spec's pre-norms: read, not written
     for i, j, half in hybrid_layers(cfg):
         spec = cfg.layer_specs()[j]
-        if half == "mixer" and spec.mixer == "mamba":
-            for sub in mamba_subs:
-                table[f"decoder.layers.{i}.{sub}"] = Rule((f"layers.{j}.{MAMBA[sub]}",))
+        if half == "mixer" and spec.mixer in own:
+            for sub, name in own[spec.mixer].items():
+                if not (export and sub in local):
+                    table[f"decoder.layers.{i}.{sub}"] = Rule((f"layers.{j}.{name}",))
             continue
         for sub in gpt_subs:
             if _half(sub) == half:
@@ -147,8 +176,8 @@ def hybrid_keymap(cfg: ModelConfig, export: bool = False) -> KeyMap:
 
 
 def hybrid_checkpoint(keys: Iterable[str]) -> bool:
-    """Whether stored keys are HybridModel's (its `final_norm`, or a Mamba mixer)."""
-    return any(k == "decoder.final_norm.weight" or ".mixer." in k for k in keys)
+    """Whether stored keys are HybridModel's (its `final_norm`, a Mamba mixer or a gated delta net)."""
+    return any(k == "decoder.final_norm.weight" or ".mixer." in k or ".in_proj.weight." in k for k in keys)
 
 
 def split_key(key: str) -> tuple[int | None, str]:

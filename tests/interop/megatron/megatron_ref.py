@@ -639,3 +639,68 @@ def scheduler_values(
             scheduler.step(increment)
         out.append(values)
     return out
+
+
+def gdn_layer_outputs(rank: int, world: int, megatron_dir: str, mlm_dir: str, layer: int) -> tuple:
+    """megatron-core 0.16.1's GatedDeltaNet (local spec: ColumnParallelLinear in_proj, torch RMSNorm
+    out_norm, RowParallelLinear out_proj; SiLU, the model's --swiglu activation) holding the tensors
+    of HybridModel layer `layer` as mlm's export wrote them (in_proj and conv1d joined from their
+    pieces, as dist_checkpointing's split factory joins them), and mlm's `gdn` layer from the mlm
+    checkpoint: their outputs on one input [37, 2, hidden], (Megatron's, mlm's). Megatron's gated delta
+    rule runs its torch path (deterministic_mode); FLA's l2norm, absent on CPU, is x / √(Σx² + 1e-6)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm import gated_delta_net as mg
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mlm.checkpoint import read_group
+    from mlm.config import config_from_dict
+    from mlm.convert.megatron.dcp import MegatronCheckpoint
+    from mlm.model.kinds.gdn.module import GatedDeltaNet
+
+    apply_cpu_patches()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(42)
+    mg.HAVE_FLA, mg.l2norm = True, lambda x, eps=1e-6: x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    state, manifest, _ = read_group(mlm_dir)
+    cfg = config_from_dict(manifest["config"]).model
+    g = cfg.gdn
+    config = TransformerConfig(
+        num_layers=1, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        linear_num_key_heads=g.num_key_heads, linear_num_value_heads=g.num_value_heads,
+        linear_key_head_dim=g.key_head_dim, linear_value_head_dim=g.value_head_dim,
+        linear_conv_kernel_dim=g.conv_kernel, experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=1, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=cfg.norm_eps,
+        deterministic_mode=True, use_cpu_initialization=True, params_dtype=torch.float32,
+    )  # fmt: skip
+    sub = mg.GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear
+    )
+    theirs = mg.GatedDeltaNet(
+        config, sub, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+    )
+    ckpt = MegatronCheckpoint(megatron_dir)
+    prefix = f"decoder.layers.{layer}.self_attention."
+    joined = {
+        "in_proj.weight": torch.cat([ckpt.read(f"{prefix}in_proj.weight.{p}") for p in ("query", "key", "value", "z", "beta", "alpha")]),
+        "conv1d.weight": torch.cat([ckpt.read(f"{prefix}conv1d.weight.{p}") for p in ("query", "key", "value")]),
+        **{k: ckpt.read(prefix + k) for k in ("A_log", "dt_bias", "out_norm.weight", "out_proj.weight")},
+    }  # fmt: skip
+    theirs.load_state_dict(joined, strict=False)
+    missing = {n for n, _ in theirs.named_parameters()} - set(joined)
+    assert not missing, missing
+    ours = GatedDeltaNet(cfg, layer)
+    ours.load_state_dict(
+        {
+            k.removeprefix(f"layers.{layer}.attn."): v
+            for k, v in state.items()
+            if k.startswith(f"layers.{layer}.attn.")
+        }
+    )
+    x = torch.randn(37, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        # numpy: a tensor sent from a rank process lives in shared memory that goes with the process
+        return theirs(x, attention_mask=None)[0].numpy(), ours(x.transpose(0, 1)).transpose(0, 1).numpy()
