@@ -1,12 +1,9 @@
-"""The Gated DeltaNet mixer kind ("gdn", pattern symbol G) in mlm's own model: one layer equals
-transformers' Qwen3NextGatedDeltaNet on the same weights (fp32, 1e-5 relative), packed documents
-restart its state, a hybrid of it with attention, dense MLPs and MoE layers trains under tp 2 with
-sequence parallelism, pp 2, dp 2 with the distributed optimizer and ep 2 as one process does
-(fp32, 1e-5 relative, test_parallel_training's tolerance), context parallelism refuses it by
-name, tp needs whole key and value heads, the planner counts its parameters from its spec, and
-serving decodes it from state slots with the training forward's logits (chunked prefill, decode,
-preemption). The delta rule itself: tests/test_kernel_delta_rule.py; model.kernels=triton against
-torch: tests/test_kernels.py (case "gdn-hybrid").
+"""The Gated DeltaNet mixer kind ("gdn", pattern symbol G): one layer equals transformers'
+Qwen3NextGatedDeltaNet on the same weights (fp32, 1e-5 relative), tp needs whole key and value
+heads, the config checks its heads, and the Qwen3-Next preset has its published size. What the
+recurrent kinds share (packed documents, parallel equivalence, cp refusal, serving from state
+slots): tests/test_recurrent_mixers.py. The delta rule itself: tests/test_kernel_delta_rule.py;
+model.kernels=triton against torch: tests/test_kernels.py (case "gdn-hybrid").
 """
 
 from __future__ import annotations
@@ -16,11 +13,8 @@ import torch
 
 from mlm.config import GatedDeltaNetConfig, ModelConfig, load_config
 from mlm.errors import MlmError
-from mlm.model import build_model
 
-from distributed import run_ranks
-from helpers import engine_checking_logits
-from test_parallel_training import _assert_matches, _sets, _train_rank, reference_run
+from test_parallel_training import _sets
 
 GDN = {
     "model.gdn.num_key_heads": 2,
@@ -29,31 +23,7 @@ GDN = {
     "model.gdn.value_head_dim": 8,
     "model.gdn.chunk_size": 16,
 }
-HYBRID = {
-    **GDN,
-    "model.num_layers": 4,
-    "model.layer_pattern": "'G-*EG-*E'",
-    "model.moe.num_experts": 4,
-    "model.moe.ffn_hidden_size": 48,
-    "model.moe.router_topk": 2,
-    "model.moe.aux_loss_coeff": 1e-2,
-    "data.reset_attention_mask": "true",  # packed documents restart the recurrent state
-    "train.train_iters": 3,
-    # Adam moves a weight by lr · g / (|g| + eps): for |g| near eps it passes on the gradient's
-    # fp32 rounding (1e-7 of the largest |g|) times lr / eps. As tests/test_mamba.py, eps 1e-3
-    # keeps the comparison about the layout (measured at tp 2 with sequence parallelism: weights
-    # 1.2e-6 apart relative to each tensor's largest, 3.5e-6 at test_parallel_training's eps 1e-4).
-    "optimizer.adam_eps": 1e-3,
-}
-SMALL = ModelConfig(
-    num_layers=3,
-    hidden_size=32,
-    vocab_size=64,
-    layer_pattern="GG-G",
-    gdn=GatedDeltaNetConfig(
-        num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6, chunk_size=8
-    ),
-)
+HYBRID = {**GDN, "model.num_layers": 4, "model.layer_pattern": "'G-*-G-*-'"}
 
 
 def _hf_layer():
@@ -126,47 +96,6 @@ def test_a_layer_equals_transformers_qwen3_next(chunk_size):
     assert err <= 1e-5, f"relative error {err:.2e}"
 
 
-def test_packed_documents_restart_the_state():
-    """Logits of three packed documents equal each document run alone (fp32, 1e-5)."""
-    model = build_model(SMALL, "cpu", seed=3).eval()
-    lengths = [11, 1, 20]  # one shorter than the convolution, one across chunks
-    tokens = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
-    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    with torch.no_grad():
-        packed = model(tokens, documents=documents)
-        alone = torch.cat([model(part) for part in tokens.split(lengths, dim=1)], dim=1)
-        mixed = model(tokens)
-    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(mixed[:, lengths[0] :], alone[:, lengths[0] :], atol=1e-3)  # it matters
-
-
-@pytest.fixture(scope="module")
-def gdn_reference(tmp_path_factory, tiny_data):
-    return reference_run(tmp_path_factory.mktemp("gdn"), tiny_data, **HYBRID)
-
-
-@pytest.mark.parametrize(
-    "world,parallel",
-    [
-        (2, {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),
-        (2, {"parallel.pp": 2}),
-        (2, {"parallel.distributed_optimizer": "true", "parallel.bucket_size_mb": 0.02}),
-        (2, {"parallel.ep": 2}),
-    ],
-    ids=["tp2-sp", "pp2", "dp2-distopt", "ep2"],
-)
-def test_a_gdn_hybrid_trains_in_parallel_as_one_process(tmp_path, tiny_data, gdn_reference, world, parallel):
-    losses, weights = gdn_reference
-    sets = _sets(tmp_path, tiny_data, "mesh", **HYBRID, **parallel)
-    _assert_matches(tmp_path, run_ranks(world, _train_rank, sets), losses, weights)
-    assert weights["layers.0.attn.in_v.weight"].shape == (4 * 8, 64)  # saved whole, whatever the layout
-
-
-def test_context_parallelism_refuses_gdn_by_name(tmp_path, tiny_data):
-    with pytest.raises(MlmError, match="parallel.cp=2 with the mixer kind.*gdn: they are not"):
-        load_config(None, _sets(tmp_path, tiny_data, "cp", **HYBRID, **{"parallel.cp": 2}))
-
-
 def test_tensor_parallelism_needs_whole_key_and_value_heads(tmp_path, tiny_data):
     from mlm.parallel.mesh import check_tensor_parallel
 
@@ -181,33 +110,6 @@ def test_tensor_parallelism_needs_whole_key_and_value_heads(tmp_path, tiny_data)
 def test_the_config_checks_its_heads():
     with pytest.raises(MlmError, match=r"model.gdn.num_value_heads=6 is not a multiple of num_key_heads=4"):
         GatedDeltaNetConfig(num_key_heads=4, num_value_heads=6)
-
-
-def test_the_planner_counts_gdn_from_its_spec(tmp_path, tiny_data):
-    from mlm.model import parameter_counts
-    from mlm.plan import memory
-
-    cfg = load_config(None, _sets(tmp_path, tiny_data, "plan", **HYBRID))
-    assert memory.parameter_counts(cfg) == parameter_counts(cfg.model)
-
-
-def test_serving_decodes_a_gdn_hybrid_from_state_slots(tmp_path, tiny_data):
-    from mlm.inference.engine import EngineConfig
-    from mlm.inference.sampling import SamplingParams
-
-    cfg = load_config(None, _sets(tmp_path, tiny_data, "serve", **HYBRID))
-    model = build_model(cfg.model, "cpu", seed=7).eval()
-    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 4 * i)] for i in range(4)]
-    # few blocks: sequences are preempted and recompute; 12 tokens a step: chunked prefill
-    config = EngineConfig(
-        max_seqs=4, max_tokens_per_step=12, block_size=8, num_blocks=5, packed_weights=False
-    )
-    engine, checked = engine_checking_logits(model, config)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
-    assert all(len(o.token_ids) == 16 for o in outs)
-    assert engine.stats.preemptions > 0 and len(checked) >= 4 * 16
-    pool = engine.runner.states
-    assert pool.num_free == pool.num_slots
 
 
 def test_the_qwen3_next_preset_has_its_published_size_and_plans():

@@ -1,11 +1,11 @@
-"""The Mamba-2 mixer kind ("mamba", pattern symbol M) in mlm's own model: packed documents restart
-its state, a hybrid of it with attention, dense MLPs and MoE layers trains under tp 2 with
-sequence parallelism, pp 2, dp 2 with the distributed optimizer and ep 2 as one process does
-(fp32, 1e-5 relative, test_parallel_training's tolerance), context parallelism refuses it by
-name, the planner counts its parameters from its spec, and serving decodes it from state slots
-with the training forward's logits (chunked prefill, decode, preemption) and transformers'
-greedy tokens. HF numerics and conversion: tests/interop/hf/test_hf_adapters.py (cases mamba2*);
-the scan itself: tests/test_kernel_ssd.py.
+"""The Mamba-2 mixer kind ("mamba", pattern symbol M) and the imported hybrids: tp needs whole heads
+and groups, the planner's saved bytes of a Mamba layer are autograd's, serving an imported Mamba-2,
+Nemotron-H or Qwen3-Next gives transformers' greedy tokens (in the engine and through `mlm serve`),
+1,000 mixed requests leave no state slot taken, and the Nemotron-H preset has its published size.
+What the recurrent kinds share (packed documents, parallel equivalence, cp refusal, serving from
+state slots): tests/test_recurrent_mixers.py. HF numerics and conversion:
+tests/interop/hf/test_hf_adapters.py (cases mamba2*, nemotron_h*, qwen3_next); the scan itself:
+tests/test_kernel_ssd.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from mlm.config import MambaConfig, ModelConfig, load_config
 from mlm.errors import MlmError
 from mlm.model import build_model
 
-from distributed import run_ranks
-from helpers import engine_checking_logits
-from test_parallel_training import _assert_matches, _sets, _train_rank, reference_run
+from test_parallel_training import _sets
 
 MAMBA = {
     "model.mamba.head_dim": 8,
@@ -34,14 +32,6 @@ HYBRID = {
     "model.moe.num_experts": 4,
     "model.moe.ffn_hidden_size": 48,
     "model.moe.router_topk": 2,
-    "model.moe.aux_loss_coeff": 1e-2,
-    "data.reset_attention_mask": "true",  # packed documents restart the recurrent state
-    "train.train_iters": 3,
-    # Adam moves a weight by lr · g / (|g| + eps): for |g| near eps it passes on the gradient's
-    # fp32 rounding (1e-7 of the largest |g|) times lr / eps. The Mamba layers' gradients are
-    # large beside test_parallel_training's eps 1e-4 (measured: weights 1.3e-5 apart at tp 2,
-    # gradients 1e-6 apart in fp32 against fp64); eps 1e-3 keeps the comparison about the layout.
-    "optimizer.adam_eps": 1e-3,
 }
 SMALL = ModelConfig(
     num_layers=3,
@@ -52,49 +42,6 @@ SMALL = ModelConfig(
 )
 
 
-def test_packed_documents_restart_the_state():
-    """Logits of three packed documents equal each document run alone (fp32, 1e-5)."""
-    model = build_model(SMALL, "cpu", seed=3).eval()
-    lengths = [11, 1, 20]  # one shorter than the convolution, one across chunks
-    tokens = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
-    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    with torch.no_grad():
-        packed = model(tokens, documents=documents)
-        alone = torch.cat([model(part) for part in tokens.split(lengths, dim=1)], dim=1)
-        mixed = model(tokens)
-    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(mixed[:, lengths[0] :], alone[:, lengths[0] :], atol=1e-3)  # it matters
-
-
-@pytest.fixture(scope="module")
-def mamba_reference(tmp_path_factory, tiny_data):
-    return reference_run(tmp_path_factory.mktemp("mamba"), tiny_data, **HYBRID)
-
-
-@pytest.mark.parametrize(
-    "world,parallel",
-    [
-        (2, {"parallel.tp": 2, "parallel.sequence_parallel": "true"}),
-        (2, {"parallel.pp": 2}),
-        (2, {"parallel.distributed_optimizer": "true", "parallel.bucket_size_mb": 0.02}),
-        (2, {"parallel.ep": 2}),
-    ],
-    ids=["tp2-sp", "pp2", "dp2-distopt", "ep2"],
-)
-def test_a_mamba_hybrid_trains_in_parallel_as_one_process(
-    tmp_path, tiny_data, mamba_reference, world, parallel
-):
-    losses, weights = mamba_reference
-    sets = _sets(tmp_path, tiny_data, "mesh", **HYBRID, **parallel)
-    _assert_matches(tmp_path, run_ranks(world, _train_rank, sets), losses, weights)
-    assert weights["layers.0.attn.in_x.weight"].shape == (16 * 8, 64)  # saved whole, whatever the layout
-
-
-def test_context_parallelism_refuses_mamba_by_name(tmp_path, tiny_data):
-    with pytest.raises(MlmError, match="parallel.cp=2 with the mixer kind.*mamba: they are not"):
-        load_config(None, _sets(tmp_path, tiny_data, "cp", **HYBRID, **{"parallel.cp": 2}))
-
-
 def test_tensor_parallelism_needs_whole_heads_and_groups(tmp_path, tiny_data):
     from mlm.parallel.mesh import check_tensor_parallel
 
@@ -102,33 +49,6 @@ def test_tensor_parallelism_needs_whole_heads_and_groups(tmp_path, tiny_data):
     check_tensor_parallel(m, m.padded_vocab_size(2), 2)
     with pytest.raises(MlmError, match=r"num_groups=2 must both divide over parallel.tp=4"):
         check_tensor_parallel(m, m.padded_vocab_size(4), 4)
-
-
-def test_the_planner_counts_mamba_from_its_spec(tmp_path, tiny_data):
-    from mlm.model import parameter_counts
-    from mlm.plan import memory
-
-    cfg = load_config(None, _sets(tmp_path, tiny_data, "plan", **HYBRID))
-    assert memory.parameter_counts(cfg) == parameter_counts(cfg.model)
-
-
-def test_serving_decodes_a_mamba_hybrid_from_state_slots(tmp_path, tiny_data):
-    from mlm.inference.engine import EngineConfig
-    from mlm.inference.sampling import SamplingParams
-
-    cfg = load_config(None, _sets(tmp_path, tiny_data, "serve", **HYBRID))
-    model = build_model(cfg.model, "cpu", seed=7).eval()
-    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 4 * i)] for i in range(4)]
-    # few blocks: sequences are preempted and recompute; 12 tokens a step: chunked prefill
-    config = EngineConfig(
-        max_seqs=4, max_tokens_per_step=12, block_size=8, num_blocks=5, packed_weights=False
-    )
-    engine, checked = engine_checking_logits(model, config)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
-    assert all(len(o.token_ids) == 16 for o in outs)
-    assert engine.stats.preemptions > 0 and len(checked) >= 4 * 16
-    pool = engine.runner.states
-    assert pool.num_free == pool.num_slots
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "nemotron_h-moe", "qwen3_next"])
