@@ -7,7 +7,8 @@ Tolerances (measured on CPU, tiny-llama, 2 layers, h 64, seq 32, lr 1e-2):
 - tp2 × dp2 (distributed optimizer), dp2 (distributed optimizer), dp2 (replicated) and pp2 × dp2
   with tied embeddings (distributed optimizer) against one process, all in bf16 parameters, 5
   steps: max |Δloss| / loss measured 2.7e-4, 5.0e-5, 0 and 4.3e-5 (asserted ≤ 2e-2); the fp32
-  main weights' ‖Δ‖ / ‖w‖ per tensor at most 3.5e-2, 1.7e-3, 0 and 1.9e-3 (asserted ≤ 5e-2).
+  main weights' ‖Δ‖ / ‖w‖ per tensor at most 3.5e-2, 1.7e-3, 0 and 1.9e-3 on a 2-core Intel Xeon;
+  tp2 × dp2 gives 5.0e-2 on a 2-core AMD EPYC, whose bf16 GEMMs round otherwise (asserted ≤ 7e-2).
   tp's partial sums round to bf16 where one process's do not, and Adam turns that noise in
   near-zero gradients into ±lr steps: today's bf16 autocast with fp32 parameters differs from
   one process at tp2 by the same 3.3e-2.
@@ -32,7 +33,7 @@ from distributed import run_ranks
 
 BF16 = {"train.precision": "bf16", "train.param_dtype": "bf16"}
 RTOL = 2e-2
-WEIGHTS_RTOL = 5e-2
+WEIGHTS_RTOL = 7e-2
 
 
 def _cfg(tmp_path, data, name, **extra):
