@@ -131,7 +131,8 @@ def checkpoint_weights(ckpt_dir, like: dict) -> dict:
 
 def engine_checking_logits(model, config):
     """An engine whose every step's logits are compared with the training forward's over each
-    sampling sequence's tokens so far (fp32, 1e-5)."""
+    sampling sequence's tokens so far (fp32, 1e-5); a segment is matched to its sequence by its
+    cache blocks (every model has them; only recurrent ones have state slots)."""
     import torch
 
     from mlm.inference.engine import Engine
@@ -144,7 +145,7 @@ def engine_checking_logits(model, config):
         logits_BV = forward(segments)
         rows = [c for c in segments if c.sample]
         for c, row in zip(rows, logits_BV, strict=True):
-            seq = next(s for s in engine.scheduler.running if s.slot == c.slot)
+            seq = next(s for s in engine.scheduler.running if s.blocks is c.blocks or s.blocks == c.blocks)
             tokens = seq.tokens(0, c.start + len(c.tokens))
             with torch.no_grad():
                 want = model(torch.tensor([tokens]))[0, -1, : row.shape[0]]
