@@ -5,11 +5,13 @@ it in this one (no torch import per call) and returns the same CompletedProcess;
 checks the one-message, exit-code-2 form of bad input; `checkpoint_logits` computes an mlm
 checkpoint's logits and `checkpoint_weights` reads its tensors back whole; `chat_tokenizer` and `write_chat_config` make a Hugging Face tokenizer folder
 with a chat template; `preset_rows` reads `mlm config list`'s table; `engine_checking_logits`
-makes a serving engine that checks each step's logits against the training forward.
+makes a serving engine that checks each step's logits against the training forward;
+`saved_storages` collects what autograd saves for backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -155,3 +157,21 @@ def engine_checking_logits(model, config):
 
     engine.runner.forward = checking
     return engine, checked
+
+
+@contextlib.contextmanager
+def saved_storages(model):
+    """Inside: {storage pointer: bytes} of each distinct storage autograd saves for backward that
+    is not one of `model`'s parameters (what a forward run inside keeps for its backward)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if (ptr := t.untyped_storage().data_ptr()) not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved

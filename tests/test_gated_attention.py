@@ -33,6 +33,7 @@ from mlm.model.rope import rope_tables
 from mlm.plan.memory import layer_activation_bytes
 
 from distributed import run_ranks
+from helpers import saved_storages
 from test_parallel_training import _assert_matches, _sets, _train_rank, reference_run
 
 QWEN3_NEXT_ATTENTION = {
@@ -188,18 +189,10 @@ def test_the_planner_counts_the_gate_and_what_a_layer_saves(tmp_path, tiny_data)
         }),
     )  # fmt: skip
     model = build_model(cfg.model, "cpu", seed=1).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     x = torch.randn(B, S, h, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         x_BTD, rope = model.residual(x), model.rope(S, x.device)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages(model) as saved:
             out = model.layers["0"](x_BTD, rope)
     out.float().sum().backward()
     block = model.layers["0"]

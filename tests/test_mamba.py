@@ -17,6 +17,7 @@ from mlm.config import MambaConfig, ModelConfig, load_config
 from mlm.errors import MlmError
 from mlm.model import build_model
 
+from helpers import saved_storages
 from test_parallel_training import _sets
 
 MAMBA = {
@@ -90,16 +91,8 @@ def test_the_planner_counts_what_a_mamba_layer_saves(tmp_path, tiny_data):
     m, S = cfg.model, cfg.data.seq_length
     planned = sum(memory.layer_activation_bytes(cfg, Layout(1, 1, 1, 2, 2), m.layer_specs()[0]).values())
     model = build_model(m, "cpu", seed=1).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if (ptr := t.untyped_storage().data_ptr()) not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
     x = torch.randn(2, S, m.hidden_size, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as saved:
         out = model.layers["0"](x)
     out.sum().backward()
     assert planned == pytest.approx(sum(saved.values()), rel=0.02), (planned, sum(saved.values()))

@@ -29,7 +29,7 @@ from mlm.model.layers import TP_INPUT
 from mlm.model.ops import Ops
 
 from distributed import run_ranks
-from helpers import engine_checking_logits
+from helpers import engine_checking_logits, saved_storages
 from test_parallel_training import _assert_matches, _sets, _train_rank, reference_run
 
 WIDTH, TAPS = 32, 4
@@ -253,16 +253,8 @@ def test_the_planner_counts_the_kind_from_its_spec(tmp_path, tiny_data):
     layout = Layout(1, 1, 1, 2, 2)
     planned = sum(memory.layer_activation_bytes(cfg, layout, m.layer_specs()[0]).values())
     model = build_model(m, "cpu", seed=1).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if (ptr := t.untyped_storage().data_ptr()) not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
     x = torch.randn(2, S, m.hidden_size, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as saved:
         out = model.layers["0"](x)
     out.sum().backward()
     assert planned == pytest.approx(sum(saved.values()), rel=0.01), (planned, sum(saved.values()))
