@@ -49,7 +49,10 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 serves other machines."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     api_key: str | None = typer.Option(
-        None, "--api-key", envvar="MLM_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 and /api."
+        None,
+        "--api-key",
+        envvar="MLM_API_KEY",
+        help="Require `Authorization: Bearer KEY` on /v1, /api and the tokenizer endpoints.",
     ),
     name: str | None = typer.Option(
         None, "--model-name", help="Model id clients ask for; default: DIR's name."

@@ -1,5 +1,6 @@
 """The HTTP app: OpenAI's `/v1/completions`, `/v1/chat/completions` (both with `stream: true` as
-server-sent events) and `/v1/models`; Megatron's `PUT /api`; `/health` and `/metrics`.
+server-sent events) and `/v1/models`; Megatron's `PUT /api`; vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`;
+`/health` and `/metrics`.
 
 Every request is checked in this order, each failure an OpenAI-shaped error: API key (401), model
 loaded (503 + Retry-After), body size (413), JSON object (422), valid Unicode and fields (400),
@@ -44,7 +45,18 @@ from mlm.tokenizer import Tokenizer
 
 log = logging.getLogger("mlm.serve")
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/api", "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/api",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+    "/health",
+    "/metrics",
+)
+"""The paths `/metrics` counts by name; any other path is counted as `other`."""
 
 
 @dataclass
