@@ -305,9 +305,12 @@ def test_metrics(served):
         f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 3}, headers=AUTH, timeout=30
     )
     assert r.status_code == 200
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "a"}, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
     text = httpx.get(f"{server.url}/metrics").text
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert float(lines['mlm_http_requests_total{endpoint="/v1/completions",status="200"}']) >= 1
+    assert float(lines['mlm_http_requests_total{endpoint="/tokenize",status="200"}']) >= 1  # not "other"
     assert float(lines["mlm_time_to_first_token_seconds_count"]) >= 1
     assert float(lines["mlm_request_latency_seconds_count"]) >= 1
     assert float(lines["mlm_generation_tokens_total"]) >= 3
