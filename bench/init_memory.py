@@ -7,7 +7,7 @@ the full-tensor init it replaced, in the same run, against the rank's parameter 
 Cases: llama3-405b at tp 8 × pp 16 (7 / 8 × 14 / 7 layers, the planner's split: `stage_split`),
 its first stage (the embedding, whose full fp32 tensor is 8.4 GB) and a middle one (the most
 parameters); deepseek-v3 at the layout `mlm plan --preset deepseek-v3 --gpus 2048 --seq-length
-4096 --global-batch 15360` picks (docs/plan.md): tp 2 × pp 16 (3 / 4 × 14 / 2) × dp 64, ep 8, SP,
+4096 --global-batch 15360` picks (docs/plan-parallel.md): tp 2 × pp 16 (3 / 4 × 14 / 2) × dp 64, ep 8, SP,
 the stage with the most parameters. Each is one rank without torch.distributed (a `Mesh` holding
 its coordinates: building and initialising read nothing else), built by `build_rank_model` in
 `--dtype` and initialised, in a fresh subprocess: peak resident set (VmHWM, reset through

@@ -1,6 +1,6 @@
 """The planner's time model against published training throughputs: predicted and measured tokens/s
 per GPU for every run in tests/data/published_throughput.toml (and its held-back rows), as the
-markdown table of docs/plan.md.
+markdown table of docs/plan-validation.md.
 
     python bench/plan_published.py              # the table (runs, then the holdout)
     python bench/plan_published.py --holdout    # only the held-back check (Narayanan et al. 2021)

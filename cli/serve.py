@@ -1,6 +1,6 @@
 """`mlm serve CKPT`: an OpenAI-compatible HTTP API over a checkpoint; `mlm generate CKPT --prompt
 TEXT`: one-off generation from the shell. Both run tensor-parallel under torchrun:
-`torchrun --nproc-per-node 2 -m cli.main serve CKPT`. See docs/serve.md."""
+`torchrun --nproc-per-node 2 -m cli.main serve CKPT`. See docs/serve-engine.md."""
 
 from __future__ import annotations
 

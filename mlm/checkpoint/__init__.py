@@ -1,6 +1,6 @@
 """Sharded checkpoints: every tensor stored once in its global shape (zarr), loadable under any split.
 
-See `manager` for the save/load protocol, `store` for tensor I/O and docs/formats.md for the layout.
+See `manager` for the save/load protocol, `store` for tensor I/O and docs/formats-checkpoint.md for the layout.
 """
 
 from mlm.checkpoint.manager import (

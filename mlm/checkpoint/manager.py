@@ -5,7 +5,7 @@
 and a load reads whatever slices the loading ranks hold, so a checkpoint loads under any split.
 A checkpoint counts only once `manifest.json` exists (written last), and `DIR/latest` is replaced
 only after that, so a save killed at any point leaves `latest` naming a complete checkpoint.
-The layout is documented in docs/formats.md.
+The layout is documented in docs/formats-checkpoint.md.
 """
 
 from __future__ import annotations

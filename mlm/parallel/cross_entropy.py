@@ -19,7 +19,7 @@ chunk it computes the logits in fp32, the chunk's loss and at once dloss/dlogits
 the gradient of the chunk's hidden states and adds its share of the weight's gradient, then drops
 the chunk. Backward only scales the stored gradients by the incoming one. Memory: O(chunk × V)
 plus the gradients themselves (measured ratio to the plain path: tests/test_linear_cross_entropy.py,
-docs/train.md).
+docs/model.md).
 
 Under tensor parallelism each rank holds V/tp rows of the weight; per chunk the max, the target
 logit and the sum of exponentials are all-reduced over tp (`vocab_parallel_softmax`, the same

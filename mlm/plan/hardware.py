@@ -24,7 +24,7 @@ def load_hardware(spec: str) -> Hardware:
     if not path.is_file():
         raise MlmError(
             f"--hardware {spec!r}: not a known profile ({', '.join(PROFILES)}) nor a TOML file; "
-            "see docs/plan.md for the custom profile keys"
+            "see docs/plan-model.md for the custom profile keys"
         )
     data = read_toml(path)
     base = data.pop("base", None)

@@ -91,7 +91,7 @@ do the MTP depths' activations (each a layer, never recomputed, its norms, eh_pr
 another loss: `stage_extras`).
 
 Communication buffers and headroom are estimates, not counts (see `component notes` in
-docs/plan.md): bf16 gradient-reduction copies of the whole buffer (all buckets can be in flight),
+docs/plan-model.md): bf16 gradient-reduction copies of the whole buffer (all buckets can be in flight),
 pipeline send/receive buffers, one tp collective output, one MoE layer's ep exchange buffers, one
 layer's cp exchange (p2p: the key/value message in flight and its receive buffer, in the backward
 also two fp32 dK/dV accumulators; all_gather: the gathered keys' and values' gradients before their
@@ -105,7 +105,7 @@ in the backward (which runs outside autocast, in fp32) the probabilities, dP, an
 of dS: 4 · b · H/t · s² · 4 bytes, plus the s² boolean causal mask (measured on CPU with an
 allocation tracker: 4.5 such blocks at s = 512, 5.0 at s = 256, the rest the per-token fp32 copies
 of q, dO and dq counted beside it). all_gather's SDPA keeps no s × S matrix (CPU's flash kernel
-takes the mask; see docs/plan.md for CUDA); under recompute its mask and gathered keys and values
+takes the mask; see docs/plan-parallel.md for CUDA); under recompute its mask and gathered keys and values
 are this workspace, built again for the one layer being recomputed.
 """
 

@@ -293,7 +293,7 @@ def shardings(
     if pp > 1 and k.fsdp is None and "none" in optimizers:
         # the whole search (auto) tries FSDP without pipeline stages only: with them it would double
         # llama3-70b's search (27,243 layouts, not 15,255) for plans zero1 beats in every job of
-        # docs/plan.md; --optimizer fsdp and --layout try it at any pp
+        # docs/plan-model.md; --optimizer fsdp and --layout try it at any pp
         fsdp_ok = False
     out = []
     for name in optimizers:

@@ -162,7 +162,7 @@ def load_software(spec: str, cfg=None) -> Software:
     if not path.is_file():
         raise MlmError(
             f"--software {spec!r}: not a known profile (auto, {', '.join(PROFILES)}) nor a TOML file; "
-            "see docs/plan.md for the keys"
+            "see docs/plan-validation.md for the keys"
         )
     return software_from_dict(read_toml(path), str(path), path.stem)
 

@@ -3,7 +3,7 @@ first `first_k_dense_replace` layers dense and the rest MoE with DeepSeek's sigm
 shared experts, YaRN RoPE, and the MTP depths in DeepSeek's own checkpoint layout (depth d at
 `model.layers.{num_hidden_layers + d}`, with copies of the embedding and head). The key and field
 tables, and the router configs refused because transformers computes them otherwise: docs/hf.md
-(DeepSeek-V3 section); the folder: docs/formats.md.
+(DeepSeek-V3 section); the folder: docs/formats-foreign.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `_MetadataUnpickler` (DCP's own classes and torch constants only, where torch runs a plain
 `pickle.load`), bytes entries only when asked for by name (`MegatronCheckpoint.values`, each with
 `torch.load(weights_only=True)`), `common.pt` with `mlm.convert.megatron.unpickle`. A damaged or
-incomplete file is an MlmError naming it. The layout: docs/formats.md ("Megatron-core torch_dist
+incomplete file is an MlmError naming it. The layout: docs/formats-foreign.md ("Megatron-core torch_dist
 checkpoint"); what is unpickled: docs/megatron.md ("What is unpickled").
 """
 

@@ -5,7 +5,7 @@
 The inverse of `mlm.convert.megatron.importer`, through the same name table (`names`, read
 backwards) and `args` (`args.megatron_args`), written with plain `torch.distributed.checkpoint` as
 Megatron's `dist_checkpointing.save` lays it out. What is written and refused, and how Megatron-LM
-loads it: docs/megatron-export.md; the files: docs/formats.md ("Megatron-core torch_dist
+loads it: docs/megatron-export.md; the files: docs/formats-foreign.md ("Megatron-core torch_dist
 checkpoint"). Memory: the whole model twice (read, then fused and stacked under Megatron's keys).
 """
 

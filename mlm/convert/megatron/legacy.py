@@ -1,7 +1,7 @@
 """Reading Megatron-LM's legacy per-rank checkpoints (`--ckpt-format torch`) as the global tensors a
 torch_dist save of the same model holds, per layer (`decoder.layers.<N>.<sub>`), behind the
 interface of `MegatronCheckpoint`: `LegacyCheckpoint(path).read(key)`. The layout and how the
-shards join are in docs/formats.md ("Megatron-LM legacy per-rank checkpoint"). Every rank file is
+shards join are in docs/formats-foreign.md ("Megatron-LM legacy per-rank checkpoint"). Every rank file is
 memory-mapped, so a `read` holds one global tensor; the optimizer (`optimizer_keys`) is read by
 `mlm.convert.megatron.optim` through `rank_folder` and `rank_state`.
 """

@@ -2,7 +2,7 @@
 one table: `TOP`, `LAYER` and `MTP` below (HybridModel: `HYBRID_TOP`, `MAMBA` and `LAYER`, one
 Megatron layer per pattern symbol, `hybrid_keymap`); `keymap` turns them into `mlm.convert.keymap` templates, read by
 `mlm_tensors` (import) and written by `megatron_tensors` (export). The layouts (fused linear_qkv,
-[gate; up], stacked or per-layer keys, the expert axis) are in docs/formats.md ("Megatron-core
+[gate; up], stacked or per-layer keys, the expert axis) are in docs/formats-foreign.md ("Megatron-core
 torch_dist checkpoint"); the table as a whole in docs/megatron.md."""
 
 from __future__ import annotations

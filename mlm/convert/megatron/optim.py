@@ -6,7 +6,7 @@ Megatron sharded key, the fp32 main parameters, Adam's step and the run's positi
     opt.view("exp_avg").read(key)          # the moment of model key `key`, in the weight's global shape
 
 The layouts read (per parameter, `fully_reshardable`; per DDP bucket, `dp_reshardable` and the
-legacy `distrib_optim.pt`) are in docs/formats.md; how the buckets are decoded (`decode_buckets`,
+legacy `distrib_optim.pt`) are in docs/formats-foreign.md; how the buckets are decoded (`decode_buckets`,
 `parameter_order`, the main params checked against the weights) and what is refused, in
 docs/megatron-resume.md. Bytes entries are read with `torch.load(weights_only=True)`.
 """

@@ -2,7 +2,7 @@
 
     import_torchtitan("outputs/checkpoint", "ckpt/from-titan", ["preset=llama3-8b"])
 
-What torchtitan writes is in docs/formats.md ("torchtitan checkpoint"); the names, the RoPE
+What torchtitan writes is in docs/formats-foreign.md ("torchtitan checkpoint"); the names, the RoPE
 permutation, the fused QKV state, tied embeddings, the config and the training position are in
 docs/torchtitan.md. Entries are read with `mlm.convert.megatron.dcp`'s restricted reader.
 """

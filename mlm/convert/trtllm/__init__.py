@@ -2,5 +2,5 @@
 
 `names` is the name and per-rank layout map, `config` writes and reads config.json, `exporter`
 exports (staged, checked, verified), `check` validates a folder against the layout, `importer`
-reads one back into mlm. See docs/trtllm.md and docs/formats.md.
+reads one back into mlm. See docs/trtllm.md and docs/formats-foreign.md.
 """

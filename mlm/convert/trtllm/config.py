@@ -1,7 +1,7 @@
 """TensorRT-LLM's config.json for mlm's models, and the mlm model a config.json describes.
 
 The fields, their values and the TensorRT-LLM sources they follow (`PretrainedConfig`,
-`LLaMAConfig`, `GPTConfig`, `MoeConfig`, `Mapping`) are in docs/formats.md ("TensorRT-LLM
+`LLaMAConfig`, `GPTConfig`, `MoeConfig`, `Mapping`) are in docs/formats-foreign.md ("TensorRT-LLM
 checkpoint"); what is refused, and why, in docs/trtllm.md.
 
     config = trt_config(cfg, tp=2, pp=1, dtype="bfloat16")   # → config.json dict

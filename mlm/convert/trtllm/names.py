@@ -1,6 +1,6 @@
 """TensorRT-LLM's checkpoint layout for mlm's models: tensor names and per-rank slices, both ways.
 
-docs/formats.md ("TensorRT-LLM checkpoint") gives the sources, the name table and each tensor's
+docs/formats-foreign.md ("TensorRT-LLM checkpoint") gives the sources, the name table and each tensor's
 per-rank split. Shapes: V vocabulary, D hidden, H heads, G KV heads, K head dim, F ffn, E experts.
 """
 

@@ -74,7 +74,7 @@ def lookup(role: str, name: str) -> KindSpec:
     if name not in kinds:
         raise MlmError(
             f"{ROLES[role]}={name!r} is not a registered {role} kind; registered: {', '.join(sorted(kinds))} "
-            "(a new kind registers its spec with mlm.model.kinds.register, see docs/train.md)"
+            "(a new kind registers its spec with mlm.model.kinds.register, see docs/model-kinds.md)"
         )
     return kinds[name]
 
