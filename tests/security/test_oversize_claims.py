@@ -33,8 +33,7 @@ from mlm.convert.safetensors_header import read_header
 from mlm.errors import MlmError
 from mlm.inference.kv_cache import PagedKVCache
 from mlm.model.gpt import GPT
-
-from helpers import ROOT
+from tests.helpers.common import ROOT
 
 SETS = ["preset=tiny-llama", "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2"]
 SETS += ["model.vocab_size=64", "data.seq_length=16"]

@@ -28,9 +28,8 @@ from mlm.convert.hf import folder as convert  # noqa: E402
 from mlm.convert.hf import io as hf_io  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.units import parse_size  # noqa: E402
-
-from helpers import ROOT, assert_error, cli, mlm  # noqa: E402
-from hf_models import ARCHS, VOCAB, llama, mistral, read_folder  # noqa: E402
+from tests.helpers.common import ROOT, assert_error, cli, mlm  # noqa: E402
+from tests.helpers.hf_models import ARCHS, VOCAB, llama, mistral, read_folder  # noqa: E402
 
 DROPPED = {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
 

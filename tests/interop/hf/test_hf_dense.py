@@ -15,8 +15,7 @@ from mlm.convert.hf import config_from_hf, config_to_hf, hf_to_mlm, mlm_to_hf  #
 from mlm.errors import MlmError  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
 from mlm.model.rope import inv_frequencies, rope_tables  # noqa: E402
-
-from hf_models import LLAMA3_ROPE, SEQ, gpt2, llama, qwen  # noqa: E402
+from tests.helpers.hf_models import LLAMA3_ROPE, SEQ, gpt2, llama, qwen  # noqa: E402
 
 
 def test_llama3_rope_scaling_is_exercised():

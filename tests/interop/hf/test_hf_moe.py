@@ -17,8 +17,7 @@ from mlm.convert.hf import config_from_hf, config_to_hf, hf_to_mlm, load_hf_into
 from mlm.convert.hf.qwen3_moe import QWEN3_MOE  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
-
-from hf_models import ARCHS, mixtral, qwen3_moe, saved  # noqa: E402
+from tests.helpers.hf_models import ARCHS, mixtral, qwen3_moe, saved  # noqa: E402
 
 MOE = [name for name, arch in ARCHS.items() if arch.family == "moe"]
 

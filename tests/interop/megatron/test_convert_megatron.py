@@ -25,11 +25,10 @@ from mlm.convert.megatron.dcp import MegatronCheckpoint, checkpoint_dir
 from mlm.convert.megatron.importer import args_overrides, import_megatron
 from mlm.convert.reshard import reshard
 from mlm.errors import MlmError
-
-from distributed import run_ranks  # noqa: E402
-from helpers import assert_error, mlm  # noqa: E402
-from megatron_helpers import SETS, TINY, TOL, megatron, mlm_logits, write_dcp  # noqa: E402, F401 (megatron: a fixture)
-from megatron_ref import HEADS, SEQ, VOCAB, save_reference  # noqa: E402
+from tests.helpers.common import assert_error, mlm  # noqa: E402
+from tests.helpers.distributed import run_ranks  # noqa: E402
+from tests.helpers.megatron_helpers import SETS, TINY, TOL, megatron, mlm_logits, write_dcp  # noqa: E402, F401 (megatron: a fixture)
+from tests.helpers.megatron_ref import HEADS, SEQ, VOCAB, save_reference  # noqa: E402
 
 
 @pytest.mark.parametrize(

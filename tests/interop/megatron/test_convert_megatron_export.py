@@ -26,10 +26,9 @@ from mlm.convert.megatron.dcp import MegatronCheckpoint
 from mlm.convert.megatron.exporter import export_megatron
 from mlm.convert.megatron.importer import import_megatron
 from mlm.errors import MlmError
-
-from distributed import run_ranks  # noqa: E402
-from helpers import assert_error, checkpoint_logits, mlm  # noqa: E402
-from megatron_helpers import (  # noqa: E402, F401 (megatron: a fixture)
+from tests.helpers.common import assert_error, checkpoint_logits, mlm  # noqa: E402
+from tests.helpers.distributed import run_ranks  # noqa: E402
+from tests.helpers.megatron_helpers import (  # noqa: E402, F401 (megatron: a fixture)
     SETS,
     TOL,
     dcp_entries,
@@ -37,7 +36,7 @@ from megatron_helpers import (  # noqa: E402, F401 (megatron: a fixture)
     mlm_checkpoint,
     mlm_logits,
 )
-from megatron_ref import (  # noqa: E402
+from tests.helpers.megatron_ref import (  # noqa: E402
     FFN,
     GROUPS,
     HEADS,

@@ -26,11 +26,10 @@ from mlm.config import config_from_dict
 from mlm.convert.megatron.importer import import_megatron
 from mlm.convert.megatron.unpickle import load_megatron_pickle
 from mlm.errors import MlmError
-
-from distributed import run_ranks  # noqa: E402
-from helpers import mlm  # noqa: E402
-from megatron_helpers import TOL, megatron, mlm_logits  # noqa: E402, F401 (megatron: the fixture)
-from megatron_ref import VOCAB  # noqa: E402
+from tests.helpers.common import mlm  # noqa: E402
+from tests.helpers.distributed import run_ranks  # noqa: E402
+from tests.helpers.megatron_helpers import TOL, megatron, mlm_logits  # noqa: E402, F401 (megatron: the fixture)
+from tests.helpers.megatron_ref import VOCAB  # noqa: E402
 
 MOE_SETS = ["model.moe.token_dispatcher=allgather"]  # mlm's dispatcher; the weights do not say it
 
@@ -42,7 +41,7 @@ MOE_SETS = ["model.moe.token_dispatcher=allgather"]  # mlm's dispatcher; the wei
 )
 @pytest.mark.usefixtures("megatron")
 def test_legacy_import_matches_gptmodel(tmp_path, moe, tp, pp, ep):
-    from megatron_legacy_ref import CONSUMED, ITERATION, save_legacy
+    from tests.helpers.megatron_legacy_ref import CONSUMED, ITERATION, save_legacy
 
     save = tmp_path / "megatron"
     logits = [x for x in run_ranks(tp * pp * ep, save_legacy, str(save), moe, tp, pp, ep) if x is not None]
@@ -81,7 +80,7 @@ def test_legacy_import_matches_gptmodel(tmp_path, moe, tp, pp, ep):
 def test_torch_dist_args_with_megatron_enums(tmp_path):
     """common.pt as Megatron-LM writes it (args holding AttnBackend, ModelType): read, and the
     model config taken from it without --set."""
-    from megatron_legacy_ref import ITERATION, save_torch_dist_with_args
+    from tests.helpers.megatron_legacy_ref import ITERATION, save_torch_dist_with_args
 
     src = tmp_path / "megatron" / "iter_0000010"
     logits = run_ranks(1, save_torch_dist_with_args, str(src))[0]

@@ -29,10 +29,9 @@ from mlm.convert.megatron.importer import args_overrides, import_megatron
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
 from mlm.model.kinds.mtp.module import MTPTargets
-
-from distributed import run_ranks  # noqa: E402
-from megatron_helpers import dcp_entries, megatron, mlm_checkpoint, mlm_logits  # noqa: E402, F401 (megatron: the fixture)
-from megatron_ref import (  # noqa: E402
+from tests.helpers.distributed import run_ranks  # noqa: E402
+from tests.helpers.megatron_helpers import dcp_entries, megatron, mlm_checkpoint, mlm_logits  # noqa: E402, F401 (megatron: the fixture)
+from tests.helpers.megatron_ref import (  # noqa: E402
     FFN,
     HEADS,
     HIDDEN,

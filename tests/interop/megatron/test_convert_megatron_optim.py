@@ -34,10 +34,9 @@ from mlm.convert.megatron.unpickle import load_megatron_pickle
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
 from mlm.train.adamw import adam_state_tensors, make_optimizer, set_adam_step
-
-from distributed import run_ranks  # noqa: E402
-from helpers import mlm  # noqa: E402
-from megatron_ref import GROUPS, HEADS, SEQ, inputs, train_and_save  # noqa: E402
+from tests.helpers.common import mlm  # noqa: E402
+from tests.helpers.distributed import run_ranks  # noqa: E402
+from tests.helpers.megatron_ref import GROUPS, HEADS, SEQ, inputs, train_and_save  # noqa: E402
 
 VOCAB = 512  # the tiny dataset's SentencePiece vocabulary, so that mlm train can resume on it
 BUCKET = 20000  # parameters per DDP bucket in the run with several buckets (4 buckets)

@@ -40,9 +40,8 @@ from mlm.checkpoint import read_group  # noqa: E402
 from mlm.config import config_from_dict, load_config  # noqa: E402
 from mlm.convert.torchtitan.importer import import_torchtitan  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
-
-from helpers import assert_error, checkpoint_logits, cli  # noqa: E402
-from hf_models import LLAMA3_ROPE, SEQ, llama  # noqa: E402
+from tests.helpers.common import assert_error, checkpoint_logits, cli  # noqa: E402
+from tests.helpers.hf_models import LLAMA3_ROPE, SEQ, llama  # noqa: E402
 
 TOL = 1e-5  # fp32 logits, absolute (max |logit| ≈ 3.5)
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
@@ -318,7 +317,7 @@ def titan():
     """tests/interop/torchtitan/titan_writer.py, where torchtitan is installed (session-scoped, so that a skip comes
     before the session's data fixtures are built)."""
     pytest.importorskip("torchtitan")
-    import titan_writer
+    from tests.helpers import titan_writer
 
     return titan_writer
 
@@ -335,8 +334,7 @@ def test_checkpoint_of_torchtitan_trainer(
     moments are the checkpoint's (the fused wqkv's split by torchtitan's own code), and `mlm train`
     resumes from it."""
     from mlm.train.trainer import Trainer
-
-    from distributed import run_ranks
+    from tests.helpers.distributed import run_ranks
 
     tokens = (torch.arange(titan.SEQ) * 7 % 600).view(1, -1)  # within the tokenizer's 600
     out, tokenizer = tmp_path / "titan", hf_tokenizer_json.parent
