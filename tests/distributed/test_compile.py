@@ -37,7 +37,7 @@ from tests.helpers.distributed import run_ranks
 RTOL = 1e-5
 BASE = {
     "model.hidden_dropout": 0.0,
-    "optimizer.adam_eps": 1e-4,  # see tests/test_parallel_training.py: keeps Adam's update smooth
+    "optimizer.adam_eps": 1e-4,  # see tests/distributed/test_parallel_training.py: keeps Adam's update smooth
     "train.global_batch_size": 4,
     "train.micro_batch_size": 2,
     "train.train_iters": 3,

@@ -57,7 +57,7 @@ FP32_TOL = {"loss": FP32_RTOL, "norm": FP32_RTOL, "weight": FP32_RTOL}
 
 
 def opt_cfg() -> OptimizerConfig:
-    # Adam's eps 1e-4 (as tests/test_parallel_training.py, for its reason): with 1e-8 an element
+    # Adam's eps 1e-4 (as tests/distributed/test_parallel_training.py, for its reason): with 1e-8 an element
     # whose gradient nearly cancels takes an lr-sized step in whichever direction its last-bit
     # rounding points, which measures Adam's sensitivity, not the data-parallel reduction
     return OptimizerConfig(lr=LR, min_lr=0.0, weight_decay=WD, clip_grad=CLIP, adam_eps=1e-4)

@@ -69,7 +69,7 @@ def ds_reference(tmp_path_factory, tiny_data):
 
 # Adam's eps 1e-3: an update's sensitivity to its gradient is lr / eps for gradients below eps, and
 # at 1e-4 a few kv_down elements (gradients ~1e-6) turned rounding-level gradient differences
-# (3.6e-7 – 5.7e-7 of the largest, as for the query-latent model: tests/test_tensor_parallel.py)
+# (3.6e-7 – 5.7e-7 of the largest, as for the query-latent model: tests/distributed/test_tensor_parallel.py)
 # into weight differences of 1e-4 relative after one step
 NO_QUERY_LATENT = {
     **DEEPSEEK,

@@ -6,7 +6,7 @@ checkpoints move to and from the distributed optimizer and one process.
 Every rank is a real gloo process (`run_ranks`). Tolerance: fp32, 1e-5 relative on losses, on
 the gradient norms (which show a gradient scaled by a constant, as gloo's averaging reduce-scatter
 would: AdamW hides it from the weights) and on the final weights (read back through the
-checkpoint). Adam's eps is 1e-4 for the reason tests/test_parallel_training.py gives.
+checkpoint). Adam's eps is 1e-4 for the reason tests/distributed/test_parallel_training.py gives.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ zero-centred RMSNorm bitwise `Qwen3NextRMSNorm` in fp32 and its weights 0 in a f
 tiny GPT with the options trains under tp 2 with sequence parallelism as one process does
 (test_parallel_training's tolerance); the planner counts its parameters and what a layer saves;
 serving generates the training forward's greedy tokens; the config refuses an odd number of
-rotated dims and partial RoPE with MLA. model.kernels=triton against torch: tests/test_kernels.py
+rotated dims and partial RoPE with MLA. model.kernels=triton against torch: tests/unit/test_kernels.py
 (case qwen3-next-attention).
 """
 
@@ -175,7 +175,7 @@ def test_the_planner_counts_the_gate_and_what_a_layer_saves(tmp_path, tiny_data)
     h, layers = 64, cfg.model.num_layers
     assert memory.parameter_counts(cfg).total - memory.parameter_counts(plain).total == layers * h * h
 
-    # one layer's saved tensors under bf16 autocast, as tests/test_activation_memory.py counts them;
+    # one layer's saved tensors under bf16 autocast, as tests/plan/test_activation_memory.py counts them;
     # without the q/k norms, whose inputs the planner does not count yet (measured: e·(H + G)·K·A
     # short, with or without these options)
     S, B = 32, 2

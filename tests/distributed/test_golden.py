@@ -4,7 +4,7 @@ this kind of machine.
 
 Every change to the model, its initialisation, the parallel layers, the schedule or the optimizer
 runs through this test; a change that moves a loss must say why in its commit and regenerate the
-file in that commit only: `MLM_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py`.
+file in that commit only: `MLM_REGEN_GOLDEN=1 python -m pytest tests/distributed/test_golden.py`.
 
 The data are synthetic tokens from a fixed integer recurrence (no tokenizer training, no corpus
 that depends on the Python version), written as a Megatron indexed dataset. The sequence is
@@ -135,7 +135,7 @@ def read_golden(path: Path) -> dict[str, list[float]]:
 def write_golden(path: Path, losses: dict[str, list[float]]) -> None:
     lines = [
         "# First 20 training losses of pipelines/tiny/train.toml (fp32, seed 1234, seq 64) on synthetic",
-        "# tokens, per layout; x86-64 CPU. Regenerate: MLM_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py",
+        "# tokens, per layout; x86-64 CPU. Regenerate: MLM_REGEN_GOLDEN=1 python -m pytest tests/distributed/test_golden.py",
         "step " + " ".join(losses),
     ]
     lines += [f"{s + 1} " + " ".join(repr(v[s]) for v in losses.values()) for s in range(STEPS)]
@@ -164,7 +164,7 @@ def compare(losses: dict[str, list[float]], kind: str) -> str:
         assert np.allclose(got, golden[name], rtol=OTHER_KIND_RTOL, atol=0), (
             f"{name}: losses further than {OTHER_KIND_RTOL:g} relative from {reference} (this machine "
             f"is {kind}, which has no golden file of its own):\n{got}\n{golden[name]}\nTo compare "
-            f"this kind bit for bit, record its file: MLM_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py"
+            f"this kind bit for bit, record its file: MLM_REGEN_GOLDEN=1 python -m pytest tests/distributed/test_golden.py"
         )
     return (
         f"this machine ({kind}) has no golden file: compared with {reference.name} within "

@@ -5,7 +5,7 @@ kinds per layer.
 
 Every rank is a real gloo process; the kind registers itself when this module is imported, which
 each rank does to find `train_rank`. Tolerance: fp32, 1e-5 relative on losses and final weights
-(as tests/test_parallel_training.py: reductions sum in another order).
+(as tests/distributed/test_parallel_training.py: reductions sum in another order).
 """
 
 from __future__ import annotations

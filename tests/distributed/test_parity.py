@@ -254,7 +254,7 @@ def test_tp_pp_and_dp_layouts_match_one_process(tmp_path, tiny_data):
 
 def test_fsdp_layouts_match_one_process(tmp_path, tiny_data):
     """FSDP (`fsdp`) under interleaved pipeline parallelism, and HSDP (`hsdp<N>`), as parity layouts
-    (tp 2 with sequence parallelism: tests/test_fsdp.py)."""
+    (tp 2 with sequence parallelism: tests/distributed/test_fsdp.py)."""
     out = tmp_path / "parity"
     sets = run_sets(tmp_path, tiny_data, **{"train.global_batch_size": 8, "model.num_layers": 4})
     layouts = "tp1,pp2vpp2dp2fsdp,dp4hsdp2"
@@ -443,7 +443,7 @@ def test_hybrid_layouts_match_one_process(tmp_path, tiny_data):
         "data.reset_attention_mask": "true",
     }
     sets = run_sets(tmp_path, tiny_data, **hybrid)
-    layouts = "tp1,tp2sp,dp2fsdp"  # pp 2: tests/test_mamba.py, tests/test_gdn.py
+    layouts = "tp1,tp2sp,dp2fsdp"  # pp 2: tests/unit/test_mamba.py, tests/unit/test_gdn.py
     r = CliRunner().invoke(
         app, ["parity", *_args(sets), "--layouts", layouts, "--steps", "2", "--out", str(out)]
     )

@@ -246,7 +246,7 @@ def test_the_planner_counts_the_kind_from_its_spec(tmp_path, tiny_data):
     logits = 6 * m.hidden_size * m.padded_vocab_size()
     assert flops_per_token(m, S) == 2 * (recurrence + mlp) + 2 * (dense + moe) + logits
 
-    # what one recurrent layer saves (fp32, one rank), counted as tests/test_activation_memory.py counts
+    # what one recurrent layer saves (fp32, one rank), counted as tests/plan/test_activation_memory.py counts
     from mlm.layout import Layout
 
     layout = Layout(1, 1, 1, 2, 2)

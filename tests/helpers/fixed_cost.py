@@ -1,6 +1,6 @@
 """Pipeline stages of fixed cost (they sleep), to measure a schedule's bubble on real ranks.
 
-Used by tests/test_pipeline.py and bench/pipeline_bubble.py.
+Used by tests/distributed/test_pipeline.py and bench/pipeline_bubble.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Megatron-core 0.16.1 writing Megatron-LM's legacy per-rank checkpoints (`--ckpt-format torch`),
-the reference of tests/interop/megatron/test_convert_megatron_legacy.py, in gloo rank processes (tests/distributed.py).
+the reference of tests/interop/megatron/test_megatron_legacy.py, in gloo rank processes (tests/helpers/distributed.py).
 
     logits = run_ranks(2, save_legacy, save_dir, moe, tp, pp, ep)  # logits on the last stage's tp rank 0
 
-Each rank builds its part of the tiny GPTModel of tests/interop/megatron/megatron_ref.py (its pipeline stage: the
+Each rank builds its part of the tiny GPTModel of tests/helpers/megatron_ref.py (its pipeline stage: the
 first holds the embedding, the last the final norm and output layer; local layer numbers) and
 saves what megatron/training/checkpointing.py's `generate_state_dict` writes (core_v0.16.1): `args`
 (an argparse.Namespace holding Megatron's enums, as Megatron-LM's do), `checkpoint_version`,
@@ -146,7 +146,7 @@ def save_legacy(rank: int, world: int, save: str, moe: bool, tp: int, pp: int, e
 
 
 def save_torch_dist_with_args(rank: int, world: int, out: str) -> torch.Tensor:
-    """tests/interop/megatron/megatron_ref.py's torch_dist save (tp = world), then common.pt as Megatron-LM writes it
+    """tests/helpers/megatron_ref.py's torch_dist save (tp = world), then common.pt as Megatron-LM writes it
     beside the tensors: `args` (with Megatron's enums), `iteration`, `checkpoint_version`."""
     logits = save_reference(rank, world, out, False)
     if rank == 0:

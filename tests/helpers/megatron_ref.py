@@ -1,4 +1,4 @@
-"""Megatron-core 0.16.1 as the reference for tests/interop/megatron/test_convert_megatron.py: a tiny Llama-like
+"""Megatron-core 0.16.1 as the reference for tests/interop/megatron/test_megatron_import.py: a tiny Llama-like
 `GPTModel` (local spec, dense or MoE with the all-gather dispatcher) built on CPU with gloo, its
 logits, and its weights saved with Megatron's own `dist_checkpointing.save` (torch_dist).
 
@@ -12,7 +12,7 @@ for a GPTModel with multi-latent attention (patches P7, P7b of `apply_mla_local_
 
 megatron-core runs on CPU given the patches of `mlm.train.parity.megatron_cpu` (each says why);
 they change process-wide state (e.g. torch.cuda.current_device), so they run only in the rank
-processes of tests/distributed.py, never in the pytest process. `init_and_train` steps as
+processes of tests/helpers/distributed.py, never in the pytest process. `init_and_train` steps as
 `mlm parity --against megatron` does (`mlm.train.parity.megatron.train_steps`), from Megatron-LM's
 own arguments rather than mlm's config.
 """

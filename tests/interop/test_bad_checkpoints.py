@@ -1,5 +1,5 @@
-"""Review of issue 22's Megatron / torchtitan interop: bad input that once crashed with a traceback
-or blamed the wrong thing (truncated .metadata / .distcp / metadata.json, a common.pt that is not a
+"""Bad Megatron and torchtitan checkpoints and arguments, refused or read right (from the review of
+issue 22's interop): bad input that once crashed with a traceback or blamed the wrong thing (truncated .metadata / .distcp / metadata.json, a common.pt that is not a
 dict, a torchtitan step lacking a layer, the wrong direction or tool), Megatron-LM args whose
 meaning was dropped or changed (aux-loss lists, openai_gelu, args that change the logits), the
 flags `--use-checkpoint-args` does not carry, and the optimizer's bytes entries read through the

@@ -1,5 +1,5 @@
 """Activation memory like Megatron's: what one Llama layer saves for backward in bf16 autocast,
-counted with saved_tensors_hooks as tests/test_plan.py counts it, against Megatron's ~34·s·b·h
+counted with saved_tensors_hooks as tests/plan/test_plan.py counts it, against Megatron's ~34·s·b·h
 and the planner's formula (`mlm.plan.memory.layer_activation_bytes`).
 
 At Llama-3-8B's ratios (ffn 3.5·h, 4 query heads per key/value group) the lean layer saves

@@ -317,7 +317,7 @@ def test_admission_limits(llama):
     _, model, _, _ = llama
     # 8 blocks of 4: a request is admitted when blocks for its prompt are free (3 for 9 tokens), so
     # two of three start; at their 17th token the two need 10 blocks, and the later one is
-    # preempted, to be recomputed when blocks are free again (tests/test_prefix_cache.py)
+    # preempted, to be recomputed when blocks are free again (tests/serve/test_prefix_cache.py)
     engine = Engine(model, None, EngineConfig(max_seqs=4, block_size=4, num_blocks=8, max_waiting=3))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     ps = prompts(model.cfg.vocab_size, [9, 9, 9])

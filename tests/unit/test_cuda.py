@@ -2,8 +2,8 @@
 fp8 (`torch._scaled_mm`), mixed precision, the attention backends, the Triton kernels in a whole
 model, compiled layers, serving (paged attention, CUDA graphs) and the straggler detector's clock.
 
-    pytest -m gpu tests/test_cuda.py                           # on a GPU machine
-    MLM_CUDA_TESTS_ON_CPU=1 pytest tests/test_cuda.py          # dry run on the CPU
+    pytest -m gpu tests/unit/test_cuda.py                           # on a GPU machine
+    MLM_CUDA_TESTS_ON_CPU=1 pytest tests/unit/test_cuda.py          # dry run on the CPU
 
 Without CUDA the module skips, unless MLM_CUDA_TESTS_ON_CPU=1: then the same tests run on the CPU
 (DEVICE is cpu), so that they cannot rot between GPU leases; the parts that exist only on CUDA
@@ -90,9 +90,9 @@ def assert_rel(got: torch.Tensor, want: torch.Tensor, tol: float, name: str, flo
 
 # ---------------------------------------------------------------- training runs
 
-BASE = {  # tests/test_compile.py's: the same compiled graphs, so inductor's cache serves both
+BASE = {  # tests/distributed/test_compile.py's: the same compiled graphs, so inductor's cache serves both
     "model.hidden_dropout": 0.0,  # dropout draws from the device's RNG: CPU and CUDA masks differ
-    "optimizer.adam_eps": 1e-4,  # keeps Adam's update smooth (tests/test_parallel_training.py)
+    "optimizer.adam_eps": 1e-4,  # keeps Adam's update smooth (tests/distributed/test_parallel_training.py)
     "train.global_batch_size": 4,
     "train.micro_batch_size": 2,
     "train.train_iters": 3,
@@ -101,7 +101,7 @@ _RUNS: dict[tuple, tuple[list[float], Trainer]] = {}
 
 
 def train(tmp_path_factory, data: str, device: torch.device, **extra) -> tuple[list[float], Trainer]:
-    """The losses of a 3-step run of the tiny Llama (tests/conftest.py's `tiny_sets`) on `device`
+    """The losses of a 3-step run of the tiny Llama (tests/helpers/common.py's `tiny_sets`) on `device`
     with `extra` settings, and its trainer; each run once per session."""
     key = (device.type, *sorted(extra.items()))
     if key not in _RUNS:
@@ -260,7 +260,7 @@ def test_precision_on_device_matches_fp32_on_cpu(tmp_path_factory, tiny_data, pr
     the init draws on the CPU whatever the device). fp32: losses within 1e-4 relative (GPU and
     CPU kernels sum in other orders, ~1e-6; TF32 must be off, torch's default, which mlm keeps).
     bf16: within 5e-3 (measured on the CPU: 9e-5 autocast, 5e-5 bf16 parameters; a GPU's bf16
-    kernels round at other points, of the same order; tests/test_mixed_precision.py allows 2e-2
+    kernels round at other points, of the same order; tests/distributed/test_mixed_precision.py allows 2e-2
     over 50 steps)."""
     extra, tol = PRECISIONS[precision]
     if CUDA:
@@ -396,9 +396,11 @@ def test_triton_kernels_in_a_bf16_model(params):
     against model.kernels=torch on DEVICE, under bf16 autocast (fp32 parameters) and with bf16
     parameters: logits and every parameter's gradient within 5e-2 of the torch path's largest
     |value| (gradients floored at 1e-3 of the largest gradient: the key bias-like ones are ~0).
-    The two paths round to bf16 at other points (tests/test_kernels.py: 2e-2 per kernel); two
+    The two paths round to bf16 at other points (tests/unit/test_kernels.py: 2e-2 per kernel); two
     layers and the loss compound it."""
-    cuda_only("compiled Triton kernels (tests/test_kernels.py runs them on the CPU under the interpreter)")
+    cuda_only(
+        "compiled Triton kernels (tests/unit/test_kernels.py runs them on the CPU under the interpreter)"
+    )
     cfg = ModelConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
         vocab_size=97, normalization="rmsnorm", activation="swiglu", position_embedding="rope", qk_norm=True,
@@ -427,10 +429,10 @@ def test_triton_kernels_in_a_bf16_model(params):
 def test_compiled_layers_train_as_eager(tmp_path_factory, tiny_data, precision):
     """train.compile=true (each layer under torch.compile, inductor) against eager on DEVICE, 3
     steps of the tiny Llama. fp32: losses within 1e-4 relative (inductor fuses and reorders
-    reductions: 1e-7 measured on the CPU, tests/test_compile.py asserts 1e-5 there; Triton's
+    reductions: 1e-7 measured on the CPU, tests/distributed/test_compile.py asserts 1e-5 there; Triton's
     reductions on a GPU sum in yet another order). bf16 parameters: within 5e-3 (inductor keeps
     fused intermediates in fp32 where eager rounds each op to bf16: measured 1.7e-5 on the CPU).
-    On the CPU only fp32 runs: its graphs are tests/test_compile.py's, so inductor's cache has
+    On the CPU only fp32 runs: its graphs are tests/distributed/test_compile.py's, so inductor's cache has
     them; the bf16 cold compile took 27 s on 2 cores."""
     extra = {} if precision == "fp32" else {"train.precision": "bf16", "train.param_dtype": "bf16"}
     if precision == "bf16":
@@ -452,7 +454,7 @@ SERVE_CFG = ModelConfig(
 V = SERVE_CFG.vocab_size
 SERVE_TOL = {"fp32": 1e-4, "bf16": 5e-2}
 """Logits of the paged, packed serving forward against the training forward, of the largest
-|logit|: fp32 1e-4 (tests/test_inference.py asserts 1e-5 on the CPU; GPU kernels sum in other
+|logit|: fp32 1e-4 (tests/serve/test_inference.py asserts 1e-5 on the CPU; GPU kernels sum in other
 orders); bf16 5e-2 (the two forwards run attention as different kernels over differently
 packed rows, each rounding to bf16 at every op: measured on the CPU, see the printed errors)."""
 

@@ -2,8 +2,8 @@
 Qwen3NextGatedDeltaNet on the same weights (fp32, 1e-5 relative), tp needs whole key and value
 heads, the config checks its heads, and the Qwen3-Next preset has its published size. What the
 recurrent kinds share (packed documents, parallel equivalence, cp refusal, serving from state
-slots): tests/test_recurrent_mixers.py. The delta rule itself: tests/test_kernel_delta_rule.py;
-model.kernels=triton against torch: tests/test_kernels.py (case "gdn-hybrid").
+slots): tests/distributed/test_recurrent_mixers.py. The delta rule itself: tests/unit/test_kernel_delta_rule.py;
+model.kernels=triton against torch: tests/unit/test_kernels.py (case "gdn-hybrid").
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ TRITON_INTERPRET=1 before anything imports triton. Importing `kernels.delta_rule
 triton (the model's torch path needs none).
 Sizes are small (B=2, T=37–70, H=2–3, d_k=16, d_v=24–32): the interpreter runs each program as Python.
 
-    TRITON_INTERPRET=1 pytest -q tests/test_kernel_delta_rule.py
+    TRITON_INTERPRET=1 pytest -q tests/unit/test_kernel_delta_rule.py
 """
 
 from __future__ import annotations

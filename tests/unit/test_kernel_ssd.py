@@ -21,7 +21,7 @@
 Without an NVIDIA GPU the kernels run under the Triton interpreter: tests/conftest.py sets
 TRITON_INTERPRET=1 before anything imports triton.
 
-    pytest -q tests/test_kernel_ssd.py
+    pytest -q tests/unit/test_kernel_ssd.py
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ so that changes nothing for other tests. With CUDA the same tests run the compil
 The interpreter rounds fp32 → bf16 towards zero (a GPU rounds to nearest), so bf16 outputs here
 differ from the references by up to one bf16 step (2⁻⁷ relative; measured ≤ 0.0076).
 
-    TRITON_INTERPRET=1 pytest -q tests/test_kernels.py
+    TRITON_INTERPRET=1 pytest -q tests/unit/test_kernels.py
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ INTERPRETED = DEVICE.type == "cpu"
 if INTERPRETED and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip(
         "triton was imported before this module without TRITON_INTERPRET=1; "
-        "run TRITON_INTERPRET=1 pytest tests/test_kernels.py",
+        "run TRITON_INTERPRET=1 pytest tests/unit/test_kernels.py",
         allow_module_level=True,
     )
 _saved = os.environ.get("TRITON_INTERPRET")

@@ -3,9 +3,9 @@ and groups, the planner's saved bytes of a Mamba layer are autograd's, serving a
 Nemotron-H or Qwen3-Next gives transformers' greedy tokens (in the engine and through `mlm serve`),
 1,000 mixed requests leave no state slot taken, and the Nemotron-H preset has its published size.
 What the recurrent kinds share (packed documents, parallel equivalence, cp refusal, serving from
-state slots): tests/test_recurrent_mixers.py. HF numerics and conversion:
+state slots): tests/distributed/test_recurrent_mixers.py. HF numerics and conversion:
 tests/interop/hf/test_hf_adapters.py (cases mamba2*, nemotron_h*, qwen3_next); the scan itself:
-tests/test_kernel_ssd.py.
+tests/unit/test_kernel_ssd.py.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_serving_an_imported_hybrid_generates_transformers_greedy_tokens(arch):
 
 def test_the_planner_counts_what_a_mamba_layer_saves(tmp_path, tiny_data):
     """What one Mamba-2 layer (mixer alone) saves for backward, planned from its spec against the
-    tensors autograd keeps (fp32, one rank), counted as tests/test_activation_memory.py counts."""
+    tensors autograd keeps (fp32, one rank), counted as tests/plan/test_activation_memory.py counts."""
     from mlm.layout import Layout
     from mlm.plan import memory
 

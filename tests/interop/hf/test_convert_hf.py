@@ -2,7 +2,7 @@
 the command line (the round trip of every architecture: tests/interop/hf/test_hf_adapters.py).
 
 Tiny random Llama (GQA, Llama-3.1 RoPE scaling, tied and untied), GPT-2 and dense Qwen models from
-tests/hf_models.py are saved with `save_pretrained` (single file, sharded, bf16) or as
+tests/helpers/hf_models.py are saved with `save_pretrained` (single file, sharded, bf16) or as
 `pytorch_model.bin` (single, sharded), imported, exported back (sharded or not), and must come
 back bit for bit; the imported checkpoint's logits must match transformers' to 1e-5 in fp32;
 `from_pretrained` must load the export; casts, tokenizer files, a failed verification, a trained

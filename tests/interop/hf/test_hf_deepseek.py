@@ -1,5 +1,5 @@
 """What only DeepSeek-V3 has, beyond tests/interop/hf/test_hf_adapters.py (which compares the
-tiny random `DeepseekV3ForCausalLM` of tests/hf_models.py with transformers, also with YaRN,
+tiny random `DeepseekV3ForCausalLM` of tests/helpers/hf_models.py with transformers, also with YaRN,
 without q_lora_rank, with rotate-half RoPE and tied embeddings): its layers and router (the group
 limit and the expert biases change which experts are chosen); config.json round trips; an mlm
 model with MTP depths exports to DeepSeek's checkpoint layout (`model.layers.{N + d}.*`), imports

@@ -48,7 +48,7 @@ def test_megatron_core_trains_the_run_as_mlm_does(tmp_path, tiny_data):
 
 @pytest.mark.usefixtures("megatron")
 def test_a_moe_model_trains_as_in_megatron_core(tmp_path, tiny_data):
-    """The tiny MoE of tests/test_moe_parallel.py (4 layers, the first dense, 4 experts, top-2, a
+    """The tiny MoE of tests/distributed/test_moe_parallel.py (4 layers, the first dense, 4 experts, top-2, a
     gated shared expert, aux, sequence-aux and z losses) against megatron-core's MoE layers: its
     router, token dispatcher and auxiliary losses, scaled by its own schedule. Measured over 5 steps
     on the tiny pipeline's data: losses 1.2e-7, gradient norms 4.3e-7, weights 1.6e-6."""

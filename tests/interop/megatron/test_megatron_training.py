@@ -1,6 +1,6 @@
 """mlm trains like Megatron-LM, step for step: megatron-core 0.16.1's own GPTModel, DDP, Adam
 (`get_megatron_optimizer`, its weight-decay groups), clipping and OptimizerParamScheduler
-(tests/interop/megatron/megatron_ref.py, `init_and_train`, on CPU) against `mlm train` from the
+(tests/helpers/megatron_ref.py, `init_and_train`, on CPU) against `mlm train` from the
 same initial weights (imported with `mlm convert from-megatron`) on the same batches (mlm's
 sampler's, fed to both), with the run config `mlm config from-megatron` makes of the Megatron-LM
 argument list. Skipped where megatron-core is not installed.

@@ -1,7 +1,7 @@
 """`mlm export megatron CKPT OUT` against Megatron-core itself, and round trips.
 
 With megatron-core (the `megatron` fixture; GPTModel runs in gloo rank processes,
-tests/interop/megatron/megatron_ref.py): an mlm checkpoint of the reference's tiny Llama-like model (random init,
+tests/helpers/megatron_ref.py): an mlm checkpoint of the reference's tiny Llama-like model (random init,
 dense and MoE with the all-gather dispatcher) is exported, `dist_checkpointing.load`ed into
 GPTModel at tp 1 (and tp 2, dense; and a heterogeneous stack, dense then MoE with a gated shared
 expert, whose keys are per layer), and GPTModel's logits must equal mlm's to 1e-5 (fp32,

@@ -1,10 +1,10 @@
 """`mlm convert from-megatron` on Megatron-LM's legacy per-rank checkpoints, and Megatron's
 pickled `args` read under mlm's allow-list (mlm/convert/megatron/legacy.py, unpickle.py).
 
-megatron-core 0.16.1 builds the tiny GPTModel of tests/interop/megatron/megatron_ref.py in gloo rank processes at
+megatron-core 0.16.1 builds the tiny GPTModel of tests/helpers/megatron_ref.py in gloo rank processes at
 tp 2 (dense and MoE), pp 2 (real pipeline stages, run by hand) and ep 2 (MoE), and saves each
 rank's `state_dict_for_save_checkpoint()` with a Megatron-LM `args` Namespace holding Megatron's
-enums, as Megatron-LM's legacy save does (tests/interop/megatron/megatron_legacy_ref.py). mlm imports the save
+enums, as Megatron-LM's legacy save does (tests/helpers/megatron_legacy_ref.py). mlm imports the save
 directory taking the model config from the args alone (no --set of heads), and its `GPT` must
 give GPTModel's logits to 1e-5 (fp32, absolute; measured 1.2e-7 to 1.8e-7). A torch_dist checkpoint whose common.pt holds
 such args imports the same way. megatron is never imported in this process: the enums are read

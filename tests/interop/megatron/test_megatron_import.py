@@ -1,7 +1,7 @@
 """`mlm convert from-megatron` against Megatron-core itself.
 
 A tiny Llama-like `GPTModel` (GQA, SwiGLU, RoPE; dense, and MoE with 4 experts, top-2, the
-all-gather dispatcher) is built by megatron-core 0.16.1 on CPU (tests/interop/megatron/megatron_ref.py, in gloo rank
+all-gather dispatcher) is built by megatron-core 0.16.1 on CPU (tests/helpers/megatron_ref.py, in gloo rank
 processes) at tp 1, tp 2, and tp 1 · ep 2, and saved with Megatron's own `dist_checkpointing.save`
 (torch_dist); mlm imports the directory and its `GPT` must give GPTModel's logits to 1e-5 (fp32,
 absolute; measured 1.6e-7 dense, 1.2e-7 MoE). Those tests skip where megatron-core is not

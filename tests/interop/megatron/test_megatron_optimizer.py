@@ -1,6 +1,6 @@
 """`mlm convert from-megatron` carrying a Megatron-LM run's optimizer state and data position.
 
-megatron-core 0.16.1 (tests/interop/megatron/megatron_ref.py's `train_and_save`, in gloo rank processes) trains a
+megatron-core 0.16.1 (tests/helpers/megatron_ref.py's `train_and_save`, in gloo rank processes) trains a
 tiny GPTModel one step under DDP + DistributedOptimizer (Adam) and saves it as Megatron-LM does,
 with the optimizer as `fully_reshardable` (world 1) and as `dp_reshardable` (Megatron-LM's
 default: dp 2; tp 2; pp 2 through Megatron's 1F1B schedule; tp 2 · pp 2) and as the legacy

@@ -2,7 +2,7 @@
 
 A tiny `GPTModel` with MLA (MLATransformerConfig: query latent 24 or none, kv latent 20, per head 12
 dims without RoPE + 8 with, values 10; YaRN 4× over 8 original positions; the local spec with the
-latent norms) is built by megatron-core 0.16.1 on CPU (tests/interop/megatron/megatron_ref.py, patches P1–P7b) and
+latent norms) is built by megatron-core 0.16.1 on CPU (tests/helpers/megatron_ref.py, patches P1–P7b) and
 saved with Megatron's own `dist_checkpointing.save`; mlm imports it and its `GPT` must give
 GPTModel's logits to 1e-5 (fp32, absolute; measured 4.2e-7 at tp 2 with the query latent, MoE
 layers and Megatron-LM's args, 7.2e-7 dense without either; rotate-half instead of interleaved
