@@ -150,9 +150,9 @@ def section_tests(dry: bool, log) -> dict:
     """pytest over the gpu-marked tests and the Triton kernels' tests; the counts from JUnit XML."""
     import xml.etree.ElementTree as ET
 
-    marked = sorted(
+    marked = sorted(  # the subject folders (tests/unit/test_cuda.py); not tests/interop/*/
         str(p.relative_to(ROOT))
-        for p in (ROOT / "tests").glob("test_*.py")
+        for p in (ROOT / "tests").glob("*/test_*.py")
         if "pytest.mark.gpu" in p.read_text(encoding="utf-8")
     )
     runs = {"gpu-marked": ["-m", "gpu", *marked]}
