@@ -9,8 +9,8 @@ layers: Mamba-2 ("mamba", M; model.mamba) and Gated DeltaNet ("gdn", G; model.gd
 - Serving decodes it from state slots with the training forward's logits through chunked prefill,
   decode and preemption, and gives every slot back.
 
-Kind-specific checks (transformers' numerics, tp divisibility, presets, HTTP serving): tests/unit/test_mamba.py
-and tests/unit/test_gdn.py.
+Kind-specific checks (transformers' numerics, tp divisibility, presets): tests/unit/test_mamba.py
+and tests/unit/test_gdn.py; serving the imported hybrids (engine and HTTP): tests/serve/test_serve_hybrids.py.
 """
 
 from __future__ import annotations
