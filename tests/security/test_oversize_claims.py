@@ -225,7 +225,13 @@ for argv in json.loads(sys.argv[1]):
             main()
         except SystemExit as e:
             code = e.code
+    # this process's own peak (VmHWM): ru_maxrss also counts the parent's, which a child started
+    # by vfork + exec inherits (a pytest process grown past 1 GB would fail every case)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with contextlib.suppress(OSError):
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
     results.append({"code": code, "output": out.getvalue(), "peak": peak})
 print(json.dumps(results))
 """
