@@ -12,9 +12,9 @@ timed and stopped at its cap or at what is left of `--budget` seconds, and skipp
 the report when too little is left:
 
 - env: GPU, capability, driver, CUDA, NCCL, torch, Triton, Python.
-- tests: `pytest -m gpu` over the test files that hold gpu-marked tests (tests/test_cuda.py: fp8,
+- tests: `pytest -m gpu` over the test files that hold gpu-marked tests (tests/unit/test_cuda.py: fp8,
   mixed precision, attention backends, compile, serving and CUDA graphs, the straggler clock; and
-  the others) and tests/test_kernels.py (the Triton kernels compiled), each against its reference.
+  the others) and tests/unit/test_kernels.py (the Triton kernels compiled), each against its reference.
 - mfu: bench/train_step.py's measurement: llama3-1b (Llama-3.2-1B's shape) in bf16 at seq 4096
   with mlm's fastest settings (Triton kernels, bf16 parameters with fp32 main weights, compiled
   layers), beside transformers' LlamaForCausalLM training step (sdpa, autocast) on the same GPU.
@@ -150,19 +150,19 @@ def section_tests(dry: bool, log) -> dict:
     """pytest over the gpu-marked tests and the Triton kernels' tests; the counts from JUnit XML."""
     import xml.etree.ElementTree as ET
 
-    marked = sorted(
+    marked = sorted(  # the subject folders (tests/unit/test_cuda.py); not tests/interop/*/
         str(p.relative_to(ROOT))
-        for p in (ROOT / "tests").glob("test_*.py")
+        for p in (ROOT / "tests").glob("*/test_*.py")
         if "pytest.mark.gpu" in p.read_text(encoding="utf-8")
     )
     runs = {"gpu-marked": ["-m", "gpu", *marked]}
-    if dry:  # the suite itself runs tests/test_kernels.py under the Triton interpreter
-        log("- tests/test_kernels.py: not run here (the CPU suite runs it under the Triton interpreter)")
+    if dry:  # the suite itself runs tests/unit/test_kernels.py under the Triton interpreter
+        log("- tests/unit/test_kernels.py: not run here (the CPU suite runs it under the Triton interpreter)")
     else:
-        runs["kernels"] = ["tests/test_kernels.py"]
+        runs["kernels"] = ["tests/unit/test_kernels.py"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if dry:
-        env["MLM_CUDA_TESTS_ON_CPU"] = "1"  # tests/test_cuda.py runs on the CPU what exists there
+        env["MLM_CUDA_TESTS_ON_CPU"] = "1"  # tests/unit/test_cuda.py runs on the CPU what exists there
     figures: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, args in runs.items():

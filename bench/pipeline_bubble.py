@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))  # mlm, and tests.helpers
 
 from mlm.parallel.schedules import bubble_fraction  # noqa: E402
-
-from distributed import run_ranks  # noqa: E402
-from fixed_cost import measure_bubble  # noqa: E402
+from tests.helpers.distributed import run_ranks  # noqa: E402
+from tests.helpers.fixed_cost import measure_bubble  # noqa: E402
 
 CASES = [(2, 1, 4), (2, 1, 8), (4, 1, 8), (4, 1, 16), (2, 2, 4), (4, 2, 8), (2, 4, 8)]
 

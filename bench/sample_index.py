@@ -17,13 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mlm, and tests.helpers
 
 from mlm.datasets.blended import build_blending_indices  # noqa: E402
 from mlm.datasets.gpt import build_gpt_indices, build_sample_index  # noqa: E402
-
-from test_gpt_dataset import megatron_sample_index_loop  # noqa: E402
+from tests.helpers.sample_data import megatron_sample_index_loop  # noqa: E402
 
 
 def doc_table(tokens: float, rng) -> np.ndarray:

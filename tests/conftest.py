@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 # Without an NVIDIA GPU, Triton kernels can only run interpreted, and Triton reads this when it is
 # first imported, which any module may do (transformers, torch): set it before anything imports
-# it, so that tests/test_kernels.py runs in the whole suite (CI), not only on its own.
+# it, so that tests/unit/test_kernels.py runs in the whole suite (CI), not only on its own.
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
+# the helpers' plain asserts explain their failures as the test files' do
+pytest.register_assert_rewrite("tests.helpers")
+
 from mlm.data.build import BuildOptions, build_dataset  # noqa: E402
 from mlm.data.corpus import stdlib_files  # noqa: E402
+from tests.helpers.common import write_jsonl  # noqa: E402
 
 SPECIAL = "<|endoftext|>"
-
-
-def write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
-    with open(path, "w", encoding="utf-8") as f:
-        for t in texts:
-            f.write(json.dumps({key: t}) + "\n")
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -85,28 +81,3 @@ def tiny_data(tmp_path_factory, corpus_jsonl, sp_model) -> str:
         BuildOptions([str(corpus_jsonl)], str(prefix), str(sp_model), append_eod=True, progress=False)
     )
     return str(prefix)
-
-
-def tiny_sets(run_dir, data, **extra) -> list[str]:
-    sets = {
-        "preset": "tiny-llama",
-        "run_dir": f"'{run_dir}'",
-        "model.vocab_size": 512,
-        "model.num_layers": 2,
-        "model.hidden_size": 64,
-        "model.ffn_hidden_size": 128,
-        "model.max_position_embeddings": 64,
-        "model.hidden_dropout": 0.1,  # so that a resume must restore the RNG too
-        "data.data_path": f"['{data}']",
-        "data.seq_length": 32,
-        "data.split": "'90,10,0'",
-        "optimizer.lr": 1e-2,
-        "optimizer.warmup_iters": 2,
-        "train.micro_batch_size": 2,
-        "train.global_batch_size": 4,
-        "train.train_iters": 6,
-        "logging.log_interval": 1,
-        "logging.tensorboard": "false",
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in sets.items()]

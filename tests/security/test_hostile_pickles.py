@@ -15,8 +15,7 @@ import torch
 
 from mlm.convert.megatron.unpickle import load_megatron_pickle
 from mlm.errors import MlmError
-
-from helpers import assert_error, mlm
+from tests.helpers.common import assert_error, mlm
 
 
 class _Dtype:

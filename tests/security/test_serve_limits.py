@@ -24,8 +24,7 @@ import pytest
 
 from mlm.serve.connections import ConnectionLimits
 from mlm.serve.server import ServerThread
-
-from helpers import ROOT
+from tests.helpers.common import ROOT
 
 
 def make_app():
@@ -207,8 +206,7 @@ def tiny_checkpoint(tmp_path_factory, hf_tokenizer_json):
     from tokenizers import Tokenizer
 
     from mlm.convert.hf.folder import import_hf
-
-    from hf_models import llama
+    from tests.helpers.hf_models import llama
 
     root = tmp_path_factory.mktemp("flood")
     vocab = Tokenizer.from_file(str(hf_tokenizer_json)).get_vocab_size()

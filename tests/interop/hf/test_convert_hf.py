@@ -2,7 +2,7 @@
 the command line (the round trip of every architecture: tests/interop/hf/test_hf_adapters.py).
 
 Tiny random Llama (GQA, Llama-3.1 RoPE scaling, tied and untied), GPT-2 and dense Qwen models from
-tests/hf_models.py are saved with `save_pretrained` (single file, sharded, bf16) or as
+tests/helpers/hf_models.py are saved with `save_pretrained` (single file, sharded, bf16) or as
 `pytorch_model.bin` (single, sharded), imported, exported back (sharded or not), and must come
 back bit for bit; the imported checkpoint's logits must match transformers' to 1e-5 in fp32;
 `from_pretrained` must load the export; casts, tokenizer files, a failed verification, a trained
@@ -28,9 +28,8 @@ from mlm.convert.hf import folder as convert  # noqa: E402
 from mlm.convert.hf import io as hf_io  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.units import parse_size  # noqa: E402
-
-from helpers import ROOT, assert_error, cli, mlm  # noqa: E402
-from hf_models import ARCHS, VOCAB, llama, mistral, read_folder  # noqa: E402
+from tests.helpers.common import ROOT, assert_error, cli, mlm  # noqa: E402
+from tests.helpers.hf_models import ARCHS, VOCAB, llama, mistral, read_folder  # noqa: E402
 
 DROPPED = {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
 

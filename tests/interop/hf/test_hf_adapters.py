@@ -34,9 +34,8 @@ from mlm.convert.hf import io as hf_io  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.model.generate import greedy  # noqa: E402
 from mlm.model.gpt import GPT  # noqa: E402
-
-from helpers import cli  # noqa: E402
-from hf_models import ARCHS, YARN, gpt2, llama, read_folder, saved, tokens  # noqa: E402
+from tests.helpers.common import cli  # noqa: E402
+from tests.helpers.hf_models import ARCHS, YARN, gpt2, llama, read_folder, saved, tokens  # noqa: E402
 
 ROPE_BUFFERS = {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
 """In a transformers 4 model's state dict, not in its files: mlm leaves them out too."""

@@ -1,5 +1,5 @@
 """What only DeepSeek-V3 has, beyond tests/interop/hf/test_hf_adapters.py (which compares the
-tiny random `DeepseekV3ForCausalLM` of tests/hf_models.py with transformers, also with YaRN,
+tiny random `DeepseekV3ForCausalLM` of tests/helpers/hf_models.py with transformers, also with YaRN,
 without q_lora_rank, with rotate-half RoPE and tied embeddings): its layers and router (the group
 limit and the expert biases change which experts are chosen); config.json round trips; an mlm
 model with MTP depths exports to DeepSeek's checkpoint layout (`model.layers.{N + d}.*`), imports
@@ -31,9 +31,8 @@ from mlm.convert.hf import folder as convert  # noqa: E402
 from mlm.convert.hf import io as hf_io  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
 from mlm.model.gpt import GPT, build_model  # noqa: E402
-
-from helpers import mlm  # noqa: E402
-from hf_models import ARCHS, DS_LAYERS, DS_SEQ, DS_VOCAB, YARN, deepseek, saved  # noqa: E402
+from tests.helpers.common import mlm  # noqa: E402
+from tests.helpers.hf_models import ARCHS, DS_LAYERS, DS_SEQ, DS_VOCAB, YARN, deepseek, saved  # noqa: E402
 
 VOCAB, SEQ, N = DS_VOCAB, DS_SEQ, DS_LAYERS
 MLA = [name for name, arch in ARCHS.items() if arch.family == "mla"]

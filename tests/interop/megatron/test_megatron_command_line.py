@@ -14,8 +14,7 @@ from mlm.convert.megatron.command_line import command_line_sets, moe_layer_freq,
 from mlm.errors import MlmError
 from mlm.model import parameter_counts
 from mlm.train.schedule import lr_at
-
-from helpers import cli
+from tests.helpers.common import cli
 
 MIXTRAL = """--use-mcore-models --disable-bias-linear --seq-length 4096 --max-position-embeddings 32768
 --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --init-method-std 0.01

@@ -15,9 +15,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from mlm.train.parity import TOLERANCES
-
-from conftest import tiny_sets
-from megatron_helpers import megatron  # noqa: F401 (the fixture)
+from tests.helpers.common import tiny_sets
+from tests.helpers.megatron_helpers import megatron  # noqa: F401 (the fixture)
 
 
 @pytest.mark.usefixtures("megatron")
@@ -49,11 +48,11 @@ def test_megatron_core_trains_the_run_as_mlm_does(tmp_path, tiny_data):
 
 @pytest.mark.usefixtures("megatron")
 def test_a_moe_model_trains_as_in_megatron_core(tmp_path, tiny_data):
-    """The tiny MoE of tests/test_moe_parallel.py (4 layers, the first dense, 4 experts, top-2, a
+    """The tiny MoE of tests/distributed/test_moe_parallel.py (4 layers, the first dense, 4 experts, top-2, a
     gated shared expert, aux, sequence-aux and z losses) against megatron-core's MoE layers: its
     router, token dispatcher and auxiliary losses, scaled by its own schedule. Measured over 5 steps
     on the tiny pipeline's data: losses 1.2e-7, gradient norms 4.3e-7, weights 1.6e-6."""
-    from test_moe_parallel import MOE
+    from tests.helpers.parallel import MOE
 
     out = tmp_path / "parity"
     extra = {**MOE, "model.hidden_dropout": 0.0, "train.device": "cpu"}

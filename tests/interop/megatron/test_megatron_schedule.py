@@ -19,9 +19,8 @@ from mlm.convert.megatron.args import scheduler_arguments
 from mlm.model.gpt import GPT
 from mlm.train.adamw import exempt, make_optimizer
 from mlm.train.schedule import lr_at, weight_decay_at
-
-from distributed import run_ranks  # noqa: E402
-from megatron_ref import scheduler_values  # noqa: E402
+from tests.helpers.distributed import run_ranks  # noqa: E402
+from tests.helpers.megatron_ref import scheduler_values  # noqa: E402
 
 TRAIN, GBS = 40, 4
 

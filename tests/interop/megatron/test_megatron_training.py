@@ -1,6 +1,6 @@
 """mlm trains like Megatron-LM, step for step: megatron-core 0.16.1's own GPTModel, DDP, Adam
 (`get_megatron_optimizer`, its weight-decay groups), clipping and OptimizerParamScheduler
-(tests/interop/megatron/megatron_ref.py, `init_and_train`, on CPU) against `mlm train` from the
+(tests/helpers/megatron_ref.py, `init_and_train`, on CPU) against `mlm train` from the
 same initial weights (imported with `mlm convert from-megatron`) on the same batches (mlm's
 sampler's, fed to both), with the run config `mlm config from-megatron` makes of the Megatron-LM
 argument list. Skipped where megatron-core is not installed.
@@ -22,10 +22,9 @@ from mlm.config import load_config
 from mlm.convert.megatron.command_line import command_line_sets, parse
 from mlm.convert.megatron.importer import import_megatron
 from mlm.train.trainer import Trainer
-
-from distributed import run_ranks  # noqa: E402
-from megatron_helpers import SETS, megatron  # noqa: E402, F401 (the fixture)
-from megatron_ref import SEQ, init_and_train  # noqa: E402
+from tests.helpers.distributed import run_ranks  # noqa: E402
+from tests.helpers.megatron_helpers import SETS, megatron  # noqa: E402, F401 (the fixture)
+from tests.helpers.megatron_ref import SEQ, init_and_train  # noqa: E402
 
 TRAINING = """--attention-dropout 0.0 --hidden-dropout 0.0 --micro-batch-size 2 --global-batch-size 4
 --train-iters 20 --lr 1e-3 --min-lr 1e-4 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8

@@ -1,6 +1,6 @@
 """`mlm convert from-torchtitan` on checkpoints torchtitan's own trainer writes, and on hand-made ones.
 
-Against torchtitan (skipped without it; `tests/interop/torchtitan/titan_writer.py` runs its trainer on CPU): the
+Against torchtitan (skipped without it; `tests/helpers/titan_writer.py` runs its trainer on CPU): the
 llama3 debugmodel trained 6 steps by torchtitan 0.3.0 on 1 rank, and on 2 FSDP ranks with
 grouped-query attention and the output layer tied to the embedding (as its Llama 3.2 1B and 3B),
 checkpointed with its fused-QKV AdamW state. mlm's logits on the import
@@ -40,9 +40,8 @@ from mlm.checkpoint import read_group  # noqa: E402
 from mlm.config import config_from_dict, load_config  # noqa: E402
 from mlm.convert.torchtitan.importer import import_torchtitan  # noqa: E402
 from mlm.errors import MlmError  # noqa: E402
-
-from helpers import assert_error, checkpoint_logits, cli  # noqa: E402
-from hf_models import LLAMA3_ROPE, SEQ, llama  # noqa: E402
+from tests.helpers.common import assert_error, checkpoint_logits, cli  # noqa: E402
+from tests.helpers.hf_models import LLAMA3_ROPE, SEQ, llama  # noqa: E402
 
 TOL = 1e-5  # fp32 logits, absolute (max |logit| ≈ 3.5)
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
@@ -315,10 +314,10 @@ def test_refused_and_bf16_sources(tmp_path):
 
 @pytest.fixture(scope="session")
 def titan():
-    """tests/interop/torchtitan/titan_writer.py, where torchtitan is installed (session-scoped, so that a skip comes
+    """tests/helpers/titan_writer.py, where torchtitan is installed (session-scoped, so that a skip comes
     before the session's data fixtures are built)."""
     pytest.importorskip("torchtitan")
-    import titan_writer
+    from tests.helpers import titan_writer
 
     return titan_writer
 
@@ -330,13 +329,12 @@ def titan():
 def test_checkpoint_of_torchtitan_trainer(
     titan, tmp_path, corpus_jsonl, hf_tokenizer_json, tiny_data, ranks, kv_heads, tied
 ):
-    """torchtitan 0.3.0 trains its debugmodel 6 steps and checkpoints (tests/interop/torchtitan/titan_writer.py): the
+    """torchtitan 0.3.0 trains its debugmodel 6 steps and checkpoints (tests/helpers/titan_writer.py): the
     import's logits are its model's, its step and scheduler position are torchtitan's, AdamW's
     moments are the checkpoint's (the fused wqkv's split by torchtitan's own code), and `mlm train`
     resumes from it."""
     from mlm.train.trainer import Trainer
-
-    from distributed import run_ranks
+    from tests.helpers.distributed import run_ranks
 
     tokens = (torch.arange(titan.SEQ) * 7 % 600).view(1, -1)  # within the tokenizer's 600
     out, tokenizer = tmp_path / "titan", hf_tokenizer_json.parent

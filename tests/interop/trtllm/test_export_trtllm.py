@@ -30,8 +30,7 @@ from mlm.convert.trtllm.importer import read_trtllm
 from mlm.errors import MlmError
 from mlm.model.gpt import GPT
 from mlm.verify import prompt_logits
-
-from conftest import tiny_sets
+from tests.helpers.common import tiny_sets
 
 
 def mlm(monkeypatch, capsys, *args) -> tuple[int, str, str]:
@@ -479,7 +478,7 @@ def _train_rank(rank, world, sets):
 
 
 def test_a_checkpoint_trained_at_tp2_exports_to_tp1_and_tp4(tmp_path, tiny_data):
-    from distributed import run_ranks
+    from tests.helpers.distributed import run_ranks
 
     model = {"model.num_attention_heads": 4, "model.num_query_groups": 2, "model.num_layers": 2}
     sets = tiny_sets(
