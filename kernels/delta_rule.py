@@ -60,7 +60,7 @@ triton is imported, and the kernels jitted, on the first Triton call (TRITON_INT
 then), never by importing this module (as `kernels.ssd`).
 
 Tested on CPU under the Triton interpreter against the torch references and transformers'
-Qwen3-Next functions (tests/test_kernel_delta_rule.py); not yet run on a GPU. Both kernels compile
+Qwen3-Next functions (tests/unit/test_kernel_delta_rule.py); not yet run on a GPU. Both kernels compile
 for sm_90 (triton.compile on CPU, not launched): the forward needs ≤ 147 KB of shared memory at
 C=64, d_k=128, BLOCK_V=64, the backward (tf32) 320 KB there (287 KB at BLOCK_V=32, 225 KB at 16, 123 KB
 at C=32 and BLOCK_V=64), so for C·BK ≥ 64·128 the backward starts at BLOCK_V=16, and a launch that

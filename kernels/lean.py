@@ -14,7 +14,7 @@ autocast's when autocast is on for the input's device), so the linear layers aft
 without an autocast copy and share one saved tensor (q, k, v; gate, up). In fp32 every Function
 runs exactly torch's ops in torch's order (the `.float()` casts are no-ops), so outputs and
 gradients are bitwise those of `nn.RMSNorm`, `nn.LayerNorm` and `F.silu(a) * b`
-(tests/test_kernels.py), and fp32 training is unchanged to the bit (tests/test_golden.py).
+(tests/unit/test_kernels.py), and fp32 training is unchanged to the bit (tests/distributed/test_golden.py).
 
 Autocast: torch.amp's custom_fwd/custom_bwd are bound to one device type, so the Functions read
 autocast's state for the input's device themselves and compute with it off; their backwards are

@@ -40,7 +40,7 @@ reference's direct range sums: the same up to fp32 rounding of the sums. Product
 fp32 with input_precision="ieee" (no TF32); inputs fp32 or bf16, computed in fp32; y and the
 final state fp32, gradients in their inputs' dtypes. triton is imported, and the kernels jitted,
 on the first Triton call (TRITON_INTERPRET is read then), never by importing this module.
-Tested on CPU under the Triton interpreter (tests/test_kernel_ssd.py) only: never run on a GPU.
+Tested on CPU under the Triton interpreter (tests/unit/test_kernel_ssd.py) only: never run on a GPU.
 
 Shape legend: B batch, T tokens, H heads, P head dim, G groups, N state width, Q chunk, C chunks.
 """

@@ -114,7 +114,7 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
     # MoE: every layer's MLP is the routed experts; top-k then a softmax over the k (Megatron's
     # default router; HF's softmax → top-k → renormalise, norm_topk_prob=true, is the same).
     # Balancing losses are a training choice, left off here: set model.moe.aux_loss_coeff.
-    # Totals and active parameters per token (`mlm config list`, tests/test_presets_moe.py):
+    # Totals and active parameters per token (`mlm config list`, tests/unit/test_presets.py):
     # Mixtral-8x7B 46,702,792,704 / 12,879,925,248 (Mistral's "46.7B / 12.9B"); Qwen3-30B-A3B
     # 30,532,122,624 / 3,353,032,704 ("30.5B / 3.3B"). Sequence length: 4096, a common
     # pretraining length (both models support longer, see max_position_embeddings).
@@ -136,7 +136,7 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
         ),
         {"seq_length": 4096},
     ),
-    # Dense Qwen (tests/test_presets_moe.py counts them): Qwen3-8B 8,190,735,360 parameters
+    # Dense Qwen (tests/unit/test_presets.py counts them): Qwen3-8B 8,190,735,360 parameters
     # (q/k norms, head_dim 128, untied), Qwen2.5-7B 7,615,616,512 (q/k/v biases, untied)
     "qwen3-8b": (
         "HF Qwen/Qwen3-8B config.json",
@@ -197,7 +197,7 @@ PRESETS: dict[str, tuple[str, dict, dict]] = {
     # routed experts plus always-on shared experts (their total width: n_shared × moe width); YaRN
     # RoPE as the released config.json sets it (factor 40 over the 4096 pretraining context,
     # max_position_embeddings 163840; mscale_all_dim also scales MLA's softmax). Sequence length:
-    # 4096, the pretraining context. The counts (tests/test_presets_deepseek.py) are the main
+    # 4096, the pretraining context. The counts (tests/unit/test_presets.py) are the main
     # model's, as DeepSeek publishes them; `mlm config list` adds the MTP depth's apart:
     # V3 671,026,419,200 total / 37,552,297,472 active (+ MTP 11,610,068,224); V2-Lite
     # 15,706,484,224 / 2,661,150,208.

@@ -1,6 +1,6 @@
 """zarr v3 tensor I/O: one array per tensor, in its global shape, written and read by slices.
 
-The arrays are plain zarr v3 (zarr-python reads them; tests/test_checkpoint.py checks both
+The arrays are plain zarr v3 (zarr-python reads them; tests/distributed/test_checkpoint.py checks both
 directions), of one simple kind: uncompressed little-endian chunks on a regular grid, every
 chunk written in full (edge chunks padded with the fill value 0) under zarr's default chunk keys
 (`c/0/1`). zarr-python creates the metadata (`zarr.json`); the chunks are read and written

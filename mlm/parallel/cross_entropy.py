@@ -18,7 +18,7 @@ the tokens in chunks (Liger-Kernel's FusedLinearCrossEntropy, Megatron's fused l
 chunk it computes the logits in fp32, the chunk's loss and at once dloss/dlogits, turns that into
 the gradient of the chunk's hidden states and adds its share of the weight's gradient, then drops
 the chunk. Backward only scales the stored gradients by the incoming one. Memory: O(chunk × V)
-plus the gradients themselves (measured ratio to the plain path: tests/test_linear_cross_entropy.py,
+plus the gradients themselves (measured ratio to the plain path: tests/distributed/test_linear_cross_entropy.py,
 docs/model.md).
 
 Under tensor parallelism each rank holds V/tp rows of the weight; per chunk the max, the target

@@ -16,7 +16,7 @@ only that layout is timed.
 The terms many layouts share (a rank's stage, its model state, a layer's bytes and seconds at a
 micro-batch) are computed once per search (`Shared`, `mlm.plan.memo`); `exhaustive` evaluates
 every layout afresh instead, the reference the pruned search is tested against
-(tests/test_plan_prune.py) and timed beside it (bench/plan_speed.py).
+(tests/plan/test_plan_prune.py) and timed beside it (bench/plan_speed.py).
 """
 
 from __future__ import annotations

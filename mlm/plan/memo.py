@@ -14,7 +14,7 @@ A search (`mlm.plan.candidates.Shared`) passes one dict to `memory`, `rank_memor
 `micro` is `memory.micro_key`: the layout's fields a micro-batch's terms read (micro-batch, tp,
 sequence parallelism, cp and its attention, ep, recompute), whatever the pipeline, dp or optimizer;
 a `Stage` hashes by identity (the search builds each rank's once). Without a memo (None: `evaluate`
-of one layout, the exhaustive search) every term is computed afresh, and tests/test_plan_prune.py
+of one layout, the exhaustive search) every term is computed afresh, and tests/plan/test_plan_prune.py
 checks the keys: both give the same numbers to the bit.
 """
 

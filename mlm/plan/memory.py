@@ -1,6 +1,6 @@
 """Per-GPU memory of a layout, component by component, counting what mlm allocates.
 
-Model state (exact, to the byte, checked against the real objects in tests/test_plan.py):
+Model state (exact, to the byte, checked against the real objects in tests/plan/test_plan.py):
 
     weights     fp32 parameters, 4 B each (mlm keeps fp32 weights; bf16/fp16 run under
                 autocast). With the distributed optimizer the parameters become views of a flat
@@ -21,7 +21,7 @@ Under FSDP (the layout's fsdp / hsdp<N>, `mlm.parallel.fsdp`) each tp-local tens
 dim 0 over the S ranks of its shard group as torch.chunk splits it (`fsdp_bytes`; S = dp × cp, or
 HSDP's N; the experts' over edp): weights and gradients fp32 (the shards are the main weights,
 whatever train.param_dtype gathers them in), Adam's moments fp32, a step count per tensor; exact,
-checked on real ranks in tests/test_plan_fsdp.py. Beside them (`fsdp_transient_bytes`) the gathered
+checked on real ranks in tests/plan/test_plan_fsdp.py. Beside them (`fsdp_transient_bytes`) the gathered
 units and, with more than one micro-batch per step, every parameter's unsharded fp32 gradient.
 
 Under expert parallelism (ep > 1) the routed experts' weights (E / ep whole experts per MoE layer;
@@ -37,9 +37,9 @@ copy of the embedding on the last stage when pp > 1. Row-parallel biases, norms,
 down-projections and the MTP depths' eh_proj are replicated over tp.
 
 Activations: what autograd saves for backward, per layer and micro-batch, read off mlm's own
-layers (measured with saved_tensors_hooks on one process and under tp/sp/cp; tests/test_plan.py
+layers (measured with saved_tensors_hooks on one process and under tp/sp/cp; tests/plan/test_plan.py
 checks the formula within 10 %, dense MLA models on tp 2 ranks to the byte, and
-tests/test_activation_memory.py a Llama layer in bf16 to the byte). With s = seq_length / cp the tokens of each sequence a rank holds
+tests/plan/test_activation_memory.py a Llama layer in bf16 to the byte). With s = seq_length / cp the tokens of each sequence a rank holds
 (context parallelism's zigzag split; s = seq_length at cp = 1), e = micro-batch × s, u = tp under
 sequence parallelism (else 1), A the autocast dtype's bytes (4 in fp32), R the residual stream's
 (`residual_bytes`: A under autocast, 4 with model.fp32_residual_connection or in fp32), per layer
@@ -146,7 +146,7 @@ def in_flight(pp: int, rank: int, num_micro: int, vpp: int = 1) -> int:
     """`mlm.parallel.schedules.peak_in_flight` without walking the schedule (1 ms a call at 64
     micro-batches × vpp 8, 0.4 s of a 70B search): a 1F1B or interleaved rank runs its warm-up
     forwards, then one forward and one backward at a time, so it holds one more than the warm-up
-    (all of its forwards when the warm-up covers them); tests/test_plan_prune.py checks it against
+    (all of its forwards when the warm-up covers them); tests/plan/test_plan_prune.py checks it against
     the schedule."""
     if pp == 1:
         return 1

@@ -16,7 +16,7 @@ of the rank holding it, and a NaN produced after the vocabulary-parallel loss st
   expert biases (aux-loss-free balancing, updated before the test) restored, fp8 delayed scaling's
   amaxes of the step dropped, the fp16 loss scaler untouched. The iteration, the data position and
   the learning-rate schedule advance as for any step, so the run goes on as one that lists the step
-  in `train.skip_iterations` (bitwise on CPU, same mesh: tests/test_faults.py).
+  in `train.skip_iterations` (bitwise on CPU, same mesh: tests/distributed/test_faults.py).
 - rollback: `checkpoint.save`'s latest checkpoint is loaded in-process, the faulty step joins the
   skip list, and training goes on from the checkpoint (the steps after it run again).
 - stop: `MlmError` naming the step, the value and the setting; nothing of the step was applied.

@@ -11,7 +11,7 @@ a kind, in one of three roles:
 Each kind lives in its own folder, `mlm/model/kinds/<kind>/`: `module.py` (the `nn.Module`, torch)
 and `spec.py`, a subclass of `MixerSpec`, `MLPSpec` or `NormSpec` registered with `register`.
 The planner, the FLOP count, the serving cache and the config's checks ask the spec; outside the
-kinds (and the format converters) no code compares a kind name (`tests/test_kinds.py` checks).
+kinds (and the format converters) no code compares a kind name (`tests/unit/test_kinds.py` checks).
 
 The planner's formulas see one micro-batch on one rank as a `Micro`; a kind answers in the shared
 vocabulary here: `Param` (a parameter as one rank holds it), `Flops` (training FLOPs per token, by

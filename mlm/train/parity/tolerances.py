@@ -43,7 +43,7 @@ schedule's formula of the step alone, so it differs by the rounding of that form
 # the unit roundoff: 1e-2 (2.5 u) for bf16, 5e-3 (10 u) for fp16. Weights: Adam's update
 # m / (√v + eps) is ±lr for any gradient far above eps, so elements whose true gradient is ~0 step
 # by lr in whichever direction their rounding error points; the weights drift apart far more than
-# the losses, and more with every step (tests/test_parallel_training.py measures this too): 1e-3 in
+# the losses, and more with every step (tests/distributed/test_parallel_training.py measures this too): 1e-3 in
 # fp32 is 5× the largest measured. In bf16/fp16 the bound (0.3, 0.15) catches only gross errors,
 # such as a shard in the wrong place (≈ √2); a matrix left untrained would differ by 0.27-0.9 here
 # and a norm weight by 0.007-0.04, so check correctness in fp32 and read bf16/fp16 by their losses.

@@ -5,7 +5,7 @@ With model.norm_zero_centered (Megatron's --apply-layernorm-1p, Qwen3-Next's nor
 multiplies by 1 + weight, its weight starting at 0 (`init_values`): weight decay then pulls the
 scale towards 1, not 0. 1 + weight is formed in fp32 and handed to the same kernels as a weight,
 so x̂ · (1 + w) is computed in fp32 and rounded once (bitwise HF's `Qwen3NextRMSNorm` in fp32,
-tests/test_gated_attention.py).
+tests/distributed/test_gated_attention.py).
 """
 
 from __future__ import annotations
