@@ -21,7 +21,7 @@ from mlm.config.io import (
     toml_value,
 )
 from mlm.config.model import MAX_LAYERS, LayerSpec, ModelConfig, describe_layers
-from mlm.config.parts import GatedDeltaNetConfig, MambaConfig, MLAConfig, MoEConfig
+from mlm.config.parts import GatedDeltaNetConfig, MambaConfig, MLAConfig, MoEConfig, RopeConfig
 from mlm.config.run import (
     CheckpointConfig,
     Config,
@@ -32,13 +32,14 @@ from mlm.config.run import (
     check_context_parallel_kinds,
     fsdp_refusals,
 )
-from mlm.config.train import TrainConfig
+from mlm.config.train import Fp8Config, ResilienceConfig, TrainConfig
 
 __all__ = [
     "MAX_LAYERS",
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "Fp8Config",
     "GatedDeltaNetConfig",
     "LayerSpec",
     "LoggingConfig",
@@ -48,6 +49,8 @@ __all__ = [
     "MoEConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "ResilienceConfig",
+    "RopeConfig",
     "TrainConfig",
     "check_context_parallel_kinds",
     "config_from_dict",

@@ -8,11 +8,13 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import sys
 import tomllib
 import types
 import typing
 from pathlib import Path
 
+from mlm.config import legacy
 from mlm.config.run import Config
 from mlm.errors import MlmError
 
@@ -116,8 +118,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     data: dict = {}
     if path is not None:
         data = read_toml(path, missing="config file not found; check the path given to --config")
+        data = _upgraded(data, str(path))
     for item in overrides:
         keys, value = parse_override(item)
+        legacy.stale_override(keys, item.split("=", 1)[1].strip())
         _merge(data, keys, value)
     preset = data.get("preset") or ""
     if preset:
@@ -134,9 +138,18 @@ def _overlay(base: dict, top: dict) -> dict:
     return out
 
 
-def config_from_dict(data: dict) -> Config:
-    """A Config from `Config.to_dict()` output (e.g. a checkpoint manifest)."""
-    return _build(Config, data, "")
+def config_from_dict(data: dict, where: str = "") -> Config:
+    """A Config from `Config.to_dict()` output (e.g. a checkpoint manifest at `where`), written
+    today or before the config's nested tables (`mlm.config.legacy`)."""
+    return _build(Config, _upgraded(data, where or "a saved config"), "")
+
+
+def _upgraded(data: dict, where: str) -> dict:
+    """`data` with the old keys of `mlm.config.legacy.RENAMES` at their new places, said once on stderr."""
+    data, found = legacy.upgrade(data, where)
+    if found:
+        print(legacy.note(where, found), file=sys.stderr)
+    return data
 
 
 @functools.cache

@@ -8,7 +8,7 @@ import typing
 from dataclasses import dataclass, field
 
 from mlm.config.checks import choice, ensure
-from mlm.config.parts import GatedDeltaNetConfig, MambaConfig, MLAConfig, MoEConfig
+from mlm.config.parts import GatedDeltaNetConfig, MambaConfig, MLAConfig, MoEConfig, RopeConfig
 from mlm.errors import MlmError
 
 MAX_LAYERS = 4096
@@ -67,26 +67,6 @@ class ModelConfig:
     """Epsilon of the normalisation layers."""
     position_embedding: str = "rope"
     """learned (GPT-2), rope (Llama) or none (no positions: Nemotron-H's attention; Mamba layers need none)."""
-    rope_base: float = 10000.0
-    """RoPE base frequency (theta)."""
-    rope_scaling_factor: float | None = None
-    """RoPE frequency scaling factor (Llama-3.1's 8.0, DeepSeek-V3's YaRN 40.0); unset means none."""
-    rope_low_freq_factor: float = 1.0
-    """Llama-3.1 scaling: low-frequency factor."""
-    rope_high_freq_factor: float = 4.0
-    """Llama-3.1 scaling: high-frequency factor."""
-    rope_original_max_position_embeddings: int = 8192
-    """RoPE scaling: the context length the model was pretrained with."""
-    rope_scaling_type: str = "llama3"
-    """What rope_scaling_factor does: llama3 (Llama-3.1's frequency bands) or yarn (YaRN, as DeepSeek-V3 configures it)."""
-    rope_yarn_beta_fast: float = 32.0
-    """YaRN: rotations below which dims are extrapolated (beta_fast)."""
-    rope_yarn_beta_slow: float = 1.0
-    """YaRN: rotations above which dims are interpolated (beta_slow)."""
-    rope_yarn_mscale: float = 1.0
-    """YaRN: cos and sin × (0.1·mscale·ln(factor) + 1) / (the same with mscale_all_dim) when both are nonzero; else × (0.1·ln(factor) + 1)."""
-    rope_yarn_mscale_all_dim: float = 0.0
-    """YaRN: mscale_all_dim; nonzero also scales MLA's softmax by (0.1·it·ln(factor) + 1)² (DeepSeek); 0: off."""
     activation: str = "swiglu"
     """swiglu (Llama), gelu_tanh (GPT-2), gelu or squared_relu (relu(x)², Nemotron-H; not gated)."""
     add_bias: bool = False
@@ -135,6 +115,8 @@ class ModelConfig:
     """Multi-token prediction depths D (DeepSeek-V3's MTP modules, Megatron's mtp_num_layers); 0: none."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP losses: the total adds factor / D × Σ_k loss_k (Megatron's default 0.1)."""
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    """RoPE's base frequency and scaling (Llama-3.1's or YaRN), used when position_embedding is rope."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts options, used by the layers whose mlp kind is moe."""
     mla: MLAConfig = field(default_factory=MLAConfig)
@@ -182,11 +164,6 @@ class ModelConfig:
             f"model.mtp_num_layers={self.mtp_num_layers} with position_embedding={self.position_embedding!r}: "
             "MTP depths are built for rotary positions (DeepSeek-V3's); set model.position_embedding=rope "
             "or model.mtp_num_layers=0",
-        )
-        choice(s, "rope_scaling_type", self.rope_scaling_type, ("llama3", "yarn"))
-        ensure(
-            self.rope_scaling_factor is None or self.rope_scaling_factor >= 1.0,
-            f"model.rope_scaling_factor={self.rope_scaling_factor}: must be >= 1 (or unset)",
         )
         choice(s, "position_embedding", self.position_embedding, ("learned", "rope", "none"))
         choice(s, "activation", self.activation, ("swiglu", "gelu_tanh", "gelu", "squared_relu"))

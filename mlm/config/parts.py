@@ -1,11 +1,47 @@
-"""The model's optional parts, each a table of [model]: MoE (`model.moe`), MLA (`model.mla`),
-Mamba-2 (`model.mamba`) and Gated DeltaNet (`model.gdn`)."""
+"""The model's parts, each a table of [model]: RoPE (`model.rope`), MoE (`model.moe`), MLA
+(`model.mla`), Mamba-2 (`model.mamba`) and Gated DeltaNet (`model.gdn`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from mlm.config.checks import choice, ensure
+
+
+@dataclass
+class RopeConfig:
+    """Rotary position embeddings (position_embedding = "rope"): the base frequency and the
+    scaling of a context extended past the pretraining one (HF's rope_theta and rope_scaling,
+    Megatron's --rotary-base and --rope-scaling-factor)."""
+
+    base: float = 10000.0
+    """RoPE base frequency (theta)."""
+    scaling_factor: float | None = None
+    """RoPE frequency scaling factor (Llama-3.1's 8.0, DeepSeek-V3's YaRN 40.0); unset means none."""
+    scaling_type: str = "llama3"
+    """What scaling_factor does: llama3 (Llama-3.1's frequency bands) or yarn (YaRN, as DeepSeek-V3 configures it)."""
+    low_freq_factor: float = 1.0
+    """Llama-3.1 scaling: low-frequency factor."""
+    high_freq_factor: float = 4.0
+    """Llama-3.1 scaling: high-frequency factor."""
+    original_max_position_embeddings: int = 8192
+    """RoPE scaling: the context length the model was pretrained with."""
+    yarn_beta_fast: float = 32.0
+    """YaRN: rotations below which dims are extrapolated (beta_fast)."""
+    yarn_beta_slow: float = 1.0
+    """YaRN: rotations above which dims are interpolated (beta_slow)."""
+    yarn_mscale: float = 1.0
+    """YaRN: cos and sin × (0.1·mscale·ln(factor) + 1) / (the same with mscale_all_dim) when both are nonzero; else × (0.1·ln(factor) + 1)."""
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN: mscale_all_dim; nonzero also scales MLA's softmax by (0.1·it·ln(factor) + 1)² (DeepSeek); 0: off."""
+
+    def __post_init__(self):
+        s = "model.rope"
+        choice(s, "scaling_type", self.scaling_type, ("llama3", "yarn"))
+        ensure(
+            self.scaling_factor is None or self.scaling_factor >= 1.0,
+            f"{s}.scaling_factor={self.scaling_factor}: must be >= 1 (or unset)",
+        )
 
 
 @dataclass

@@ -329,9 +329,10 @@ class Config:
             "or train with parallel.distributed_optimizer instead of parallel.fsdp",
         )
         ensure(
-            self.train.fault_action != "rollback" or bool(self.checkpoint.save),
-            "train.fault_action=rollback with checkpoint.save empty: a rollback reloads checkpoint.save's latest "
-            "checkpoint; set --set checkpoint.save=DIR (and checkpoint.save_interval), or train.fault_action=skip",
+            self.train.resilience.fault_action != "rollback" or bool(self.checkpoint.save),
+            "train.resilience.fault_action=rollback with checkpoint.save empty: a rollback reloads "
+            "checkpoint.save's latest checkpoint; set --set checkpoint.save=DIR (and checkpoint.save_interval), "
+            "or train.resilience.fault_action=skip",
         )
 
     def to_dict(self) -> dict:
@@ -342,7 +343,7 @@ def fsdp_refusals(model: ModelConfig, train: TrainConfig) -> list[str]:
     """The settings `parallel.fsdp` is not built with yet, each as `name=value` (empty: none).
     Torch-free: a run config refuses them (`Config`), the planner offers no FSDP layout with them."""
     refused = [
-        (bool(train.fp8), f"train.fp8={train.fp8!r}"),
+        (bool(train.fp8.format), f"train.fp8.format={train.fp8.format!r}"),
         (train.compile, "train.compile=true"),
         (model.mtp_num_layers > 0, f"model.mtp_num_layers={model.mtp_num_layers}"),
     ]
