@@ -118,7 +118,7 @@ def test_fp8_linear_matches_direct_computation(fmt):
         model.layers["0"]["up"].weight.detach().clone(),
         model.layers["0"]["up"].bias.detach().clone(),
     )
-    state = apply_fp8(model, fp8_cfg(fp8=fmt), Mesh.single(), torch.device("cpu"))
+    state = apply_fp8(model, fp8_cfg(format=fmt), Mesh.single(), torch.device("cpu"))
     sx, sw, sg = 3.0, 40.0, 2.0**14
     state.scale[0] = torch.tensor([sx, sw, sg])
     state.started = True  # a later step: these scales, not the tensors' own
@@ -363,13 +363,13 @@ def test_fp8_refused_where_it_cannot_run():
     with pytest.raises(
         MlmError, match=r"train.fp8.format='hybrid' with train.precision='fp32'.*precision=bf16"
     ):
-        TrainConfig(fp8="hybrid")
+        TrainConfig(fp8=Fp8Config(format="hybrid"))
     with pytest.raises(MlmError, match="train.fp8.format='e5m2': must be one of"):
-        TrainConfig(precision="bf16", fp8="e5m2")
+        Fp8Config(format="e5m2")
     with pytest.raises(
         MlmError, match=r"train.fp8.format='hybrid' with train.compile=true.*train.compile=false"
     ):
-        TrainConfig(precision="bf16", fp8="hybrid", compile=True)
+        TrainConfig(precision="bf16", fp8=Fp8Config(format="hybrid"), compile=True)
     with pytest.raises(MlmError, match="amax_history_len=0"):
         fp8_cfg(amax_history_len=0)
     cuda = torch.device("cuda", 0)
