@@ -107,7 +107,7 @@ def args_overrides(common: dict) -> list[str]:
     if args.get("squared_relu"):
         out["activation"] = "squared_relu"
     if args.get("use_rope_scaling"):  # Llama 3.1's scaling; Megatron fixes the other three constants
-        out |= {"rope.scaling_factor": args.get("rope.scaling_factor", 8.0), "rope.scaling_type": "llama3"}
+        out |= {"rope.scaling_factor": args.get("rope_scaling_factor", 8.0), "rope.scaling_type": "llama3"}
         out |= {"rope.low_freq_factor": 1.0, "rope.high_freq_factor": 4.0}
         out["rope.original_max_position_embeddings"] = 8192
     # one type and coefficient, or lists of equal length (Megatron-LM unwraps one-element lists)
