@@ -26,7 +26,7 @@ alternating the two models step by step (and which goes first) so that both see 
 state; warm-up steps (the first compiles) are not timed; torch's default thread count. HF is called
 with use_cache=False, as a training loop does. bf16 means torch.autocast for both (mlm: also
 train.precision=bf16; weights stay fp32 unless `--set train.param_dtype=bf16`, Megatron's bf16
-parameters with fp32 main weights; `--set train.fp8=hybrid` adds fp8 linears). Prints tokens/s of each (from the median step time), MFU (Megatron's model
+parameters with fp32 main weights; `--set train.fp8.format=hybrid` adds fp8 linears). Prints tokens/s of each (from the median step time), MFU (Megatron's model
 FLOPs, `mlm.flops.flops_per_token`, over the dense bf16 peak of `--hardware`,
 `mlm.train.metrics.peak_flops`; on CPU the measured fp32 matmul rate), on CUDA each model's peak
 memory (`torch.cuda.max_memory_allocated` over its steps), and the ratio mlm / HF (target >= 1.0).

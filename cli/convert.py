@@ -4,7 +4,7 @@
     mlm convert reshard CKPT OUT --layout tp2pp2dp4            # the same, as a layout (docs/layout.md)
     mlm convert from-hf HF_DIR OUT                             # Hugging Face model folder → mlm
     mlm convert from-megatron DIR OUT [--set KEY=VALUE ...] [--weights-only]     # Megatron-LM → mlm
-    mlm convert from-torchtitan DIR OUT --set model.num_attention_heads=32 --set model.rope_base=500000
+    mlm convert from-torchtitan DIR OUT --set model.num_attention_heads=32 --set model.rope.base=500000
     mlm convert from-trtllm TRT_DIR OUT                        # TensorRT-LLM checkpoint → mlm
 
 Exports are `mlm export hf | megatron | trtllm` (cli/export.py). The forms before these

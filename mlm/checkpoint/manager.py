@@ -354,7 +354,7 @@ def checkpoint_config(manifest: dict, it_dir: Path) -> Config:
     stored (a manifest from elsewhere is only a claim)."""
     if not isinstance(manifest.get("config"), dict):
         raise MlmError(f"{it_dir / MANIFEST} has no config; it was not written by mlm train or convert")
-    cfg = config_from_dict(manifest["config"])
+    cfg = config_from_dict(manifest["config"], str(it_dir / MANIFEST))
     cfg.model.check_depth(sum(k.startswith("model/") for k in manifest["tensors"]), str(it_dir / MANIFEST))
     return cfg
 

@@ -11,8 +11,8 @@ from mlm.config import ModelConfig
 
 
 def _llama3(inv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    old_len = cfg.rope_original_max_position_embeddings
+    factor, low, high = cfg.rope.scaling_factor, cfg.rope.low_freq_factor, cfg.rope.high_freq_factor
+    old_len = cfg.rope.original_max_position_embeddings
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
     smooth = (old_len / wavelen - low) / (high - low)
@@ -25,16 +25,16 @@ def _yarn(inv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """YaRN (arXiv 2309.00071): dims rotating fewer than beta_slow times over the original context
     are interpolated (÷ factor), more than beta_fast times kept, a linear ramp between (the
     correction range rounded outwards, as DeepSeek's and HF's code do)."""
-    d, base, old_len = cfg.rope_dim, cfg.rope_base, cfg.rope_original_max_position_embeddings
+    d, base, old_len = cfg.rope_dim, cfg.rope.base, cfg.rope.original_max_position_embeddings
 
     def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over old_len
         return d * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(dim_of(cfg.rope_yarn_beta_fast)), 0)
-    high = min(math.ceil(dim_of(cfg.rope_yarn_beta_slow)), d - 1)
+    low = max(math.floor(dim_of(cfg.rope.yarn_beta_fast)), 0)
+    high = min(math.ceil(dim_of(cfg.rope.yarn_beta_slow)), d - 1)
     ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
-    return inv / cfg.rope_scaling_factor * (1 - keep) + inv * keep
+    return inv / cfg.rope.scaling_factor * (1 - keep) + inv * keep
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -45,18 +45,18 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def attention_factor(cfg: ModelConfig) -> float:
     """What YaRN multiplies cos and sin by: mscale(mscale) / mscale(mscale_all_dim) when both are
     set (1 for DeepSeek-V3), else mscale(1); 1 without YaRN."""
-    if cfg.rope_scaling_factor is None or cfg.rope_scaling_type != "yarn":
+    if cfg.rope.scaling_factor is None or cfg.rope.scaling_type != "yarn":
         return 1.0
-    f, m, m_all = cfg.rope_scaling_factor, cfg.rope_yarn_mscale, cfg.rope_yarn_mscale_all_dim
+    f, m, m_all = cfg.rope.scaling_factor, cfg.rope.yarn_mscale, cfg.rope.yarn_mscale_all_dim
     return yarn_mscale(f, m) / yarn_mscale(f, m_all) if m and m_all else yarn_mscale(f)
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     d = cfg.rope_dim
-    inv = 1.0 / (cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    if cfg.rope_scaling_factor is None:
+    inv = 1.0 / (cfg.rope.base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope.scaling_factor is None:
         return inv
-    return _yarn(inv, cfg) if cfg.rope_scaling_type == "yarn" else _llama3(inv, cfg)
+    return _yarn(inv, cfg) if cfg.rope.scaling_type == "yarn" else _llama3(inv, cfg)
 
 
 def rope_tables(

@@ -2,7 +2,7 @@
 per-tensor scaling by Transformer Engine's delayed recipe or by current scaling.
 
     model = build_rank_model(..., seed=seed, train=cfg.train)   # mlm.build: calls apply_fp8
-    fp8 = model.fp8                                              # None when train.fp8 is ""
+    fp8 = model.fp8                                              # None when train.fp8.format is ""
     ... forward / backward of every micro-batch of a step ...
     fp8.finish_step()                                 # after the step's backward, before the next step
 
@@ -20,7 +20,7 @@ from the unquantised gradient.
 
 Each fp8 linear has three slots, input, weight and grad, each with a scale.
 
-**delayed** (TE's `DelayedScaling`): each slot keeps an amax history of `fp8_amax_history_len`
+**delayed** (TE's `DelayedScaling`): each slot keeps an amax history of `train.fp8.amax_history_len`
 values, newest last, and the scale that the whole step uses, computed from the history before
 the step: scale = fp8_max / algo(history) / 2^margin, algo "max" (of the history) or
 "most_recent" (its last value); amax 0 → scale 1. During the
@@ -71,7 +71,7 @@ INPUT, WEIGHT, GRAD = range(3)
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """The fp8 settings of `TrainConfig` (train.fp8*)."""
+    """The fp8 settings of `TrainConfig` (train.fp8.*)."""
 
     fmt: str
     """"e4m3" (every tensor e4m3) or "hybrid" (e4m3 forward, e5m2 gradients)."""
@@ -83,7 +83,7 @@ class Fp8Recipe:
 
     @classmethod
     def from_config(cls, t: TrainConfig) -> Fp8Recipe:
-        return cls(t.fp8, t.fp8_recipe, t.fp8_margin, t.fp8_amax_history_len, t.fp8_amax_compute_algo)
+        return cls(t.fp8.format, t.fp8.recipe, t.fp8.margin, t.fp8.amax_history_len, t.fp8.amax_compute_algo)
 
     def format(self, slot: int) -> str:
         return "e5m2" if slot == GRAD and self.fmt == "hybrid" else "e4m3"
@@ -220,8 +220,8 @@ def check_fp8_device(device: torch.device, capability: tuple[int, int] | None = 
     cap = tuple(capability) if capability is not None else torch.cuda.get_device_capability(device)
     if cap < MIN_CAPABILITY:
         raise MlmError(
-            f"train.fp8 needs fp8 tensor cores (CUDA compute capability ≥ 8.9: Ada, Hopper, Blackwell); "
-            f"{device} has {cap[0]}.{cap[1]}; set train.fp8='' (bf16) or train on an sm_89+ GPU"
+            f"train.fp8.format needs fp8 tensor cores (CUDA compute capability ≥ 8.9: Ada, Hopper, Blackwell); "
+            f"{device} has {cap[0]}.{cap[1]}; set train.fp8.format='' (bf16) or train on an sm_89+ GPU"
         )
 
 
@@ -245,8 +245,8 @@ def fp8_linears(model: nn.Module) -> list[str]:
 
 def apply_fp8(model: nn.Module, t: TrainConfig, mesh: Mesh, device: torch.device) -> Fp8State | None:
     """Make the transformer layers' linears of `model` (this rank's part, after `parallelize`)
-    run in fp8 per `t.fp8*`, in place; return their state, or None when `t.fp8` is ""."""
-    if not t.fp8:
+    run in fp8 per `t.fp8*`, in place; return their state, or None when `t.fp8.format` is ""."""
+    if not t.fp8.format:
         return None
     check_fp8_device(device)
     names = fp8_linears(model)

@@ -122,7 +122,7 @@ def job_and_layout(run: dict) -> tuple[Job, Layout]:
             f'train.param_dtype="{dtype}"',
         ]
         if precision == "fp8":
-            sets.append('train.fp8="hybrid"')
+            sets.append('train.fp8.format="hybrid"')
         cfg = load_config(None, sets)
         fields = dict(run.get("hardware_overrides", {}))
         base = HARDWARE[profile_name(fields.pop("base", run["hardware"]))]

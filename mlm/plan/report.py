@@ -252,7 +252,7 @@ def explain(job: Job, c: Candidate) -> Group:
     tt.add_row("step", f"{tm.step_s:.3f}", bold=True)
     rates = Text(
         f"GEMM efficiency {tm.gemm_efficiency:.1%} of "
-        f"{job.hardware.peak('fp8' if cfg.train.fp8 else cfg.train.precision) / 1e12:.0f} "
+        f"{job.hardware.peak('fp8' if cfg.train.fp8.format else cfg.train.precision) / 1e12:.0f} "
         f"TFLOP/s; {tm.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; MFU {tm.mfu:.1%}"
     )
     parts = [head, mt, lt, tt, rates]

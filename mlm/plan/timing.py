@@ -258,7 +258,7 @@ def gemm_rates(job: Job, layout: Layout) -> tuple[float, float, float]:
     in the compute dtype, the routed experts unless `Software.fp8_experts`: `mlm.parallel.fp8`)."""
     cfg, hw = job.cfg, job.hardware
     e, t = layout.micro_batch * local_tokens(cfg, layout), layout.tp
-    peak = hw.peak("fp8" if cfg.train.fp8 else cfg.train.precision)
+    peak = hw.peak("fp8" if cfg.train.fp8.format else cfg.train.precision)
     eff = hw.efficiency(min(e, cfg.model.hidden_size / t, cfg.model.ffn_size / t))
     return peak, eff, t * peak * eff
 

@@ -99,7 +99,7 @@ def layer_work(cfg: Config, layout: Layout, sw: Software, spec: LayerSpec, recom
         w += part.work
     gemms = sum(part.gemms for part in parts)
     w.kernels += gemms * (1 + gemm_again + 2)
-    if cfg.train.fp8:  # each GEMM's input cast forward (amax, scale) and its output gradient backward
+    if cfg.train.fp8.format:  # each GEMM's input cast forward (amax, scale) and its output gradient backward
         # the casts are elementwise ops: again where every elementwise op is (full, op)
         w.kernels += gemms * full + gemms
         for part in parts:
@@ -133,5 +133,5 @@ def parameter_work(cfg: Config, sw: Software, params: float, recompute: str) -> 
     fp32 parameters under bf16/fp16 autocast), fp8's weight casts, and a gradient accumulation
     outside the GEMM."""
     casts = CAST_BYTES * (3 if recompute == "full" else 2) if sw.weight_casts and casts_weights(cfg) else 0
-    casts += FP8_WEIGHT_BYTES if cfg.train.fp8 else 0
+    casts += FP8_WEIGHT_BYTES if cfg.train.fp8.format else 0
     return params * (casts + (0 if sw.grad_accumulation_fusion else ACCUMULATE_BYTES))

@@ -1,22 +1,22 @@
 """Faults in the numbers during `mlm train`: a NaN/Inf loss or gradient norm and loss spikes, tested
-every step; and `train.skip_iterations`, steps whose data is consumed without a forward, backward or
+every step; and `train.resilience.skip_iterations`, steps whose data is consumed without a forward, backward or
 update (Megatron's `--iterations-to-skip`).
 
 A step is faulty when its loss (the mean over dp and cp, summed over pipeline stages) or its global
-gradient norm is not finite, or, with `train.loss_spike_zscore` z > 0, when its loss is more than z
-standard deviations (population) above the mean of the last `train.loss_spike_window` applied
+gradient norm is not finite, or, with `train.resilience.loss_spike_zscore` z > 0, when its loss is more than z
+standard deviations (population) above the mean of the last `train.resilience.loss_spike_window` applied
 steps' losses; the spike test starts once that many steps have been applied. Each rank tests what it
 holds and one all-reduce (MAX over the job) makes the decision the same everywhere: the loss and
 the norm are global, but a NaN in a gradient replicated over tp (a norm weight) reaches only the norm
 of the rank holding it, and a NaN produced after the vocabulary-parallel loss stays on its tp rank.
 
-`train.fault_action` says what a fault does (the trainer acts, `Trainer.train`):
+`train.resilience.fault_action` says what a fault does (the trainer acts, `Trainer.train`):
 - skip: nothing of the step is applied: no optimizer update (Adam's step count stays), gradients
   zeroed, every RNG stream back where the step started (dropout drew from it), the MoE routers'
   expert biases (aux-loss-free balancing, updated before the test) restored, fp8 delayed scaling's
   amaxes of the step dropped, the fp16 loss scaler untouched. The iteration, the data position and
   the learning-rate schedule advance as for any step, so the run goes on as one that lists the step
-  in `train.skip_iterations` (bitwise on CPU, same mesh: tests/distributed/test_faults.py).
+  in `train.resilience.skip_iterations` (bitwise on CPU, same mesh: tests/distributed/test_faults.py).
 - rollback: `checkpoint.save`'s latest checkpoint is loaded in-process, the faulty step joins the
   skip list, and training goes on from the checkpoint (the steps after it run again).
 - stop: `MlmError` naming the step, the value and the setting; nothing of the step was applied.
@@ -59,10 +59,10 @@ class FaultMonitor:
     counts; its `state_dict` goes into checkpoints."""
 
     def __init__(self, t: TrainConfig):
-        self.zscore = t.loss_spike_zscore
-        self.skip: set[int] = set(t.skip_iterations)
+        self.zscore = t.resilience.loss_spike_zscore
+        self.skip: set[int] = set(t.resilience.skip_iterations)
         """Steps whose data is consumed without forward, backward or update."""
-        self.losses: deque[float] = deque(maxlen=t.loss_spike_window)
+        self.losses: deque[float] = deque(maxlen=t.resilience.loss_spike_window)
         """The losses of the last applied steps (the spike test's reference)."""
         self.counts = dict.fromkeys(COUNTS, 0)
 
@@ -94,12 +94,12 @@ class FaultMonitor:
                 else "non-finite gradient norm on another rank"
             )
         elif spike and (z is None or z <= self.zscore):  # another rank's test (its own losses)
-            what = f"loss spike on another rank (train.loss_spike_zscore={self.zscore:g})"
+            what = f"loss spike on another rank (train.resilience.loss_spike_zscore={self.zscore:g})"
         elif spike:
             mean = sum(self.losses) / len(self.losses)
             what = (
                 f"loss spike: {loss:.4f} is z={z:.1f} standard deviations above the mean {mean:.4f} of the "
-                f"last {len(self.losses)} steps (train.loss_spike_zscore={self.zscore:g})"
+                f"last {len(self.losses)} steps (train.resilience.loss_spike_zscore={self.zscore:g})"
             )
         else:
             return None

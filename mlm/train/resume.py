@@ -40,16 +40,10 @@ ALLOWED = (
     "train.train_tokens",
     "train.eval_interval",
     "train.eval_iters",
-    "train.hang_timeout",
     "train.device",
     "train.compile",
     "train.initial_loss_scale",  # the loss scaler's state is the checkpoint's
-    "train.straggler_window",
-    "train.straggler_threshold",
-    "train.fault_action",
-    "train.loss_spike_zscore",
-    "train.loss_spike_window",
-    "train.skip_iterations",  # how a run resumes past faulty steps
+    "train.resilience",  # hangs, stragglers, faults, and the steps a run resumes past
 )
 """Settings (or whole sections) a resume may change without saying so."""
 

@@ -1,4 +1,4 @@
-"""Straggler detection: every `train.straggler_window` steps, which ranks are slow at their own work.
+"""Straggler detection: every `train.resilience.straggler_window` steps, which ranks are slow at their own work.
 
 Each rank splits its training steps into **compute**, the time in its own work: every forward
 and backward action of the pipeline executor, from the moment the action's inputs have arrived
@@ -201,9 +201,10 @@ class StragglerDetector:
     window's all-gather is a collective. `window` = 0 disables everything (no collective)."""
 
     def __init__(self, cfg: Config, clock: WorkClock, stage: int, device: torch.device, report: bool):
-        """`cfg`: train.straggler_window and _threshold, run_dir; `stage`: this rank's pipeline
+        """`cfg`: train.resilience.straggler_window and _threshold, run_dir; `stage`: this rank's pipeline
         rank; `report`: whether this rank (rank 0) writes the reports."""
-        self.window, self.threshold = cfg.train.straggler_window, cfg.train.straggler_threshold
+        r = cfg.train.resilience
+        self.window, self.threshold = r.straggler_window, r.straggler_threshold
         self.clock, self.stage, self.device, self.report = clock, stage, device, report
         self.tsv = Path(cfg.run_dir) / TSV_NAME
         self._first: int | None = None

@@ -95,7 +95,7 @@ class Trainer(TrainerCheckpoints):
             watchdog.start()
         self.watchdog = watchdog
         self.device = pick_device(t.device)
-        self.launch = init_distributed(self.device, watchdog.store, pg_timeout(t.hang_timeout))
+        self.launch = init_distributed(self.device, watchdog.store, pg_timeout(t.resilience.hang_timeout))
         self.mesh = Mesh.build(cfg.parallel, self.device.type, gloo_group=cfg.checkpoint.async_save)
         check_supported(self.mesh, cfg)
         self.rank0 = self.mesh.rank == 0
@@ -114,7 +114,8 @@ class Trainer(TrainerCheckpoints):
         optimizer = FSDPOptimizer if self.model.fsdp else TrainOptimizer
         self.optimizer = optimizer(self.model, cfg, self.mesh, self.device)
         self.pipeline = Pipeline(self.model, self.mesh, cfg.parallel.vpp)
-        self.work_clock = WorkClock(self.device, enabled=t.straggler_window > 0)  # own work: stragglers.py
+        # own work: stragglers.py
+        self.work_clock = WorkClock(self.device, enabled=t.resilience.straggler_window > 0)
         self.pipeline.work_clock = self.work_clock
         # whether any stage has modules with auxiliary losses (then every step gathers them)
         has_aux = bool(declaring(self.model, "aux_losses"))
@@ -304,10 +305,10 @@ class Trainer(TrainerCheckpoints):
         }
 
     def listed_step(self) -> dict:
-        """A step of the skip list (`train.skip_iterations`, and steps rolled back over): its data
+        """A step of the skip list (`train.resilience.skip_iterations`, and steps rolled back over): its data
         was drawn by the caller; nothing runs and nothing changes but the iteration."""
         self._print(
-            f"[dim]step {self.iteration + 1}: skipped (train.skip_iterations): its data is consumed, not trained on[/]",
+            f"[dim]step {self.iteration + 1}: skipped (train.resilience.skip_iterations): its data is consumed, not trained on[/]",
             highlight=False,
         )
         self.faults.counts["skipped"] += 1
@@ -393,7 +394,7 @@ class Trainer(TrainerCheckpoints):
         value where a fault skipped it, NaN for a step of the skip list; after a rollback the steps
         run again replace the ones rolled back). Raises
         `Preempted` when a SIGTERM/SIGUSR1 arrived (after finishing the step and saving a
-        checkpoint), and `MlmError` on a fault under train.fault_action=stop."""
+        checkpoint), and `MlmError` on a fault under train.resilience.fault_action=stop."""
         cfg = self.cfg
         log = MetricsLogger(cfg.run_dir, cfg.logging.tensorboard, enabled=self.rank0)
         if self.rank0:
@@ -407,7 +408,7 @@ class Trainer(TrainerCheckpoints):
             f"mesh {self.mesh}{f' vpp={cfg.parallel.vpp}' if cfg.parallel.vpp > 1 else ''}, attention {self.attention_backend}, "
             f"{f'kernels {self.kernels}, ' if self.kernels != 'torch' else ''}"
             f"{'compiled layers, ' if cfg.train.compile else ''}"
-            f"{f'fp8 {cfg.train.fp8} ({cfg.train.fp8_recipe}) in ' if cfg.train.fp8 else ''}{cfg.train.precision}"
+            f"{f'fp8 {cfg.train.fp8.format} ({cfg.train.fp8.recipe}) in ' if cfg.train.fp8.format else ''}{cfg.train.precision}"
             f"{f' ({cfg.train.param_dtype} parameters, fp32 main weights)' if cfg.train.param_dtype != 'fp32' else ''}, "
             f"{counts.total / 1e6:.2f}M parameters"
             + (f" ({counts.active / 1e6:.2f}M active per token)" if counts.active != counts.total else "")
@@ -428,7 +429,7 @@ class Trainer(TrainerCheckpoints):
         t_start = t_log = time.perf_counter()
         saved_at = -1
         first = self.iteration
-        self.watchdog.watch_hangs(cfg.run_dir, cfg.train.hang_timeout)
+        self.watchdog.watch_hangs(cfg.run_dir, cfg.train.resilience.hang_timeout)
         try:
             while self.iteration < self.total_iters:
                 t_step = time.perf_counter()
@@ -486,11 +487,12 @@ class Trainer(TrainerCheckpoints):
         )
 
     def _on_fault(self, fault: Fault) -> bool:
-        """Act on a faulty step (nothing of it was applied) as train.fault_action says: go on
+        """Act on a faulty step (nothing of it was applied) as train.resilience.fault_action says: go on
         (skip: False), roll back to checkpoint.save's latest checkpoint (True), or raise (stop)."""
-        action = self.cfg.train.fault_action
+        action = self.cfg.train.resilience.fault_action
         self._print(
-            f"[yellow]step {fault.step}: {fault.what}; train.fault_action={action}[/]", highlight=False
+            f"[yellow]step {fault.step}: {fault.what}; train.resilience.fault_action={action}[/]",
+            highlight=False,
         )
         if action == "skip":
             self.faults.counts["skipped"] += 1
@@ -499,9 +501,9 @@ class Trainer(TrainerCheckpoints):
             self._roll_back(fault)
             return True
         raise MlmError(
-            f"step {fault.step}: {fault.what} (train.fault_action=stop: nothing of the step was applied); "
-            f"go on past faults with --set train.fault_action=skip, or resume from the last checkpoint with "
-            f"--set 'train.skip_iterations=[{fault.step}]' to skip this step's data"
+            f"step {fault.step}: {fault.what} (train.resilience.fault_action=stop: nothing of the step was applied); "
+            f"go on past faults with --set train.resilience.fault_action=skip, or resume from the last checkpoint with "
+            f"--set 'train.resilience.skip_iterations=[{fault.step}]' to skip this step's data"
         )
 
     def _roll_back(self, fault: Fault) -> None:
@@ -521,9 +523,9 @@ class Trainer(TrainerCheckpoints):
                 f"its latest checkpoint is step {at}'s" if at is not None else "it holds no checkpoint yet"
             )
             raise MlmError(
-                f"step {fault.step}: {fault.what}; train.fault_action=rollback, but checkpoint.save={root}: "
+                f"step {fault.step}: {fault.what}; train.resilience.fault_action=rollback, but checkpoint.save={root}: "
                 f"{where}, none before the fault to roll back to (nothing of the step was applied); save "
-                "earlier (checkpoint.save_interval), or set train.fault_action=skip"
+                "earlier (checkpoint.save_interval), or set train.resilience.fault_action=skip"
             )
         counts, skip = dict(self.faults.counts), set(self.faults.skip)
         self.load(root)

@@ -14,7 +14,7 @@ written to the key wins, and every rank then ends the same way:
   that raised it first). Every rank then exits with that error's code: 2 for bad input
   (`BAD_INPUT_EXIT_CODE`), 130 for Ctrl-C, 1 for anything else.
 - **a hang**: the trainer calls `beat(phase)` around each step and each of its collective
-  phases. A rank that has made no progress for `train.hang_timeout` seconds declares a hang;
+  phases. A rank that has made no progress for `train.resilience.hang_timeout` seconds declares a hang;
   every rank writes its Python stacks (every thread), its phase and the distributed call its main
   thread waits in to RUN_DIR/hang/rank{N}.txt; rank 0 prints a one-screen summary naming the
   ranks not waiting with the others, and every rank exits with `HANG_EXIT_CODE`.
@@ -51,7 +51,7 @@ from mlm.parallel.launch import detect
 
 FAILED_EXIT_CODE = 1  # an exception on some rank (its traceback printed by that rank), or a lost peer
 BAD_INPUT_EXIT_CODE = 2  # an MlmError: the configuration or an input is wrong; rerunning will not help
-HANG_EXIT_CODE = 4  # no progress for train.hang_timeout: stacks in RUN_DIR/hang/; a requeue may help
+HANG_EXIT_CODE = 4  # no progress for train.resilience.hang_timeout: stacks in RUN_DIR/hang/; requeue may help
 INTERRUPTED_EXIT_CODE = 130  # Ctrl-C
 
 EVENT, ACK, LEFT, FINISHED, HANG = "mlm/stop", "mlm/stop/ack", "mlm/stop/left", "mlm/finished", "mlm/hang/"
@@ -365,7 +365,7 @@ class Watchdog:
             f"mlm train: hang report of rank {status['rank']} of {self.world_size} "
             f"(host {status['host']}, pid {status['pid']})\n"
             f"step {status['step']}, phase {status['phase']}, {status['idle_s']} s since this rank's "
-            f"last progress (train.hang_timeout={self.hang_timeout:g})\n"
+            f"last progress (train.resilience.hang_timeout={self.hang_timeout:g})\n"
             f"main thread: {'waiting in ' if status['waiting'] else 'not waiting: '}{status['where']}\n\n"
         )
         with contextlib.suppress(OSError):  # a full or read-only run dir must not stop the exit
@@ -396,7 +396,7 @@ def hang_summary(
         groups.setdefault((s["waiting"], s["phase"], s["where"]), []).append(s["rank"])
     ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
     lines = [
-        f"[bold red]hang:[/] no progress for {event['seconds']:.0f} s (train.hang_timeout) at step "
+        f"[bold red]hang:[/] no progress for {event['seconds']:.0f} s (train.resilience.hang_timeout) at step "
         f"{max((s['step'] for s in statuses), default=0)}, first seen on rank {event['rank']}"
         + (f"; every rank's stacks in {escape(str(dump_dir))}/rank<N>.txt" if dump_dir else "")
     ]

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlm.config import Config, MLAConfig, ModelConfig, load_config
+from mlm.config import Config, MLAConfig, ModelConfig, RopeConfig, load_config
 from mlm.convert.hf import config_to_hf
 from mlm.convert.trtllm.config import architecture
 from mlm.errors import MlmError
@@ -38,10 +38,10 @@ DEEPSEEK = {
     "model.mla.qk_nope_head_dim": 16,
     "model.mla.qk_rope_head_dim": 8,
     "model.mla.v_head_dim": 12,
-    "model.rope_scaling_factor": 4.0,
-    "model.rope_scaling_type": "yarn",
-    "model.rope_original_max_position_embeddings": 16,
-    "model.rope_yarn_mscale_all_dim": 1.0,
+    "model.rope.scaling_factor": 4.0,
+    "model.rope.scaling_type": "yarn",
+    "model.rope.original_max_position_embeddings": 16,
+    "model.rope.yarn_mscale_all_dim": 1.0,
     "model.mlp_kind": "moe",
     "model.first_k_dense": 1,
     "model.moe.num_experts": 4,
@@ -193,12 +193,12 @@ def test_bad_deepseek_settings_are_refused():
         ModelConfig(attention_kind="mla", qk_norm=True)
     with pytest.raises(MlmError, match=r"mtp_num_layers=1 with position_embedding='learned'"):
         ModelConfig(position_embedding="learned", mtp_num_layers=1)
-    yarn = ModelConfig(rope_scaling_factor=4.0, rope_scaling_type="yarn")
+    yarn = ModelConfig(rope=RopeConfig(scaling_factor=4.0, scaling_type="yarn"))
     with pytest.raises(
-        MlmError, match=r"cannot be written as Hugging Face llama: model.rope_scaling_type='yarn'"
+        MlmError, match=r"cannot be written as Hugging Face llama: model.rope.scaling_type='yarn'"
     ):
         config_to_hf(yarn, "llama")
-    with pytest.raises(MlmError, match=r"cannot be written as TensorRT-LLM: model.rope_scaling_type='yarn'"):
+    with pytest.raises(MlmError, match=r"cannot be written as TensorRT-LLM: model.rope.scaling_type='yarn'"):
         architecture(yarn)
     with pytest.raises(MlmError, match=r"mtp_num_layers=1: TensorRT-LLM's layouts .* have no multi-token"):
         architecture(ModelConfig(mtp_num_layers=1))

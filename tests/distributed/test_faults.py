@@ -1,7 +1,7 @@
 """Faults in the numbers (`mlm.train.faults`): a NaN loss or gradient, or a loss spike, injected at
 step K on real gloo ranks (dp 2, with and without the distributed optimizer, tp 2, pp 2), is skipped, rolled back or stops the run as
-train.fault_action says; a skipped or rolled-back run then equals a run with
-train.skip_iterations=[K], which never trains on step K's data.
+train.resilience.fault_action says; a skipped or rolled-back run then equals a run with
+train.resilience.skip_iterations=[K], which never trains on step K's data.
 
 Tolerance: none. Both runs are on the same mesh and CPU, fp32, so the same numbers are summed in
 the same order: later losses, the final weights and Adam's step count are compared bit for bit. The
@@ -32,12 +32,12 @@ from tests.helpers.distributed import run_ranks
 K = 4  # the faulty step
 BASE = {"train.train_iters": 7, "optimizer.adam_eps": 1e-4}
 RUNS = {
-    "listed": {"train.skip_iterations": f"[{K}]"},
+    "listed": {"train.resilience.skip_iterations": f"[{K}]"},
     "nan-loss": {},
     "nan-grad": {},
-    "spike": {"train.loss_spike_zscore": 20.0, "train.loss_spike_window": 3},
-    "rollback": {"train.fault_action": "rollback", "checkpoint.save_interval": 2},
-    "stop": {"train.fault_action": "stop"},
+    "spike": {"train.resilience.loss_spike_zscore": 20.0, "train.resilience.loss_spike_window": 3},
+    "rollback": {"train.resilience.fault_action": "rollback", "checkpoint.save_interval": 2},
+    "stop": {"train.resilience.fault_action": "stop"},
 }
 
 
@@ -138,7 +138,7 @@ def test_faults_on_two_ranks(tmp_path, tiny_data, parallel, names):
             if name == "stop":
                 assert run["iteration"] == K - 1
                 assert run["error"].startswith(f"step {K}: nan loss")
-                assert "train.fault_action=stop" in run["error"]
+                assert "train.resilience.fault_action=stop" in run["error"]
                 continue
             _same_as_listed(run, listed)
             expected = {
@@ -170,7 +170,7 @@ MOE_BIAS = {
     "model.moe.router_enable_expert_bias": "true",
     "model.moe.router_bias_update_rate": 0.01,
 }
-FP8 = {"train.precision": "bf16", "train.fp8": "hybrid", "train.fp8_amax_history_len": 4}
+FP8 = {"train.precision": "bf16", "train.fp8.format": "hybrid", "train.fp8.amax_history_len": 4}
 
 
 @pytest.mark.parametrize("model", [MOE_BIAS, FP8], ids=["moe-expert-bias", "fp8-delayed"])
@@ -190,7 +190,7 @@ def test_resume_keeps_skipping_and_adam_step(tmp_path, tiny_data):
     ckpt = tmp_path / "ckpt"
     sets = {
         **BASE,
-        "train.skip_iterations": "[3]",
+        "train.resilience.skip_iterations": "[3]",
         "checkpoint.save": f"'{ckpt}'",
         "checkpoint.save_interval": 2,
     }
@@ -225,15 +225,21 @@ def test_rollback_without_an_earlier_checkpoint_stops(tmp_path, tiny_data):
 @pytest.mark.parametrize(
     "sets,message",
     [
-        ({"train.fault_action": "retry"}, "train.fault_action='retry': must be one of skip, rollback, stop"),
         (
-            {"train.fault_action": "rollback"},
+            {"train.resilience.fault_action": "retry"},
+            "train.resilience.fault_action='retry': must be one of skip, rollback, stop",
+        ),
+        (
+            {"train.resilience.fault_action": "rollback"},
             "fault_action=rollback with checkpoint.save empty.*checkpoint.save=DIR",
         ),
-        ({"train.loss_spike_zscore": -1.0}, "loss_spike_zscore=-1.0: must be 0"),
-        ({"train.loss_spike_window": 1}, "loss_spike_window=1: must be at least 2"),
-        ({"train.skip_iterations": "[0, 5]"}, r"skip_iterations=\[0, 5\]: steps count from 1.*remove \[0\]"),
-        ({"train.skip_iterations": "5"}, "skip_iterations=5: expected a list"),
+        ({"train.resilience.loss_spike_zscore": -1.0}, "loss_spike_zscore=-1.0: must be 0"),
+        ({"train.resilience.loss_spike_window": 1}, "loss_spike_window=1: must be at least 2"),
+        (
+            {"train.resilience.skip_iterations": "[0, 5]"},
+            r"skip_iterations=\[0, 5\]: steps count from 1.*remove \[0\]",
+        ),
+        ({"train.resilience.skip_iterations": "5"}, "skip_iterations=5: expected a list"),
     ],
 )
 def test_config_is_checked(tmp_path, sets, message):
@@ -258,7 +264,7 @@ def test_a_rollback_starts_a_new_straggler_window(tmp_path, tiny_data, monkeypat
     sets = {
         **BASE,
         **RUNS["rollback"],
-        "train.straggler_window": 5,
+        "train.resilience.straggler_window": 5,
         "checkpoint.save": f"'{tmp_path / 'c'}'",
     }
     trainer = Trainer(load_config(None, tiny_sets(tmp_path / "run", tiny_data, **sets)))
@@ -298,10 +304,12 @@ def test_a_spike_seen_on_another_rank_only_is_named_as_such(monkeypatch):
             flags[2] = 1.0  # the other rank's spike flag
 
     monkeypatch.setattr(faults, "dist", OtherRankSpikes)
-    t = load_config(None, ["train.loss_spike_zscore=6", "train.loss_spike_window=2"]).train
+    t = load_config(
+        None, ["train.resilience.loss_spike_zscore=6", "train.resilience.loss_spike_window=2"]
+    ).train
     monitor = faults.FaultMonitor(t)
     monitor.applied(5.0)
     monitor.applied(5.0)
     fault = monitor.test(3, 5.0, 1.0, torch.device("cpu"))
-    assert fault == faults.Fault(3, "loss spike on another rank (train.loss_spike_zscore=6)")
+    assert fault == faults.Fault(3, "loss spike on another rank (train.resilience.loss_spike_zscore=6)")
     assert monitor.counts["spikes"] == 1

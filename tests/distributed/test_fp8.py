@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kernels.fp8 import FP8_MAX, dequantize, quantize, scale_from_amax
-from mlm.config import TrainConfig, load_config
+from mlm.config import Fp8Config, TrainConfig, load_config
 from mlm.errors import MlmError
 from mlm.parallel.fp8 import apply_fp8, check_fp8_device, fp8_linears
 from mlm.parallel.mesh import Mesh
@@ -89,7 +89,7 @@ class Toy(nn.Module):
 
 
 def fp8_cfg(**kw) -> TrainConfig:
-    return TrainConfig(precision="bf16", fp8=kw.pop("fp8", "hybrid"), **kw)
+    return TrainConfig(precision="bf16", fp8=Fp8Config(**{"format": "hybrid", **kw}))
 
 
 def qdq(x, scale, fmt):
@@ -117,7 +117,7 @@ def test_fp8_linear_matches_direct_computation(fmt):
         model.layers["0"]["up"].weight.detach().clone(),
         model.layers["0"]["up"].bias.detach().clone(),
     )
-    state = apply_fp8(model, fp8_cfg(fp8=fmt), Mesh.single(), torch.device("cpu"))
+    state = apply_fp8(model, fp8_cfg(format=fmt), Mesh.single(), torch.device("cpu"))
     sx, sw, sg = 3.0, 40.0, 2.0**14
     state.scale[0] = torch.tensor([sx, sw, sg])
     state.started = True  # a later step: these scales, not the tensors' own
@@ -167,9 +167,7 @@ def test_delayed_scaling_history_after_three_steps():
     output gradients each linear saw (recorded by hooks). Exact (same fp32 max and division)."""
     L, margin = 4, 1
     model = Toy()
-    state = apply_fp8(
-        model, fp8_cfg(fp8_amax_history_len=L, fp8_margin=margin), Mesh.single(), torch.device("cpu")
-    )
+    state = apply_fp8(model, fp8_cfg(amax_history_len=L, margin=margin), Mesh.single(), torch.device("cpu"))
     seen = {name: {"input": [], "weight": [], "grad": []} for name in state.names}
     for name in state.names:
         mod = model.get_submodule(name)
@@ -218,7 +216,7 @@ def test_delayed_scaling_history_after_three_steps():
 
 def test_most_recent_and_tensorwise():
     model = Toy()
-    state = apply_fp8(model, fp8_cfg(fp8_amax_compute_algo="most_recent"), Mesh.single(), torch.device("cpu"))
+    state = apply_fp8(model, fp8_cfg(amax_compute_algo="most_recent"), Mesh.single(), torch.device("cpu"))
     state.amax_history[..., -1] = 1.0
     state.amax.fill_(4.0)
     state.finish_step()
@@ -231,7 +229,7 @@ def test_current_scaling(recipe):
     amax is in the histories. Tolerance 1e-6 relative (fp32)."""
     model = Toy(bias=False)
     w = model.layers["0"]["up"].weight.detach().clone()
-    state = apply_fp8(model, fp8_cfg(fp8_recipe=recipe, fp8="e4m3"), Mesh.single(), torch.device("cpu"))
+    state = apply_fp8(model, fp8_cfg(recipe=recipe, format="e4m3"), Mesh.single(), torch.device("cpu"))
     assert (state.amax_history is None) == (recipe == "tensorwise") and not state.started
     x = torch.randn(6, 16)
     y = model.layers["0"]["up"](x)
@@ -243,8 +241,8 @@ def test_current_scaling(recipe):
 
 FP8 = {
     "train.precision": "bf16",
-    "train.fp8": "hybrid",
-    "train.fp8_amax_history_len": 4,
+    "train.fp8.format": "hybrid",
+    "train.fp8.amax_history_len": 4,
     "model.hidden_dropout": 0.0,
     "train.global_batch_size": 8,
     "train.micro_batch_size": 2,
@@ -337,9 +335,9 @@ def test_mesh_matches_one_process_under_fp8(tmp_path, tiny_data, parallel, recip
     element each, of tensors that differ by bf16 rounding and its fp8 requantisation). Later amaxes
     follow trajectories that drift apart through the fp8 rounding (up to 20 % on a gradient's
     amax by step 4), so only the losses are compared there."""
-    one = Trainer(_cfg(tmp_path / "one", tiny_data, **{"train.fp8_recipe": recipe}))
+    one = Trainer(_cfg(tmp_path / "one", tiny_data, **{"train.fp8.recipe": recipe}))
     ref = one.train()
-    sets = tiny_sets(tmp_path / "mesh", tiny_data, **{**FP8, "train.fp8_recipe": recipe, **parallel})
+    sets = tiny_sets(tmp_path / "mesh", tiny_data, **{**FP8, "train.fp8.recipe": recipe, **parallel})
     per_rank = run_ranks(2, _mesh_rank, sets)
     for losses, first_amax, names in per_rank:
         rtol = 2e-3 if parallel else 1e-6
@@ -361,14 +359,18 @@ def test_mesh_matches_one_process_under_fp8(tmp_path, tiny_data, parallel, recip
 
 
 def test_fp8_refused_where_it_cannot_run():
-    with pytest.raises(MlmError, match=r"train.fp8='hybrid' with train.precision='fp32'.*precision=bf16"):
-        TrainConfig(fp8="hybrid")
-    with pytest.raises(MlmError, match="train.fp8='e5m2': must be one of"):
-        TrainConfig(precision="bf16", fp8="e5m2")
-    with pytest.raises(MlmError, match=r"train.fp8='hybrid' with train.compile=true.*train.compile=false"):
-        TrainConfig(precision="bf16", fp8="hybrid", compile=True)
-    with pytest.raises(MlmError, match="fp8_amax_history_len=0"):
-        fp8_cfg(fp8_amax_history_len=0)
+    with pytest.raises(
+        MlmError, match=r"train.fp8.format='hybrid' with train.precision='fp32'.*precision=bf16"
+    ):
+        TrainConfig(fp8=Fp8Config(format="hybrid"))
+    with pytest.raises(MlmError, match="train.fp8.format='e5m2': must be one of"):
+        Fp8Config(format="e5m2")
+    with pytest.raises(
+        MlmError, match=r"train.fp8.format='hybrid' with train.compile=true.*train.compile=false"
+    ):
+        TrainConfig(precision="bf16", fp8=Fp8Config(format="hybrid"), compile=True)
+    with pytest.raises(MlmError, match="amax_history_len=0"):
+        fp8_cfg(amax_history_len=0)
     cuda = torch.device("cuda", 0)
     with pytest.raises(MlmError, match=r"compute capability ≥ 8.9.*has 8.0"):
         check_fp8_device(cuda, capability=(8, 0))

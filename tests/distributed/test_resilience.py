@@ -103,7 +103,9 @@ def test_config_error_is_printed_once_by_rank_0_and_every_rank_exits_2(tmp_path,
 
 
 def test_an_exception_on_one_rank_stops_every_rank_promptly(tmp_path, tiny_data):
-    codes, out = _srun(3, _sets(tmp_path, tiny_data, **{"train.hang_timeout": 0}), fault="raise,2,3")
+    codes, out = _srun(
+        3, _sets(tmp_path, tiny_data, **{"train.resilience.hang_timeout": 0}), fault="raise,2,3"
+    )
     assert codes == [FAILED_EXIT_CODE] * 3, out
     assert out.count("RuntimeError: injected fault on rank 2 in step 3") == 2, (
         out
@@ -113,7 +115,9 @@ def test_an_exception_on_one_rank_stops_every_rank_promptly(tmp_path, tiny_data)
 
 
 def test_a_rank_asleep_in_a_step_is_found_dumped_and_every_rank_exits_4(tmp_path, tiny_data):
-    codes, out = _srun(3, _sets(tmp_path, tiny_data, **{"train.hang_timeout": 4}), fault="sleep,1,3")
+    codes, out = _srun(
+        3, _sets(tmp_path, tiny_data, **{"train.resilience.hang_timeout": 4}), fault="sleep,1,3"
+    )
     assert codes == [HANG_EXIT_CODE] * 3, out
     hang = tmp_path / "run" / "hang"
     dumps = {r: (hang / f"rank{r}.txt").read_text() for r in range(3)}
@@ -136,7 +140,7 @@ def test_one_process_detects_its_own_hang(tmp_path, tiny_data):
     for k in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
         env.pop(k, None)
     run = subprocess.run(
-        [sys.executable, str(WORKER), *_sets(tmp_path, tiny_data, **{"train.hang_timeout": 2})],
+        [sys.executable, str(WORKER), *_sets(tmp_path, tiny_data, **{"train.resilience.hang_timeout": 2})],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -161,7 +165,7 @@ def test_summary_names_the_ranks_apart_from_the_others():
         "where": "torch.distributed recv, called at x:2 (f)",
     }
     text = hang_summary(event, statuses, Path("/r/hang"), world_size=9)
-    assert "no progress for 61 s (train.hang_timeout) at step 7, first seen on rank 5" in text
+    assert "no progress for 61 s (train.resilience.hang_timeout) at step 7, first seen on rank 5" in text
     assert "  ranks 0-4, 6-7: loss and metrics, waiting in torch.distributed all_reduce" in text
     assert "  no report from rank(s) 8" in text
     assert "waiting apart from the others: rank(s) 5" in text
@@ -257,5 +261,7 @@ def test_hang_timeout_is_checked(value):
     refused by the config."""
     from mlm.config import load_config
 
-    with pytest.raises(MlmError, match=rf"train.hang_timeout={float(value)}: must be 0 \(off\) or"):
-        load_config(None, [f"train.hang_timeout={value}"])
+    with pytest.raises(
+        MlmError, match=rf"train.resilience.hang_timeout={float(value)}: must be 0 \(off\) or"
+    ):
+        load_config(None, [f"train.resilience.hang_timeout={value}"])

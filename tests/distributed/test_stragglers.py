@@ -81,11 +81,11 @@ def test_summarize_compares_ranks_of_the_same_pipeline_stage():
 
 def test_window_zero_does_nothing(tmp_path, tiny_data, monkeypatch):
     def no_collective(*args, **kw):
-        raise AssertionError("a collective with train.straggler_window=0")
+        raise AssertionError("a collective with train.resilience.straggler_window=0")
 
     monkeypatch.setattr(stragglers.dist, "all_gather", no_collective)
     monkeypatch.setattr(stragglers.dist, "all_gather_object", no_collective)
-    cfg = load_config(None, tiny_sets(tmp_path, tiny_data, **{"train.straggler_window": 0}))
+    cfg = load_config(None, tiny_sets(tmp_path, tiny_data, **{"train.resilience.straggler_window": 0}))
     clock = WorkClock(torch.device("cpu"), enabled=False)
     with clock.span():
         time.sleep(0.01)
@@ -101,7 +101,9 @@ def test_window_zero_does_nothing(tmp_path, tiny_data, monkeypatch):
 
 def test_one_process_reports_each_window(tmp_path, tiny_data):
     """World 1: a row and a record per window, the columns adding up, compute a share of the step."""
-    Trainer(load_config(None, tiny_sets(tmp_path, tiny_data, **{"train.straggler_window": 2}))).train()
+    Trainer(
+        load_config(None, tiny_sets(tmp_path, tiny_data, **{"train.resilience.straggler_window": 2}))
+    ).train()
     rows = _rows(tmp_path / "stragglers.tsv")
     assert [(r["step"], r["rank"], r["stage"], r["ratio"]) for r in rows] == [
         (s, 0, 0, 1.0) for s in (2, 4, 6)
@@ -120,10 +122,10 @@ def test_one_process_reports_each_window(tmp_path, tiny_data):
 def test_config_refuses_bad_values(tmp_path, tiny_data):
     from mlm.errors import MlmError
 
-    with pytest.raises(MlmError, match=r"train.straggler_threshold=1.0: must be above 1"):
-        load_config(None, tiny_sets(tmp_path, tiny_data, **{"train.straggler_threshold": 1.0}))
-    with pytest.raises(MlmError, match=r"train.straggler_window=-1: must be 0 \(off\)"):
-        load_config(None, tiny_sets(tmp_path, tiny_data, **{"train.straggler_window": -1}))
+    with pytest.raises(MlmError, match=r"train.resilience.straggler_threshold=1.0: must be above 1"):
+        load_config(None, tiny_sets(tmp_path, tiny_data, **{"train.resilience.straggler_threshold": 1.0}))
+    with pytest.raises(MlmError, match=r"train.resilience.straggler_window=-1: must be 0 \(off\)"):
+        load_config(None, tiny_sets(tmp_path, tiny_data, **{"train.resilience.straggler_window": -1}))
 
 
 # ---------------------------------------------------------------- real ranks
@@ -170,8 +172,8 @@ def test_slowed_rank_is_named_with_its_ratio(tmp_path, tiny_data):
         **{
             "train.global_batch_size": world * MICRO * 2,
             "train.train_iters": steps,
-            "train.straggler_window": WINDOW,
-            "train.straggler_threshold": 2.0,
+            "train.resilience.straggler_window": WINDOW,
+            "train.resilience.straggler_threshold": 2.0,
         },
     )
     lines = run_ranks(world, _train_slowed, sets, slow)

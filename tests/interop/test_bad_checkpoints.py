@@ -132,7 +132,7 @@ LLAMA = {  # torchtitan's Llama 3, 2 layers of width 8 (2 heads of 4), MLP 16, v
         }.items()
     },
 }  # fmt: skip
-TITAN_SETS = ["model.num_attention_heads=2", "model.rope_base=10000"]
+TITAN_SETS = ["model.num_attention_heads=2", "model.rope.base=10000"]
 
 
 @pytest.mark.parametrize(
@@ -201,7 +201,7 @@ def test_export_names_the_flags_use_checkpoint_args_does_not_read():
 
     base = ["model.num_attention_heads=4", "model.hidden_size=16", "data.seq_length=8"]
     assert unread_flags(megatron_args(load_config(None, [*base, "model.norm_eps=1e-5"]), 64, 0, 0)) == []
-    llama = [*base, "model.norm_eps=1e-6", "model.rope_scaling_factor=32.0", 'model.rope_scaling_type="llama3"',
+    llama = [*base, "model.norm_eps=1e-6", "model.rope.scaling_factor=32.0", 'model.rope.scaling_type="llama3"',
              "model.qk_norm=true"]  # fmt: skip
     flags = unread_flags(megatron_args(load_config(None, llama), 64, 0, 0))
     assert flags == [

@@ -128,7 +128,9 @@ def test_fp8_uses_the_fp8_peak_for_the_linear_layers():
     hw = load_hardware("h100-80g")
     lo = Layout(1, 1, 8, 1, 64)
     bf16 = evaluate(make_job(None, sets, 8, 8, hw, 8192, 64, None, "bf16"), lo).timing
-    fp8 = evaluate(make_job(None, sets + ['train.fp8="hybrid"'], 8, 8, hw, 8192, 64, None, "bf16"), lo).timing
+    fp8 = evaluate(
+        make_job(None, sets + ['train.fp8.format="hybrid"'], 8, 8, hw, 8192, 64, None, "bf16"), lo
+    ).timing
     assert fp8.terms["GEMMs and attention"] < 0.75 * bf16.terms["GEMMs and attention"]
     assert fp8.terms["memory-bound ops"] > bf16.terms["memory-bound ops"]  # the casts
     assert fp8.mfu > bf16.mfu  # MFU stays over the bf16 peak
@@ -207,7 +209,7 @@ def test_fp8_casts_of_an_moe_layer_over_its_experts_widths():
     for name in ("megatron-core", "mlm"):
         sw = PROFILES[name]
         plain = layer_work(_job(sw, MOE, seq).cfg, lo, sw, MOE_LAYER, "none")
-        cfg = _job(sw, MOE + ['train.fp8="hybrid"'], seq).cfg
+        cfg = _job(sw, MOE + ['train.fp8.format="hybrid"'], seq).cfg
         extra[name] = layer_work(cfg, lo, sw, MOE_LAYER, "none").bytes - plain.bytes
     m, t, e, A = cfg.model, 2, seq, 2
     h, K, H, G, F, S = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups, 512, 1024
@@ -231,7 +233,9 @@ def test_fp8_routed_experts_at_the_fp8_peak_only_where_the_software_runs_them_so
     def added(software: str, fp8: bool) -> float:
         terms = []
         for width in (512, 1024):  # the experts' GEMMs stay at efficiency(512 rows)
-            sets = MOE + [f"model.moe.ffn_hidden_size={width}"] + (['train.fp8="hybrid"'] if fp8 else [])
+            sets = (
+                MOE + [f"model.moe.ffn_hidden_size={width}"] + (['train.fp8.format="hybrid"'] if fp8 else [])
+            )
             job = make_job(None, sets, 8, 8, hw, 2048, 64, None, "bf16", PROFILES[software])
             terms.append(evaluate(job, lo).timing.terms["GEMMs and attention"])
         return terms[1] - terms[0]
@@ -256,7 +260,7 @@ def test_selective_modes_rerun_what_their_docstrings_say():
 
     def extra(selective, fp8=False):
         sw = dataclasses.replace(PROFILES["mlm-triton"], selective=selective)
-        cfg = _job(sw, sets + (['train.fp8="hybrid"'] if fp8 else []), 2048).cfg
+        cfg = _job(sw, sets + (['train.fp8.format="hybrid"'] if fp8 else []), 2048).cfg
         plain, again = (layer_work(cfg, lo, sw, DENSE, rc) for rc in ("none", "selective"))
         return cfg.model, again.bytes - plain.bytes, again.kernels - plain.kernels
 
@@ -314,7 +318,12 @@ def test_fp8_leaves_the_output_layer_at_the_compute_dtype_peak():
     lo = Layout(1, 1, 8, 1, 64)
 
     def gemms(vocab: int) -> float:
-        sets = ["preset=llama3-8b", "model.num_layers=2", f"model.vocab_size={vocab}", 'train.fp8="hybrid"']
+        sets = [
+            "preset=llama3-8b",
+            "model.num_layers=2",
+            f"model.vocab_size={vocab}",
+            'train.fp8.format="hybrid"',
+        ]
         job = make_job(None, sets, 8, 8, hw, 2048, 64, None, "bf16")
         return evaluate(job, lo).timing.terms["GEMMs and attention"], job
 
@@ -353,7 +362,7 @@ def test_cp_ring_hides_behind_the_attention_at_its_own_rate():
     lo = Layout(1, 1, 4, 1, 64, cp=2)
 
     def exposed(fp8: bool = False, attention_efficiency: float = 0.35) -> float:
-        sets = ["preset=llama3-8b", "model.num_layers=2"] + (['train.fp8="hybrid"'] if fp8 else [])
+        sets = ["preset=llama3-8b", "model.num_layers=2"] + (['train.fp8.format="hybrid"'] if fp8 else [])
         sw = dataclasses.replace(PROFILES["mlm"], attention_efficiency=attention_efficiency)
         job = make_job(None, sets, 8, 8, hw, 8192, 64, None, "bf16", sw)
         return evaluate(job, lo).timing.terms["cp exchange (exposed)"]
@@ -374,7 +383,7 @@ def test_explain_names_the_peak_the_gemms_run_at():
     from mlm.plan import report
 
     hw = load_hardware("h100-80g")
-    job = make_job(None, ["preset=llama3-8b", 'train.fp8="hybrid"'], 8, 8, hw, 8192, 64, None, "bf16")
+    job = make_job(None, ["preset=llama3-8b", 'train.fp8.format="hybrid"'], 8, 8, hw, 8192, 64, None, "bf16")
     con = Console(file=io.StringIO(), width=200)
     con.print(report.explain(job, evaluate(job, Layout(1, 1, 8, 1, 64))))
     assert "of 1979 TFLOP/s" in con.file.getvalue()

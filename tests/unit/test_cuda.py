@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import kernels.fp8 as fp8_kernels
 from kernels.fp8 import MIN_CAPABILITY, amax, dequantize, fp8_linear, quantize, scale_from_amax
 from mlm.build import build_rank_model
-from mlm.config import ModelConfig, ParallelConfig, TrainConfig, load_config
+from mlm.config import Fp8Config, ModelConfig, ParallelConfig, TrainConfig, load_config
 from mlm.inference.decode_graphs import DecodeGraphs
 from mlm.inference.engine import Engine, EngineConfig, build_runner
 from mlm.inference.kv_cache import PagedKVCache, blocks_needed
@@ -194,7 +194,7 @@ def test_fp8_linear_tracks_a_bf16_linear(recipe):
     fp8_or_skip()
     torch.manual_seed(0)
     ref = OneLinear(64, 128).to(DEVICE)
-    cfg = TrainConfig(precision="bf16", fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=4)
+    cfg = TrainConfig(precision="bf16", fp8=Fp8Config(format="hybrid", recipe=recipe, amax_history_len=4))
     models = {"fp8": copy.deepcopy(ref), "fp8, other GEMM": copy.deepcopy(ref), "bf16": ref}
     states = [apply_fp8(models[k], cfg, Mesh.single(), DEVICE) for k in ("fp8", "fp8, other GEMM")]
     errors = []
@@ -229,14 +229,14 @@ def test_fp8_linear_tracks_a_bf16_linear(recipe):
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_fp8_training_tracks_bf16(tmp_path_factory, tiny_data, recipe):
-    """3 steps of the tiny Llama on DEVICE with train.fp8=hybrid inside bf16 against the same
+    """3 steps of the tiny Llama on DEVICE with train.fp8.format=hybrid inside bf16 against the same
     run in bf16 without fp8: losses within 5e-3 relative (measured on the CPU's emulation, which
     computes what the fp8 GEMM does: 2.8e-4 delayed, 4.1e-4 tensorwise; fp8's few-percent
     rounding of each linear's operands barely moves the loss of a near-random model)."""
     fp8_or_skip()
     bf16, _ = train(tmp_path_factory, tiny_data, DEVICE, **{"train.precision": "bf16"})
-    fp8 = {"train.precision": "bf16", "train.fp8": "hybrid", "train.fp8_recipe": recipe}
-    losses, trainer = train(tmp_path_factory, tiny_data, DEVICE, **fp8, **{"train.fp8_amax_history_len": 4})
+    fp8 = {"train.precision": "bf16", "train.fp8.format": "hybrid", "train.fp8.recipe": recipe}
+    losses, trainer = train(tmp_path_factory, tiny_data, DEVICE, **fp8, **{"train.fp8.amax_history_len": 4})
     assert trainer.fp8 is not None and trainer.fp8.names
     err = loss_error(losses, bf16)
     print(f"fp8 {recipe} vs bf16 on {DEVICE}: max |Δloss|/loss {err:.2e}")

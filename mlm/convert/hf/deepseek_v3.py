@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mlm.config import MLAConfig, ModelConfig, MoEConfig
+from mlm.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from mlm.convert.hf.adapter import Adapter
 from mlm.convert.hf.llama import DENSE_MLP, LLAMA_RULES, rmsnorm_swiglu_fields, rope_parameters
 from mlm.convert.hf.moe import MoEAdapter
@@ -79,13 +79,13 @@ _MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim
 
 
 def yarn_fields(a: Adapter, c: dict) -> dict:
-    """rope_base and the YaRN fields of `model` from config.json (`rope_parameters`); the defaults
+    """`model.rope` (the base and the YaRN fields) from config.json (`rope_parameters`); the defaults
     are transformers' (a missing factor is max_position_embeddings / original_max_position_embeddings,
     missing betas 32 and 1)."""
     whole = "all qk_rope_head_dim dims; only 1.0 (or none) converts"
     theta, rope_type, r = rope_parameters(c, 10000.0, whole)
     if rope_type == "default":
-        return dict(rope_base=theta)
+        return dict(rope=RopeConfig(base=theta))
     if rope_type != "yarn":
         raise MlmError(
             f"rope_scaling rope_type={rope_type!r}: mlm's {a.model_type} supports 'default' (none) and 'yarn'"
@@ -111,31 +111,32 @@ def yarn_fields(a: Adapter, c: dict) -> dict:
     # transformers uses mscale only with a nonzero mscale_all_dim (else mscale(factor) alone);
     # mlm's rope does the same, so an unset mscale is mlm's default 1.0 unless that matters
     mscale = float(r.get("mscale") or (0.0 if m_all else 1.0))
-    return dict(
-        rope_base=theta,
-        rope_scaling_factor=float(factor),
-        rope_scaling_type="yarn",
-        rope_original_max_position_embeddings=old,
-        rope_yarn_beta_fast=float(r.get("beta_fast") or 32.0),
-        rope_yarn_beta_slow=float(r.get("beta_slow") or 1.0),
-        rope_yarn_mscale=mscale,
-        rope_yarn_mscale_all_dim=m_all,
+    rope = RopeConfig(
+        base=theta,
+        scaling_factor=float(factor),
+        scaling_type="yarn",
+        original_max_position_embeddings=old,
+        yarn_beta_fast=float(r.get("beta_fast") or 32.0),
+        yarn_beta_slow=float(r.get("beta_slow") or 1.0),
+        yarn_mscale=mscale,
+        yarn_mscale_all_dim=m_all,
     )
+    return dict(rope=rope)
 
 
 def yarn_to_hf(cfg: ModelConfig) -> dict | None:
     """config.json's rope_scaling for `cfg` (None without scaling)."""
-    if cfg.rope_scaling_factor is None:
+    if cfg.rope.scaling_factor is None:
         return None
     return {
         "type": "yarn",  # DeepSeek's own key; transformers reads either
         "rope_type": "yarn",
-        "factor": cfg.rope_scaling_factor,
-        "original_max_position_embeddings": cfg.rope_original_max_position_embeddings,
-        "beta_fast": cfg.rope_yarn_beta_fast,
-        "beta_slow": cfg.rope_yarn_beta_slow,
-        "mscale": cfg.rope_yarn_mscale,
-        "mscale_all_dim": cfg.rope_yarn_mscale_all_dim,
+        "factor": cfg.rope.scaling_factor,
+        "original_max_position_embeddings": cfg.rope.original_max_position_embeddings,
+        "beta_fast": cfg.rope.yarn_beta_fast,
+        "beta_slow": cfg.rope.yarn_beta_slow,
+        "mscale": cfg.rope.yarn_mscale,
+        "mscale_all_dim": cfg.rope.yarn_mscale_all_dim,
     }
 
 
@@ -303,8 +304,8 @@ class DeepseekV3Adapter(MoEAdapter):
         bad = []
         if any(k != "moe" for k in kinds[dense:]):
             bad.append(f"layers {kinds} (needs dense layers first, then only MoE: first_k_dense_replace)")
-        if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "yarn":
-            bad.append(f"model.rope_scaling_type={cfg.rope_scaling_type!r} (needs 'yarn')")
+        if cfg.rope.scaling_factor is not None and cfg.rope.scaling_type != "yarn":
+            bad.append(f"model.rope.scaling_type={cfg.rope.scaling_type!r} (needs 'yarn')")
         if has_moe:
             shared = m.shared_expert_ffn_hidden_size
             if not shared or shared % F:
@@ -354,7 +355,7 @@ class DeepseekV3Adapter(MoEAdapter):
             "hidden_act": "silu",
             "max_position_embeddings": cfg.max_position_embeddings,
             "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_base,
+            "rope_theta": cfg.rope.base,
             "rope_scaling": yarn_to_hf(cfg),
             "tie_word_embeddings": cfg.tie_embeddings,
             "attention_bias": False,

@@ -256,14 +256,12 @@ def _numerics(cfg: ModelConfig) -> dict[str, object]:
         d.update({f"moe.{k}": getattr(cfg.moe, k) for k in _MOE_NUMERICS})
         d["expert_ffn_size"] = cfg.expert_ffn_size
     if cfg.position_embedding == "rope":
-        rope = ["rope_base", "rope_scaling_factor"]
-        if cfg.rope_scaling_factor is not None:
-            rope += ["rope_scaling_type", "rope_original_max_position_embeddings"]
-            yarn = [f"rope_yarn_{k}" for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")]
-            rope += (
-                yarn if cfg.rope_scaling_type == "yarn" else ["rope_low_freq_factor", "rope_high_freq_factor"]
-            )
-        d.update({k: getattr(cfg, k) for k in rope})
+        rope = ["base", "scaling_factor"]
+        if cfg.rope.scaling_factor is not None:
+            rope += ["scaling_type", "original_max_position_embeddings"]
+            yarn = [f"yarn_{k}" for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")]
+            rope += yarn if cfg.rope.scaling_type == "yarn" else ["low_freq_factor", "high_freq_factor"]
+        d.update({f"rope.{k}": getattr(cfg.rope, k) for k in rope})
     return d
 
 

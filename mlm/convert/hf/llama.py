@@ -8,7 +8,7 @@ fields, the sliding-window rule) are shared by Mistral, Mixtral, Qwen2-MoE and Q
 
 from __future__ import annotations
 
-from mlm.config import ModelConfig
+from mlm.config import ModelConfig, RopeConfig
 from mlm.convert.hf.adapter import Adapter
 from mlm.convert.keymap import Target
 from mlm.errors import MlmError
@@ -113,17 +113,16 @@ def llama_fields(a: Adapter, c: dict, theta: float = 10000.0, eps: float = 1e-6)
     scaled = {}
     if scaling is not None:
         scaled = dict(
-            rope_scaling_factor=float(scaling["factor"]),
-            rope_low_freq_factor=float(scaling["low_freq_factor"]),
-            rope_high_freq_factor=float(scaling["high_freq_factor"]),
-            rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            scaling_factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
         )
     return dict(
         **rmsnorm_swiglu_fields(a, c, eps),
         num_query_groups=c.get("num_key_value_heads") or H,
         kv_channels=ModelConfig.kv_channels_from(D, H, c.get("head_dim")),
-        rope_base=theta,
-        **scaled,
+        rope=RopeConfig(base=theta, **scaled),
         attention_dropout=float(c.get("attention_dropout", 0.0)),
     )
 
@@ -134,24 +133,24 @@ LLAMA_RULES = dict(normalization="rmsnorm", position_embedding="rope", activatio
 
 def check_llama3_scaling(cfg: ModelConfig, target: str) -> None:
     """MlmError unless `cfg`'s RoPE scaling, if any, is Llama-3.1's (the one `target` writes)."""
-    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "llama3":
+    if cfg.rope.scaling_factor is not None and cfg.rope.scaling_type != "llama3":
         raise MlmError(
-            f"this model cannot be written as {target}: model.rope_scaling_type={cfg.rope_scaling_type!r} "
+            f"this model cannot be written as {target}: model.rope.scaling_type={cfg.rope.scaling_type!r} "
             "(its RoPE scaling is written as Llama-3.1's, rope_type llama3); export a model with "
-            "rope_scaling_type=llama3 or no rope_scaling_factor"
+            "model.rope.scaling_type=llama3 or no model.rope.scaling_factor"
         )
 
 
 def llama3_rope_scaling(cfg: ModelConfig) -> dict | None:
     """Hugging Face's `rope_scaling` dict of Llama 3.1's RoPE scaling (None without scaling)."""
-    if cfg.rope_scaling_factor is None:
+    if cfg.rope.scaling_factor is None:
         return None
     return {
         "rope_type": "llama3",
-        "factor": cfg.rope_scaling_factor,
-        "low_freq_factor": cfg.rope_low_freq_factor,
-        "high_freq_factor": cfg.rope_high_freq_factor,
-        "original_max_position_embeddings": cfg.rope_original_max_position_embeddings,
+        "factor": cfg.rope.scaling_factor,
+        "low_freq_factor": cfg.rope.low_freq_factor,
+        "high_freq_factor": cfg.rope.high_freq_factor,
+        "original_max_position_embeddings": cfg.rope.original_max_position_embeddings,
     }
 
 
@@ -171,7 +170,7 @@ def llama_to_hf(a: Adapter, cfg: ModelConfig) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_base,
+        "rope_theta": cfg.rope.base,
         "rope_scaling": llama3_rope_scaling(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": cfg.attention_dropout,

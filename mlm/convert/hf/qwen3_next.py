@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mlm.config import GatedDeltaNetConfig, ModelConfig, MoEConfig
+from mlm.config import GatedDeltaNetConfig, ModelConfig, MoEConfig, RopeConfig
 from mlm.convert.hf.llama import DENSE_MLP, rmsnorm_swiglu_fields, rope_parameters
 from mlm.convert.hf.moe import ROUTER_RULES, sparse_layers, sparse_layers_to_hf
 from mlm.convert.hf.qwen2_moe import QWEN_EXPERTS, QwenMoeAdapter
@@ -139,7 +139,7 @@ class Qwen3NextAdapter(QwenMoeAdapter):
             layer_pattern=pattern,
             num_query_groups=c.get("num_key_value_heads") or H,
             kv_channels=ModelConfig.kv_channels_from(D, H, c.get("head_dim")),
-            rope_base=theta,
+            rope=RopeConfig(base=theta),
             rotary_percent=float(r.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))),
             qk_norm=True,
             attention_output_gate=True,
@@ -166,11 +166,12 @@ class Qwen3NextAdapter(QwenMoeAdapter):
             qk_norm=True,
             attention_output_gate=True,
             norm_zero_centered=True,
-            rope_scaling_factor=None,
         )
         bad = [
             f"model.{k}={getattr(cfg, k)!r} (needs {v!r})" for k, v in rules.items() if getattr(cfg, k) != v
         ]
+        if cfg.rope.scaling_factor is not None:
+            bad.append(f"model.rope.scaling_factor={cfg.rope.scaling_factor!r} (needs None)")
         if not kinds <= {(a, b) for a in ("gdn", "gqa") for b in ("dense", "moe")}:
             bad.append(f"layer kinds {sorted(kinds)} (needs gdn or gqa, each with dense or moe)")
         if "moe" in cfg.mlp_kinds():
@@ -206,7 +207,7 @@ class Qwen3NextAdapter(QwenMoeAdapter):
             "rms_norm_eps": cfg.norm_eps,
             "rope_parameters": {
                 "rope_type": "default",
-                "rope_theta": cfg.rope_base,
+                "rope_theta": cfg.rope.base,
                 "partial_rotary_factor": cfg.rotary_percent,
             },
             "attention_bias": False,

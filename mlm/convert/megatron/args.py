@@ -16,7 +16,7 @@ _ARGS = {
     "kv_channels": "kv_channels",
     "max_position_embeddings": "max_position_embeddings",
     "norm_epsilon": "norm_eps",
-    "rotary_base": "rope_base",
+    "rotary_base": "rope.base",
     "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
     "hidden_dropout": "hidden_dropout",
     "attention_dropout": "attention_dropout",
@@ -107,9 +107,9 @@ def args_overrides(common: dict) -> list[str]:
     if args.get("squared_relu"):
         out["activation"] = "squared_relu"
     if args.get("use_rope_scaling"):  # Llama 3.1's scaling; Megatron fixes the other three constants
-        out |= {"rope_scaling_factor": args.get("rope_scaling_factor", 8.0), "rope_scaling_type": "llama3"}
-        out |= {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0}
-        out["rope_original_max_position_embeddings"] = 8192
+        out |= {"rope.scaling_factor": args.get("rope_scaling_factor", 8.0), "rope.scaling_type": "llama3"}
+        out |= {"rope.low_freq_factor": 1.0, "rope.high_freq_factor": 4.0}
+        out["rope.original_max_position_embeddings"] = 8192
     # one type and coefficient, or lists of equal length (Megatron-LM unwraps one-element lists)
     kinds, coeffs = (args.get(n) for n in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"))
     kinds, coeffs = ([v] if not isinstance(v, list | tuple) else list(v) for v in (kinds, coeffs))
@@ -204,9 +204,9 @@ def _mla_fields(args: dict) -> dict:
                 "and sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim); mlm's fields give that "
                 "for both set, or mscale 1 with mscale_all_dim 0, only"
             )
-        out |= {"rope_scaling_factor": factor, "rope_scaling_type": "yarn", "rope_yarn_mscale": mscale}
-        out |= {"rope_yarn_mscale_all_dim": mscale_all, "rope_original_max_position_embeddings": 4096}
-        out |= {"rope_yarn_beta_fast": 32.0, "rope_yarn_beta_slow": 1.0}
+        out |= {"rope.scaling_factor": factor, "rope.scaling_type": "yarn", "rope.yarn_mscale": mscale}
+        out |= {"rope.yarn_mscale_all_dim": mscale_all, "rope.original_max_position_embeddings": 4096}
+        out |= {"rope.yarn_beta_fast": 32.0, "rope.yarn_beta_slow": 1.0}
     return out
 
 
@@ -224,8 +224,8 @@ def training_position(common: dict) -> dict:
 def _mla_args(cfg: ModelConfig) -> dict:
     """Megatron-LM's MLA arguments for an MLA `cfg` (qk_head_dim: the dims without RoPE). mlm's
     YaRN attention factor with mscale_all_dim 0 is mscale(factor): Megatron's with mscale 1."""
-    m, yarn = cfg.mla, cfg.rope_scaling_factor is not None
-    mscale_all = cfg.rope_yarn_mscale_all_dim if yarn else 0.0
+    m, yarn = cfg.mla, cfg.rope.scaling_factor is not None
+    mscale_all = cfg.rope.yarn_mscale_all_dim if yarn else 0.0
     return dict(
         multi_latent_attention=True,
         qk_layernorm=True,  # the latent norms
@@ -236,8 +236,8 @@ def _mla_args(cfg: ModelConfig) -> dict:
         qk_pos_emb_head_dim=m.qk_rope_head_dim,
         v_head_dim=m.v_head_dim,
         rope_type="yarn" if yarn else "rope",
-        rotary_scaling_factor=cfg.rope_scaling_factor if yarn else 1.0,
-        mscale=cfg.rope_yarn_mscale if yarn and mscale_all else 1.0,
+        rotary_scaling_factor=cfg.rope.scaling_factor if yarn else 1.0,
+        mscale=cfg.rope.yarn_mscale if yarn and mscale_all else 1.0,
         mscale_all_dim=mscale_all,
         use_rope_scaling=False,
     )
@@ -337,11 +337,11 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, consumed: i
         ),
         add_position_embedding=cfg.position_embedding == "learned",
         use_rotary_position_embeddings=rope,
-        rotary_base=int(cfg.rope_base) if float(cfg.rope_base).is_integer() else cfg.rope_base,
+        rotary_base=int(cfg.rope.base) if float(cfg.rope.base).is_integer() else cfg.rope.base,
         rotary_percent=1.0,
         rotary_interleaved=False,
-        use_rope_scaling=cfg.rope_scaling_factor is not None,
-        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
+        use_rope_scaling=cfg.rope.scaling_factor is not None,
+        rope_scaling_factor=cfg.rope.scaling_factor or 8.0,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         apply_layernorm_1p=False,
         swiglu=cfg.activation == "swiglu",

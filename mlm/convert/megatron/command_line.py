@@ -289,10 +289,10 @@ def _run(args: dict) -> dict:
                          ("eval_interval", "train.eval_interval"), ("eval_iters", "train.eval_iters"),
                          ("log_interval", "logging.log_interval"), ("save_interval", "checkpoint.save_interval"),
                          ("tokenizer_model", "data.tokenizer"), ("reset_position_ids", "data.reset_position_ids"),
-                         ("reset_attention_mask", "data.reset_attention_mask"), ("fp8_format", "train.fp8"),
-                         ("fp8_recipe", "train.fp8_recipe"), ("fp8_margin", "train.fp8_margin"),
-                         ("fp8_amax_history_len", "train.fp8_amax_history_len"),
-                         ("fp8_amax_compute_algo", "train.fp8_amax_compute_algo")):  # fmt: skip
+                         ("reset_attention_mask", "data.reset_attention_mask"), ("fp8_format", "train.fp8.format"),
+                         ("fp8_recipe", "train.fp8.recipe"), ("fp8_margin", "train.fp8.margin"),
+                         ("fp8_amax_history_len", "train.fp8.amax_history_len"),
+                         ("fp8_amax_compute_algo", "train.fp8.amax_compute_algo")):  # fmt: skip
         if args.get(theirs) is not None:
             out[ours] = args[theirs]
     if args.get("data_path") is not None:

@@ -69,15 +69,15 @@ def unsupported(cfg: ModelConfig) -> list[str]:
             "model.qk_norm with normalization=layernorm: mlm's q/k norms are RMSNorm, Megatron's q/k_layernorm "
             "follow --normalization (LayerNorm)"
         )
-    if cfg.rope_scaling_factor is not None and "mla" not in cfg.mixer_kinds():
+    if cfg.rope.scaling_factor is not None and "mla" not in cfg.mixer_kinds():
         llama3 = (
-            cfg.rope_low_freq_factor,
-            cfg.rope_high_freq_factor,
-            cfg.rope_original_max_position_embeddings,
+            cfg.rope.low_freq_factor,
+            cfg.rope.high_freq_factor,
+            cfg.rope.original_max_position_embeddings,
         )
-        if cfg.rope_scaling_type != "llama3" or llama3 != (1.0, 4.0, 8192):
+        if cfg.rope.scaling_type != "llama3" or llama3 != (1.0, 4.0, 8192):
             out.append(
-                f"model.rope_scaling_type={cfg.rope_scaling_type} (low/high freq factors {llama3[0]}/{llama3[1]}, "
+                f"model.rope.scaling_type={cfg.rope.scaling_type} (low/high freq factors {llama3[0]}/{llama3[1]}, "
                 f"original positions {llama3[2]}): Megatron's --use-rope-scaling is Llama-3.1's with 1/4/8192 only"
             )
     return out
@@ -115,14 +115,14 @@ def _mla_unsupported(cfg: ModelConfig) -> list[str]:
             "model.mla.rope_interleave=false: Megatron's multi-latent attention always rotates the rope dims "
             "as interleaved pairs (DeepSeek's)"
         )
-    if cfg.rope_scaling_factor is not None and cfg.rope_scaling_type != "yarn":
+    if cfg.rope.scaling_factor is not None and cfg.rope.scaling_type != "yarn":
         out.append(
-            f"model.rope_scaling_type={cfg.rope_scaling_type} with attention_kind=mla: Megatron's MLA scales "
+            f"model.rope.scaling_type={cfg.rope.scaling_type} with attention_kind=mla: Megatron's MLA scales "
             "RoPE with YaRN only"
         )
-    if cfg.rope_scaling_factor is not None and not cfg.rope_yarn_mscale and cfg.rope_yarn_mscale_all_dim:
+    if cfg.rope.scaling_factor is not None and not cfg.rope.yarn_mscale and cfg.rope.yarn_mscale_all_dim:
         out.append(
-            f"model.rope_yarn_mscale=0 with rope_yarn_mscale_all_dim={cfg.rope_yarn_mscale_all_dim}: Megatron's "
+            f"model.rope.yarn_mscale=0 with model.rope.yarn_mscale_all_dim={cfg.rope.yarn_mscale_all_dim}: Megatron's "
             "YaRN multiplies cos and sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim), not mlm's "
             "mscale(factor) for that pair"
         )
@@ -239,8 +239,8 @@ def export_megatron(
             f"--use-checkpoint-args does not read {names}: pass {' '.join(flags)} to Megatron-LM (its "
             "defaults differ from this model's)"
         )
-    yarn = (cfg.rope_original_max_position_embeddings, cfg.rope_yarn_beta_fast, cfg.rope_yarn_beta_slow)
-    if "mla" in cfg.mixer_kinds() and cfg.rope_scaling_factor is not None and yarn != (4096, 32.0, 1.0):
+    yarn = (cfg.rope.original_max_position_embeddings, cfg.rope.yarn_beta_fast, cfg.rope.yarn_beta_slow)
+    if "mla" in cfg.mixer_kinds() and cfg.rope.scaling_factor is not None and yarn != (4096, 32.0, 1.0):
         notes.append(
             f"YaRN's original positions {yarn[0]}, beta_fast {yarn[1]}, beta_slow {yarn[2]} have no Megatron-LM "
             "argument (it uses MLATransformerConfig's 4096, 32, 1): set original_max_position_embeddings, "

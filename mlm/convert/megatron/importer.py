@@ -302,11 +302,11 @@ def model_config(ckpt: MegatronCheckpoint, overrides: list[str]) -> tuple[Config
 
 def _defaults_note(cfg: ModelConfig, given: list[str]) -> str:
     """What the logits depend on that neither the shapes nor --set gave (no args in common.pt)."""
-    fields = ["rope_base", "norm_eps", "activation", "max_position_embeddings"]
+    fields = ["rope.base", "norm_eps", "activation", "max_position_embeddings"]
     if "moe" in cfg.mlp_kinds():
         fields += ["moe.router_topk", "moe.router_score_function", "moe.router_pre_softmax"]
     if "mla" in cfg.mixer_kinds():  # Megatron's MLA default is YaRN; without args mlm has none
-        fields += ["rope_scaling_factor", "rope_scaling_type"]
+        fields += ["rope.scaling_factor", "rope.scaling_type"]
     taken = [f for f in fields if not any(s.startswith(f"model.{f}=") for s in given)]
     values = ", ".join(f"{f}={toml_value(config_field(cfg, f))}" for f in taken)
     return (

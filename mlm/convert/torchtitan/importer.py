@@ -58,11 +58,11 @@ _STATES = ("optimizer.", "lr_scheduler.", "train_state.", "dataloader.")
 
 _DEFAULTS = {
     "norm_eps": 1e-5,
-    "rope_scaling_factor": 8.0,
-    "rope_scaling_type": "llama3",
-    "rope_low_freq_factor": 1.0,
-    "rope_high_freq_factor": 4.0,
-    "rope_original_max_position_embeddings": 8192,
+    "rope.scaling_factor": 8.0,
+    "rope.scaling_type": "llama3",
+    "rope.low_freq_factor": 1.0,
+    "rope.high_freq_factor": 4.0,
+    "rope.original_max_position_embeddings": 8192,
 }
 """torchtitan's defaults (TransformerModelArgs.norm_eps, RoPEScalingArgs) where no preset is given."""
 
@@ -282,13 +282,13 @@ def model_config(
             )
     missing = [
         f
-        for f in ("num_attention_heads", "rope_base")
+        for f in ("num_attention_heads", "rope.base")
         if not preset and not any(s.startswith(f"model.{f}=") for s in overrides)
     ]
     if missing:
         raise MlmError(
             f"{ckpt.path}: a torchtitan checkpoint does not say its {' or '.join(missing)}: pass the model's "
-            f"n_heads and rope_theta as --set model.num_attention_heads=N --set model.rope_base=THETA "
+            f"n_heads and rope_theta as --set model.num_attention_heads=N --set model.rope.base=THETA "
             "(or preset=NAME)"
         )
     heads = load_config(None, [*sets, *overrides, "data.seq_length=1"]).model.num_attention_heads

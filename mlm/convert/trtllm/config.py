@@ -10,7 +10,7 @@ checkpoint"); what is refused, and why, in docs/trtllm.md.
 
 from __future__ import annotations
 
-from mlm.config import ModelConfig, MoEConfig
+from mlm.config import ModelConfig, MoEConfig, RopeConfig
 from mlm.convert.common import attention_options
 from mlm.convert.hf.llama import LLAMA_RULES, check_llama3_scaling, llama3_rope_scaling
 from mlm.convert.trtllm.names import GPT, LLAMA, MIXTRAL
@@ -162,7 +162,7 @@ def trt_config(cfg: ModelConfig, tp: int, pp: int, dtype: str) -> dict:
     out |= {
         "hidden_act": "silu" if arch == LLAMA else "swiglu",
         "position_embedding_type": "rope_gpt_neox",
-        "rotary_base": cfg.rope_base,
+        "rotary_base": cfg.rope.base,
         "rotary_scaling": None if scaling is None else {"type": "llama3", **scaling},
         "attn_bias": False,
         "mlp_bias": False,
@@ -245,18 +245,20 @@ def _read_style(c: dict, arch: str, moe: MoEConfig | None) -> dict:
     act = "silu" if moe is None else "swiglu"
     no_bias = dict(attn_bias=(False, False), mlp_bias=(False, False))
     _rules(c, rules | dict(position_embedding_type=(None, "rope_gpt_neox"), hidden_act=(None, act)) | no_bias)
-    rope = STYLES[LLAMA] | {"rope_base": float(c.get("rotary_base", 10000.0))}
+    base = float(c.get("rotary_base", 10000.0))
     scaling = c.get("rotary_scaling")
     if scaling is None:
-        return rope
+        return STYLES[LLAMA] | {"rope": RopeConfig(base=base)}
     if scaling.get("rope_type", scaling.get("type")) != "llama3":
         raise MlmError(f"config.json rotary_scaling {scaling}: mlm reads none or rope_type 'llama3'")
-    return rope | dict(
-        rope_scaling_factor=float(scaling["factor"]),
-        rope_low_freq_factor=float(scaling["low_freq_factor"]),
-        rope_high_freq_factor=float(scaling["high_freq_factor"]),
-        rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    rope = RopeConfig(
+        base=base,
+        scaling_factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
     )
+    return STYLES[LLAMA] | {"rope": rope}
 
 
 def _read_moe(c: dict, tp: int) -> MoEConfig | None:

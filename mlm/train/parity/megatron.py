@@ -68,10 +68,10 @@ def unsupported(cfg: Config) -> list[str]:
             f"train.precision={t.precision}: the reference trains in fp32 only (Megatron's bf16 keeps bf16 "
             "weights and fp32 main copies, mlm autocasts fp32 weights); compare with --set train.precision=fp32"
         )
-    if t.fp8:
-        out.append(f"train.fp8={t.fp8!r}: the reference trains in fp32 only")
-    if t.skip_iterations or t.loss_spike_zscore:
-        out.append("train.skip_iterations / loss_spike_zscore: the reference trains every step")
+    if t.fp8.format:
+        out.append(f"train.fp8.format={t.fp8.format!r}: the reference trains in fp32 only")
+    if t.resilience.skip_iterations or t.resilience.loss_spike_zscore:
+        out.append("train.resilience.skip_iterations / loss_spike_zscore: the reference trains every step")
     o = cfg.optimizer
     warmup, decay, _ = lengths(o, t.train_iters, t.global_batch_size)
     if warmup >= decay:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from mlm.checkpoint import read_group, read_manifest, resolve_checkpoint  # noqa: E402
-from mlm.config import MLAConfig, ModelConfig, MoEConfig, load_config  # noqa: E402
+from mlm.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig, load_config  # noqa: E402
 from mlm.convert import hf as adapters  # noqa: E402
 from mlm.convert.hf import config_from_hf, config_to_hf, hf_to_mlm, load_hf_into, mlm_to_hf  # noqa: E402
 from mlm.convert.hf import io as hf_io  # noqa: E402
@@ -273,7 +273,7 @@ LOAD_MISMATCHES = [  # (case, the mlm config from (HF config.json, its mlm confi
     (
         "llama",
         lambda d, cfg: config_from_hf(dict(d, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
-        r"model\.rope_scaling_factor: mlm None, Hugging Face 8\.0",
+        r"model\.rope\.scaling_factor: mlm None, Hugging Face 8\.0",
     ),
     (
         "qwen2_moe",
@@ -287,8 +287,8 @@ LOAD_MISMATCHES = [  # (case, the mlm config from (HF config.json, its mlm confi
     ),
     (
         "deepseek_v3-yarn",
-        lambda d, cfg: _replace(cfg, rope_yarn_mscale_all_dim=0.0),
-        r"model\.rope_yarn_mscale_all_dim: mlm 0\.0, Hugging Face 1\.0",
+        lambda d, cfg: _replace(cfg, rope=RopeConfig(**{**vars(cfg.rope), "yarn_mscale_all_dim": 0.0})),
+        r"model\.rope\.yarn_mscale_all_dim: mlm 0\.0, Hugging Face 1\.0",
     ),
 ]
 

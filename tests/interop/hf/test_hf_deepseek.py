@@ -79,7 +79,7 @@ def test_config_round_trip():
     transformers 4.x (rope_scaling, DeepSeek's "type") and 5.x (rope_parameters) spellings agree."""
     d = deepseek(rope_scaling=dict(YARN), num_nextn_predict_layers=2).config.to_dict()
     cfg = config_from_hf(d)
-    assert (cfg.first_k_dense, cfg.mtp_num_layers, cfg.rope_scaling_type) == (1, 2, "yarn")
+    assert (cfg.first_k_dense, cfg.mtp_num_layers, cfg.rope.scaling_type) == (1, 2, "yarn")
     assert (cfg.moe.router_num_groups, cfg.moe.router_group_topk, cfg.moe.router_topk) == (4, 2, 4)
     assert cfg.moe.shared_expert_ffn_hidden_size == 16 and cfg.moe.router_topk_scaling_factor == 2.5
     out = config_to_hf(cfg, "deepseek_v3")

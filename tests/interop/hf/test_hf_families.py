@@ -41,7 +41,7 @@ from tests.helpers.hf_models import (  # noqa: E402
 def test_llama3_rope_scaling_is_exercised():
     hf = llama(tie=False)
     cfg = config_from_hf(hf.config.to_dict())
-    assert cfg.rope_scaling_factor == 8.0 and cfg.rope_original_max_position_embeddings == 32
+    assert cfg.rope.scaling_factor == 8.0 and cfg.rope.original_max_position_embeddings == 32
     ours = inv_frequencies(cfg)
     assert torch.equal(ours, hf.model.rotary_emb.inv_freq)
     cos, sin = hf.model.rotary_emb(torch.zeros(1, SEQ, 1), torch.arange(SEQ)[None])
@@ -71,7 +71,7 @@ def test_transformers_4x_and_5x_config_shapes_agree():
     assert config_from_hf(d4) == config_from_hf(d5)
     plain = dict(d4, rope_scaling=None, rope_theta=500000.0)
     cfg = config_from_hf(plain)
-    assert cfg.rope_scaling_factor is None and cfg.rope_base == 500000.0
+    assert cfg.rope.scaling_factor is None and cfg.rope.base == 500000.0
 
 
 def test_qwen3_config_keeps_its_head_dim():

@@ -152,7 +152,7 @@ def test_unhonoured_arguments_named_in_one_message(tmp_path, monkeypatch, capsys
         MlmError, match=r"--calculate-per-token-loss with MoE or MTP layers \(Megatron then weighs"
     ):
         _config(f"{honoured} --num-experts 4 --moe-router-topk 2".replace("--decoupled-lr 5.0e-4", ""))
-    fp8 = (cfg.train.fp8, cfg.train.fp8_amax_history_len, cfg.model.normalization)
+    fp8 = (cfg.train.fp8.format, cfg.train.fp8.amax_history_len, cfg.model.normalization)
     assert fp8 == ("hybrid", 1024, "layernorm")
     # Megatron's checkpoint folders are not mlm's: named in a note, not carried
     assert (cfg.checkpoint.save, cfg.checkpoint.load) == (
@@ -174,7 +174,7 @@ def test_unhonoured_arguments_named_in_one_message(tmp_path, monkeypatch, capsys
         monkeypatch, capsys, "config", "from-megatron", tmp_path / "run.toml", "--", *shlex.split(LLAMA3_8B)
     )
     assert r.returncode == 0, r.stderr
-    assert load_config(tmp_path / "run.toml").model.rope_scaling_type == "llama3"
+    assert load_config(tmp_path / "run.toml").model.rope.scaling_type == "llama3"
     r = cli(
         monkeypatch, capsys, "config", "from-megatron", tmp_path / "run.toml", "--", *shlex.split(LLAMA3_8B)
     )

@@ -64,7 +64,7 @@ def test_import_matches_gptmodel(tmp_path, moe, world, ep):
         report = import_megatron(tmp_path / "megatron", tmp_path / "out", sets)
         if sets:  # no args: the fields taken from mlm's defaults are named
             (note,) = report.notes
-            assert note.startswith("no Megatron-LM args in common.pt: rope_base=10000.0, norm_eps=1e-05"), (
+            assert note.startswith("no Megatron-LM args in common.pt: rope.base=10000.0, norm_eps=1e-05"), (
                 note
             )
             assert ("moe.router_score_function" in note) == moe, note
@@ -236,7 +236,7 @@ def test_args_that_change_the_model_are_followed():
     sets = set(args_overrides({"args": args}))
     expected = {
         "model.num_attention_heads=8", "model.activation=\"gelu\"", "model.normalization=\"layernorm\"",
-        "model.rope_scaling_factor=32.0", "model.rope_scaling_type=\"llama3\"", "model.hidden_dropout=0.1",
+        "model.rope.scaling_factor=32.0", "model.rope.scaling_type=\"llama3\"", "model.hidden_dropout=0.1",
         "model.moe.router_score_function=\"sigmoid\"", "model.moe.router_enable_expert_bias=true",
         "model.moe.router_topk_scaling_factor=2.5", "model.moe.router_num_groups=4", "model.moe.router_group_topk=2",
         "model.moe.router_pre_softmax=false", "model.moe.seq_aux_loss_coeff=0.0001",

@@ -79,26 +79,26 @@ def test_import_mla_matches_gptmodel(
     the MLA dims from the shapes, the heads and YaRN with --set, the defaults named in a note)."""
     src = tmp_path / "megatron"
     ref = run_ranks(world, save_mla_reference, str(src), q_lora, mscale_all_dim, q_lora)[0]
-    sets = [f"model.rope_original_max_position_embeddings={YARN['original_max_position_embeddings']}"]
+    sets = [f"model.rope.original_max_position_embeddings={YARN['original_max_position_embeddings']}"]
     if q_lora:  # MoE layers too (4 experts, top-2), as DeepSeek's
         args = argparse.Namespace(**vars(_args(q_lora, mscale_all_dim)), moe_router_topk=TOPK)
         torch.save({"args": args, "iteration": 0}, src / "common.pt")
         sets.append("model.moe.token_dispatcher=allgather")
     else:
         sets += [f"model.num_attention_heads={HEADS}", f"model.max_position_embeddings={SEQ}"]
-        sets += [f"model.rope_scaling_factor={YARN['rotary_scaling_factor']}", "model.rope_scaling_type=yarn"]
+        sets += [f"model.rope.scaling_factor={YARN['rotary_scaling_factor']}", "model.rope.scaling_type=yarn"]
     report = import_megatron(src, tmp_path / "out", sets)
     if q_lora:
         assert report.notes == []
     else:
         (note,) = report.notes
-        assert note.startswith("no Megatron-LM args in common.pt: rope_base=10000.0, norm_eps=1e-05"), note
+        assert note.startswith("no Megatron-LM args in common.pt: rope.base=10000.0, norm_eps=1e-05"), note
     cfg = config_from_dict(read_group(tmp_path / "out")[1]["config"]).model
     assert cfg.attention_kind == "mla" and cfg.mla.rope_interleave
     dims = (cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank, cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim)
     assert dims == (MLA["q_lora_rank"] if q_lora else None, 20, 12, 8)
     assert cfg.mlp_kind == ("moe" if q_lora else "dense") and cfg.moe.num_experts == (4 if q_lora else 0)
-    assert (cfg.rope_scaling_type, cfg.rope_scaling_factor, cfg.rope_yarn_mscale_all_dim) == (
+    assert (cfg.rope.scaling_type, cfg.rope.scaling_factor, cfg.rope.yarn_mscale_all_dim) == (
         "yarn",
         4.0,
         mscale_all_dim,
@@ -116,9 +116,9 @@ def _mlm_sets(q_lora: bool, mscale_all_dim: float) -> list[str]:
         "model.init_std=0.1", f"data.seq_length={SEQ}", "model.attention_kind=mla", *q,
         f"model.mla.kv_lora_rank={MLA['kv_lora_rank']}", f"model.mla.qk_nope_head_dim={MLA['qk_head_dim']}",
         f"model.mla.qk_rope_head_dim={MLA['qk_pos_emb_head_dim']}", f"model.mla.v_head_dim={MLA['v_head_dim']}",
-        f"model.rope_scaling_factor={YARN['rotary_scaling_factor']}", "model.rope_scaling_type=yarn",
-        f"model.rope_original_max_position_embeddings={YARN['original_max_position_embeddings']}",
-        f"model.rope_yarn_mscale={YARN['mscale']}", f"model.rope_yarn_mscale_all_dim={mscale_all_dim}",
+        f"model.rope.scaling_factor={YARN['rotary_scaling_factor']}", "model.rope.scaling_type=yarn",
+        f"model.rope.original_max_position_embeddings={YARN['original_max_position_embeddings']}",
+        f"model.rope.yarn_mscale={YARN['mscale']}", f"model.rope.yarn_mscale_all_dim={mscale_all_dim}",
     ]  # fmt: skip
 
 
@@ -151,7 +151,7 @@ def test_mla_gptmodel_save_round_trips(megatron, tmp_path):  # noqa: F811
     src = tmp_path / "gptmodel"
     run_ranks(1, save_mla_reference, str(src), True, 1.0)
     torch.save({"args": _args(True, 1.0)}, src / "common.pt")
-    sets = [f"model.rope_original_max_position_embeddings={YARN['original_max_position_embeddings']}"]
+    sets = [f"model.rope.original_max_position_embeddings={YARN['original_max_position_embeddings']}"]
     import_megatron(src, tmp_path / "mlm", sets)
     export_megatron(tmp_path / "mlm", tmp_path / "back")
     theirs, ours = dcp_entries(src), dcp_entries(tmp_path / "back" / "iter_0000000")
@@ -272,7 +272,7 @@ def test_import_mla_with_mtp_matches_gptmodel(megatron, tmp_path):  # noqa: F811
     ce, mtp = run_ranks(1, save_mtp_reference, str(src), 1, True)[0]
     args = argparse.Namespace(**vars(_args(True, 1.0)), mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
     torch.save({"args": args}, src / "common.pt")
-    sets = [f"model.rope_original_max_position_embeddings={YARN['original_max_position_embeddings']}"]
+    sets = [f"model.rope.original_max_position_embeddings={YARN['original_max_position_embeddings']}"]
     import_megatron(src, tmp_path / "out", sets)
     ours_ce, ours_mtp = _mlm_losses(tmp_path / "out", samples())
     assert (ours_ce - ce).abs().max().item() <= TOL

@@ -48,9 +48,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled") 
 HEADS, KV_HEADS = 4, 2  # llama()'s
 SETS = [
     f"model.num_attention_heads={HEADS}",
-    "model.rope_base=10000.0",
+    "model.rope.base=10000.0",
     f"model.max_position_embeddings={SEQ}",
-    f"model.rope_original_max_position_embeddings={LLAMA3_ROPE['original_max_position_embeddings']}",
+    f"model.rope.original_max_position_embeddings={LLAMA3_ROPE['original_max_position_embeddings']}",
 ]
 _HF = {  # HF name (after model.layers.N.) → torchtitan's, per spelling
     "self_attn.q_proj.weight": ("attention.wq.weight", "attention.qkv_linear.wq.weight"),
@@ -251,7 +251,7 @@ def test_cli_and_bad_input(tmp_path, monkeypatch, capsys):
 
     # the heads (and RoPE base) are not in the checkpoint
     r = cli(monkeypatch, capsys, "convert", "from-torchtitan", tmp_path / "checkpoint", tmp_path / "out1")
-    assert_error(r, "does not say its num_attention_heads or rope_base", "--set model.num_attention_heads=N")
+    assert_error(r, "does not say its num_attention_heads or rope.base", "--set model.num_attention_heads=N")
     # not a DCP directory
     (tmp_path / "empty").mkdir()
     r = cli(monkeypatch, capsys, "convert", "from-torchtitan", tmp_path / "empty", tmp_path / "out2", *sets)
@@ -341,7 +341,7 @@ def test_checkpoint_of_torchtitan_trainer(
     theirs = torch.from_numpy(
         run_ranks(ranks, titan.train, out, corpus_jsonl, tokenizer, kv_heads, tied, tokens)[0]
     )
-    sets = [f"model.num_attention_heads={titan.HEADS}", f"model.rope_base={titan.THETA}"]
+    sets = [f"model.num_attention_heads={titan.HEADS}", f"model.rope.base={titan.THETA}"]
     import_torchtitan(out / "checkpoint", tmp_path / "ckpt", [*sets, f"data.seq_length={titan.SEQ}"])
 
     ours = checkpoint_logits(tmp_path / "ckpt", tokens)[..., : theirs.shape[-1]]

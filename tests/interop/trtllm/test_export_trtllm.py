@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from mlm.checkpoint import read_group
 from mlm.checkpoint.manager import save_streaming
-from mlm.config import Config, DataConfig, ModelConfig, MoEConfig, load_config
+from mlm.config import Config, DataConfig, ModelConfig, MoEConfig, RopeConfig, load_config
 from mlm.convert.trtllm.check import check_trtllm
 from mlm.convert.trtllm.exporter import export_trtllm
 from mlm.convert.trtllm.importer import read_trtllm
@@ -54,9 +54,7 @@ MODELS = {
         num_attention_heads=4,
         num_query_groups=1,
         ffn_hidden_size=96,
-        rope_base=500000.0,
-        rope_scaling_factor=8.0,
-        rope_original_max_position_embeddings=32,
+        rope=RopeConfig(base=500000.0, scaling_factor=8.0, original_max_position_embeddings=32),
         tie_embeddings=True,
     ),
     "llama-head-dim": dict(  # head_size 32 ≠ hidden / heads (kv_channels)
@@ -466,7 +464,7 @@ def test_cli_export_check_and_import_back(ckpts, tmp_path, monkeypatch, capsys):
     back, manifest, _ = read_group(tmp_path / "back")
     assert manifest["source"]["architecture"] == "LlamaForCausalLM"
     cfg = load_config(tmp_path / "back" / "config.toml").model
-    assert cfg.rope_scaling_factor == 8.0 and cfg.tie_embeddings and "output.weight" not in back
+    assert cfg.rope.scaling_factor == 8.0 and cfg.tie_embeddings and "output.weight" not in back
     bf16 = {k: t.bfloat16() for k, t in state.items()}
     assert_same_model(bf16, model_config("llama3-rope"), back, cfg)
 

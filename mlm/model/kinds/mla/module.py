@@ -42,11 +42,11 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     """(nope + rope)^-½, times YaRN's mscale(factor, mscale_all_dim)² when that is set (DeepSeek)."""
     scale = cfg.mla.qk_head_dim**-0.5
     if (
-        cfg.rope_scaling_factor is not None
-        and cfg.rope_scaling_type == "yarn"
-        and cfg.rope_yarn_mscale_all_dim
+        cfg.rope.scaling_factor is not None
+        and cfg.rope.scaling_type == "yarn"
+        and cfg.rope.yarn_mscale_all_dim
     ):
-        scale *= yarn_mscale(cfg.rope_scaling_factor, cfg.rope_yarn_mscale_all_dim) ** 2
+        scale *= yarn_mscale(cfg.rope.scaling_factor, cfg.rope.yarn_mscale_all_dim) ** 2
     return scale
 
 
