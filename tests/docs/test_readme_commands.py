@@ -56,7 +56,7 @@ def readme_commands() -> dict[str, str]:
     """The Quick-start commands, keyed by their `just` recipe: {"demo": ..., "test": ...}."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
     quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    blocks = [b.strip() for b in re.findall(r"^```\n(.*?)^```", quick, re.S | re.M)]
+    blocks = [b.strip() for b in re.findall(r"^```sh setup\n(.*?)^```", quick, re.S | re.M)]
     commands = {b.split()[-1]: b for b in blocks if "just" in b}
     assert sorted(commands) == ["demo", "test"], f"Quick start code blocks: {blocks}"
     for command in commands.values():
