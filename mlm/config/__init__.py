@@ -15,6 +15,7 @@ from mlm.config.checks import ensure
 from mlm.config.io import (
     config_from_dict,
     field_docs,
+    flat_keys,
     load_config,
     parse_override,
     to_toml,
@@ -57,6 +58,7 @@ __all__ = [
     "describe_layers",
     "ensure",
     "field_docs",
+    "flat_keys",
     "fsdp_refusals",
     "load_config",
     "parse_override",

@@ -85,6 +85,17 @@ def _build(cls, data: dict, where: str):
     return cls(**kwargs)
 
 
+def flat_keys(d: dict, prefix: str = "") -> dict[str, object]:
+    """A config dict's values by dotted key (`{"train": {"fp8": {"recipe": x}}}` → `{"train.fp8.recipe": x}`)."""
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def parse_override(item: str) -> tuple[list[str], object]:
     """ "train.lr=3e-4" → (["train", "lr"], 3e-4); values are TOML (bare words become strings)."""
     if "=" not in item:

@@ -23,7 +23,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from mlm.config import Config
+from mlm.config import Config, flat_keys
 from mlm.errors import MlmError
 from mlm.train.schedule import lr_at, weight_decay_at
 
@@ -84,16 +84,6 @@ class Change:
         return f"{self.key}: {self.saved!r} in the checkpoint, {self.new!r} here{self.why}"
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _under(key: str, names) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
@@ -118,7 +108,7 @@ def resume_changes(
 ) -> tuple[list[Change], list[Change]]:
     """(the refused changes, the allowed or accepted ones) of a run `cfg` of `total` steps
     resuming at `step` from a checkpoint of the run `saved` of `saved_total` steps."""
-    old, new = _flat(saved.to_dict()), _flat(cfg.to_dict())
+    old, new = flat_keys(saved.to_dict()), flat_keys(cfg.to_dict())
     diffs = [
         Change(k, old.get(k), new.get(k))
         for k in sorted(old.keys() | new.keys())

@@ -9,22 +9,12 @@ import json
 import pytest
 
 from mlm.checkpoint.manager import checkpoint_config
-from mlm.config import config_from_dict, load_config, to_toml
+from mlm.config import config_from_dict, flat_keys, load_config, to_toml
 from mlm.config.legacy import RENAMES, upgrade
 from mlm.errors import MlmError
 from tests.helpers.common import ROOT
 
 FIXTURE = ROOT / "tests" / "data" / "config-2026-11"
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _expected() -> dict[str, object]:
@@ -42,7 +32,7 @@ def test_the_fixture_uses_the_old_keys():
 
 def test_an_old_run_config_loads_with_the_same_values(capsys):
     cfg = load_config(FIXTURE / "config.toml")
-    assert _flat(cfg.to_dict()) == _expected()
+    assert flat_keys(cfg.to_dict()) == _expected()
     assert cfg.model.rope.scaling_factor == 8.0 and cfg.train.fp8.amax_history_len == 16
     assert cfg.train.resilience.straggler_window == 5
     err = capsys.readouterr().err
@@ -53,10 +43,10 @@ def test_an_old_run_config_loads_with_the_same_values(capsys):
 
 def test_an_old_checkpoint_manifest_loads_with_the_same_values():
     manifest = json.loads((FIXTURE / "manifest.json").read_text())
-    assert _flat(config_from_dict(manifest["config"]).to_dict()) == _expected()
+    assert flat_keys(config_from_dict(manifest["config"]).to_dict()) == _expected()
     # as a checkpoint is read (its depth checked against the tensors it lists)
     cfg = checkpoint_config(manifest, FIXTURE)
-    assert _flat(cfg.to_dict()) == _expected()
+    assert flat_keys(cfg.to_dict()) == _expected()
 
 
 def test_an_old_config_resumes_as_itself():
