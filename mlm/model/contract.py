@@ -35,8 +35,9 @@ them by declaring, with no edit to the reader. Class attributes unless said othe
     ops                  constructor arg  the model's `Ops` (`mlm.model.ops`): the one switch of
                                           norms, activations, RoPE and the attention backend
 
-A kind's module is built as `module(cfg, layer, ops)`. What a kind costs, what it needs checked
-and what serving keeps for it are its spec's (`mlm.model.kinds.spec`), not its module's.
+A mixer's or MLP's module is built as `module(cfg, layer, ops)`, a norm's as `module(cfg, size, ops)`.
+What a kind costs, what it needs checked and what serving keeps for it are its spec's
+(`mlm.model.kinds.spec`), not its module's.
 """
 
 from __future__ import annotations

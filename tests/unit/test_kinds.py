@@ -17,7 +17,7 @@ from mlm.presets import PRESETS
 from tests.helpers.common import ROOT
 
 KINDS_HOME = ROOT / "mlm" / "model" / "kinds"
-CONVERTERS = [ROOT / "mlm" / d for d in ("convert", "hf", "export")]
+CONVERTERS = [ROOT / "mlm" / "convert"]
 """Format converters map foreign names to kinds and may name them."""
 
 

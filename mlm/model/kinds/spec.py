@@ -346,7 +346,7 @@ class MLPSpec(KindSpec):
 
 class NormSpec(KindSpec):
     """A norm over the hidden state (or `size` features). Its module is built as
-    `module(cfg, size)` and called as `module(x)`."""
+    `module(cfg, size, ops)` (size None: the hidden size) and called as `module(x)`."""
 
     role = "norm"
 
