@@ -230,29 +230,26 @@ def test_dry_run_refuses_bad_pipelines(sets, message):
 
 
 def test_documented_torchrun_trainings_pass_the_dry_run(monkeypatch, capsys):
-    """Every `torchrun --nproc-per-node N -m cli.main train --config pipelines/…` line in a code block of
+    """Every `torchrun --nproc-per-node N -m cli.main train --config …` line in a shell block of
     README.md and docs/ passes `mlm train --dry-run --world-size N` with its arguments as written (the
-    same checks the trainer runs first), so an example cannot ask for a mesh or schedule mlm refuses."""
+    same checks the trainer runs first), so an example cannot ask for a mesh or schedule mlm refuses.
+    `run.toml` is docs/train.md's copy of pipelines/tiny/train.toml (other output folders only)."""
     import re
-    import shlex
-    from pathlib import Path
 
-    from tests.helpers.common import ROOT, cli
+    from tests.helpers.common import cli
+    from tests.helpers.docs_text import blocks, commands, mlm_argv, reading_order
 
-    command = re.compile(
-        r"^\$?\s*torchrun --nproc-per-node (\d+) -m cli\.main train (--config pipelines/.*)$"
-    )
+    launch = re.compile(r"^torchrun --nproc-per-node (\d+) -m cli\.main train ")
     found = []
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        blocks = re.findall(r"^```[^\n]*\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S)
-        for block in blocks:
-            for line in re.sub(r"\\\n\s*", "", block).splitlines():  # join continued lines
-                if m := command.match(line.split("  #")[0].strip()):
-                    found.append((Path(page).name, int(m.group(1)), shlex.split(m.group(2))))
-    assert any("parallel.vpp=2" in args for _, _, args in found), (
-        found
-    )  # the interleaved example (issue 41's trap 2)
-    for page, n, args in found:
+    for page in reading_order():
+        for block in blocks(page):
+            for line in commands(block) if block.kind else []:
+                if (m := launch.match(line)) and "--config" in (argv := mlm_argv(line)):
+                    args = ["pipelines/tiny/train.toml" if a == "run.toml" else a for a in argv[1:]]
+                    found.append((block.where, int(m.group(1)), args))
+    # the interleaved example (issue 41's second trap)
+    assert any("parallel.vpp=2" in args for _, _, args in found), found
+    for where, n, args in found:
         r = cli(monkeypatch, capsys, "train", "--dry-run", "--world-size", n, *args)
-        assert r.returncode == 0, (page, n, args, r.stderr)
-        assert f"(world {n})" in r.stdout, (page, r.stdout)
+        assert r.returncode == 0, (where, n, args, r.stderr)
+        assert f"(world {n})" in r.stdout, (where, r.stdout)
