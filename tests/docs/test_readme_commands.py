@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -44,19 +43,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import docs_text
 from tests.helpers.common import ROOT
 
-REPO = ROOT
 MARKER = "EXTERNALLY-MANAGED"
 # pip options that switch its PEP 668 check off; a user's shell has none of them.
 UNSET = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PIP_PREFIX", "PIP_TARGET", "PIP_ROOT")
 
 
 def readme_commands() -> dict[str, str]:
-    """The Quick-start commands, keyed by their `just` recipe: {"demo": ..., "test": ...}."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    blocks = [b.strip() for b in re.findall(r"^```sh setup\n(.*?)^```", quick, re.S | re.M)]
+    """The Quick-start commands (the README's `sh setup` blocks), keyed by their `just` recipe:
+    {"demo": ..., "test": ...}."""
+    blocks = [b.text.strip() for b in docs_text.blocks(ROOT / "README.md") if b.kind == "setup"]
     commands = {b.split()[-1]: b for b in blocks if "just" in b}
     assert sorted(commands) == ["demo", "test"], f"Quick start code blocks: {blocks}"
     for command in commands.values():
@@ -66,7 +64,7 @@ def readme_commands() -> dict[str, str]:
 
 
 def test_ci_runs_the_readme_test_command():
-    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert readme_commands()["test"] in ci, ".ci/run must run the README's test command verbatim"
     assert "set -euo pipefail" in ci
 
@@ -138,7 +136,7 @@ def test_readme_commands_under_a_pep668_python(tmp_path):
 
     work = tmp_path / "clone"
     work.mkdir()
-    shutil.copy2(REPO / "Justfile", work / "Justfile")
+    shutil.copy2(ROOT / "Justfile", work / "Justfile")
     expect = {"demo": "pipelines/tiny/run.sh", "test": "-m pytest"}
     for recipe in ("demo", "test"):  # the second runs on the .venv the first made
         *setup, last = commands[recipe].split(" && ")
